@@ -1,0 +1,13 @@
+"""Eight virtual CPU devices for every test, set before JAX starts, and a persistent compile cache."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+_cache = os.environ.get("ZEROJAX_TEST_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache", "jax"))
+jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

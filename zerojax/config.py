@@ -1,0 +1,1009 @@
+"""DeepSpeed-compatible configuration as frozen dataclasses.
+
+The schema *is* the documentation: every option carries its default and a short doc string in the
+dataclass field metadata, `docs/config.md` is generated from it, and the loader walks it to reject
+unknown keys ("did you mean ..."), wrong types and impossible values with the dotted key path.
+DeepSpeed's own keys keep DeepSpeed's code defaults; zerojax adds `mesh`, `model`, `data`, `run`,
+`checkpoint`, `distributed` and `kernels`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from zerojax.errors import ConfigError
+
+__all__ = ["Config", "ConfigError", "BatchSize", "load_config", "resolve_batch", "unsupported_features"]
+
+_MISSING = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, doc: str = "", *, choices: Sequence[Any] | None = None,
+           ge: float | None = None, gt: float | None = None, le: float | None = None,
+           aliases: Sequence[str] = (), int_bool: bool = False, factory: Any = None) -> Any:
+    """A schema field: default, doc string and the checks the loader applies."""
+    meta = dict(doc=doc, choices=tuple(choices) if choices else None, ge=ge, gt=gt, le=le,
+                aliases=tuple(aliases), int_bool=int_bool)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type) -> Any:
+    return field(default_factory=cls, metadata=dict(doc=(cls.__doc__ or "").strip().splitlines()[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizers (DeepSpeed "optimizer": {"type", "params"}); one params class per type.
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Adam / AdamW (DeepSpeed FusedAdam; `torch_adam` selects torch's implementation)."""
+    lr: float = option(1e-3, "Learning rate; the peak value of any schedule.", ge=0)
+    betas: tuple[float, float] = option((0.9, 0.999), "Exponential decay rates (beta1, beta2).")
+    eps: float = option(1e-8, "Added to the denominator.", gt=0)
+    weight_decay: Optional[float] = option(
+        None, "Default 0.0 (DeepSpeed FusedAdam); 0.01 with torch_adam (torch.optim.AdamW).", ge=0)
+    adam_w_mode: bool = option(True, "True: decoupled weight decay (AdamW). False: L2 added to the "
+                                     "gradient (classic Adam). Accepts 0/1.", int_bool=True)
+    torch_adam: bool = option(False, "Implementation selector; changes only the weight_decay default.",
+                              int_bool=True)
+    fused: Optional[bool] = option(None, "Implementation selector; XLA fuses the update either way.",
+                                   int_bool=True)
+    bias_correction: bool = option(True, "Apply Adam's bias correction.", int_bool=True)
+    amsgrad: bool = option(False, "Not supported (DeepSpeed's fused kernels reject it too).")
+
+
+@dataclass(frozen=True)
+class LambParams:
+    """LAMB (DeepSpeed FusedLamb): Adam direction scaled by a clamped trust ratio."""
+    lr: float = option(1e-3, "Learning rate.", ge=0)
+    betas: tuple[float, float] = option((0.9, 0.999), "Exponential decay rates (beta1, beta2).")
+    eps: float = option(1e-8, "Added to the denominator.", gt=0)
+    weight_decay: float = option(0.0, "Decoupled weight decay inside the trust-ratio update.", ge=0)
+    bias_correction: bool = option(True, "Apply Adam's bias correction.", int_bool=True)
+    max_coeff: float = option(10.0, "Upper clamp of the trust ratio.", gt=0)
+    min_coeff: float = option(0.01, "Lower clamp of the trust ratio.", ge=0)
+    max_grad_norm: float = option(0.0, "Must be 0 (DeepSpeed rejects it too); use gradient_clipping.", ge=0)
+
+
+@dataclass(frozen=True)
+class AdagradParams:
+    """Adagrad (DeepSpeed CPU Adagrad / torch.optim.Adagrad semantics)."""
+    lr: float = option(1e-2, "Learning rate.", ge=0)
+    eps: float = option(1e-10, "Added to the denominator.", gt=0)
+    weight_decay: float = option(0.0, "L2 penalty added to the gradient.", ge=0)
+    initial_accumulator_value: float = option(0.0, "Starting value of the squared-gradient sum.", ge=0)
+
+
+@dataclass(frozen=True)
+class LionParams:
+    """Lion (DeepSpeed FusedLion)."""
+    lr: float = option(1e-4, "Learning rate.", ge=0)
+    betas: tuple[float, float] = option((0.9, 0.99), "Interpolation (beta1) and momentum (beta2) rates.")
+    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0)
+
+
+@dataclass(frozen=True)
+class SGDParams:
+    """SGD with momentum (torch.optim.SGD semantics)."""
+    lr: float = option(1e-3, "Learning rate.", ge=0)
+    momentum: float = option(0.0, "Momentum factor.", ge=0)
+    dampening: float = option(0.0, "Dampening for momentum.", ge=0)
+    weight_decay: float = option(0.0, "L2 penalty added to the gradient.", ge=0)
+    nesterov: bool = option(False, "Nesterov momentum.", int_bool=True)
+
+
+OPTIMIZER_PARAMS: dict[str, type] = {
+    "adam": AdamParams, "adamw": AdamParams, "lamb": LambParams, "adagrad": AdagradParams,
+    "lion": LionParams, "sgd": SGDParams,
+}
+# DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS; anything else needs zero_allow_untested_optimizer.
+ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "adagrad", "lion"})
+ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer: {"type": ..., "params": {...}} as in DeepSpeed."""
+    type: str = option("adam", "One of " + ", ".join(sorted(OPTIMIZER_PARAMS)) + " (case-insensitive).")
+    params: Any = option(factory=AdamParams, doc="Keys depend on type; see the tables below.")
+
+
+# ---------------------------------------------------------------------------------------------
+# LR schedulers (DeepSpeed "scheduler": {"type", "params"}).
+
+_WARMUP_TYPES = ("log", "linear")
+
+
+@dataclass(frozen=True)
+class WarmupLRParams:
+    """WarmupLR: warm up from warmup_min_lr to warmup_max_lr, then hold."""
+    warmup_min_lr: float = option(0.0, "Learning rate at the start of warmup.", ge=0)
+    warmup_max_lr: Optional[float] = option(
+        None, "Learning rate after warmup (default: optimizer lr; 0.001 for WarmupDecayLR, as in DeepSpeed).",
+        ge=0)
+    warmup_num_steps: int = option(1000, "Warmup length in optimizer steps (clamped to >= 2).", gt=0)
+    warmup_type: str = option("log", "Warmup curve.", choices=_WARMUP_TYPES)
+    last_batch_iteration: int = option(-1, "Position to start from (-1: a new run).", ge=-1)
+
+
+@dataclass(frozen=True)
+class WarmupDecayLRParams(WarmupLRParams):
+    """WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
+    total_num_steps: Optional[int] = option(None, "Required: step at which the lr reaches 0.", gt=0)
+
+
+@dataclass(frozen=True)
+class WarmupCosineLRParams:
+    """WarmupCosineLR: ratios of the optimizer lr; warmup then cosine decay."""
+    total_num_steps: Optional[int] = option(None, "Required: length of the whole schedule.", gt=0)
+    warmup_min_ratio: float = option(0.0, "lr ratio at the start of warmup.", ge=0)
+    warmup_num_steps: int = option(1000, "Warmup length in optimizer steps (clamped to >= 2).", gt=0)
+    cos_min_ratio: float = option(1e-4, "lr ratio at the end of the cosine.", ge=0)
+    warmup_type: str = option("log", "Warmup curve.", choices=_WARMUP_TYPES)
+    last_batch_iteration: int = option(-1, "Position to start from (-1: a new run).", ge=-1)
+
+
+@dataclass(frozen=True)
+class OneCycleParams:
+    """OneCycle: triangular lr (and momentum) cycle, then decay."""
+    cycle_min_lr: Optional[float] = option(None, "Required: lr at the cycle's ends.", ge=0)
+    cycle_max_lr: Optional[float] = option(None, "Required: lr at the cycle's peak.", ge=0)
+    decay_lr_rate: float = option(0.0, "lr decay rate after the cycle.", ge=0)
+    cycle_first_step_size: int = option(2000, "Steps in the rising half.", gt=0)
+    cycle_second_step_size: Optional[int] = option(None, "Steps in the falling half (default: first).", gt=0)
+    cycle_first_stair_count: int = option(0, "Stairs in the rising half (0: smooth).", ge=0)
+    cycle_second_stair_count: Optional[int] = option(None, "Stairs in the falling half.", ge=0)
+    decay_step_size: int = option(0, "Steps per decay interval after the cycle.", ge=0)
+    cycle_momentum: bool = option(True, "Cycle beta1 between cycle_max_mom and cycle_min_mom.")
+    cycle_min_mom: float = option(0.8, "beta1 at the cycle's peak lr.", ge=0, le=1)
+    cycle_max_mom: float = option(0.9, "beta1 at the cycle's ends.", ge=0, le=1)
+    decay_mom_rate: float = option(0.0, "Momentum decay rate after the cycle.", ge=0)
+    last_batch_iteration: int = option(-1, "Position to start from (-1: a new run).", ge=-1)
+
+
+@dataclass(frozen=True)
+class LRRangeTestParams:
+    """LRRangeTest: lr grows from lr_range_test_min_lr, to find a good lr."""
+    lr_range_test_min_lr: float = option(1e-3, "Starting lr.", ge=0)
+    lr_range_test_step_size: int = option(2000, "Steps per interval.", gt=0)
+    lr_range_test_step_rate: float = option(1.0, "Growth per interval.", ge=0)
+    lr_range_test_staircase: bool = option(False, "Grow in stairs instead of continuously.")
+    last_batch_iteration: int = option(-1, "Position to start from (-1: a new run).", ge=-1)
+
+
+SCHEDULER_PARAMS: dict[str, type] = {
+    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams, "LRRangeTest": LRRangeTestParams,
+}
+_REQUIRED_SCHEDULER_PARAMS = {
+    "WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """LR scheduler: {"type": ..., "params": {...}}; stepped once per applied optimizer step."""
+    type: str = option("WarmupLR", "One of " + ", ".join(SCHEDULER_PARAMS) + ".")
+    params: Any = option(factory=WarmupLRParams, doc="Keys depend on type; see the tables below.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision, ZeRO, monitors.
+
+@dataclass(frozen=True)
+class FP16Config:
+    """fp16 mixed precision with DeepSpeed's dynamic loss scaler."""
+    enabled: bool = option(False, "Train with fp16 compute and fp32 master weights.")
+    auto_cast: bool = option(False, "Cast inputs to fp16 (accepted; the model decides its dtypes).")
+    loss_scale: float = option(0.0, "0: dynamic loss scaling; > 0: this static scale.", ge=0)
+    initial_scale_power: int = option(16, "Dynamic scaling starts at 2**initial_scale_power.", ge=0)
+    loss_scale_window: int = option(1000, "Clean steps before the scale doubles.", gt=0)
+    hysteresis: int = option(2, "Overflows tolerated before the scale halves.", gt=0)
+    consecutive_hysteresis: bool = option(False, "Refill hysteresis on every clean step.")
+    min_loss_scale: float = option(1.0, "Smallest scale; an overflow there is an error.", gt=0)
+    fp16_master_weights_and_grads: bool = option(False, "Not supported: master weights stay fp32.")
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """bf16 mixed precision: bf16 params and compute, fp32 master weights and optimizer state."""
+    enabled: bool = option(False, "Train with bf16 compute and fp32 master weights.")
+    check_grad_overflow: bool = option(False, "Skip steps whose gradients are not finite.")
+    immediate_grad_update: bool = option(True, "Accepted; gradients are always applied at the boundary.")
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """Where the fp32 master weights and optimizer state live between steps."""
+    device: str = option("none", "none | cpu | nvme.", choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = option(None, "For device nvme (not supported).")
+    pin_memory: bool = option(True, "Use pinned host memory.")
+    buffer_count: int = option(4, "NVMe buffers (accepted, unused).", gt=0)
+    fast_init: bool = option(False, "Accepted, unused.")
+    ratio: float = option(1.0, "Fraction of the optimizer step run on the host.", ge=0, le=1)
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """Where stage-3 parameters live between uses."""
+    device: str = option("none", "none | cpu | nvme.", choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = option(None, "For device nvme (not supported).")
+    pin_memory: bool = option(True, "Use pinned host memory.")
+    buffer_count: int = option(5, "NVMe buffers (accepted, unused).", gt=0)
+    buffer_size: int = option(100_000_000, "NVMe buffer size (accepted, unused).", gt=0)
+    max_in_cpu: int = option(1_000_000_000, "Accepted, unused.", ge=0)
+
+
+_BUCKET_DOC = "Accepted for compatibility; XLA schedules collectives itself, so buckets have no effect."
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO: which of optimizer state, gradients and parameters are partitioned over `data`."""
+    stage: int = option(0, "0: replicate all; 1: partition optimizer state; 2: + gradients; "
+                           "3: + parameters.", choices=(0, 1, 2, 3))
+    contiguous_gradients: bool = option(True, _BUCKET_DOC)
+    reduce_scatter: bool = option(True, "Reduce gradients with reduce-scatter (always, for stages 2-3).")
+    reduce_bucket_size: int = option(500_000_000, _BUCKET_DOC, gt=0)
+    allgather_partitions: bool = option(True, _BUCKET_DOC)
+    allgather_bucket_size: int = option(500_000_000, _BUCKET_DOC, gt=0)
+    overlap_comm: Optional[bool] = option(None, "Default: true for stage 3. XLA overlaps on its own.")
+    load_from_fp32_weights: bool = option(True, "Restore master weights from the fp32 copy.")
+    elastic_checkpoint: bool = option(False, "Accepted; every checkpoint restores onto any mesh.")
+    offload_optimizer: OffloadOptimizerConfig = section(OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = section(OffloadParamConfig)
+    cpu_offload: Optional[bool] = option(None, "Deprecated: true means offload_optimizer.device=cpu.")
+    sub_group_size: int = option(1_000_000_000, _BUCKET_DOC, gt=0)
+    stage3_param_persistence_threshold: int = option(
+        100_000, "Stage 3: parameters with fewer elements stay replicated.", ge=0)
+    stage3_prefetch_bucket_size: int = option(50_000_000, _BUCKET_DOC, ge=0)
+    stage3_max_live_parameters: int = option(1_000_000_000, _BUCKET_DOC, ge=0)
+    stage3_max_reuse_distance: int = option(1_000_000_000, _BUCKET_DOC, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = option(
+        False, "Accepted; saved parameters are always whole.",
+        aliases=("stage3_gather_fp16_weights_on_model_save",))
+    round_robin_gradients: bool = option(False, _BUCKET_DOC)
+    ignore_unused_parameters: bool = option(True, "Unused parameters get zero gradients.")
+    zero_hpz_partition_size: int = option(1, "ZeRO++ hierarchical partitioning (only 1 supported).", gt=0)
+    zero_quantized_weights: bool = option(False, "ZeRO++ quantized weights (not supported).")
+    zero_quantized_gradients: bool = option(False, "ZeRO++ quantized gradients (not supported).")
+    mics_shard_size: int = option(-1, "MiCS (not supported; -1 disables).")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """Activation checkpointing (rematerialization); the embedded GPT follows `model.remat`."""
+    partition_activations: bool = option(False, "Accepted; XLA places saved activations.")
+    cpu_checkpointing: bool = option(False, "Accepted, unused.")
+    contiguous_memory_optimization: bool = option(False, "Accepted, unused.")
+    number_checkpoints: Optional[int] = option(None, "Accepted, unused.")
+    synchronize_checkpoint_boundary: bool = option(False, "Accepted, unused.")
+    profile: bool = option(False, "Accepted, unused.")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """A metrics writer (TensorBoard or CSV)."""
+    enabled: bool = option(False, "Write Train/Samples/* events.")
+    output_path: str = option("", "Directory (default: the run's output_dir).")
+    job_name: str = option("DeepSpeedJobName", "Sub-directory per job.")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (accepted; needs the wandb package and a network)."""
+    enabled: bool = option(False, "Log to wandb.")
+    group: Optional[str] = option(None, "wandb group.")
+    team: Optional[str] = option(None, "wandb entity.")
+    project: str = option("deepspeed", "wandb project.")
+
+
+@dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """FLOPs profiler: FLOPs from the compiled step, latency and TFLOPS."""
+    enabled: bool = option(False, "Print the profile once at profile_step.")
+    recompute_fwd_factor: float = option(0.0, "Accepted, unused.")
+    profile_step: int = option(1, "Step at which to profile.", ge=1)
+    module_depth: int = option(-1, "Accepted, unused.")
+    top_modules: int = option(1, "Accepted, unused.")
+    detailed: bool = option(True, "Accepted, unused.")
+    output_file: Optional[str] = option(None, "Write the profile here instead of stdout.")
+
+
+@dataclass(frozen=True)
+class CommsLoggerConfig:
+    """DeepSpeed's communication logger (accepted; see the benchmark for collective bytes)."""
+    enabled: bool = option(False, "Accepted, unused.")
+    verbose: bool = option(False, "Accepted, unused.")
+    prof_all: bool = option(True, "Accepted, unused.")
+    debug: bool = option(False, "Accepted, unused.")
+
+
+@dataclass(frozen=True)
+class DataTypesConfig:
+    """Data types of intermediate buffers."""
+    grad_accum_dtype: Optional[str] = option(
+        None, "Gradient accumulator dtype (default: the parameters' compute dtype).",
+        choices=("fp32", "fp16", "bf16"))
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """DeepSpeed's pipeline section; the stage count comes from mesh.stage."""
+    stages: str = option("auto", "Accepted; set mesh.stage instead.")
+    partition: str = option("best", "Accepted; see PipelineModule.partition_method.")
+    seed_layers: bool = option(False, "Accepted, unused.")
+    activation_checkpoint_interval: int = option(0, "Layers per checkpointed segment.", ge=0)
+    pipe_partitioned: bool = option(True, "Accepted, unused.")
+    grad_partitioned: bool = option(True, "Accepted, unused.")
+    schedule: str = option("1f1b", "Micro-batch schedule.", choices=("1f1b", "gpipe"))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing: DeepSpeed's keys plus retention and async saving."""
+    tag_validation: str = option("Warn", "Ignore | Warn | Fail.", choices=("Ignore", "Warn", "Fail"))
+    load_universal: bool = option(False, "Accepted; every checkpoint is universal.")
+    use_node_local_storage: bool = option(False, "Accepted, unused.")
+    async_save: bool = option(True, "Write checkpoints in the background.")
+    max_to_keep: Optional[int] = option(None, "Keep at most this many checkpoints (None: all).", gt=0)
+    keep_every_n_steps: Optional[int] = option(None, "Also keep every checkpoint at a multiple of this step.",
+                                               gt=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# zerojax's own sections.
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: a `data` axis (ZeRO shards over it) and a `stage` axis (pipeline)."""
+    data: Optional[int] = option(None, "Data-parallel size (default: all devices / stage).", gt=0)
+    stage: int = option(1, "Pipeline stages.", gt=0)
+    cpu_devices: Optional[int] = option(8, "On a CPU-only machine, this many virtual devices "
+                                           "(set before JAX starts; null leaves JAX's default).", gt=0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The embedded byte-level GPT (used by train.py)."""
+    name: str = option("gpt", "Model family.", choices=("gpt",))
+    vocab_size: int = option(256, "Vocabulary (256: bytes).", gt=0)
+    seq_len: int = option(128, "Context length in tokens.", gt=0)
+    d_model: int = option(128, "Width.", gt=0)
+    n_layers: int = option(4, "Transformer blocks (stacked and scanned).", gt=0)
+    n_heads: int = option(4, "Attention heads; must divide d_model.", gt=0)
+    d_ff: Optional[int] = option(None, "MLP width (default: 4 * d_model).", gt=0)
+    remat: bool = option(True, "Rematerialize each block in the backward pass.")
+    init_std: float = option(0.02, "Std of the normal initializer.", gt=0)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training text: bytes of Python's standard library source, or a file."""
+    source: str = option("stdlib", "stdlib | file.", choices=("stdlib", "file"))
+    path: Optional[str] = option(None, "Text file for source=file.")
+    max_bytes: int = option(4_000_000, "Read at most this many bytes of corpus.", gt=0)
+    val_fraction: float = option(0.05, "Fraction held out for validation.", gt=0, le=0.5)
+    seed: int = option(0, "Seed of the batch order.")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The training job run by train.py."""
+    steps: int = option(200, "Optimizer steps to run.", gt=0)
+    output_dir: str = option("runs/zerojax", "Where metrics.jsonl and config.json are written.")
+    seed: int = option(0, "Seed of the parameter initialization.")
+    eval_batches: int = option(4, "Validation batches evaluated at the end.", ge=0)
+    progress: bool = option(True, "Show a progress bar.")
+    log_every: Optional[int] = option(None, "Steps between metrics lines (default: steps_per_print).", gt=0)
+    checkpoint_dir: Optional[str] = option(None, "Save checkpoints here (not supported yet).")
+    save_every: Optional[int] = option(None, "Steps between checkpoints.", gt=0)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process start-up through jax.distributed (not supported yet)."""
+    coordinator_address: Optional[str] = option(None, "host:port of process 0.")
+    num_processes: Optional[int] = option(None, "Number of processes.", gt=0)
+    process_id: Optional[int] = option(None, "This process's id.", ge=0)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A resolved zerojax / DeepSpeed configuration."""
+    train_batch_size: Optional[int] = option(None, "Global batch = micro * accumulation * data-parallel size.",
+                                             gt=0)
+    train_micro_batch_size_per_gpu: Optional[int] = option(None, "Rows per data shard per micro-step.", gt=0)
+    gradient_accumulation_steps: Optional[int] = option(None, "Micro-steps per optimizer step.", gt=0)
+    optimizer: OptimizerConfig = section(OptimizerConfig)
+    scheduler: Optional[SchedulerConfig] = option(None, "No scheduler: constant optimizer lr.")
+    gradient_clipping: float = option(1.0, "Clip the global L2 gradient norm to this (0 disables).", ge=0)
+    fp16: FP16Config = section(FP16Config)
+    bf16: BF16Config = option(factory=BF16Config, doc="bf16 mixed precision.", aliases=("bfloat16",))
+    zero_optimization: ZeroConfig = section(ZeroConfig)
+    zero_allow_untested_optimizer: bool = option(False, "Allow optimizers outside DeepSpeed's ZeRO list.")
+    zero_force_ds_cpu_optimizer: bool = option(True, "Accepted; the offload path has one optimizer.")
+    activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
+    data_types: DataTypesConfig = section(DataTypesConfig)
+    communication_data_type: Optional[str] = option(
+        None, "dtype of gradient collectives (default: the gradient dtype).", choices=("fp32", "fp16", "bf16"))
+    prescale_gradients: bool = option(False, "Accepted; gradients are averaged exactly either way.")
+    gradient_predivide_factor: float = option(1.0, "Accepted; gradients are averaged exactly either way.", gt=0)
+    steps_per_print: int = option(10, "Print a metrics line every this many steps.", gt=0)
+    wall_clock_breakdown: bool = option(False, "Time data, step and logging separately.")
+    dump_state: bool = option(False, "Print the resolved config at start.")
+    tensorboard: MonitorConfig = section(MonitorConfig)
+    csv_monitor: MonitorConfig = section(MonitorConfig)
+    wandb: WandbConfig = section(WandbConfig)
+    flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig)
+    comms_logger: CommsLoggerConfig = section(CommsLoggerConfig)
+    pipeline: PipelineConfig = section(PipelineConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+    kernels: str = option("auto", "auto (Pallas on GPU, XLA elsewhere) | pallas | xla.",
+                          choices=("auto", "pallas", "xla"))
+    mesh: MeshConfig = section(MeshConfig)
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    run: RunConfig = section(RunConfig)
+    distributed: DistributedConfig = section(DistributedConfig)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False,
+                                       metadata=dict(internal=True))
+
+    # -- derived views ------------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> str:
+        return "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
+
+    def batch(self, dp_size: int) -> "BatchSize":
+        return resolve_batch(self, dp_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every resolved value as plain JSON-able data (what `config.json` holds)."""
+        return _to_plain(self)
+
+    def explain(self, dp_size: int | None = None) -> str:
+        """Every resolved value and where it came from (file, override, default, derived)."""
+        rows = list(_flatten(self.to_dict()))
+        if dp_size is not None:
+            b = self.batch(dp_size)
+            extra = {"train_batch_size": b.train_batch_size,
+                     "train_micro_batch_size_per_gpu": b.micro_batch_size,
+                     "gradient_accumulation_steps": b.gradient_accumulation_steps}
+            rows = [(k, extra.get(k, v)) for k, v in rows]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{'key'.ljust(width)}  {'value':<24} source"]
+        for key, value in rows:
+            src = self.sources.get(key, "default")
+            if dp_size is not None and key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                               "gradient_accumulation_steps") and src == "default":
+                src = f"derived (data-parallel size {dp_size})"
+            lines.append(f"{key.ljust(width)}  {json.dumps(value):<24} {src}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch triad.
+
+class BatchSize(typing.NamedTuple):
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+def resolve_batch(config: Config, dp_size: int) -> BatchSize:
+    """DeepSpeed's triad: train_batch_size = micro * accumulation * dp_size; derive the missing one."""
+    tb, mb, gas = (config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                   config.gradient_accumulation_steps)
+    n = dp_size
+
+    def exact(total: int, div: int, what: str, formula: str) -> int:
+        if total % div:
+            raise ConfigError(
+                f"{what}: {formula} = {total} / {div} is not a whole number; choose train_batch_size "
+                f"as a multiple of {div}")
+        return total // div
+
+    if tb and mb and gas:
+        if tb != mb * gas * n:
+            raise ConfigError(
+                f"train_batch_size: {tb} != train_micro_batch_size_per_gpu * gradient_accumulation_steps "
+                f"* data-parallel size = {mb} * {gas} * {n} = {mb * gas * n}; fix one of the three or "
+                f"leave one out to have it derived")
+    elif tb and mb:
+        gas = exact(tb, mb * n, "gradient_accumulation_steps",
+                    f"train_batch_size / (micro {mb} * dp {n})")
+    elif tb and gas:
+        mb = exact(tb, gas * n, "train_micro_batch_size_per_gpu",
+                   f"train_batch_size / (accumulation {gas} * dp {n})")
+    elif mb and gas:
+        tb = mb * gas * n
+    elif tb:
+        gas = 1
+        mb = exact(tb, n, "train_micro_batch_size_per_gpu", f"train_batch_size / dp {n}")
+    elif mb:
+        gas, tb = 1, mb * n
+    else:
+        raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu "
+                          "(gradient_accumulation_steps alone cannot fix the batch)")
+    return BatchSize(tb, mb, gas)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading.
+
+def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
+                overrides: Sequence[str] = ()) -> Config:
+    """Load a config from a dict, a JSON/hjson/YAML file, or pass a Config through.
+
+    `overrides` are `dotted.key=value` strings (value parsed as YAML) applied on top, as the CLI's
+    `--set` does. Everything is checked here; nothing touches JAX devices.
+    """
+    if isinstance(src, Config):
+        if not overrides:
+            return src
+        raw = src.to_dict()
+    elif isinstance(src, Mapping):
+        raw = _deepcopy(src)
+    elif isinstance(src, (str, os.PathLike)):
+        raw = read_config_file(Path(src))
+    else:
+        raise ConfigError(f"config: expected a dict, a file path or a Config, got {type(src).__name__}")
+    origin = {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+        origin[key] = "override"
+    sources: dict[str, str] = {}
+    config = _build(Config, raw, "", sources, origin)
+    config = _derive(config, sources)
+    _check(config)
+    return dataclasses.replace(config, sources=sources)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path}: not found (give a path to a .json, .hjson or .yaml file)")
+    text = path.read_text()
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            data = _load_yaml(text)
+        elif suffix == ".hjson":
+            data = _load_hjson(text)
+        else:
+            try:
+                data = json.loads(text, object_pairs_hook=_no_duplicates)
+            except json.JSONDecodeError:
+                data = _load_hjson(text)  # DeepSpeed configs often carry comments / trailing commas
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    except Exception as e:  # parser errors carry line/column
+        raise ConfigError(f"config file {path}: cannot parse: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of keys, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigError(f"duplicate key '{k}': keep one of them")
+        out[k] = v
+    return out
+
+
+def _load_hjson(text: str) -> Any:
+    import hjson
+    return hjson.loads(text, object_pairs_hook=_no_duplicates)
+
+
+def _load_yaml(text: str) -> Any:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader: Any, node: Any, deep: bool = False) -> dict:
+        loader.flatten_mapping(node)
+        pairs = [(loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep))
+                 for k, v in node.value]
+        return _no_duplicates(pairs)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return yaml.load(text, Loader=Loader)
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    import yaml
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': write it as key.path=value, e.g. zero_optimization.stage=2")
+    key, _, value = item.partition("=")
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{item}': the key before '=' is empty")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return key, parsed
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: '{'.'.join(parts[:i + 1])}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _deepcopy(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {k: _deepcopy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_deepcopy(v) for v in obj]
+    return obj
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _did_you_mean(key: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not close:
+        lowered = {v.lower(): v for v in valid}
+        close = [lowered[key.lower()]] if key.lower() in lowered else []
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def schema_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Mapping[str, str]) -> Any:
+    where = prefix or "config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a section (mapping of keys), got {json.dumps(raw)}")
+    fields = {f.name: f for f in schema_fields(cls)}
+    alias_of = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
+    given: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}: key {key!r} must be a string")
+        name = alias_of.get(key, key)
+        if name not in fields:
+            hint = _did_you_mean(key, list(fields) + list(alias_of))
+            if prefix == "optimizer.params" or prefix == "scheduler.params":
+                hint += f" ({cls.__doc__.splitlines()[0]})"
+            raise ConfigError(f"unknown key '{_join(prefix, key)}'{hint}")
+        if name in given:
+            raise ConfigError(f"{_join(prefix, key)}: given twice (also as an alias); keep one")
+        given[name] = value
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        path = _join(prefix, name)
+        if cls is Config and name in ("optimizer", "scheduler"):
+            if name in given and given[name] is not None:
+                kwargs[name] = _build_typed(name, given[name], sources, origin)
+            continue
+        tp = hints[name]
+        nested = _dataclass_of(tp)
+        if nested is not None:
+            kwargs[name] = _build(nested, given.get(name), path, sources, origin)
+            continue
+        if name not in given:
+            continue
+        value = given[name]
+        if value == "auto":
+            if f.default is _MISSING and f.default_factory is _MISSING:  # pragma: no cover
+                raise ConfigError(f"{path}: 'auto' cannot be resolved here; write a value")
+            sources[path] = "derived ('auto')"
+            continue
+        kwargs[name] = _coerce(value, tp, path, f.metadata)
+        sources[path] = origin.get(path, "file")
+    return cls(**kwargs)
+
+
+def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[str, str]) -> Any:
+    """optimizer / scheduler: the params schema depends on `type`."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{name}: expected {{\"type\": ..., \"params\": {{...}}}}, got {json.dumps(raw)}")
+    extra = set(raw) - {"type", "params"}
+    if extra:
+        key = sorted(extra)[0]
+        raise ConfigError(f"unknown key '{name}.{key}'{_did_you_mean(key, ['type', 'params'])}")
+    if "type" not in raw or not isinstance(raw["type"], str):
+        example = "AdamW" if name == "optimizer" else "WarmupLR"
+        raise ConfigError(f'{name}.type: required, a string such as "{example}"')
+    given_type = raw["type"]
+    params = raw.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{name}.params: expected a mapping of keys, got {json.dumps(params)}")
+    for key, value in params.items():
+        if value == "auto":
+            raise ConfigError(f"{name}.params.{key}: 'auto' is a Hugging Face Trainer placeholder and "
+                              f"there is no Trainer to fill it in; write the number")
+    if name == "optimizer":
+        canon = given_type.lower()
+        if canon in ONE_BIT_OPTIMIZERS:
+            raise ConfigError(f"optimizer.type: {given_type} (1-bit communication compression) is out of "
+                              f"scope for zerojax; use Adam or Lamb")
+        if canon not in OPTIMIZER_PARAMS:
+            raise ConfigError(f"optimizer.type: unknown optimizer '{given_type}'"
+                              f"{_did_you_mean(canon, list(OPTIMIZER_PARAMS))}")
+        params_cls = OPTIMIZER_PARAMS[canon]
+        built = _build(params_cls, params, "optimizer.params", sources, origin)
+        sources["optimizer.type"] = origin.get("optimizer.type", "file")
+        return OptimizerConfig(type=canon, params=built)
+    canon_map = {k.lower(): k for k in SCHEDULER_PARAMS}
+    canon = canon_map.get(given_type.lower())
+    if canon is None:
+        raise ConfigError(f"scheduler.type: unknown scheduler '{given_type}'"
+                          f"{_did_you_mean(given_type, list(SCHEDULER_PARAMS))}")
+    built = _build(SCHEDULER_PARAMS[canon], params, "scheduler.params", sources, origin)
+    for req in _REQUIRED_SCHEDULER_PARAMS.get(canon, ()):
+        if getattr(built, req) is None:
+            raise ConfigError(f"scheduler.params.{req}: required by {canon}; add it")
+    sources["scheduler.type"] = origin.get("scheduler.type", "file")
+    return SchedulerConfig(type=canon, params=built)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp):
+        return tp
+    return None
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is tuple:
+        return "a list of " + str(len(typing.get_args(tp))) + " numbers"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _coerce(value, inner, path, meta)
+
+    def bad() -> ConfigError:
+        return ConfigError(f"{path}: expected {_type_name(tp)}, got {json.dumps(value)}")
+
+    if tp is bool:
+        if isinstance(value, bool):
+            out: Any = value
+        elif meta.get("int_bool") and isinstance(value, int) and value in (0, 1):
+            out = bool(value)
+        else:
+            raise bad()
+    elif tp is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            raise bad()
+        out = value
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad()
+        out = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise bad()
+        out = value
+    elif origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad()
+        out = tuple(_coerce(v, a, f"{path}[{i}]", {}) for i, (v, a) in enumerate(zip(value, args)))
+    else:  # pragma: no cover - schema types are the ones above
+        out = value
+    choices = meta.get("choices")
+    if choices:
+        if isinstance(out, str):
+            match = {str(c).lower(): c for c in choices}.get(out.lower())
+            if match is None:
+                raise ConfigError(f"{path}: '{out}' is not one of {', '.join(map(str, choices))}")
+            out = match
+        elif out not in choices:
+            raise ConfigError(f"{path}: {json.dumps(out)} is not one of {', '.join(map(str, choices))}")
+    for bound, ok, word in (("ge", lambda x, b: x >= b, ">="), ("gt", lambda x, b: x > b, ">"),
+                            ("le", lambda x, b: x <= b, "<=")):
+        b = meta.get(bound)
+        if b is not None and isinstance(out, (int, float)) and not ok(out, b):
+            raise ConfigError(f"{path}: {json.dumps(out)} must be {word} {b}")
+    return out
+
+
+def _derive(config: Config, sources: dict[str, str]) -> Config:
+    """Fill values DeepSpeed derives from other keys, and mark them 'derived'."""
+    opt = config.optimizer
+    if isinstance(opt.params, AdamParams) and opt.params.weight_decay is None:
+        torch_adamw = opt.params.torch_adam and (opt.type == "adamw" or opt.params.adam_w_mode)
+        wd = 0.01 if torch_adamw else 0.0
+        why = ("torch_adam: torch.optim.AdamW default" if torch_adamw else
+               "torch_adam: torch.optim.Adam default" if opt.params.torch_adam else "FusedAdam default")
+        opt = dataclasses.replace(opt, params=dataclasses.replace(opt.params, weight_decay=wd))
+        sources["optimizer.params.weight_decay"] = f"derived ({why})"
+    if opt.type == "adamw" and isinstance(opt.params, AdamParams):
+        if sources.get("optimizer.params.adam_w_mode") and not opt.params.adam_w_mode:
+            raise ConfigError("optimizer.params.adam_w_mode: false contradicts type AdamW; "
+                              "use type Adam for L2-style weight decay")
+    config = dataclasses.replace(config, optimizer=opt)
+
+    sched = config.scheduler
+    if sched is not None:
+        p = sched.params
+        if type(p) is WarmupLRParams and p.warmup_max_lr is None:  # WarmupDecayLR keeps 0.001
+            p = dataclasses.replace(p, warmup_max_lr=config.optimizer.params.lr)
+            sources["scheduler.params.warmup_max_lr"] = "derived (optimizer.params.lr)"
+        if isinstance(p, OneCycleParams):
+            if p.cycle_second_step_size is None:
+                p = dataclasses.replace(p, cycle_second_step_size=p.cycle_first_step_size)
+                sources["scheduler.params.cycle_second_step_size"] = "derived (cycle_first_step_size)"
+            if p.cycle_second_stair_count is None:
+                p = dataclasses.replace(p, cycle_second_stair_count=p.cycle_first_stair_count)
+                sources["scheduler.params.cycle_second_stair_count"] = "derived (cycle_first_stair_count)"
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(sched, params=p))
+
+    zero = config.zero_optimization
+    if zero.overlap_comm is None:
+        zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
+        sources["zero_optimization.overlap_comm"] = "derived (true for stage 3)"
+    if zero.cpu_offload:
+        if zero.offload_optimizer.device not in ("none", "cpu"):
+            raise ConfigError("zero_optimization.cpu_offload: true contradicts offload_optimizer.device="
+                              f"{zero.offload_optimizer.device}; keep only offload_optimizer")
+        zero = dataclasses.replace(zero, offload_optimizer=dataclasses.replace(zero.offload_optimizer,
+                                                                               device="cpu"))
+        sources["zero_optimization.offload_optimizer.device"] = "derived (cpu_offload: true)"
+    config = dataclasses.replace(config, zero_optimization=zero)
+
+    if config.model.d_ff is None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                       d_ff=4 * config.model.d_model))
+        sources["model.d_ff"] = "derived (4 * d_model)"
+    if config.run.log_every is None:
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run,
+                                                                     log_every=config.steps_per_print))
+        sources["run.log_every"] = "derived (steps_per_print)"
+    return config
+
+
+def _check(config: Config) -> None:
+    """Cross-key rules that need no devices."""
+    if config.fp16.enabled and config.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled: both true; choose one precision")
+    if (config.gradient_accumulation_steps is not None and config.train_batch_size is None
+            and config.train_micro_batch_size_per_gpu is None):
+        raise ConfigError("train_batch_size: gradient_accumulation_steps alone cannot fix the batch; "
+                          "also give train_batch_size or train_micro_batch_size_per_gpu")
+    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
+        raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu")
+    opt = config.optimizer
+    if config.zero_optimization.stage > 0 and opt.type not in ZERO_TESTED_OPTIMIZERS \
+            and not config.zero_allow_untested_optimizer:
+        raise ConfigError(f"optimizer.type: {opt.type} is not among DeepSpeed's ZeRO-tested optimizers "
+                          f"({', '.join(sorted(ZERO_TESTED_OPTIMIZERS))}); set "
+                          f"zero_allow_untested_optimizer: true to use it with ZeRO stage "
+                          f"{config.zero_optimization.stage}")
+    if isinstance(opt.params, AdamParams) and opt.params.amsgrad:
+        raise ConfigError("optimizer.params.amsgrad: not supported (DeepSpeed's fused Adam rejects it "
+                          "too); remove it")
+    for i, b in enumerate(getattr(opt.params, "betas", ())):
+        if not 0.0 <= b < 1.0:
+            raise ConfigError(f"optimizer.params.betas[{i}]: {b} must be in [0, 1)")
+    if isinstance(opt.params, LambParams) and opt.params.max_grad_norm:
+        raise ConfigError("optimizer.params.max_grad_norm: not supported in the optimizer (DeepSpeed "
+                          "rejects it too); use the top-level gradient_clipping")
+    if isinstance(opt.params, SGDParams) and opt.params.nesterov and (
+            opt.params.momentum <= 0 or opt.params.dampening != 0):
+        raise ConfigError("optimizer.params.nesterov: needs momentum > 0 and dampening 0 (as in torch)")
+    if isinstance(opt.params, LambParams) and opt.params.min_coeff > opt.params.max_coeff:
+        raise ConfigError("optimizer.params.min_coeff: larger than max_coeff; swap them")
+    zero = config.zero_optimization
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        raise ConfigError(f"zero_optimization.offload_param.device: parameter offload needs stage 3 "
+                          f"(stage is {zero.stage}); set zero_optimization.stage=3 or remove offload_param")
+    sched = config.scheduler
+    if sched is not None and sched.type == "OneCycle":
+        p = sched.params
+        if p.cycle_min_lr > p.cycle_max_lr:
+            raise ConfigError("scheduler.params.cycle_min_lr: larger than cycle_max_lr; swap them")
+    m = config.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads: {m.n_heads} does not divide model.d_model {m.d_model}; "
+                          f"choose a divisor such as {next(h for h in (8, 4, 2, 1) if m.d_model % h == 0)}")
+    if config.data.source == "file" and not config.data.path:
+        raise ConfigError("data.path: required when data.source is 'file'; give a text file")
+    if (config.run.save_every is not None) and not config.run.checkpoint_dir:
+        raise ConfigError("run.save_every: needs run.checkpoint_dir; set both or neither")
+
+
+def unsupported_features(config: Config) -> list[str]:
+    """Keys that parse and validate but whose feature is not built yet: using them is an error."""
+    out = []
+    zero = config.zero_optimization
+    if config.fp16.enabled:
+        out.append("fp16.enabled: fp16 with dynamic loss scaling is not supported yet; use bf16.enabled")
+    if config.fp16.fp16_master_weights_and_grads:
+        out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
+    if config.bf16.check_grad_overflow:
+        out.append("bf16.check_grad_overflow: not supported yet; remove it")
+    if config.kernels == "pallas":
+        out.append("kernels: 'pallas' is not supported yet; use 'auto' or 'xla'")
+    if zero.offload_optimizer.device == "nvme" or zero.offload_param.device == "nvme":
+        out.append("zero_optimization.offload_*.device: nvme is not supported; use cpu")
+    elif zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
+        out.append("zero_optimization.offload_*: offload to cpu is not supported yet; set device: none")
+    if zero.zero_quantized_weights or zero.zero_quantized_gradients or zero.zero_hpz_partition_size > 1:
+        out.append("zero_optimization.zero_quantized_*/zero_hpz_partition_size: ZeRO++ is not supported")
+    if zero.mics_shard_size > 0:
+        out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
+    if config.mesh.stage > 1:
+        out.append("mesh.stage: pipeline parallelism is not supported yet; use mesh.stage=1")
+    if config.run.checkpoint_dir:
+        out.append("run.checkpoint_dir: checkpointing is not supported yet; remove it")
+    dist = config.distributed
+    if dist.coordinator_address or dist.num_processes or dist.process_id is not None:
+        out.append("distributed: multi-process runs are not supported yet; remove the section")
+    if config.wandb.enabled:
+        out.append("wandb.enabled: not supported (no network access); use tensorboard or csv_monitor")
+    return out
+
+
+def check_supported(config: Config) -> None:
+    problems = unsupported_features(config)
+    if problems:
+        raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        if isinstance(obj, (OptimizerConfig, SchedulerConfig)):
+            return {"type": obj.type, "params": _to_plain(obj.params)}
+        for f in schema_fields(type(obj)):
+            out[f.name] = _to_plain(getattr(obj, f.name))
+        return out
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> Any:
+    for k, v in d.items():
+        path = _join(prefix, k)
+        if isinstance(v, Mapping) and v:
+            yield from _flatten(v, path)
+        else:
+            yield path, v

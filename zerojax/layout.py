@@ -1,0 +1,258 @@
+"""ZeRO stages as layouts: per-leaf placements of parameters, gradients and optimizer state.
+
+A stage is nothing but the set of model-state roles it partitions over the `data` axis
+(`STAGE_PARTITIONS`). `plan` turns that set, the mesh and the model's abstract parameters into
+per-leaf placements and `NamedSharding`s; the train step reads them and never asks for the stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
+from zerojax.config import BatchSize, Config, check_supported
+from zerojax.mesh import DATA, data_size
+from zerojax.optim import has_betas, make_optimizer
+from zerojax.precision import Policy, policy as make_policy
+from zerojax.schedules import Schedule, make_schedule
+
+PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer"
+STAGE_PARTITIONS: dict[int, frozenset[str]] = {
+    0: frozenset(),
+    1: frozenset({OPTIMIZER}),
+    2: frozenset({OPTIMIZER, GRADIENTS}),
+    3: frozenset({OPTIMIZER, GRADIENTS, PARAMETERS}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Where one parameter's state lives.
+
+    param:  the stored parameter the forward pass reads (REPLICATED or Shard).
+    grad:   the gradient accumulator across micro-steps: PARTIAL (reduced once at the boundary),
+            or reduced on every micro-step into Shard / REPLICATED.
+    update: the reduced gradient at the update, the fp32 master copy and the optimizer state.
+    """
+    param: Placement
+    grad: Placement
+    update: Placement
+
+
+def choose_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The dimension to shard over `n` devices: the largest one divisible by n.
+
+    Later dimensions win ties, and dimension 0 is used only when nothing else divides: stacked
+    layers keep their leading layer axis whole, so a scan can slice it without communication.
+    """
+    if n == 1:
+        return None
+    candidates = [d for d, s in enumerate(shape) if s % n == 0 and s >= n]
+    if not candidates:
+        return None
+    inner = [d for d in candidates if d > 0] or candidates
+    return max(inner, key=lambda d: (shape[d], d))
+
+
+def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
+                persistence_threshold: int) -> LeafLayout:
+    dim = choose_dim(shape, n)
+    sharded: Placement = REPLICATED if dim is None else Shard(dim)
+    keep_param_whole = math.prod(shape) < persistence_threshold
+    param = sharded if PARAMETERS in partitions and not keep_param_whole else REPLICATED
+    grad = sharded if GRADIENTS in partitions else PARTIAL
+    update = sharded if OPTIMIZER in partitions else REPLICATED
+    return LeafLayout(param=param, grad=grad, update=update)
+
+
+def spec(placement: Placement, ndim: int) -> P:
+    """PartitionSpec of a reduced placement (PARTIAL buffers are full-size per device)."""
+    if isinstance(placement, Shard):
+        return P(*[DATA if d == placement.dim else None for d in range(ndim)])
+    return P()
+
+
+def _is_layout(x: Any) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+class MemoryReport(NamedTuple):
+    """Per-device bytes of model state, next to the ZeRO formula with this run's dtypes."""
+    n_params: int
+    data_size: int
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    formula_params: float
+    formula_grads: float
+    formula_optimizer: float
+    replicated_fraction: float
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def formula_total(self) -> float:
+        return self.formula_params + self.formula_grads + self.formula_optimizer
+
+    def table(self) -> str:
+        def mib(b: float) -> str:
+            return f"{b / 2**20:10.2f}"
+        rows = [("parameters", self.params, self.formula_params),
+                ("gradients", self.grads, self.formula_grads),
+                ("optimizer state", self.optimizer, self.formula_optimizer),
+                ("total", self.total, self.formula_total)]
+        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {self.data_size} data shards",
+               f"{'per device':<16} {'MiB':>10} {'formula':>10} {'ratio':>7}"]
+        for name, got, want in rows:
+            ratio = got / want if want else float("nan")
+            out.append(f"{name:<16} {mib(got)} {mib(want)} {ratio:7.3f}")
+        out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
+        return "\n".join(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """Everything the step needs to know about where state lives, derived from the config."""
+    config: Config
+    mesh: Mesh
+    stage: int
+    batch: BatchSize
+    policy: Policy
+    schedule: Schedule
+    tx: optax.GradientTransformation
+    abstract_params: Any           # ShapeDtypeStructs of the logical (fp32) parameters
+    layouts: Any                   # LeafLayout per parameter leaf
+
+    @property
+    def data_size(self) -> int:
+        return data_size(self.mesh)
+
+    def _shardings(self, role: str) -> Any:
+        return jax.tree.map(
+            lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape))),
+            self.layouts, self.abstract_params, is_leaf=_is_layout)
+
+    @property
+    def param_shardings(self) -> Any:
+        return self._shardings("param")
+
+    @property
+    def grad_shardings(self) -> Any:
+        """Shardings of the gradient accumulator (PARTIAL accumulators are whole on each device)."""
+        return self._shardings("grad")
+
+    @property
+    def update_shardings(self) -> Any:
+        """Shardings of reduced gradients at the update, of the master copy and of optimizer state."""
+        return self._shardings("update")
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    @property
+    def abstract_opt_state(self) -> Any:
+        master = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, self.policy.master),
+                              self.abstract_params)
+        return jax.eval_shape(self.tx.init, master)
+
+    @property
+    def opt_state_shardings(self) -> Any:
+        """Parameter-shaped optimizer leaves follow `update`; counters and scalars are replicated."""
+        return optax.tree_utils.tree_map_params(
+            self.tx, lambda _, sharding: sharding, self.abstract_opt_state, self.update_shardings,
+            transform_non_params=lambda _: self.replicated)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """How a global batch is placed: rows split over the data axis."""
+        return NamedSharding(self.mesh, P(DATA))
+
+    def report(self) -> MemoryReport:
+        return memory_report(self)
+
+
+def plan(config: Config, mesh: Mesh, params: Any) -> Plan:
+    """Derive the layout of every piece of model state for the config's ZeRO stage.
+
+    `params` may be real arrays or `jax.ShapeDtypeStruct`s; only shapes are read. Every config
+    check that needs the mesh (batch triad, features not built yet) runs here, before any compile.
+    """
+    check_supported(config)
+    n = data_size(mesh)
+    batch = config.batch(n)
+    stage = config.zero_optimization.stage
+    partitions = STAGE_PARTITIONS[stage]
+    threshold = config.zero_optimization.stage3_param_persistence_threshold
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ValueError("plan: the parameter tree has no arrays")
+    for x in leaves:
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"plan: parameter leaves must be arrays, got {type(x).__name__}")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
+    layouts = jax.tree.map(lambda x: leaf_layout(x.shape, n, partitions, threshold), abstract)
+    pol = make_policy(config)
+    opt = config.optimizer
+    betas = opt.params.betas if has_betas(opt.type) else None
+    schedule = make_schedule(config.scheduler, opt.params.lr, base_betas=betas)
+    tx = make_optimizer(opt, schedule.lr, schedule.beta1, schedule.beta2)
+    return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol, schedule=schedule,
+                tx=tx, abstract_params=abstract, layouts=layouts)
+
+
+def _device_bytes(abstract: Any, shardings: Any, dtype: Any = None) -> int:
+    total = 0
+    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        itemsize = jax.numpy.dtype(dtype or x.dtype).itemsize
+        total += math.prod(s.shard_shape(x.shape)) * itemsize
+    return total
+
+
+def memory_report(p: Plan) -> MemoryReport:
+    """Bytes per device the plan's layouts give, against the ZeRO formula for the same dtypes.
+
+    Formula (Rajbhandari et al.): params P·Ψ, gradients G·Ψ, optimizer K·Ψ, each divided by N
+    when the stage partitions it; P, G are the parameter and accumulator itemsizes and K counts
+    the fp32 master copy (mixed precision only) plus the optimizer's per-parameter state.
+    """
+    n, pol = p.data_size, p.policy
+    psi = sum(math.prod(x.shape) for x in jax.tree.leaves(p.abstract_params))
+    params = _device_bytes(p.abstract_params, p.param_shardings, pol.param)
+    grads = _device_bytes(p.abstract_params, p.grad_shardings, pol.accum)
+    master = _device_bytes(p.abstract_params, p.update_shardings, pol.master) if pol.mixed else 0
+    opt_abstract = p.abstract_opt_state
+    opt = _device_bytes(opt_abstract, p.opt_state_shardings)
+    # K: bytes per parameter of master + parameter-shaped optimizer leaves (whole-model count).
+    opt_full = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt_abstract)
+                   if math.prod(x.shape) > 1)
+    k = (pol.master.itemsize if pol.mixed else 0) + opt_full / psi
+    parts = STAGE_PARTITIONS[p.stage]
+
+    def share(role: str) -> float:
+        return 1 / n if role in parts else 1.0
+
+    # Fraction of model-state bytes that the stage would shard but stayed whole.
+    kept = total = 0.0
+    for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=_is_layout), jax.tree.leaves(p.abstract_params)):
+        size = math.prod(x.shape)
+        for role, place, width in ((PARAMETERS, lay.param, pol.param.itemsize),
+                                   (GRADIENTS, lay.grad, pol.accum.itemsize),
+                                   (OPTIMIZER, lay.update, k)):
+            if role in parts:
+                total += size * width
+                kept += size * width * (not isinstance(place, Shard))
+    return MemoryReport(
+        n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
+        formula_params=pol.param.itemsize * psi * share(PARAMETERS),
+        formula_grads=pol.accum.itemsize * psi * share(GRADIENTS),
+        formula_optimizer=k * psi * share(OPTIMIZER),
+        replicated_fraction=kept / total if total else 0.0)

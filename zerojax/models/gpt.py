@@ -1,0 +1,134 @@
+"""A small byte-level GPT in Flax NNX, shaped for ZeRO-3.
+
+The blocks are stacked (one leading layer axis per parameter) and applied with `lax.scan` over a
+rematerialized body. The body calls `zerojax.gather` on its own layer's parameters, so under ZeRO-3
+only one layer is ever whole on a device and each layer's gradient is reduce-scattered inside the
+backward scan (REFERENCE.md §3: temp memory ~0.1x the gradients, instead of 1.5x when gathered at
+the top). Outside ZeRO-3 `gather` is the identity.
+
+Parameters are kept as a plain nested dict (`nnx.to_pure_dict`), the form optax, orbax and the
+plan work with; `apply` merges each layer back into the NNX `Block` to run it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from zerojax.collectives import gather, gathers_params
+from zerojax.config import ModelConfig
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff or 4 * cfg.d_model
+        init = nnx.initializers.normal(cfg.init_std)
+        out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.n_heads = cfg.n_heads
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, rngs=rngs)
+        self.proj = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.fc = nnx.Linear(d, f, kernel_init=init, rngs=rngs)
+        self.out = nnx.Linear(f, d, kernel_init=out_init, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        h = self.n_heads
+        q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+        q, k, v = (y.reshape(b, t, h, d // h) for y in (q, k, v))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(d // h))
+        mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
+        probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(x.dtype)
+        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+        x = x + self.proj(att)
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    """Token + position embeddings, `n_layers` stacked blocks, final norm, LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(cfg.init_std),
+                               rngs=rngs)
+        self.pos = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.seq_len, d)))
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = stacked(rngs)
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, cfg.vocab_size, use_bias=False,
+                               kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array | int = 0) -> dict[str, Any]:
+    """Fresh fp32 parameters as a nested dict of arrays."""
+    seed = key if isinstance(key, int) else jax.random.key_data(key)[-1]
+    model = GPT(cfg, rngs=nnx.Rngs(params=seed))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def abstract_params(cfg: ModelConfig) -> dict[str, Any]:
+    """Shapes and dtypes of `init_params`, without allocating."""
+    return jax.eval_shape(lambda: init_params(cfg, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _block_graphdef(cfg: ModelConfig) -> Any:
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
+    return graphdef
+
+
+def _block(cfg: ModelConfig, layer: dict[str, Any]) -> Block:
+    """Rebuild one Block from its parameter dict (trace-time only)."""
+    graphdef = _block_graphdef(cfg)
+    state = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))[1]
+    nnx.replace_by_pure_dict(state, layer)
+    return nnx.merge(graphdef, state)
+
+
+def _layer_norm(p: dict[str, jax.Array], x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
+
+
+def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    """Logits (float32) for `tokens` [batch, time]; params may hold ZeRO-3 `ParamShard`s."""
+    top = gather({k: v for k, v in params.items() if k != "blocks"})
+    t = tokens.shape[1]
+    x = jnp.take(top["embed"]["embedding"], tokens, axis=0) + top["pos"][:t]
+
+    def body(x: jax.Array, layer: dict[str, Any]) -> tuple[jax.Array, None]:
+        return _block(cfg, gather(layer))(x), None
+
+    if cfg.remat:
+        body = jax.checkpoint(body)
+    x, _ = jax.lax.scan(body, x, params["blocks"])
+    x = _layer_norm(top["ln_f"], x)
+    return jnp.einsum("btd,dv->btv", x, top["head"]["kernel"], preferred_element_type=jnp.float32)
+
+
+def make_loss_fn(cfg: ModelConfig) -> Any:
+    """Mean next-byte cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32."""
+
+    @gathers_params
+    def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
+        tokens = batch["tokens"]
+        logits = apply(cfg, params, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss_fn

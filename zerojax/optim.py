@@ -1,0 +1,264 @@
+"""DeepSpeed's basic optimizers as optax transformations.
+
+Each optimizer reproduces the update of the implementation DeepSpeed's engine builds for the config
+(`_configure_basic_optimizer`): FusedAdam (or torch's Adam/AdamW with `torch_adam`, which computes the
+same update), FusedLamb, torch.optim.Adagrad, FusedLion and torch.optim.SGD. Where those differ from
+optax's stock optimizers (torch's eps placement in Adagrad, SGD's first-step momentum buffer and
+dampening, Adam without bias correction, Lamb's clamped trust ratio) the update is written out here.
+
+The returned transformation takes gradients that are already averaged, unscaled and clipped; it needs
+`params` in `update` (weight decay and Lamb read them). Everything is elementwise or a per-leaf norm,
+so it runs unchanged on ZeRO-sharded fp32 master weights under `jax.jit`.
+
+Per-update hyperparameters come in as schedules of optax's update count (0 for the first update):
+`lr(count)`, and for optimizers with betas `beta1(count)` / `beta2(count)` (DeepSpeed's OneCycle
+rewrites the param group's betas each step). `optax.inject_hyperparams` evaluates them, so the values
+used by the latest update are in `state.hyperparams`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zerojax.config import (AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig,
+                            SGDParams)
+from zerojax.errors import ConfigError
+
+__all__ = ["make_optimizer", "has_betas", "ScaleByMomentsState", "ScaleByAdagradState",
+           "TorchMomentumState", "scale_by_moments", "scale_by_clamped_trust_ratio",
+           "scale_by_adagrad", "torch_momentum"]
+
+log = logging.getLogger(__name__)
+
+ScheduleFn = Callable[[jax.Array], jax.Array]
+Factory = Callable[..., optax.GradientTransformation]
+
+# Optimizers whose torch param groups carry `betas`: the only ones DeepSpeed's OneCycle cycles.
+_WITH_BETAS = frozenset({"adam", "adamw", "lamb", "lion"})
+
+
+def has_betas(optimizer_type: str) -> bool:
+    """Whether a momentum schedule applies (DeepSpeed disables it for SGD and Adagrad)."""
+    return optimizer_type.lower() in _WITH_BETAS
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks optax lacks in the exact form DeepSpeed/torch compute.
+
+class ScaleByMomentsState(NamedTuple):
+    """Adam's moments and the number of updates already folded into them."""
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def scale_by_moments(b1: jax.Array | float, b2: jax.Array | float, eps: float,
+                     bias_correction: bool = True) -> optax.GradientTransformation:
+    """Adam's direction m_hat / (sqrt(v_hat) + eps), bias correction optional.
+
+    Shared by Adam and Lamb: FusedAdam and FusedLamb both divide m and v by (1 - beta**t) with the
+    *current* betas (so a cycled beta1 enters the correction), or not at all when bias_correction is
+    off, and add eps outside the square root.
+    """
+    def init_fn(params: optax.Params) -> ScaleByMomentsState:
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return ScaleByMomentsState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros)
+
+    def update_fn(updates: optax.Updates, state: ScaleByMomentsState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, ScaleByMomentsState]:
+        del params
+        mu = jax.tree.map(lambda g, m: b1 * m + (1 - b1) * g, updates, state.mu)
+        nu = jax.tree.map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        count = optax.safe_increment(state.count)
+        if bias_correction:
+            t = count.astype(jnp.float32)
+            c1, c2 = 1 - b1 ** t, 1 - b2 ** t
+        else:
+            c1 = c2 = 1.0
+        direction = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+        return direction, ScaleByMomentsState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _trust_ratio(w: jax.Array, u: jax.Array, min_coeff: float, max_coeff: float) -> jax.Array:
+    """FusedLamb's coefficient ||w|| / ||u|| clamped to [min, max], 1 when either norm is 0."""
+    w_norm = jnp.sqrt(jnp.sum(jnp.square(w.astype(jnp.float32))))
+    u_norm = jnp.sqrt(jnp.sum(jnp.square(u.astype(jnp.float32))))
+    usable = (w_norm != 0) & (u_norm != 0)
+    ratio = w_norm / jnp.where(u_norm != 0, u_norm, 1.0)
+    return jnp.where(usable, jnp.clip(ratio, min_coeff, max_coeff), 1.0)
+
+
+def scale_by_clamped_trust_ratio(min_coeff: float, max_coeff: float) -> optax.GradientTransformation:
+    """Scale each leaf's update by its Lamb trust ratio.
+
+    One ratio per parameter tensor, as FusedLamb computes it per tensor it is handed. (Under ZeRO
+    stages 1-2 DeepSpeed hands it each rank's flat partition instead, which makes the ratio depend on
+    the data-parallel size; the per-tensor ratio does not.) optax.scale_by_trust_ratio has no clamp.
+    """
+    def update_fn(updates: optax.Updates, state: optax.EmptyState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
+        if params is None:
+            raise ValueError("Lamb's trust ratio needs params: call update(grads, state, params)")
+        scaled = jax.tree.map(lambda u, w: u * _trust_ratio(w, u, min_coeff, max_coeff).astype(u.dtype),
+                              updates, params)
+        return scaled, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+class ScaleByAdagradState(NamedTuple):
+    """Running sum of squared gradients."""
+    sum_of_squares: optax.Updates
+
+
+def scale_by_adagrad(initial_accumulator_value: float, eps: float) -> optax.GradientTransformation:
+    """torch.optim.Adagrad's g / (sqrt(sum g^2) + eps).
+
+    optax.scale_by_rss puts eps inside the square root and zeroes the update while the sum is 0;
+    torch adds eps outside, which matters with the tiny default eps (1e-10) and a zero accumulator.
+    """
+    def init_fn(params: optax.Params) -> ScaleByAdagradState:
+        return ScaleByAdagradState(
+            jax.tree.map(lambda p: jnp.full_like(p, initial_accumulator_value), params))
+
+    def update_fn(updates: optax.Updates, state: ScaleByAdagradState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, ScaleByAdagradState]:
+        del params
+        sums = jax.tree.map(lambda g, s: s + g * g, updates, state.sum_of_squares)
+        direction = jax.tree.map(lambda g, s: g / (jnp.sqrt(s) + eps), updates, sums)
+        return direction, ScaleByAdagradState(sums)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class TorchMomentumState(NamedTuple):
+    """torch.optim.SGD's momentum buffer; count tells whether it has been seeded yet."""
+    count: jax.Array
+    buf: optax.Updates
+
+
+def torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.GradientTransformation:
+    """torch.optim.SGD's momentum: buf = g on the first step, then momentum*buf + (1-dampening)*g.
+
+    optax.trace starts from a zero buffer and has no dampening, so its steps differ from torch's
+    whenever dampening is non-zero (the first step is undampened in torch).
+    """
+    def init_fn(params: optax.Params) -> TorchMomentumState:
+        return TorchMomentumState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+    def update_fn(updates: optax.Updates, state: TorchMomentumState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, TorchMomentumState]:
+        del params
+        first = state.count == 0
+        buf = jax.tree.map(lambda g, b: jnp.where(first, g, momentum * b + (1 - dampening) * g),
+                           updates, state.buf)
+        if nesterov:
+            direction = jax.tree.map(lambda g, b: g + momentum * b, updates, buf)
+        else:
+            direction = buf
+        return direction, TorchMomentumState(optax.safe_increment(state.count), buf)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _decay(weight_decay: float) -> list[optax.GradientTransformation]:
+    """`+ wd * p`; placed before the direction it is torch's L2 (into the gradient), after it the
+    decoupled decay of AdamW/Lamb/Lion (the step becomes -lr * (direction + wd * p))."""
+    return [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+
+
+# ---------------------------------------------------------------------------------------------
+# One factory per optimizer; hyperparameters that may be scheduled are the factory's arguments.
+
+def _adam(p: AdamParams, decoupled: bool) -> Factory:
+    """FusedAdam: adam_w_mode adds wd*p to the direction (AdamW), otherwise to the gradient (L2)."""
+    wd = p.weight_decay or 0.0
+
+    def factory(learning_rate: jax.Array, b1: jax.Array, b2: jax.Array) -> optax.GradientTransformation:
+        moments = scale_by_moments(b1, b2, p.eps, p.bias_correction)
+        if decoupled:
+            parts = [moments, *_decay(wd)]
+        else:
+            parts = [*_decay(wd), moments]
+        return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+    return factory
+
+
+def _lamb(p: LambParams) -> Factory:
+    """FusedLamb: bias-corrected Adam direction + wd*p, times the clamped per-tensor trust ratio."""
+    def factory(learning_rate: jax.Array, b1: jax.Array, b2: jax.Array) -> optax.GradientTransformation:
+        return optax.chain(scale_by_moments(b1, b2, p.eps, p.bias_correction), *_decay(p.weight_decay),
+                           scale_by_clamped_trust_ratio(p.min_coeff, p.max_coeff),
+                           optax.scale_by_learning_rate(learning_rate))
+    return factory
+
+
+def _lion(p: LionParams) -> Factory:
+    """FusedLion: p = p*(1 - lr*wd) - lr*sign(b1*m + (1-b1)*g); m = b2*m + (1-b2)*g.
+
+    At c = b1*m + (1-b1)*g exactly 0 DeepSpeed's CUDA kernel steps by +lr and its CPU kernel by -lr;
+    sign(0) = 0 (the paper's rule, optax's) keeps untouched parameters where they are.
+    """
+    def factory(learning_rate: jax.Array, b1: jax.Array, b2: jax.Array) -> optax.GradientTransformation:
+        return optax.chain(optax.scale_by_lion(b1, b2), *_decay(p.weight_decay),
+                           optax.scale_by_learning_rate(learning_rate))
+    return factory
+
+
+def _adagrad(p: AdagradParams) -> Factory:
+    """torch.optim.Adagrad (lr_decay 0): L2 into the gradient, then g / (sqrt(sum) + eps)."""
+    def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
+        return optax.chain(*_decay(p.weight_decay), scale_by_adagrad(p.initial_accumulator_value, p.eps),
+                           optax.scale_by_learning_rate(learning_rate))
+    return factory
+
+
+def _sgd(p: SGDParams) -> Factory:
+    """torch.optim.SGD: L2 into the gradient, optional momentum (torch's buffer rules), -lr step."""
+    momentum = [torch_momentum(p.momentum, p.dampening, p.nesterov)] if p.momentum else []
+
+    def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
+        return optax.chain(*_decay(p.weight_decay), *momentum, optax.scale_by_learning_rate(learning_rate))
+    return factory
+
+
+def _factory(config: OptimizerConfig) -> Factory:
+    kind, p = config.type.lower(), config.params
+    if kind in ("adam", "adamw"):
+        # DeepSpeed: type AdamW forces decoupled decay; type Adam follows adam_w_mode (default true).
+        return _adam(p, decoupled=kind == "adamw" or bool(p.adam_w_mode))
+    if kind == "lamb":  # load_config has rejected max_grad_norm
+        return _lamb(p)
+    if kind == "lion":
+        return _lion(p)
+    if kind == "adagrad":
+        return _adagrad(p)
+    if kind == "sgd":
+        return _sgd(p)
+    raise ConfigError(f"optimizer.type: unknown optimizer '{config.type}'")
+
+
+def make_optimizer(config: OptimizerConfig, lr: ScheduleFn, beta1: ScheduleFn | None = None,
+                   beta2: ScheduleFn | None = None) -> optax.GradientTransformation:
+    """The optax transformation for DeepSpeed's optimizer `config`, driven by per-update schedules.
+
+    `lr(count)` replaces params.lr (the scheduler owns the lr, as in DeepSpeed). `beta1` / `beta2`,
+    when given, replace betas[0] / betas[1] per update for optimizers with betas; SGD and Adagrad have
+    none, so DeepSpeed's OneCycle leaves their momentum alone and so does this (with a warning).
+    """
+    factory = _factory(config)
+    kind = config.type.lower()
+    wrap = optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)
+    if kind not in _WITH_BETAS:
+        if beta1 is not None or beta2 is not None:
+            log.warning("optimizer %s has no betas: the momentum schedule is ignored, as in DeepSpeed",
+                        config.type)
+        return wrap(learning_rate=lr)
+    b1, b2 = config.params.betas
+    return wrap(learning_rate=lr, b1=b1 if beta1 is None else beta1, b2=b2 if beta2 is None else beta2)

@@ -1,0 +1,188 @@
+"""The pure train and eval steps: one jitted function for every ZeRO stage.
+
+The step reads placements from the plan and moves gradients between them with explicit
+collectives (collectives.move); it has no notion of "stage". Per optimizer step:
+
+1. inside `shard_map` over `data`: for each micro-batch (a `lax.scan`), the gradient of the
+   device's rows, moved into the accumulator's placement (stage 2/3: reduce-scattered every
+   micro-step; stage 0/1: kept PARTIAL and reduced once, at the boundary);
+2. at the boundary, the accumulator moved into the update placement (all-reduce for stage 0,
+   reduce-scatter for stage 1, nothing for 2/3);
+3. outside shard_map, under the automatic partitioner: global-norm clipping, the optax update
+   on the (sharded) fp32 master copy, and the cast + all-gather back to the parameter placement.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather, is_gathering, move, to_varying,
+                                 unwrap, zeros_like_local)
+from zerojax.config import Config
+from zerojax.layout import LeafLayout, Plan
+from zerojax.mesh import DATA
+from zerojax.state import TrainState, state_shardings
+
+LossFn = Callable[[Any, Any], jax.Array]
+
+
+def _is_layout(x: Any) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def _tree_map_layouts(fn: Callable[..., Any], layouts: Any, *trees: Any) -> Any:
+    return jax.tree.map(fn, layouts, *trees, is_leaf=_is_layout)
+
+
+def _grad_source(lay: LeafLayout) -> Any:
+    """A gathered parameter's gradient comes back reduce-scattered; a replicated one's is PARTIAL."""
+    return lay.param if isinstance(lay.param, Shard) else PARTIAL
+
+
+def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
+    """Local parameter blocks as the loss sees them inside shard_map."""
+    def one(lay: LeafLayout, x: jax.Array) -> Any:
+        if isinstance(lay.param, Shard):
+            return ParamShard(x, lay.param.dim - x.ndim)
+        return to_varying(x) if for_grad else x
+    return _tree_map_layouts(one, plan.layouts, params)
+
+
+def _whole_params_loss(loss_fn: LossFn) -> LossFn:
+    """Adapt a loss that expects whole parameters: gather everything up front."""
+    if is_gathering(loss_fn):
+        return loss_fn
+    return lambda params, batch: loss_fn(gather(params), batch)
+
+
+def _param_specs(plan: Plan) -> Any:
+    return jax.tree.map(lambda s: s.spec, plan.param_shardings)
+
+
+def _check_batch(plan: Plan, batch: Any) -> None:
+    want = plan.batch.train_batch_size
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if not x.shape or x.shape[0] != want:
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)}: leading dimension is "
+                f"{x.shape[0] if x.shape else 'missing'}, expected train_batch_size={want} "
+                f"(= micro {plan.batch.micro_batch_size} x accumulation "
+                f"{plan.batch.gradient_accumulation_steps} x data {plan.data_size})")
+
+
+def make_grad_fn(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
+    """(params, global batch) -> (mean loss, gradients in the update placement), not yet jitted.
+
+    Micro-batch i is rows [i*m*dp, (i+1)*m*dp) of the global batch and data shard d gets its d-th
+    block of m rows (DeepSpeed's order). The gradient is that of the global mean loss.
+    """
+    pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
+                       plan.batch.micro_batch_size)
+    loss = _whole_params_loss(loss_fn)
+    layouts = plan.layouts
+
+    def local(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
+        wrapped = _wrap_params(plan, params, for_grad=True)
+
+        def scaled(p: Any, mb: Any) -> tuple[jax.Array, jax.Array]:
+            value = loss(p, mb)
+            return value.astype(jnp.float32) / (gas * dp), value.astype(jnp.float32)
+
+        def micro(acc: Any, mb: Any) -> tuple[Any, jax.Array]:
+            (_, value), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb)
+            g = _tree_map_layouts(
+                lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm),
+                layouts, unwrap(g))
+            return jax.tree.map(jnp.add, acc, g), value
+
+        def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct) -> jax.Array:
+            z = zeros_like_local(x.shape, pol.accum, lay.grad, dp)
+            # Accumulators holding per-device values (PARTIAL, Shard) are typed as varying.
+            return z if lay.grad == REPLICATED else to_varying(z)
+
+        acc0 = _tree_map_layouts(zeros, layouts, plan.abstract_params)
+        acc, values = jax.lax.scan(micro, acc0, rows)
+        grads = _tree_map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm),
+                                  layouts, acc)
+        return jax.lax.pmean(jnp.mean(values), DATA), grads
+
+    update_specs = jax.tree.map(lambda s: s.spec, plan.update_shardings)
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(_param_specs(plan), P(None, DATA)),
+                           out_specs=(P(), update_specs))
+
+    def grad_fn(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        _check_batch(plan, batch)
+        shaped = jax.tree.map(lambda x: x.reshape(gas, dp, m, *x.shape[1:]), batch)
+        return mapped(params, shaped)
+
+    return grad_fn
+
+
+def clip_by_global_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
+    """DeepSpeed's rule: scale by max_norm / (norm + 1e-6) when that is below 1; 0 disables."""
+    if max_norm <= 0:
+        return grads
+    coef = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads)
+
+
+def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], Any]:
+    """A jitted `step(state, batch) -> (state, metrics)`; `step.lower(state, batch)` shows the HLO.
+
+    `loss_fn(params, batch) -> scalar` is the mean loss over the rows it is given. Loss functions
+    marked with `zerojax.gathers_params` receive ZeRO-3 parameters as `ParamShard`s and gather
+    them layer by layer; others receive whole parameters.
+    """
+    pol, tx = plan.policy, plan.tx
+    grad_fn = make_grad_fn(plan, loss_fn)
+    max_norm = config.gradient_clipping
+
+    def constrain(tree: Any, shardings: Any) -> Any:
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss, grads = grad_fn(state.params, batch)
+        grads = jax.tree.map(lambda g: g.astype(pol.master), grads)
+        grad_norm = optax.global_norm(grads)
+        grads = clip_by_global_norm(grads, grad_norm, max_norm)
+        master = state.master if pol.mixed else constrain(state.params, plan.update_shardings)
+        updates, opt_state = tx.update(grads, state.opt_state, master)
+        master = optax.apply_updates(master, updates)
+        params = constrain(jax.tree.map(lambda x: x.astype(pol.param), master), plan.param_shardings)
+        position = state.step - state.skipped
+        new = TrainState(params=params, master=master if pol.mixed else None, opt_state=opt_state,
+                         step=state.step + 1, skipped=state.skipped)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
+                   "loss_scale": jnp.ones((), jnp.float32), "skipped": jnp.zeros((), jnp.bool_)}
+        return new, metrics
+
+    shardings = state_shardings(plan)
+    return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
+                   donate_argnums=0)
+
+
+def make_eval_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Array]:
+    """A jitted `eval_step(params, batch) -> mean loss`; rows split over `data` (any multiple of dp)."""
+    loss = _whole_params_loss(loss_fn)
+    dp = plan.data_size
+
+    def local(params: Any, batch: Any) -> jax.Array:
+        value = loss(_wrap_params(plan, params, for_grad=False), batch)
+        return jax.lax.pmean(value.astype(jnp.float32), DATA)
+
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(_param_specs(plan), P(DATA)), out_specs=P())
+
+    def eval_step(params: Any, batch: Any) -> jax.Array:
+        for path, x in jax.tree_util.tree_leaves_with_path(batch):
+            if not x.shape or x.shape[0] % dp:
+                raise ValueError(f"eval batch{jax.tree_util.keystr(path)}: leading dimension "
+                                 f"{x.shape[0] if x.shape else 'missing'} must be a multiple of the "
+                                 f"data-parallel size {dp}")
+        return mapped(params, batch)
+
+    return jax.jit(eval_step, in_shardings=(plan.param_shardings, None))
