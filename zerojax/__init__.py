@@ -1,6 +1,21 @@
-"""zerojax: DeepSpeed's training engine as JAX shardings."""
-from zerojax.config import Config, load_config
-from zerojax.errors import ConfigError
+"""zerojax: DeepSpeed's training engine as JAX shardings.
 
-__all__ = ["Config", "ConfigError", "load_config"]
+Three ways in: `python train.py --config ...`; the pure functions `plan` / `init_state` /
+`make_train_step` inside your own loop; or the DeepSpeed-shaped `initialize(...)` engine.
+"""
+from zerojax.collectives import gather, gathers_params
+from zerojax.config import Config, load_config
+from zerojax.engine import Engine, initialize
+from zerojax.errors import ConfigError
+from zerojax.interop import from_nnx, to_nnx
+from zerojax.layout import Plan, plan
+from zerojax.mesh import make_mesh, request_cpu_devices
+from zerojax.state import TrainState, init_state
+from zerojax.step import make_eval_step, make_train_step
+
+__all__ = [
+    "Config", "ConfigError", "Engine", "Plan", "TrainState", "from_nnx", "gather", "gathers_params",
+    "init_state", "initialize", "load_config", "make_eval_step", "make_mesh", "make_train_step", "plan",
+    "request_cpu_devices", "to_nnx",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,63 @@
+"""`zerojax train | config explain`: the command line over load_config and the trainer."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from zerojax.config import load_config
+from zerojax.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerojax", description="DeepSpeed's training engine on JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train the embedded GPT (or the model the config names)")
+    train.add_argument("--config", required=True, help="JSON, hjson or YAML config file")
+    train.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="override config keys, e.g. --set zero_optimization.stage=2 run.steps=50")
+
+    config = sub.add_parser("config", help="inspect a config")
+    config_sub = config.add_subparsers(dest="action", required=True)
+    explain = config_sub.add_parser("explain", help="print every resolved value and where it came from")
+    explain.add_argument("file")
+    explain.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _explain(args)
+    except ConfigError as e:
+        print(f"zerojax: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _start_devices(cpu_devices: int | None) -> None:
+    from zerojax.mesh import request_cpu_devices
+    request_cpu_devices(cpu_devices)
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.set)
+    _start_devices(config.mesh.cpu_devices)
+    from zerojax.trainer import train
+    train(config)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    config = load_config(args.file, args.set)
+    _start_devices(config.mesh.cpu_devices)
+    import jax
+    dp = config.mesh.data or jax.device_count() // config.mesh.stage
+    print(config.explain(dp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""A thin DeepSpeed-shaped engine over the pure plan / state / step functions.
+
+It holds the state and the compiled steps and answers DeepSpeed's accessors; all maths lives in
+step.py. Porting code keeps its shape:
+
+    engine = zerojax.initialize(ds_config, params=params, loss_fn=loss_fn)
+    for batch in data:
+        metrics = engine.train_batch(batch)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from zerojax.config import Config, load_config
+from zerojax.layout import MemoryReport, Plan, plan as make_plan
+from zerojax.mesh import make_mesh
+from zerojax.state import TrainState, init_state
+from zerojax.step import LossFn, make_eval_step, make_train_step
+
+
+class Engine:
+    """Training state plus compiled train/eval steps for one config, mesh and model."""
+
+    def __init__(self, config: Config, params: Any, loss_fn: LossFn, mesh: Mesh):
+        self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
+        self.plan: Plan = make_plan(config, mesh, params)
+        self.state: TrainState = init_state(config, self.plan, params)
+        self._train_step = make_train_step(config, self.plan, loss_fn)
+        self._eval_step = make_eval_step(config, self.plan, loss_fn)
+
+    # -- training ---------------------------------------------------------------------------
+    def _place(self, batch: Any) -> Any:
+        """Host rows go straight to their data shard; arrays already on devices pass through."""
+        sharding = self.plan.batch_sharding
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x), sharding),
+                            batch)
+
+    def train_batch(self, batch: Any) -> dict[str, jax.Array]:
+        """One optimizer step on a global batch (leading dimension train_batch_size)."""
+        self.state, metrics = self._train_step(self.state, self._place(batch))
+        return metrics
+
+    def eval_batch(self, batch: Any) -> jax.Array:
+        """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
+        return self._eval_step(self.state.params, self._place(batch))
+
+    @property
+    def train_step_fn(self) -> Callable[[TrainState, Any], Any]:
+        """The jitted pure step, for `.lower(state, batch)` and HLO inspection."""
+        return self._train_step
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def params(self) -> Any:
+        """Logical (whole-shape) parameters: the fp32 master copy under mixed precision."""
+        return self.state.master if self.plan.policy.mixed else self.state.params
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.state.step)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.state.skipped)
+
+    def get_lr(self) -> list[float]:
+        """The lr the next applied step will use (DeepSpeed returns one per param group)."""
+        return [float(self.plan.schedule.lr(self.state.step - self.state.skipped))]
+
+    def memory_report(self) -> MemoryReport:
+        return self.plan.report()
+
+    # -- DeepSpeed accessors --------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.plan.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.plan.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.plan.batch.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.plan.stage
+
+
+def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, loss_fn: LossFn | None = None,
+               mesh: Mesh | None = None) -> Engine:
+    """DeepSpeed's `initialize`, returning the engine alone.
+
+    `config` is a Config, a dict or a JSON/hjson/YAML path (DeepSpeed keys mean what they mean in
+    DeepSpeed). `mesh` defaults to all devices on one `data` axis. For a Flax NNX model use
+    `zerojax.from_nnx(model, loss)` to get `params` and `loss_fn`.
+    """
+    if params is None or loss_fn is None:
+        raise TypeError("initialize: pass params= and loss_fn= (for a Flax NNX model: "
+                        "params, loss_fn = zerojax.from_nnx(model, loss))")
+    config = load_config(config)
+    return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config))

@@ -1,0 +1,143 @@
+"""What a run reports: progress bar, steps_per_print lines, metrics.jsonl, TensorBoard and CSV events.
+
+Metrics arrive as device scalars; they are fetched to the host only on logged steps, so the
+training loop never waits on the device in between.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+
+from zerojax.config import Config
+
+# DeepSpeed's monitor event names.
+EVENTS = {"loss": "Train/Samples/train_loss", "lr": "Train/Samples/lr", "loss_scale": "Train/Samples/loss_scale"}
+
+
+class Timers:
+    """Wall-clock totals per phase (DeepSpeed's wall_clock_breakdown), reset at each print."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._start: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        self._start[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - self._start.pop(name)
+
+    def summary(self, steps: int) -> str:
+        parts = [f"{k} {1e3 * v / max(steps, 1):.1f} ms" for k, v in self.totals.items()]
+        self.totals.clear()
+        return "time per step: " + ", ".join(parts)
+
+
+class Monitor:
+    """Writes every logged step to metrics.jsonl and the enabled monitors; drives the progress bar."""
+
+    def __init__(self, config: Config, output_dir: Path, total_steps: int, tokens_per_step: int,
+                 samples_per_step: int, *, enabled: bool = True):
+        self.config, self.output_dir = config, output_dir
+        self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
+        self.enabled = enabled
+        self.timers = Timers()
+        self._last_time, self._last_step = time.perf_counter(), 0
+        self._bar = None
+        self._tb = None
+        self._csv: dict[str, Any] = {}
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(output_dir / "metrics.jsonl", "a")
+        if config.run.progress:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        if config.tensorboard.enabled:
+            from tensorboardX import SummaryWriter  # optional dependency, imported only when used
+            self._tb = SummaryWriter(str(self._monitor_dir(config.tensorboard.output_path,
+                                                           config.tensorboard.job_name)))
+        if config.csv_monitor.enabled:
+            self._csv_dir = self._monitor_dir(config.csv_monitor.output_path, config.csv_monitor.job_name)
+            self._csv_dir.mkdir(parents=True, exist_ok=True)
+
+    def _monitor_dir(self, output_path: str, job_name: str) -> Path:
+        return Path(output_path or self.output_dir) / job_name
+
+    def print(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def step(self, step: int, metrics: Mapping[str, jax.Array]) -> dict[str, Any] | None:
+        """Advance to `step` (1-based); on logging steps fetch and write the metrics."""
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+        cfg = self.config
+        log = step % cfg.run.log_every == 0 or step == 1
+        show = step % cfg.steps_per_print == 0
+        if not (self.enabled and (log or show)):
+            return None
+        values = {k: v.item() for k, v in jax.device_get(dict(metrics)).items()}
+        now = time.perf_counter()
+        elapsed = now - self._last_time
+        tokens_per_s = self.tokens_per_step * (step - self._last_step) / elapsed if elapsed > 0 else 0.0
+        self._last_time, self._last_step = now, step
+        record = {"step": step, "loss": values["loss"], "lr": values["lr"], "grad_norm": values["grad_norm"],
+                  "loss_scale": values["loss_scale"], "skipped": bool(values["skipped"]),
+                  "tokens_per_s": tokens_per_s}
+        if log:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+            self._events(step, record)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                  lr=f"{record['lr']:.2e}", refresh=False)
+        if show:
+            line = (f"step {step}: loss {record['loss']:.4f}, lr {record['lr']:.3e}, "
+                    f"grad_norm {record['grad_norm']:.3f}, loss_scale {record['loss_scale']:g}, "
+                    f"skipped {record['skipped']}, tokens/s {tokens_per_s:,.0f}")
+            if cfg.wall_clock_breakdown:
+                line += " | " + self.timers.summary(cfg.steps_per_print)
+            self.print(line)
+        return record
+
+    def _events(self, step: int, record: Mapping[str, Any]) -> None:
+        samples = step * self.samples_per_step  # DeepSpeed's x axis: samples seen
+        for key, name in EVENTS.items():
+            if self._tb is not None:
+                self._tb.add_scalar(name, record[key], samples)
+            if self.config.csv_monitor.enabled:
+                self._csv_row(name, samples, record[key])
+
+    def _csv_row(self, name: str, samples: int, value: float) -> None:
+        if name not in self._csv:
+            path = self._csv_dir / (name.replace("/", "_") + ".csv")
+            new = not path.exists()
+            handle = open(path, "a", newline="")
+            writer = csv.writer(handle)
+            if new:
+                writer.writerow(["step", name])
+            self._csv[name] = (handle, writer)
+        handle, writer = self._csv[name]
+        writer.writerow([samples, value])
+        handle.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        for handle, _ in self._csv.values():
+            handle.close()

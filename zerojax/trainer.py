@@ -1,0 +1,124 @@
+"""The whole training job of `python train.py --config ...`: data, model, engine, monitor, eval."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from zerojax.config import Config
+from zerojax.data import Batches, read_corpus, split_corpus
+from zerojax.engine import Engine
+from zerojax.layout import plan as make_plan
+from zerojax.mesh import make_mesh
+from zerojax.models import gpt
+from zerojax.monitor import Monitor
+
+
+def fresh_output_dir(path: Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ... if a previous run already wrote there: nothing is overwritten."""
+    candidate, n = path, 1
+    while (candidate / "metrics.jsonl").exists() or (candidate / "config.json").exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    candidate.mkdir(parents=True, exist_ok=True)
+    return candidate
+
+
+def measured_bytes(tree: Any) -> int:
+    """Bytes this process's first device really holds for `tree`."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def startup_table(engine: Engine) -> str:
+    report = engine.memory_report()
+    state = engine.state
+    measured = {"parameters": measured_bytes(state.params),
+                "optimizer state": measured_bytes((state.master, state.opt_state))}
+    lines = [report.table(), f"measured on device 0: parameters {measured['parameters'] / 2**20:.2f} MiB, "
+                             f"optimizer state {measured['optimizer state'] / 2**20:.2f} MiB"]
+    b = engine.plan.batch
+    lines.append(f"batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
+                 f"{b.gradient_accumulation_steps} x data {engine.plan.data_size}; mesh {dict(engine.mesh.shape)}; "
+                 f"precision {engine.config.compute_dtype}")
+    return "\n".join(lines)
+
+
+def evaluate(engine: Engine, batches: Batches, n: int) -> float | None:
+    if n == 0:
+        return None
+    return float(np.mean([float(engine.eval_batch(batches.batch(i))) for i in range(n)]))
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Train the embedded GPT as the config says; returns a summary (also written to summary.json)."""
+    start = time.perf_counter()
+    mesh = make_mesh(config)
+    model_cfg = config.model
+    abstract = gpt.abstract_params(model_cfg)
+    layout = make_plan(config, mesh, abstract)  # validates everything before data or compile
+    split = split_corpus(read_corpus(config.data), config.data.val_fraction, model_cfg.seq_len)
+    rows = layout.batch.train_batch_size
+    train_batches = Batches(split.train, rows, model_cfg.seq_len, config.data.seed)
+    val_batches = Batches(split.val, rows, model_cfg.seq_len, config.data.seed + 1)
+
+    # Initialize straight into the sharded master layout: no device ever holds the whole model.
+    params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
+                     out_shardings=layout.update_shardings)()
+    engine = Engine(config, params, gpt.make_loss_fn(model_cfg), mesh)
+    del params
+
+    out = fresh_output_dir(Path(config.run.output_dir))
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    print(startup_table(engine), flush=True)
+    if config.dump_state:
+        print(config.explain(engine.plan.data_size), flush=True)
+    print(f"writing to {out}", flush=True)
+    monitor = Monitor(config, out, config.run.steps, tokens_per_step=rows * model_cfg.seq_len,
+                      samples_per_step=rows)
+
+    first = last = None
+    timers, breakdown = monitor.timers, config.wall_clock_breakdown
+    for step in range(1, config.run.steps + 1):
+        timers.start("data")
+        batch = next(train_batches)
+        timers.stop("data")
+        timers.start("step")
+        metrics = engine.train_batch(batch)
+        if breakdown:
+            jax.block_until_ready(metrics)
+        timers.stop("step")
+        if config.flops_profiler.enabled and step == config.flops_profiler.profile_step:
+            monitor.print(flops_profile(engine, batch))
+        timers.start("log")
+        record = monitor.step(step, metrics)
+        timers.stop("log")
+        if record is not None:
+            first = record["loss"] if first is None else first
+            last = record["loss"]
+    val_loss = evaluate(engine, val_batches, config.run.eval_batches)
+    monitor.close()
+    summary = {"steps": engine.global_steps, "first_loss": first, "last_loss": last, "val_loss": val_loss,
+               "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"done: {summary['steps']} steps, loss {first:.4f} -> {last:.4f}, validation loss "
+          f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}",
+          flush=True)
+    return summary
+
+
+def flops_profile(engine: Engine, batch: Any) -> str:
+    """FLOPs of one step from the compiled HLO, with the step's latency and achieved TFLOPS."""
+    placed = engine._place(batch)
+    compiled = engine.train_step_fn.lower(engine.state, placed).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops = float(cost.get("flops", 0.0)) * engine.plan.data_size  # cost is per device
+    t = time.perf_counter()
+    jax.block_until_ready(engine.train_batch(batch))
+    latency = time.perf_counter() - t
+    return (f"flops profile: {flops:.3e} FLOPs per step (all devices), latency {1e3 * latency:.1f} ms, "
+            f"{flops / latency / 1e12:.3f} TFLOPS")
