@@ -1,0 +1,88 @@
+"""`python train.py --config ...` and `zerojax config explain` as a user runs them."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["run.steps=12", "run.log_every=3", "steps_per_print=6", "model.d_model=64", "model.n_layers=2",
+         "model.seq_len=32", "data.max_bytes=200000", "run.eval_batches=1", "run.progress=false",
+         "scheduler.params.total_num_steps=12", "scheduler.params.warmup_num_steps=3"]
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # the config's mesh.cpu_devices must be what asks for devices
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=cwd)
+
+
+def test_configs_differ_only_in_stage() -> None:
+    import yaml
+    configs = [yaml.safe_load((ROOT / f"configs/zero{s}.yaml").read_text()) for s in range(4)]
+    for s, c in enumerate(configs):
+        assert c["zero_optimization"].pop("stage") == s
+        assert c["run"].pop("output_dir") == f"runs/zero{s}"
+    assert all(c == configs[0] for c in configs)
+
+
+def test_train_writes_metrics_config_and_falls(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run("train.py", "--config", "configs/zero3.yaml", "--set", *SMALL, f"run.output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ZeRO stage 3" in proc.stdout and "formula" in proc.stdout
+    assert "over 8 data shards" in proc.stdout
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 3, 6, 9, 12]
+    for r in records:
+        assert set(r) == {"step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_s"}
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["zero_optimization"]["stage"] == 3 and saved["run"]["steps"] == 12
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_loss"] is not None and summary["steps"] == 12
+
+    # A second run never overwrites the first one's files.
+    again = run("train.py", "--config", "configs/zero3.yaml", "--set", *SMALL, f"run.output_dir={out}",
+                "run.steps=3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == len(records)
+    assert (tmp_path / "run-2" / "metrics.jsonl").exists()
+
+
+def test_override_changes_stage(tmp_path: Path) -> None:
+    proc = run("train.py", "--config", "configs/zero3.yaml", "--set", *SMALL, "zero_optimization.stage=1",
+               "run.steps=2", f"run.output_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ZeRO stage 1" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "zero_optimization.stag=2"], "unknown key 'zero_optimization.stag'; did you mean 'stage'"),
+    (["--set", "train_batch_size=30"], "train_batch_size"),
+    (["--set", "nokey"], "write it as key.path=value"),
+])
+def test_bad_input_is_one_clear_error(args: list, message: str, tmp_path: Path) -> None:
+    proc = run("train.py", "--config", "configs/zero3.yaml", *args, f"run.output_dir={tmp_path}")
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_config_file() -> None:
+    proc = run("train.py", "--config", "configs/nope.yaml")
+    assert proc.returncode == 2 and "configs/nope.yaml: not found" in proc.stderr
+
+
+def test_config_explain() -> None:
+    proc = run("-m", "zerojax.cli", "config", "explain", "configs/zero2.yaml", "--set", "run.steps=7")
+    assert proc.returncode == 0, proc.stderr
+    lines = {l.split()[0]: l for l in proc.stdout.splitlines()[1:]}
+    assert "override" in lines["run.steps"]
+    assert "file" in lines["zero_optimization.stage"]
+    assert "derived" in lines["gradient_accumulation_steps"]
+    assert lines["gradient_accumulation_steps"].split()[1] == "1"
+    assert "default" in lines["fp16.loss_scale_window"]
