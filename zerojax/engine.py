@@ -19,7 +19,7 @@ from zerojax.config import Config, load_config
 from zerojax.layout import MemoryReport, Plan, plan as make_plan
 from zerojax.mesh import make_mesh
 from zerojax.state import TrainState, init_state
-from zerojax.step import LossFn, make_eval_step, make_train_step
+from zerojax.step import LossFn, check_batch, check_eval_batch, make_eval_step, make_train_step
 
 
 class Engine:
@@ -41,11 +41,13 @@ class Engine:
 
     def train_batch(self, batch: Any) -> dict[str, jax.Array]:
         """One optimizer step on a global batch (leading dimension train_batch_size)."""
+        check_batch(self.plan, batch)
         self.state, metrics = self._train_step(self.state, self._place(batch))
         return metrics
 
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
+        check_eval_batch(self.plan, batch)
         return self._eval_step(self.state.params, self._place(batch))
 
     @property

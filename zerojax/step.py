@@ -63,7 +63,8 @@ def _param_specs(plan: Plan) -> Any:
     return jax.tree.map(lambda s: s.spec, plan.param_shardings)
 
 
-def _check_batch(plan: Plan, batch: Any) -> None:
+def check_batch(plan: Plan, batch: Any) -> None:
+    """The global batch's leading dimension must be train_batch_size (checked before any compile)."""
     want = plan.batch.train_batch_size
     for path, x in jax.tree_util.tree_leaves_with_path(batch):
         if not x.shape or x.shape[0] != want:
@@ -72,6 +73,16 @@ def _check_batch(plan: Plan, batch: Any) -> None:
                 f"{x.shape[0] if x.shape else 'missing'}, expected train_batch_size={want} "
                 f"(= micro {plan.batch.micro_batch_size} x accumulation "
                 f"{plan.batch.gradient_accumulation_steps} x data {plan.data_size})")
+
+
+def check_eval_batch(plan: Plan, batch: Any) -> None:
+    """An eval batch's rows are split over `data`, so their number must be a multiple of it."""
+    dp = plan.data_size
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if not x.shape or x.shape[0] % dp:
+            raise ValueError(f"eval batch{jax.tree_util.keystr(path)}: leading dimension "
+                             f"{x.shape[0] if x.shape else 'missing'} must be a multiple of the "
+                             f"data-parallel size {dp}")
 
 
 def make_grad_fn(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
@@ -116,7 +127,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], tuple[jax.
                            out_specs=(P(), update_specs))
 
     def grad_fn(params: Any, batch: Any) -> tuple[jax.Array, Any]:
-        _check_batch(plan, batch)
+        check_batch(plan, batch)
         shaped = jax.tree.map(lambda x: x.reshape(gas, dp, m, *x.shape[1:]), batch)
         return mapped(params, shaped)
 
@@ -148,7 +159,7 @@ def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Tr
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads = grad_fn(state.params, batch)
         grads = jax.tree.map(lambda g: g.astype(pol.master), grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         grads = clip_by_global_norm(grads, grad_norm, max_norm)
         master = state.master if pol.mixed else constrain(state.params, plan.update_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, master)
@@ -169,7 +180,6 @@ def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Tr
 def make_eval_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Array]:
     """A jitted `eval_step(params, batch) -> mean loss`; rows split over `data` (any multiple of dp)."""
     loss = _whole_params_loss(loss_fn)
-    dp = plan.data_size
 
     def local(params: Any, batch: Any) -> jax.Array:
         value = loss(_wrap_params(plan, params, for_grad=False), batch)
@@ -178,11 +188,7 @@ def make_eval_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Any
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(_param_specs(plan), P(DATA)), out_specs=P())
 
     def eval_step(params: Any, batch: Any) -> jax.Array:
-        for path, x in jax.tree_util.tree_leaves_with_path(batch):
-            if not x.shape or x.shape[0] % dp:
-                raise ValueError(f"eval batch{jax.tree_util.keystr(path)}: leading dimension "
-                                 f"{x.shape[0] if x.shape else 'missing'} must be a multiple of the "
-                                 f"data-parallel size {dp}")
+        check_eval_batch(plan, batch)
         return mapped(params, batch)
 
     return jax.jit(eval_step, in_shardings=(plan.param_shardings, None))

@@ -1,0 +1,45 @@
+"""The embedded corpus and the resumable batch stream."""
+import numpy as np
+import pytest
+
+from zerojax.config import DataConfig, load_config
+from zerojax.data import Batches, read_corpus, split_corpus
+from zerojax.errors import ConfigError
+
+
+def test_stdlib_corpus_is_deterministic_text() -> None:
+    cfg = DataConfig(max_bytes=100_000)
+    a, b = read_corpus(cfg), read_corpus(cfg)
+    assert len(a) == 100_000 and np.array_equal(a, b)
+    assert b"def " in a.tobytes() and b"import" in a.tobytes()
+
+
+def test_split_and_errors() -> None:
+    tokens = np.arange(1000, dtype=np.uint8)
+    s = split_corpus(tokens, 0.1, 16)
+    assert len(s.train) == 900 and len(s.val) == 100
+    with pytest.raises(ConfigError, match="raise data.max_bytes or lower model.seq_len"):
+        split_corpus(tokens, 0.01, 64)
+
+
+def test_batches_resume_by_position() -> None:
+    tokens = read_corpus(DataConfig(max_bytes=50_000))
+    stream = Batches(tokens, rows=8, seq_len=32, seed=3)
+    first = [next(stream)["tokens"] for _ in range(5)]
+    resumed = Batches(tokens, rows=8, seq_len=32, seed=3, position=3)
+    np.testing.assert_array_equal(next(resumed)["tokens"], first[3])
+    assert first[0].shape == (8, 33) and first[0].dtype == np.int32
+    # windows are contiguous slices of the corpus
+    row = first[0][0]
+    start = int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(tokens, 33) == row, axis=1))[0])
+    np.testing.assert_array_equal(tokens[start:start + 33], row)
+
+
+def test_file_source(tmp_path) -> None:
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"hello world " * 100)
+    cfg = load_config({"train_batch_size": 8, "data": {"source": "file", "path": str(path)}})
+    assert read_corpus(cfg.data).tobytes().startswith(b"hello world")
+    missing = load_config({"train_batch_size": 8, "data": {"source": "file", "path": str(tmp_path / "x")}})
+    with pytest.raises(ConfigError, match="data.path"):
+        read_corpus(missing.data)

@@ -1,0 +1,102 @@
+"""The DeepSpeed-shaped engine: accessors, NNX bridge, logical params, eval."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zerojax
+
+
+class Net(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.a = nnx.Linear(16, 64, rngs=rngs)
+        self.b = nnx.Linear(64, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(nnx.relu(self.a(x)))
+
+
+def mse(model: Net, batch: dict) -> jax.Array:
+    return jnp.mean((model(batch["x"]).astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def data(rows: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 16)).astype(np.float32)
+    return {"x": x, "y": np.tanh(x[:, :4] * 2).astype(np.float32)}
+
+
+DS_CONFIG = {"train_batch_size": 32, "gradient_accumulation_steps": 2,
+             "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+             "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+
+
+@pytest.fixture(scope="module")
+def engine() -> zerojax.Engine:
+    params, loss_fn = zerojax.from_nnx(Net(rngs=nnx.Rngs(0)), mse)
+    return zerojax.initialize(DS_CONFIG, params=params, loss_fn=loss_fn)
+
+
+def test_accessors(engine: zerojax.Engine) -> None:
+    assert engine.train_batch_size() == 32
+    assert engine.gradient_accumulation_steps() == 2
+    assert engine.train_micro_batch_size_per_gpu() == 2  # 32 / (2 * 8)
+    assert engine.zero_optimization_stage() == 2
+
+
+def test_training_counts_steps_and_learns(engine: zerojax.Engine) -> None:
+    start = engine.global_steps
+    before = float(engine.eval_batch(data(64, 99)))
+    for i in range(15):
+        metrics = engine.train_batch(data(32, i))
+    assert engine.global_steps == start + 15 and engine.skipped_steps == 0
+    assert set(metrics) == {"loss", "grad_norm", "lr", "loss_scale", "skipped"}
+    assert float(engine.eval_batch(data(64, 99))) < 0.7 * before
+
+
+def test_params_are_logical_fp32_master(engine: zerojax.Engine) -> None:
+    params = engine.params
+    assert params["a"]["kernel"].shape == (16, 64) and params["a"]["kernel"].dtype == jnp.float32
+    compute = engine.state.params["a"]["kernel"]
+    assert compute.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(compute, np.float32), np.asarray(params["a"]["kernel"]),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_to_nnx_writes_trained_weights_back(engine: zerojax.Engine) -> None:
+    model = Net(rngs=nnx.Rngs(0))
+    zerojax.to_nnx(model, engine.params)
+    np.testing.assert_array_equal(np.asarray(model.a.kernel[...]), np.asarray(engine.params["a"]["kernel"]))
+
+
+def test_lr_follows_schedule() -> None:
+    params, loss_fn = zerojax.from_nnx(Net(rngs=nnx.Rngs(0)), mse)
+    cfg = dict(DS_CONFIG, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4,
+                                                                    "warmup_type": "linear"}})
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn)
+    lrs = [float(engine.train_batch(data(32, i))["lr"]) for i in range(6)]
+    # DeepSpeed: the first two steps use warmup_min_lr (0), then t/W of the max, then the max.
+    np.testing.assert_allclose(lrs, [0.0, 0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2], rtol=1e-6, atol=1e-9)
+
+
+def test_initialize_needs_params_and_loss() -> None:
+    with pytest.raises(TypeError, match="from_nnx"):
+        zerojax.initialize(DS_CONFIG)
+
+
+def test_wrong_batch_is_clear(engine: zerojax.Engine) -> None:
+    with pytest.raises(ValueError, match="train_batch_size=32"):
+        engine.train_batch(data(30, 0))
+    with pytest.raises(ValueError, match="multiple of the data-parallel size 8"):
+        engine.eval_batch(data(12, 0))
+
+
+def test_custom_mesh_sets_data_parallel_size() -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    params, loss_fn = zerojax.from_nnx(Net(rngs=nnx.Rngs(0)), mse)
+    engine = zerojax.initialize(DS_CONFIG, params=params, loss_fn=loss_fn, mesh=mesh)
+    assert engine.train_micro_batch_size_per_gpu() == 4  # 32 / (2 * 4)
+    assert engine.plan.data_size == 4
+    shards = {s.data.shape for x in jax.tree.leaves(engine.state.master) for s in x.addressable_shards}
+    assert (16, 16) in shards  # the (16, 64) kernel split 4 ways along its last dim
