@@ -65,7 +65,8 @@ def move(x: jax.Array, src: Placement, dst: Placement, *, comm_dtype: Any = None
         size = x.shape[dst.dim] // n
         return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * size, size, dst.dim)
     if isinstance(src, Shard) and dst == REPLICATED:
-        return jax.lax.all_gather(x, axis, axis=src.dim, tiled=True)
+        # invariant: every device holds the whole value, typed as replicated (not per-device)
+        return jax.lax.all_gather(x, axis, axis=src.dim, tiled=True, to="invarying")
     raise ValueError(f"no move from {src} to {dst}")
 
 

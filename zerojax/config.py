@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
+import operator
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +26,8 @@ from zerojax.errors import ConfigError
 __all__ = ["Config", "ConfigError", "BatchSize", "load_config", "resolve_batch", "unsupported_features"]
 
 _MISSING = dataclasses.MISSING
+# DeepSpeed's batch triad: two of them fix the third for a given data-parallel size.
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def option(default: Any = _MISSING, doc: str = "", *, choices: Sequence[Any] | None = None,
@@ -37,6 +42,7 @@ def option(default: Any = _MISSING, doc: str = "", *, choices: Sequence[Any] | N
 
 
 def section(cls: type) -> Any:
+    """A nested section; its doc is the first line of the class docstring."""
     return field(default_factory=cls, metadata=dict(doc=(cls.__doc__ or "").strip().splitlines()[0]))
 
 
@@ -184,7 +190,7 @@ SCHEDULER_PARAMS: dict[str, type] = {
     "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams, "LRRangeTest": LRRangeTestParams,
 }
-_REQUIRED_SCHEDULER_PARAMS = {
+REQUIRED_SCHEDULER_PARAMS = {
     "WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",),
     "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
 }
@@ -203,7 +209,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class FP16Config:
     """fp16 mixed precision with DeepSpeed's dynamic loss scaler."""
-    enabled: bool = option(False, "Train with fp16 compute and fp32 master weights.")
+    enabled: bool = option(False, "Train with fp16 compute and fp32 master weights (not supported yet; "
+                                  "use bf16).")
     auto_cast: bool = option(False, "Cast inputs to fp16 (accepted; the model decides its dtypes).")
     loss_scale: float = option(0.0, "0: dynamic loss scaling; > 0: this static scale.", ge=0)
     initial_scale_power: int = option(16, "Dynamic scaling starts at 2**initial_scale_power.", ge=0)
@@ -218,14 +225,16 @@ class FP16Config:
 class BF16Config:
     """bf16 mixed precision: bf16 params and compute, fp32 master weights and optimizer state."""
     enabled: bool = option(False, "Train with bf16 compute and fp32 master weights.")
-    check_grad_overflow: bool = option(False, "Skip steps whose gradients are not finite.")
+    check_grad_overflow: bool = option(False, "Skip steps whose gradients are not finite "
+                                              "(not supported yet).")
     immediate_grad_update: bool = option(True, "Accepted; gradients are always applied at the boundary.")
 
 
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
     """Where the fp32 master weights and optimizer state live between steps."""
-    device: str = option("none", "none | cpu | nvme.", choices=("none", "cpu", "nvme"))
+    device: str = option("none", "none | cpu (not supported yet) | nvme (not supported).",
+                         choices=("none", "cpu", "nvme"))
     nvme_path: Optional[str] = option(None, "For device nvme (not supported).")
     pin_memory: bool = option(True, "Use pinned host memory.")
     buffer_count: int = option(4, "NVMe buffers (accepted, unused).", gt=0)
@@ -236,7 +245,8 @@ class OffloadOptimizerConfig:
 @dataclass(frozen=True)
 class OffloadParamConfig:
     """Where stage-3 parameters live between uses."""
-    device: str = option("none", "none | cpu | nvme.", choices=("none", "cpu", "nvme"))
+    device: str = option("none", "none | cpu (not supported yet) | nvme (not supported).",
+                         choices=("none", "cpu", "nvme"))
     nvme_path: Optional[str] = option(None, "For device nvme (not supported).")
     pin_memory: bool = option(True, "Use pinned host memory.")
     buffer_count: int = option(5, "NVMe buffers (accepted, unused).", gt=0)
@@ -301,8 +311,8 @@ class MonitorConfig:
 
 @dataclass(frozen=True)
 class WandbConfig:
-    """Weights & Biases (accepted; needs the wandb package and a network)."""
-    enabled: bool = option(False, "Log to wandb.")
+    """Weights & Biases (not supported: it needs a network; use tensorboard or csv_monitor)."""
+    enabled: bool = option(False, "Log to wandb (not supported).")
     group: Optional[str] = option(None, "wandb group.")
     team: Optional[str] = option(None, "wandb entity.")
     project: str = option("deepspeed", "wandb project.")
@@ -368,7 +378,7 @@ class CheckpointConfig:
 class MeshConfig:
     """Device mesh: a `data` axis (ZeRO shards over it) and a `stage` axis (pipeline)."""
     data: Optional[int] = option(None, "Data-parallel size (default: all devices / stage).", gt=0)
-    stage: int = option(1, "Pipeline stages.", gt=0)
+    stage: int = option(1, "Pipeline stages (more than 1 is not supported yet).", gt=0)
     cpu_devices: Optional[int] = option(8, "On a CPU-only machine, this many virtual devices "
                                            "(set before JAX starts; null leaves JAX's default).", gt=0)
 
@@ -441,6 +451,7 @@ class Config:
     gradient_predivide_factor: float = option(1.0, "Accepted; gradients are averaged exactly either way.", gt=0)
     steps_per_print: int = option(10, "Print a metrics line every this many steps.", gt=0)
     wall_clock_breakdown: bool = option(False, "Time data, step and logging separately.")
+    memory_breakdown: bool = option(False, "Accepted, unused; see the compiled step's memory analysis.")
     dump_state: bool = option(False, "Print the resolved config at start.")
     tensorboard: MonitorConfig = section(MonitorConfig)
     csv_monitor: MonitorConfig = section(MonitorConfig)
@@ -449,7 +460,7 @@ class Config:
     comms_logger: CommsLoggerConfig = section(CommsLoggerConfig)
     pipeline: PipelineConfig = section(PipelineConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
-    kernels: str = option("auto", "auto (Pallas on GPU, XLA elsewhere) | pallas | xla.",
+    kernels: str = option("auto", "auto (Pallas on GPU, XLA elsewhere) | pallas (not supported yet) | xla.",
                           choices=("auto", "pallas", "xla"))
     mesh: MeshConfig = section(MeshConfig)
     model: ModelConfig = section(ModelConfig)
@@ -476,17 +487,15 @@ class Config:
         rows = list(_flatten(self.to_dict()))
         if dp_size is not None:
             b = self.batch(dp_size)
-            extra = {"train_batch_size": b.train_batch_size,
-                     "train_micro_batch_size_per_gpu": b.micro_batch_size,
-                     "gradient_accumulation_steps": b.gradient_accumulation_steps}
+            extra = dict(zip(BATCH_KEYS, b))
             rows = [(k, extra.get(k, v)) for k, v in rows]
         width = max(len(k) for k, _ in rows)
         lines = [f"{'key'.ljust(width)}  {'value':<24} source"]
         for key, value in rows:
             src = self.sources.get(key, "default")
-            if dp_size is not None and key in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                               "gradient_accumulation_steps") and src == "default":
-                src = f"derived (data-parallel size {dp_size})"
+            if dp_size is not None and key in BATCH_KEYS and getattr(self, key) is None:
+                auto = "'auto', " if src == "derived ('auto')" else ""
+                src = f"derived ({auto}data-parallel size {dp_size})"
             lines.append(f"{key.ljust(width)}  {json.dumps(value):<24} {src}")
         return "\n".join(lines)
 
@@ -504,7 +513,7 @@ def resolve_batch(config: Config, dp_size: int) -> BatchSize:
     """DeepSpeed's triad: train_batch_size = micro * accumulation * dp_size; derive the missing one."""
     tb, mb, gas = (config.train_batch_size, config.train_micro_batch_size_per_gpu,
                    config.gradient_accumulation_steps)
-    n = dp_size
+    n = _positive_size(dp_size)
 
     def exact(total: int, div: int, what: str, formula: str) -> int:
         if total % div:
@@ -538,6 +547,18 @@ def resolve_batch(config: Config, dp_size: int) -> BatchSize:
     return BatchSize(tb, mb, gas)
 
 
+def _positive_size(dp_size: Any) -> int:
+    """The data-parallel size as an int; 0 or a float would otherwise divide by zero or round silently."""
+    try:
+        n = operator.index(dp_size)
+    except TypeError:
+        n = 0
+    if isinstance(dp_size, bool) or n < 1:
+        raise ConfigError(f"data-parallel size: got {dp_size!r}; it must be a positive integer (the size "
+                          f"of the mesh axes the batch is split over, e.g. mesh.data)")
+    return n
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading.
 
@@ -548,43 +569,44 @@ def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
     `overrides` are `dotted.key=value` strings (value parsed as YAML) applied on top, as the CLI's
     `--set` does. Everything is checked here; nothing touches JAX devices.
     """
+    origin: dict[str, str] = {}
     if isinstance(src, Config):
         if not overrides:
             return src
-        raw = src.to_dict()
+        raw = _given_values(src, "", src.sources, origin)
     elif isinstance(src, Mapping):
         raw = _deepcopy(src)
     elif isinstance(src, (str, os.PathLike)):
         raw = read_config_file(Path(src))
     else:
         raise ConfigError(f"config: expected a dict, a file path or a Config, got {type(src).__name__}")
-    origin = {}
     for item in overrides:
         key, value = _parse_override(item)
-        _set_dotted(raw, key, value)
-        origin[key] = "override"
+        path = _set_dotted(raw, key, value)
+        for stale in [k for k in origin if k.startswith(path + ".")]:
+            del origin[stale]  # the override replaced the whole section
+        origin[path] = "override"
     sources: dict[str, str] = {}
     config = _build(Config, raw, "", sources, origin)
     config = _derive(config, sources)
-    _check(config)
+    _check(config, sources)
     return dataclasses.replace(config, sources=sources)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
+    """A config file's mapping; every failure names the file and says what to do."""
     if not path.is_file():
-        raise ConfigError(f"config file {path}: not found (give a path to a .json, .hjson or .yaml file)")
-    text = path.read_text()
-    suffix = path.suffix.lower()
+        what = "is a directory" if path.is_dir() else "not found"
+        raise ConfigError(f"config file {path}: {what}; give the path of a .json, .hjson or .yaml file")
     try:
-        if suffix in (".yaml", ".yml"):
-            data = _load_yaml(text)
-        elif suffix == ".hjson":
-            data = _load_hjson(text)
-        else:
-            try:
-                data = json.loads(text, object_pairs_hook=_no_duplicates)
-            except json.JSONDecodeError:
-                data = _load_hjson(text)  # DeepSpeed configs often carry comments / trailing commas
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e})") from None
+    if not text.strip():
+        raise ConfigError(f"config file {path}: the file is empty; write a mapping such as "
+                          f'{{"train_batch_size": 32}}')
+    try:
+        data = _reject_duplicates(_parse_text(text, path.suffix.lower()))
     except ConfigError as e:
         raise ConfigError(f"config file {path}: {e}") from None
     except Exception as e:  # parser errors carry line/column
@@ -595,62 +617,167 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ConfigError(f"duplicate key '{k}': keep one of them")
-        out[k] = v
-    return out
+def _parse_text(text: str, suffix: str) -> Any:
+    if suffix in (".yaml", ".yml"):
+        return _load_yaml(text)
+    if suffix == ".hjson":
+        return _load_hjson(text)
+    try:
+        return json.loads(text, object_pairs_hook=_Pairs.of)
+    except json.JSONDecodeError:
+        return _load_hjson(text)  # DeepSpeed configs often carry comments / trailing commas
+
+
+class _Pairs(dict):
+    """A parsed mapping that remembers keys written twice, so the error can name their full path."""
+    duplicates: tuple[Any, ...] = ()
+
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[Any, Any]], written: Sequence[Any] | None = None) -> "_Pairs":
+        out = cls(pairs)
+        keys = [k for k, _ in pairs] if written is None else list(written)
+        out.duplicates = tuple(dict.fromkeys(k for i, k in enumerate(keys) if k in keys[:i]))
+        return out
+
+
+def _reject_duplicates(data: Any, prefix: str = "") -> Any:
+    """Plain dicts and lists again; the first key written twice is an error naming its dotted path."""
+    if isinstance(data, dict):
+        for key in getattr(data, "duplicates", ()):
+            raise ConfigError(f"{_join(prefix, str(key))}: key written twice; keep one of them")
+        return {k: _reject_duplicates(v, _join(prefix, str(k))) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_reject_duplicates(v, f"{prefix}[{i}]") for i, v in enumerate(data)]
+    return data
 
 
 def _load_hjson(text: str) -> Any:
     import hjson
-    return hjson.loads(text, object_pairs_hook=_no_duplicates)
+    return hjson.loads(text, object_pairs_hook=_Pairs.of)
 
 
-def _load_yaml(text: str) -> Any:
+# YAML 1.1 (PyYAML) reads `1e-3` as a string; YAML 1.2 and JSON read it as a number, as users expect.
+_YAML_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+@functools.lru_cache(maxsize=None)
+def _yaml_loader() -> type:
+    """A safe YAML loader that reads 1e-3 as a float and records keys written twice."""
     import yaml
 
     class Loader(yaml.SafeLoader):
         pass
 
+    merge_tag = "tag:yaml.org,2002:merge"
+
     def construct_mapping(loader: Any, node: Any, deep: bool = False) -> dict:
-        loader.flatten_mapping(node)
+        written = [k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode) and k.tag != merge_tag]
+        loader.flatten_mapping(node)  # `<<` merges first, so explicit keys win over merged ones
         pairs = [(loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep))
                  for k, v in node.value]
-        return _no_duplicates(pairs)
+        return _Pairs.of(pairs, written)
 
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    return yaml.load(text, Loader=Loader)
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
+    return Loader
+
+
+def _load_yaml(text: str) -> Any:
+    import yaml
+    return yaml.load(text, Loader=_yaml_loader())
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value parsed as YAML, so 2, true, null, 1e-3 and [0.9, 0.95] work)."""
     import yaml
     if "=" not in item:
         raise ConfigError(f"override '{item}': write it as key.path=value, e.g. zero_optimization.stage=2")
     key, _, value = item.partition("=")
     key = key.strip()
-    if not key:
-        raise ConfigError(f"override '{item}': the key before '=' is empty")
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}': the key path before '=' has an empty part; write it as "
+                          f"key.path=value, e.g. zero_optimization.stage=2")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = _load_yaml(value) if value.strip() else None
     except yaml.YAMLError:
-        parsed = value
-    return key, parsed
+        return key, value
+    return key, _reject_duplicates(parsed, key)
 
 
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
+def _set_dotted(raw: dict, key: str, value: Any) -> str:
+    """Set a dotted key in the raw tree and return its canonical path (aliases resolved).
+
+    An alias already in the tree (e.g. `bfloat16`) is renamed to its canonical key first, so an
+    override of `bf16.enabled` lands in the same section instead of duplicating it.
+    """
     parts = key.split(".")
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
+    node, cls, canon = raw, Config, []
+    for i, part in enumerate(parts):
+        name, aliases, cls = _schema_step(cls, part)
+        for alias in aliases:
+            if alias in node and name not in node:
+                node[name] = node.pop(alias)
+        canon.append(name)
+        if i == len(parts) - 1:
+            node[name] = value
+            break
+        child = node.get(name)
         if child is None:
-            child = node[part] = {}
+            child = node[name] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: '{'.'.join(parts[:i + 1])}' is a value, not a section")
+            raise ConfigError(f"override {key}: '{'.'.join(canon)}' is a value, not a section")
         node = child
-    node[parts[-1]] = value
+    return ".".join(canon)
+
+
+def _schema_step(cls: type | None, part: str) -> tuple[str, tuple[str, ...], type | None]:
+    """One step down the schema: canonical name of `part`, its aliases, and the section below it."""
+    if cls is None:
+        return part, (), None
+    fields = {f.name: f for f in schema_fields(cls)}
+    alias_of = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
+    name = alias_of.get(part, part)
+    if name not in fields:
+        return part, (), None
+    return name, fields[name].metadata.get("aliases", ()), _dataclass_of(typing.get_type_hints(cls)[name])
+
+
+def _given_values(obj: Any, prefix: str, sources: Mapping[str, str],
+                  origin: dict[str, str]) -> dict[str, Any]:
+    """The raw tree a loaded Config was built from, with each value's source recorded in `origin`.
+
+    Derived values are left out so that overrides re-derive them (weight_decay after torch_adam
+    changes, d_ff after d_model changes); values changed in Python count as "given".
+    """
+    out: dict[str, Any] = {}
+    for f in schema_fields(type(obj)):
+        path, value = _join(prefix, f.name), getattr(obj, f.name)
+        if isinstance(value, (OptimizerConfig, SchedulerConfig)):
+            origin[path + ".type"] = sources.get(path + ".type", "default")
+            out[f.name] = {"type": value.type,
+                           "params": _given_values(value.params, path + ".params", sources, origin)}
+        elif dataclasses.is_dataclass(value):
+            out[f.name] = _given_values(value, path, sources, origin)
+        else:
+            label = sources.get(path, "default")
+            if "('auto')" in label:
+                out[f.name] = "auto"
+            elif label.startswith("default"):
+                if value != _field_default(f):
+                    out[f.name] = value
+                    origin[path] = "given"
+            elif not label.startswith("derived"):
+                out[f.name] = value
+                origin[path] = label
+    return out
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is _MISSING else f.default
 
 
 def _deepcopy(obj: Any) -> Any:
@@ -665,16 +792,75 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def _did_you_mean(key: str, valid: Sequence[str]) -> str:
+def _did_you_mean(key: str, valid: Sequence[str], noun: str = "keys", where: str | None = None) -> str:
+    """The nearest valid key; else, for a key that lives in another section, where it goes."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if not close:
         lowered = {v.lower(): v for v in valid}
         close = [lowered[key.lower()]] if key.lower() in lowered else []
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    if where is not None:
+        homes = [p for p in _schema_paths() if p.rsplit(".", 1)[-1] == key and p != _join(where, key)]
+        if homes:
+            return f"; it belongs elsewhere: did you mean '{homes[0]}'?"
+    return f"; valid {noun}: {', '.join(sorted(valid))}"
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_paths() -> tuple[str, ...]:
+    """Every dotted key the schema knows (optimizer/scheduler params of every type), shallow first."""
+    paths: list[str] = []
+    queue: list[tuple[type, str]] = [(Config, "")]
+    queue += [(c, "optimizer.params") for c in OPTIMIZER_PARAMS.values()]
+    queue += [(c, "scheduler.params") for c in SCHEDULER_PARAMS.values()]
+    while queue:
+        cls, prefix = queue.pop(0)
+        hints = typing.get_type_hints(cls)
+        for f in schema_fields(cls):
+            path = _join(prefix, f.name)
+            if path not in paths:
+                paths.append(path)
+            nested = _dataclass_of(hints[f.name])
+            if nested is not None:
+                queue.append((nested, path))
+    paths += ["optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params"]
+    return tuple(paths)
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it (JSON where possible; YAML can also give dates and such)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def schema_fields(cls: type) -> list[dataclasses.Field]:
+    """The user-facing fields of a schema dataclass (not the internal `sources`)."""
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+def _origin_of(path: str, origin: Mapping[str, str]) -> str:
+    """Where a given value came from: the nearest overridden ancestor (a whole section can be
+    overridden), else the file (or dict)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        label = origin.get(".".join(parts[:i]))
+        if label is not None:
+            return label
+    return "file"
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _auto_is_a_value(tp: Any, meta: Mapping[str, Any]) -> bool:
+    """Whether "auto" is an ordinary value of the field (a free string, or one of its choices)."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    choices = meta.get("choices")
+    return str in args and (not choices or "auto" in choices)
 
 
 def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Mapping[str, str]) -> Any:
@@ -682,7 +868,7 @@ def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Ma
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a section (mapping of keys), got {json.dumps(raw)}")
+        raise ConfigError(f"{where}: expected a section (mapping of keys), got {_show(raw)}")
     fields = {f.name: f for f in schema_fields(cls)}
     alias_of = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
     given: dict[str, Any] = {}
@@ -691,8 +877,8 @@ def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Ma
             raise ConfigError(f"{where}: key {key!r} must be a string")
         name = alias_of.get(key, key)
         if name not in fields:
-            hint = _did_you_mean(key, list(fields) + list(alias_of))
-            if prefix == "optimizer.params" or prefix == "scheduler.params":
+            hint = _did_you_mean(key, list(fields) + list(alias_of), where=prefix)
+            if prefix in ("optimizer.params", "scheduler.params"):
                 hint += f" ({cls.__doc__.splitlines()[0]})"
             raise ConfigError(f"unknown key '{_join(prefix, key)}'{hint}")
         if name in given:
@@ -714,33 +900,32 @@ def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Ma
         if name not in given:
             continue
         value = given[name]
-        if value == "auto":
-            if f.default is _MISSING and f.default_factory is _MISSING:  # pragma: no cover
-                raise ConfigError(f"{path}: 'auto' cannot be resolved here; write a value")
-            sources[path] = "derived ('auto')"
+        if _is_auto(value) and not _auto_is_a_value(tp, f.metadata):
+            # Hugging Face's placeholder: the batch triad derives it, everything else takes its default.
+            sources[path] = "derived ('auto')" if path in BATCH_KEYS else "default ('auto')"
             continue
         kwargs[name] = _coerce(value, tp, path, f.metadata)
-        sources[path] = origin.get(path, "file")
+        sources[path] = _origin_of(path, origin)
     return cls(**kwargs)
 
 
 def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[str, str]) -> Any:
     """optimizer / scheduler: the params schema depends on `type`."""
+    example = "AdamW" if name == "optimizer" else "WarmupLR"
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{name}: expected {{\"type\": ..., \"params\": {{...}}}}, got {json.dumps(raw)}")
+        raise ConfigError(f'{name}: expected {{"type": "{example}", "params": {{...}}}}, got {_show(raw)}')
     extra = set(raw) - {"type", "params"}
     if extra:
-        key = sorted(extra)[0]
+        key = sorted(map(str, extra))[0]
         raise ConfigError(f"unknown key '{name}.{key}'{_did_you_mean(key, ['type', 'params'])}")
     if "type" not in raw or not isinstance(raw["type"], str):
-        example = "AdamW" if name == "optimizer" else "WarmupLR"
         raise ConfigError(f'{name}.type: required, a string such as "{example}"')
     given_type = raw["type"]
     params = raw.get("params") or {}
     if not isinstance(params, Mapping):
-        raise ConfigError(f"{name}.params: expected a mapping of keys, got {json.dumps(params)}")
+        raise ConfigError(f"{name}.params: expected a mapping of keys, got {_show(params)}")
     for key, value in params.items():
-        if value == "auto":
+        if _is_auto(value):
             raise ConfigError(f"{name}.params.{key}: 'auto' is a Hugging Face Trainer placeholder and "
                               f"there is no Trainer to fill it in; write the number")
     if name == "optimizer":
@@ -750,21 +935,21 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
                               f"scope for zerojax; use Adam or Lamb")
         if canon not in OPTIMIZER_PARAMS:
             raise ConfigError(f"optimizer.type: unknown optimizer '{given_type}'"
-                              f"{_did_you_mean(canon, list(OPTIMIZER_PARAMS))}")
+                              f"{_did_you_mean(canon, list(OPTIMIZER_PARAMS), 'types')}")
         params_cls = OPTIMIZER_PARAMS[canon]
         built = _build(params_cls, params, "optimizer.params", sources, origin)
-        sources["optimizer.type"] = origin.get("optimizer.type", "file")
+        sources["optimizer.type"] = _origin_of("optimizer.type", origin)
         return OptimizerConfig(type=canon, params=built)
     canon_map = {k.lower(): k for k in SCHEDULER_PARAMS}
     canon = canon_map.get(given_type.lower())
     if canon is None:
         raise ConfigError(f"scheduler.type: unknown scheduler '{given_type}'"
-                          f"{_did_you_mean(given_type, list(SCHEDULER_PARAMS))}")
+                          f"{_did_you_mean(given_type, list(SCHEDULER_PARAMS), 'types')}")
     built = _build(SCHEDULER_PARAMS[canon], params, "scheduler.params", sources, origin)
-    for req in _REQUIRED_SCHEDULER_PARAMS.get(canon, ()):
+    for req in REQUIRED_SCHEDULER_PARAMS.get(canon, ()):
         if getattr(built, req) is None:
             raise ConfigError(f"scheduler.params.{req}: required by {canon}; add it")
-    sources["scheduler.type"] = origin.get("scheduler.type", "file")
+    sources["scheduler.type"] = _origin_of("scheduler.type", origin)
     return SchedulerConfig(type=canon, params=built)
 
 
@@ -793,7 +978,8 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
         return _coerce(value, inner, path, meta)
 
     def bad() -> ConfigError:
-        return ConfigError(f"{path}: expected {_type_name(tp)}, got {json.dumps(value)}")
+        zero_one = " (or 0/1)" if meta.get("int_bool") else ""
+        return ConfigError(f"{path}: expected {_type_name(tp)}{zero_one}, got {_show(value)}")
 
     if tp is bool:
         if isinstance(value, bool):
@@ -833,12 +1019,14 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
                 raise ConfigError(f"{path}: '{out}' is not one of {', '.join(map(str, choices))}")
             out = match
         elif out not in choices:
-            raise ConfigError(f"{path}: {json.dumps(out)} is not one of {', '.join(map(str, choices))}")
+            raise ConfigError(f"{path}: {_show(out)} is not one of {', '.join(map(str, choices))}")
+    if isinstance(out, float) and out != out:
+        raise ConfigError(f"{path}: NaN is not a usable value; write a number")
     for bound, ok, word in (("ge", lambda x, b: x >= b, ">="), ("gt", lambda x, b: x > b, ">"),
                             ("le", lambda x, b: x <= b, "<=")):
         b = meta.get(bound)
         if b is not None and isinstance(out, (int, float)) and not ok(out, b):
-            raise ConfigError(f"{path}: {json.dumps(out)} must be {word} {b}")
+            raise ConfigError(f"{path}: {_show(out)} must be {word} {b}")
     return out
 
 
@@ -897,16 +1085,11 @@ def _derive(config: Config, sources: dict[str, str]) -> Config:
     return config
 
 
-def _check(config: Config) -> None:
+def _check(config: Config, sources: Mapping[str, str] | None = None) -> None:
     """Cross-key rules that need no devices."""
     if config.fp16.enabled and config.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled: both true; choose one precision")
-    if (config.gradient_accumulation_steps is not None and config.train_batch_size is None
-            and config.train_micro_batch_size_per_gpu is None):
-        raise ConfigError("train_batch_size: gradient_accumulation_steps alone cannot fix the batch; "
-                          "also give train_batch_size or train_micro_batch_size_per_gpu")
-    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
-        raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu")
+    _check_batch_keys(config, sources or {})
     opt = config.optimizer
     if config.zero_optimization.stage > 0 and opt.type not in ZERO_TESTED_OPTIMIZERS \
             and not config.zero_allow_untested_optimizer:
@@ -945,6 +1128,21 @@ def _check(config: Config) -> None:
         raise ConfigError("data.path: required when data.source is 'file'; give a text file")
     if (config.run.save_every is not None) and not config.run.checkpoint_dir:
         raise ConfigError("run.save_every: needs run.checkpoint_dir; set both or neither")
+
+
+def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
+    """The triad rules that hold for any data-parallel size: one of the two batch sizes is needed."""
+    if config.train_batch_size is not None or config.train_micro_batch_size_per_gpu is not None:
+        return
+    auto = [k for k in BATCH_KEYS if sources.get(k) == "derived ('auto')"]
+    if auto:
+        raise ConfigError(f"{auto[0]}: 'auto' has nothing to be derived from; write "
+                          f"train_micro_batch_size_per_gpu (rows per device per micro-step) or "
+                          f"train_batch_size as a number ('auto' may stay on the others)")
+    if config.gradient_accumulation_steps is not None:
+        raise ConfigError("train_batch_size: gradient_accumulation_steps alone cannot fix the batch; "
+                          "also give train_batch_size or train_micro_batch_size_per_gpu")
+    raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu")
 
 
 def unsupported_features(config: Config) -> list[str]:

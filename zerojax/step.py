@@ -38,14 +38,28 @@ def _tree_map_layouts(fn: Callable[..., Any], layouts: Any, *trees: Any) -> Any:
     return jax.tree.map(fn, layouts, *trees, is_leaf=_is_layout)
 
 
+def _gathered_up_front(lay: LeafLayout) -> bool:
+    """Parameters sharded along dim 0 reach the loss whole.
+
+    Dim 0 may be a stacked-layer axis the loss scans over, and a scan cannot slice a ParamShard
+    along its sharded axis. choose_dim picks dim 0 only when nothing else divides (1-D leaves, or
+    layer-only divisibility), so these leaves are few and small.
+    """
+    return isinstance(lay.param, Shard) and lay.param.dim == 0
+
+
 def _grad_source(lay: LeafLayout) -> Any:
     """A gathered parameter's gradient comes back reduce-scattered; a replicated one's is PARTIAL."""
-    return lay.param if isinstance(lay.param, Shard) else PARTIAL
+    return lay.param if isinstance(lay.param, Shard) and not _gathered_up_front(lay) else PARTIAL
 
 
 def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
     """Local parameter blocks as the loss sees them inside shard_map."""
     def one(lay: LeafLayout, x: jax.Array) -> Any:
+        if _gathered_up_front(lay):
+            # A per-device (varying) gather outside the differentiated function: the gradient is
+            # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
+            return jax.lax.all_gather(x, DATA, axis=0, tiled=True)
         if isinstance(lay.param, Shard):
             return ParamShard(x, lay.param.dim - x.ndim)
         return to_varying(x) if for_grad else x

@@ -1,0 +1,248 @@
+"""Shared pieces of the step / layout / collectives tests: a tiny model, configs, a single-device
+reference trainer, tree comparison and HLO parsing.
+
+The model is a small MLP whose hidden layers are stacked (leading layer axis) and applied with
+`lax.scan`, so the same forward serves as a plain loss (whole parameters) and as a ZeRO-3 loss that
+gathers each layer inside the scanned body.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+import zerojax
+from zerojax.collectives import gather, gathers_params
+from zerojax.mesh import DATA
+
+D_IN, D_HID, D_OUT, N_LAYERS = 16, 32, 4, 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Model.
+
+def mlp_params(seed: int = 0, *, divisible: bool = False) -> dict[str, Any]:
+    """fp32 numpy parameters. Not `divisible`: `b_out` (4,) and `w_out` (32, 4) shard only on some
+    meshes, a mix of sharded and replicated leaves. `divisible`: every leaf divides by 8."""
+    rng = np.random.default_rng(seed)
+
+    def f(*shape: int, scale: float = 0.3) -> np.ndarray:
+        return (rng.normal(size=shape) * scale).astype(np.float32)
+
+    out = 8 if divisible else D_OUT
+    return {"w_in": f(D_IN, D_HID), "b_in": f(D_HID, scale=0.1),
+            "layers": {"w": f(N_LAYERS, D_HID, D_HID), "b": f(N_LAYERS, D_HID, scale=0.1)},
+            "w_out": f(D_HID, out), "b_out": f(out, scale=0.1)}
+
+
+def forward(params: dict[str, Any], x: jax.Array, g: Callable[[Any], Any] = lambda t: t) -> jax.Array:
+    """Compute in the parameters' dtype; `g` gathers (ZeRO-3) or is the identity."""
+    top = g({k: v for k, v in params.items() if k != "layers"})
+    dt = top["w_in"].dtype
+    h = jnp.tanh(x.astype(dt) @ top["w_in"] + top["b_in"])
+
+    def body(h: jax.Array, layer: dict[str, Any]) -> tuple[jax.Array, None]:
+        layer = g(layer)
+        return jnp.tanh(h @ layer["w"] + layer["b"]), None
+
+    h, _ = jax.lax.scan(body, h, params["layers"])
+    out = h @ top["w_out"] + top["b_out"]
+    return out[:, :D_OUT].astype(jnp.float32)
+
+
+def mse_loss(params: dict[str, Any], batch: dict[str, Any]) -> jax.Array:
+    """A plain loss: expects whole parameters."""
+    return jnp.mean((forward(params, batch["x"]) - batch["y"]) ** 2)
+
+
+@gathers_params
+def layerwise_loss(params: dict[str, Any], batch: dict[str, Any]) -> jax.Array:
+    """The same loss, gathering ZeRO-3 parameters layer by layer inside the scan."""
+    return jnp.mean((forward(params, batch["x"], gather) - batch["y"]) ** 2)
+
+
+def make_batch(rows: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1000 + seed)
+    x = rng.normal(size=(rows, D_IN)).astype(np.float32)
+    y = np.tanh(x[:, :D_OUT] * 1.5 + 0.3 * rng.normal(size=(rows, D_OUT))).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+# ------------------------------------------------------------------------------------------------
+# Configs and meshes.
+
+ADAM = {"type": "Adam", "params": {"lr": 1e-2}}
+SGD = {"type": "SGD", "params": {"lr": 0.2}}
+
+
+def make_config(stage: int, *, gas: int = 1, dtype: str = "fp32", optimizer: dict | None = None,
+                clip: float = 1.0, threshold: int = 0, train_batch_size: int = 32,
+                **extra: Any) -> zerojax.Config:
+    raw: dict[str, Any] = {
+        "train_batch_size": train_batch_size, "gradient_accumulation_steps": gas,
+        "optimizer": optimizer or ADAM, "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": threshold},
+        "zero_allow_untested_optimizer": True,
+    }
+    if dtype == "bf16":
+        raw["bf16"] = {"enabled": True}
+    raw.update(extra)
+    return zerojax.load_config(raw)
+
+
+def data_mesh(n: int | None = None) -> Mesh:
+    devices = jax.devices() if n is None else jax.devices()[:n]
+    return Mesh(np.array(devices), (DATA,))
+
+
+# ------------------------------------------------------------------------------------------------
+# The single-device reference: plain value_and_grad of the global mean loss + the plan's optax tx.
+
+def deepspeed_clip(grads: Any, norm: jax.Array, max_norm: Any) -> Any:
+    """DeepSpeed: coef = max_norm / (norm + 1e-6), applied when it is below 1; max_norm 0 disables."""
+    coef = max_norm / (norm + 1e-6)
+    engage = (max_norm > 0) & (coef < 1.0)
+    return jax.tree.map(lambda g: jnp.where(engage, g * coef, g), grads)
+
+
+def reference_run(tx: optax.GradientTransformation, compute_dtype: Any, loss_fn: Any,
+                  params0: Any, batches: Sequence[Any], clip: float) -> list[dict[str, Any]]:
+    """Train on one device: fp32 master, forward in `compute_dtype` (the same casting as the step).
+
+    Returns, after each step, the master params, the optimizer state, the loss and the gradient norm
+    (before clipping), as numpy trees.
+    """
+    dev = jax.devices()[0]
+
+    @jax.jit
+    def step(master: Any, opt_state: Any, batch: Any, clip: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
+        compute = jax.tree.map(lambda x: x.astype(compute_dtype), master)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch).astype(jnp.float32))(compute)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        norm = optax.tree.norm(grads)
+        grads = deepspeed_clip(grads, norm, clip)
+        updates, opt_state = tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state, loss, norm
+
+    master = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params0), dev)
+    opt_state = tx.init(master)
+    out = []
+    for batch in batches:
+        master, opt_state, loss, norm = step(master, opt_state, jax.device_put(batch, dev),
+                                             jnp.float32(clip))
+        out.append({"master": to_numpy(master), "opt_state": to_numpy(opt_state),
+                    "loss": float(loss), "grad_norm": float(norm)})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Trees.
+
+def to_numpy(tree: Any) -> Any:
+    """Host copies; floating leaves (bf16 included) as float64."""
+    def one(x: Any) -> np.ndarray:
+        x = jax.device_get(x)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return np.asarray(x.astype(np.float32), np.float64)
+        return np.asarray(x)
+    return jax.tree.map(one, tree)
+
+
+def assert_tree_close(got: Any, want: Any, *, rtol: float, atol: float, what: str = "") -> None:
+    """Leaf by leaf: |got - want| <= atol + rtol * max|want| (a per-leaf scale, so moments as small
+    as Adam's v are compared relative to their own size)."""
+    got_l, got_t = jax.tree_util.tree_flatten_with_path(got)
+    want_l, want_t = jax.tree_util.tree_flatten_with_path(want)
+    assert got_t == want_t, f"{what}: tree structures differ\n{got_t}\n{want_t}"
+    for (path, g), (_, w) in zip(got_l, want_l):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape, f"{what}{jax.tree_util.keystr(path)}: shape {g.shape} != {w.shape}"
+        scale = float(np.max(np.abs(w))) if w.size else 0.0
+        err = float(np.max(np.abs(g - w))) if w.size else 0.0
+        assert err <= atol + rtol * scale, (
+            f"{what}{jax.tree_util.keystr(path)}: max |diff| {err:.3g} > {atol:g} + {rtol:g} * {scale:.3g}")
+
+
+def assert_relative_close(got: Any, want: Any, *, rel: float, origin: Any = None, what: str = "") -> None:
+    """Leaf by leaf: ||got - want|| <= rel * ||want - origin|| (L2 norms; origin 0 by default).
+
+    For bf16, where Adam turns the noise of tiny gradients into whole-lr steps of either sign on a
+    few elements, this bounds the error of the update as a whole: a gradient over-counted by N, a
+    dropped micro-batch or a wrong sign gives errors of order 1 or more.
+    """
+    got_l, got_t = jax.tree_util.tree_flatten_with_path(got)
+    want_l, want_t = jax.tree_util.tree_flatten_with_path(want)
+    assert got_t == want_t, f"{what}: tree structures differ\n{got_t}\n{want_t}"
+    origin_l = jax.tree.leaves(origin) if origin is not None else [0.0] * len(want_l)
+    for (path, g), (_, w), o in zip(got_l, want_l, origin_l):
+        g, w, o = (np.asarray(a, np.float64) for a in (g, w, o))
+        err, size = float(np.linalg.norm(g - w)), float(np.linalg.norm(w - o))
+        assert err <= rel * size, (
+            f"{what}{jax.tree_util.keystr(path)}: ||diff|| {err:.3g} > {rel:g} * {size:.3g}")
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of `tree` (its first addressable shard of every leaf)."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+# ------------------------------------------------------------------------------------------------
+# HLO.
+
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+([a-z][\w\-]*)\(")
+
+
+def collectives(hlo: str, op: str) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """For every `op` instruction (e.g. "all-reduce", or its async "-start" form) in compiled HLO
+    text, the (dtype, shape) of each element of its result (a combined, tuple-shaped collective
+    gives several)."""
+    out = []
+    for line in hlo.splitlines():
+        m = _INSTR.match(line)
+        if m and m.group(2) in (op, op + "-start"):
+            out.append([(dt, tuple(int(d) for d in dims.split(",") if d))
+                        for dt, dims in _SHAPE.findall(m.group(1))])
+    return out
+
+
+def collective_shapes(hlo: str, op: str) -> list[tuple[int, ...]]:
+    """Every result shape of every `op` instruction, tuples flattened."""
+    return [shape for instr in collectives(hlo, op) for _, shape in instr]
+
+
+def count_op(hlo: str, op: str) -> int:
+    return len(collectives(hlo, op))
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%([\w.\-]+)")
+
+
+def computations_with(hlo: str, op: str) -> set[str]:
+    """Names of the HLO computations that contain an `op` instruction ("ENTRY" for the entry)."""
+    found, current = set(), None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = "ENTRY" if m.group(1) else m.group(2)
+            continue
+        m = _INSTR.match(line)
+        if m and m.group(2) in (op, op + "-start"):
+            found.add(current)
+    return found
+
+
+def while_bodies(hlo: str) -> set[str]:
+    """Names of the computations that are the body of a while loop."""
+    return {m.group(1) for m in _WHILE_BODY.finditer(hlo)}

@@ -1,0 +1,679 @@
+"""The config loader: DeepSpeed's batch triad and optimizer semantics, file formats, sources, and
+one clear error (key path + fix) for every bad config. No JAX devices are touched."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerojax import config as cfg
+from zerojax.config import BatchSize, Config, ConfigError, check_supported, load_config, resolve_batch
+from zerojax.config import unsupported_features
+
+ROOT = Path(__file__).resolve().parents[1]
+DP_SIZES = (1, 2, 8)
+
+
+def with_batch(**keys: Any) -> dict[str, Any]:
+    """A minimal valid config (one batch key) plus `keys`."""
+    return {"train_micro_batch_size_per_gpu": 2, **keys}
+
+
+def triad(tb: int | None = None, mb: int | None = None, gas: int | None = None) -> Config:
+    raw = {k: v for k, v in zip(cfg.BATCH_KEYS, (tb, mb, gas)) if v is not None}
+    return Config(**raw)
+
+
+def explain_row(config: Config, key: str, dp: int | None = None) -> tuple[str, str]:
+    """(value, source) of one row of `explain`."""
+    for line in config.explain(dp).splitlines()[1:]:
+        name, value, source = re.match(r"(\S+)\s+(\S+)\s+(.*)$", line).groups()
+        if name == key:
+            return value, source
+    raise AssertionError(f"{key} not in explain()")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch triad (REFERENCE.md §1).
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_triad_all_three_consistent(dp: int) -> None:
+    assert triad(4 * 2 * dp, 4, 2).batch(dp) == BatchSize(4 * 2 * dp, 4, 2)
+    assert resolve_batch(load_config({"train_batch_size": 24 * dp, "train_micro_batch_size_per_gpu": 3,
+                                      "gradient_accumulation_steps": 8}), dp) == (24 * dp, 3, 8)
+
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_triad_all_three_inconsistent_prints_the_arithmetic(dp: int) -> None:
+    tb = 4 * 2 * dp + 2
+    with pytest.raises(ConfigError, match=(
+            rf"^train_batch_size: {tb} != train_micro_batch_size_per_gpu \* gradient_accumulation_steps "
+            rf"\* data-parallel size = 4 \* 2 \* {dp} = {8 * dp}; fix one of the three or leave one out")):
+        triad(tb, 4, 2).batch(dp)
+
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_triad_batch_and_micro_derive_accumulation(dp: int) -> None:
+    assert triad(tb=4 * 3 * dp, mb=4).batch(dp) == BatchSize(12 * dp, 4, 3)
+    tb = 4 * 3 * dp + 2
+    with pytest.raises(ConfigError, match=(
+            rf"^gradient_accumulation_steps: train_batch_size / \(micro 4 \* dp {dp}\) = {tb} / {4 * dp} "
+            rf"is not a whole number; choose train_batch_size as a multiple of {4 * dp}$")):
+        triad(tb=tb, mb=4).batch(dp)
+
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_triad_batch_and_accumulation_derive_micro(dp: int) -> None:
+    assert triad(tb=2 * 5 * dp, gas=2).batch(dp) == BatchSize(10 * dp, 5, 2)
+    tb = 2 * 5 * dp + 1
+    with pytest.raises(ConfigError, match=(
+            rf"^train_micro_batch_size_per_gpu: train_batch_size / \(accumulation 2 \* dp {dp}\) = "
+            rf"{tb} / {2 * dp} is not a whole number; choose train_batch_size as a multiple of {2 * dp}$")):
+        triad(tb=tb, gas=2).batch(dp)
+
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_triad_micro_and_accumulation_derive_batch(dp: int) -> None:
+    assert triad(mb=3, gas=4).batch(dp) == BatchSize(12 * dp, 3, 4)
+
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_triad_only_train_batch_size_means_no_accumulation(dp: int) -> None:
+    assert triad(tb=16 * dp).batch(dp) == BatchSize(16 * dp, 16, 1)
+
+
+@pytest.mark.parametrize("dp", [2, 8])
+def test_triad_only_train_batch_size_must_divide_by_dp(dp: int) -> None:
+    tb = 4 * dp + 1
+    with pytest.raises(ConfigError, match=(rf"^train_micro_batch_size_per_gpu: train_batch_size / dp {dp} = "
+                                           rf"{tb} / {dp} is not a whole number; choose train_batch_size "
+                                           rf"as a multiple of {dp}$")):
+        triad(tb=tb).batch(dp)
+
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_triad_only_micro_means_no_accumulation(dp: int) -> None:
+    assert triad(mb=5).batch(dp) == BatchSize(5 * dp, 5, 1)
+    assert load_config({"train_micro_batch_size_per_gpu": 5}).batch(dp) == BatchSize(5 * dp, 5, 1)
+
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_triad_only_accumulation_or_nothing_is_an_error(dp: int) -> None:
+    fix = "give train_batch_size or train_micro_batch_size_per_gpu"
+    with pytest.raises(ConfigError, match=f"^train_batch_size: {fix}"):
+        triad(gas=4).batch(dp)
+    with pytest.raises(ConfigError, match=f"^train_batch_size: {fix}"):
+        triad().batch(dp)
+    with pytest.raises(ConfigError, match=("^train_batch_size: gradient_accumulation_steps alone cannot fix "
+                                           "the batch; also give train_batch_size or "
+                                           "train_micro_batch_size_per_gpu$")):
+        load_config({"gradient_accumulation_steps": 4})
+    with pytest.raises(ConfigError, match=f"^train_batch_size: {fix}$"):
+        load_config({"steps_per_print": 5})
+
+
+@pytest.mark.parametrize("dp", [0, -2, 2.0, True, "8", None])
+def test_triad_rejects_a_bad_data_parallel_size(dp: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^data-parallel size: got .*; it must be a positive integer"):
+        triad(mb=4).batch(dp)
+
+
+def test_triad_auto_means_derive() -> None:
+    config = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+                          "gradient_accumulation_steps": "auto"})
+    assert config.train_batch_size is None and config.gradient_accumulation_steps is None
+    assert config.sources["train_batch_size"] == "derived ('auto')"
+    assert config.batch(8) == BatchSize(32, 4, 1)
+    assert explain_row(config, "train_batch_size", 8) == ("32", "derived ('auto', data-parallel size 8)")
+    assert explain_row(config, "train_micro_batch_size_per_gpu", 8) == ("4", "file")
+    with pytest.raises(ConfigError, match=(r"^train_batch_size: 'auto' has nothing to be derived from; write "
+                                           r"train_micro_batch_size_per_gpu .* or train_batch_size as a "
+                                           r"number")):
+        load_config(dict.fromkeys(cfg.BATCH_KEYS, "auto"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer semantics: Adam means AdamW, implementation selectors, weight-decay defaults.
+
+def optimizer(type_: str, **params: Any) -> cfg.OptimizerConfig:
+    return load_config(with_batch(optimizer={"type": type_, "params": params})).optimizer
+
+
+def test_adam_means_adamw() -> None:
+    opt = optimizer("Adam", lr=1e-3)
+    assert opt.type == "adam" and opt.params.adam_w_mode is True
+    config = load_config(with_batch())  # no optimizer section: DeepSpeed's default Adam
+    assert config.optimizer.type == "adam" and config.optimizer.params.adam_w_mode is True
+
+
+@pytest.mark.parametrize("given, expected", [(0, False), (1, True), (False, False), (True, True)])
+def test_adam_w_mode_accepts_0_and_1(given: Any, expected: bool) -> None:
+    assert optimizer("Adam", adam_w_mode=given).params.adam_w_mode is expected
+
+
+@pytest.mark.parametrize("type_, params, weight_decay, source", [
+    ("Adam", {}, 0.0, "derived (FusedAdam default)"),
+    ("AdamW", {}, 0.0, "derived (FusedAdam default)"),
+    ("Adam", {"torch_adam": True}, 0.01, "derived (torch_adam: torch.optim.AdamW default)"),
+    ("AdamW", {"torch_adam": 1}, 0.01, "derived (torch_adam: torch.optim.AdamW default)"),
+    ("Adam", {"torch_adam": True, "adam_w_mode": 0}, 0.0, "derived (torch_adam: torch.optim.Adam default)"),
+    ("Adam", {"torch_adam": True, "weight_decay": 0.1}, 0.1, "file"),
+    ("AdamW", {"weight_decay": 0.05}, 0.05, "file"),
+])
+def test_weight_decay_default_follows_the_implementation(type_: str, params: dict, weight_decay: float,
+                                                         source: str) -> None:
+    config = load_config(with_batch(optimizer={"type": type_, "params": params}))
+    assert config.optimizer.params.weight_decay == weight_decay
+    assert config.sources["optimizer.params.weight_decay"] == source
+
+
+@pytest.mark.parametrize("fused", [True, False, 0, 1])
+def test_fused_selector_is_accepted(fused: Any) -> None:
+    assert optimizer("Adam", fused=fused).params.fused is bool(fused)
+
+
+@pytest.mark.parametrize("given, canonical, params_cls", [
+    ("ADAM", "adam", cfg.AdamParams), ("adamW", "adamw", cfg.AdamParams), ("LAMB", "lamb", cfg.LambParams),
+    ("AdaGrad", "adagrad", cfg.AdagradParams), ("lion", "lion", cfg.LionParams), ("Sgd", "sgd", cfg.SGDParams),
+])
+def test_optimizer_type_is_case_insensitive(given: str, canonical: str, params_cls: type) -> None:
+    config = load_config(with_batch(optimizer={"type": given}, zero_allow_untested_optimizer=True))
+    assert config.optimizer.type == canonical and type(config.optimizer.params) is params_cls
+
+
+def test_scheduler_type_is_case_insensitive_and_derives_from_the_optimizer() -> None:
+    config = load_config(with_batch(optimizer={"type": "Adam", "params": {"lr": 3e-4}},
+                                    scheduler={"type": "warmuplr", "params": {"warmup_num_steps": 10}}))
+    assert config.scheduler.type == "WarmupLR"
+    assert config.scheduler.params.warmup_max_lr == 3e-4
+    assert config.sources["scheduler.params.warmup_max_lr"] == "derived (optimizer.params.lr)"
+    one_cycle = load_config(with_batch(scheduler={"type": "ONECYCLE", "params": {
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 7}})).scheduler
+    assert one_cycle.type == "OneCycle" and one_cycle.params.cycle_second_step_size == 7
+
+
+def test_untested_optimizer_is_fine_without_zero_or_when_allowed() -> None:
+    assert load_config(with_batch(optimizer={"type": "SGD"})).optimizer.type == "sgd"
+    allowed = with_batch(optimizer={"type": "SGD"}, zero_optimization={"stage": 2},
+                         zero_allow_untested_optimizer=True)
+    assert load_config(allowed).zero_optimization.stage == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad configs: one error, naming the key path and the fix.
+
+def _adam(**params: Any) -> dict[str, Any]:
+    return {"type": "Adam", "params": params}
+
+
+BAD_CONFIGS = [
+    ("unknown-top", {"train_batch_sise": 8},
+     r"^unknown key 'train_batch_sise'; did you mean 'train_batch_size'\?$"),
+    ("unknown-nested", with_batch(zero_optimization={"stgae": 2}),
+     r"^unknown key 'zero_optimization\.stgae'; did you mean 'stage'\?$"),
+    ("unknown-deep", with_batch(zero_optimization={"offload_optimizer": {"devcie": "cpu"}}),
+     r"^unknown key 'zero_optimization\.offload_optimizer\.devcie'; did you mean 'device'\?$"),
+    ("unknown-optimizer-param", with_batch(optimizer=_adam(weight_decy=0.1)),
+     r"^unknown key 'optimizer\.params\.weight_decy'; did you mean 'weight_decay'\?"),
+    ("unknown-scheduler-param", with_batch(scheduler={"type": "WarmupLR", "params": {"warmup_steps": 5}}),
+     r"^unknown key 'scheduler\.params\.warmup_steps'; did you mean 'warmup_num_steps'\?"),
+    ("key-in-wrong-section", with_batch(lr=1e-3),
+     r"^unknown key 'lr'; it belongs elsewhere: did you mean 'optimizer\.params\.lr'\?$"),
+    ("unknown-optimizer-key", with_batch(optimizer={"type": "Adam", "param": {}}),
+     r"^unknown key 'optimizer\.param'; did you mean 'params'\?$"),
+    ("wrong-type-int", {"train_batch_size": "8"},
+     r"^train_batch_size: expected an integer, got \"8\"$"),
+    ("wrong-type-fraction", {"train_batch_size": 8.5},
+     r"^train_batch_size: expected an integer, got 8\.5$"),
+    ("wrong-type-bool", with_batch(bf16={"enabled": "yes"}),
+     r"^bf16\.enabled: expected true/false, got \"yes\"$"),
+    ("int-bool-out-of-range", with_batch(optimizer=_adam(adam_w_mode=2)),
+     r"^optimizer\.params\.adam_w_mode: expected true/false \(or 0/1\), got 2$"),
+    ("betas-length", with_batch(optimizer=_adam(betas=[0.9])),
+     r"^optimizer\.params\.betas: expected a list of 2 numbers, got \[0\.9\]$"),
+    ("betas-range", with_batch(optimizer=_adam(betas=[0.9, 1.0])),
+     r"^optimizer\.params\.betas\[1\]: 1\.0 must be in \[0, 1\)$"),
+    ("negative-clipping", with_batch(gradient_clipping=-1),
+     r"^gradient_clipping: -1\.0 must be >= 0$"),
+    ("zero-micro-batch", {"train_micro_batch_size_per_gpu": 0},
+     r"^train_micro_batch_size_per_gpu: 0 must be > 0$"),
+    ("fraction-too-large", with_batch(data={"val_fraction": 0.9}),
+     r"^data\.val_fraction: 0\.9 must be <= 0\.5$"),
+    ("nan", with_batch(optimizer=_adam(lr=float("nan"))),
+     r"^optimizer\.params\.lr: NaN is not a usable value; write a number$"),
+    ("bad-stage", with_batch(zero_optimization={"stage": 4}),
+     r"^zero_optimization\.stage: 4 is not one of 0, 1, 2, 3$"),
+    ("bad-offload-device", with_batch(zero_optimization={"offload_optimizer": {"device": "gpu"}}),
+     r"^zero_optimization\.offload_optimizer\.device: 'gpu' is not one of none, cpu, nvme$"),
+    ("bad-warmup-type", with_batch(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cosine"}}),
+     r"^scheduler\.params\.warmup_type: 'cosine' is not one of log, linear$"),
+    ("fp16-and-bf16", with_batch(fp16={"enabled": True}, bf16={"enabled": True}),
+     r"^fp16\.enabled and bf16\.enabled: both true; choose one precision$"),
+    ("untested-optimizer-under-zero", with_batch(optimizer={"type": "SGD"}, zero_optimization={"stage": 1}),
+     r"^optimizer\.type: sgd is not among DeepSpeed's ZeRO-tested optimizers \(.*\); set "
+     r"zero_allow_untested_optimizer: true to use it with ZeRO stage 1$"),
+    ("one-bit-optimizer", with_batch(optimizer={"type": "OneBitAdam"}),
+     r"^optimizer\.type: OneBitAdam \(1-bit communication compression\) is out of scope for zerojax; "
+     r"use Adam or Lamb$"),
+    ("unknown-optimizer", with_batch(optimizer={"type": "Adamm"}),
+     r"^optimizer\.type: unknown optimizer 'Adamm'; did you mean 'adam'\?$"),
+    ("unknown-scheduler", with_batch(scheduler={"type": "CosineAnnealing"}),
+     r"^scheduler\.type: unknown scheduler 'CosineAnnealing'; valid types: LRRangeTest, OneCycle, "
+     r"WarmupCosineLR, WarmupDecayLR, WarmupLR$"),
+    ("optimizer-without-type", with_batch(optimizer={"params": {"lr": 1e-3}}),
+     r'^optimizer\.type: required, a string such as "AdamW"$'),
+    ("optimizer-not-a-section", with_batch(optimizer="adam"),
+     r'^optimizer: expected \{"type": "AdamW", "params": \{\.\.\.\}\}, got "adam"$'),
+    ("section-given-a-value", with_batch(zero_optimization=2),
+     r"^zero_optimization: expected a section \(mapping of keys\), got 2$"),
+    ("offload-param-without-stage-3",
+     with_batch(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
+     r"^zero_optimization\.offload_param\.device: parameter offload needs stage 3 \(stage is 2\); set "
+     r"zero_optimization\.stage=3 or remove offload_param$"),
+    ("cpu-offload-contradiction",
+     with_batch(zero_optimization={"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}),
+     r"^zero_optimization\.cpu_offload: true contradicts offload_optimizer\.device=nvme; keep only "
+     r"offload_optimizer$"),
+    ("warmup-decay-without-total", with_batch(scheduler={"type": "WarmupDecayLR", "params": {}}),
+     r"^scheduler\.params\.total_num_steps: required by WarmupDecayLR; add it$"),
+    ("cosine-without-total", with_batch(scheduler={"type": "WarmupCosineLR"}),
+     r"^scheduler\.params\.total_num_steps: required by WarmupCosineLR; add it$"),
+    ("one-cycle-without-max", with_batch(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}),
+     r"^scheduler\.params\.cycle_max_lr: required by OneCycle; add it$"),
+    ("one-cycle-min-above-max",
+     with_batch(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 0.01}}),
+     r"^scheduler\.params\.cycle_min_lr: larger than cycle_max_lr; swap them$"),
+    ("auto-in-optimizer-params", with_batch(optimizer=_adam(lr="auto")),
+     r"^optimizer\.params\.lr: 'auto' is a Hugging Face Trainer placeholder .*; write the number$"),
+    ("auto-in-scheduler-params",
+     with_batch(scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}),
+     r"^scheduler\.params\.warmup_max_lr: 'auto' is a Hugging Face Trainer placeholder .*; write the number$"),
+    ("adamw-without-w-mode", with_batch(optimizer={"type": "AdamW", "params": {"adam_w_mode": False}}),
+     r"^optimizer\.params\.adam_w_mode: false contradicts type AdamW; use type Adam"),
+    ("amsgrad", with_batch(optimizer=_adam(amsgrad=True)),
+     r"^optimizer\.params\.amsgrad: not supported .*; remove it$"),
+    ("lamb-max-grad-norm", with_batch(optimizer={"type": "Lamb", "params": {"max_grad_norm": 1.0}}),
+     r"^optimizer\.params\.max_grad_norm: not supported in the optimizer .*; use the top-level "
+     r"gradient_clipping$"),
+    ("lamb-coeffs", with_batch(optimizer={"type": "Lamb", "params": {"min_coeff": 20.0}}),
+     r"^optimizer\.params\.min_coeff: larger than max_coeff; swap them$"),
+    ("nesterov-without-momentum", with_batch(optimizer={"type": "SGD", "params": {"nesterov": True}}),
+     r"^optimizer\.params\.nesterov: needs momentum > 0 and dampening 0"),
+    ("heads-do-not-divide", with_batch(model={"d_model": 128, "n_heads": 3}),
+     r"^model\.n_heads: 3 does not divide model\.d_model 128; choose a divisor such as 8$"),
+    ("file-source-without-path", with_batch(data={"source": "file"}),
+     r"^data\.path: required when data\.source is 'file'; give a text file$"),
+    ("save-every-without-dir", with_batch(run={"save_every": 10}),
+     r"^run\.save_every: needs run\.checkpoint_dir; set both or neither$"),
+    ("alias-and-name", with_batch(bf16={"enabled": True}, bfloat16={"enabled": True}),
+     r"^bfloat16: given twice \(also as an alias\); keep one$"),
+    ("non-string-key", {1: 2},
+     r"^config: key 1 must be a string$"),
+]
+
+
+@pytest.mark.parametrize("raw, pattern", [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_names_the_key_and_the_fix(raw: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(raw)
+
+
+def test_there_are_plenty_of_bad_configs() -> None:
+    assert len(BAD_CONFIGS) >= 25
+
+
+def test_not_a_config_at_all() -> None:
+    with pytest.raises(ConfigError, match=r"^config: expected a dict, a file path or a Config, got int$"):
+        load_config(42)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Files.
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+SAME_CONFIG = {
+    "json": ('{"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, '
+             '"betas": [0.9, 0.95]}}, "zero_optimization": {"stage": 2}}'),
+    "commented.json": """{
+        // DeepSpeed configs in the wild carry comments and trailing commas
+        "train_batch_size": 16,
+        /* block comment */
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95],},},
+        "zero_optimization": {"stage": 2,},
+    }""",
+    "hjson": """{
+        # hjson: unquoted keys, no commas
+        train_batch_size: 16
+        optimizer: {
+          type: AdamW
+          params: {lr: 1e-3, betas: [0.9, 0.95]}
+        }
+        zero_optimization: {stage: 2}
+    }""",
+    "yaml": """
+train_batch_size: 16
+optimizer:
+  type: AdamW
+  params: {lr: 1e-3, betas: [0.9, 0.95]}   # 1e-3 is a number here too
+zero_optimization:
+  stage: 2
+""",
+    "yml": "{train_batch_size: 16, optimizer: {type: AdamW, params: {lr: 0.001, betas: [0.9, 0.95]}},"
+           " zero_optimization: {stage: 2}}",
+}
+
+
+def test_every_format_gives_the_same_config(tmp_path: Path) -> None:
+    configs = {name: load_config(write(tmp_path, f"c.{name}", text)) for name, text in SAME_CONFIG.items()}
+    first = configs["json"]
+    assert first.optimizer.params.lr == 1e-3 and first.optimizer.params.betas == (0.9, 0.95)
+    assert first.zero_optimization.stage == 2 and first.batch(8) == BatchSize(16, 2, 1)
+    for name, config in configs.items():
+        assert config == first, name
+        assert config.sources["optimizer.params.lr"] == "file"
+
+
+def test_yaml_scientific_notation_is_a_number(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "train_batch_size: 8\noptimizer: {type: Adam, params: {lr: 3e-4, eps: 1E-8}}\n"
+                                     "zero_optimization: {reduce_bucket_size: 5e8}\n")
+    config = load_config(path, ["optimizer.params.weight_decay=1e-2"])
+    assert config.optimizer.params.lr == 3e-4 and config.optimizer.params.eps == 1e-8
+    assert config.zero_optimization.reduce_bucket_size == 500_000_000
+    assert config.optimizer.params.weight_decay == 0.01
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    text = ("train_batch_size: 8\nfp16: &scaler {enabled: false, loss_scale_window: 100}\n"
+            "checkpoint: {tag_validation: Fail}\nbf16: {enabled: true}\n"
+            "tensorboard: &tb {enabled: false, job_name: a}\ncsv_monitor:\n  <<: *tb\n  job_name: b\n")
+    config = load_config(write(tmp_path, "c.yaml", text))
+    assert config.csv_monitor.job_name == "b" and config.tensorboard.job_name == "a"
+
+
+@pytest.mark.parametrize("name, text", [
+    ("c.json", '{"train_batch_size": 8, "zero_optimization": {"stage": 1, "stage": 2}}'),
+    ("c.hjson", "{train_batch_size: 8\nzero_optimization: {stage: 1\nstage: 2}}"),
+    ("c.yaml", "train_batch_size: 8\nzero_optimization:\n  stage: 1\n  stage: 2\n"),
+    ("commented.json", '{"train_batch_size": 8, // note\n "zero_optimization": {"stage": 1, "stage": 2,},}'),
+])
+def test_duplicate_keys_are_an_error_with_their_path(tmp_path: Path, name: str, text: str) -> None:
+    path = write(tmp_path, name, text)
+    with pytest.raises(ConfigError, match=(rf"^config file {re.escape(str(path))}: zero_optimization\.stage: "
+                                           rf"key written twice; keep one of them$")):
+        load_config(path)
+
+
+def test_duplicate_top_level_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "train_batch_size: 8\ntrain_batch_size: 16\n")
+    with pytest.raises(ConfigError, match=r": train_batch_size: key written twice; keep one of them$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("c.json", '{"train_batch_size": 8,, }'),
+    ("c.hjson", '{"train_batch_size": [}'),
+    ("c.yaml", "train_batch_size: [8\n"),
+])
+def test_unparsable_file_names_the_file_and_the_place(tmp_path: Path, name: str, text: str) -> None:
+    path = write(tmp_path, name, text)
+    with pytest.raises(ConfigError, match=rf"(?s)^config file {re.escape(str(path))}: cannot parse: .*line"):
+        load_config(path)
+
+
+def test_missing_empty_and_directory_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^config file .*nope\.json: not found; give the path of a \.json, "
+                                          r"\.hjson or \.yaml file$"):
+        load_config(tmp_path / "nope.json")
+    with pytest.raises(ConfigError, match=r"^config file .*: is a directory; give the path of a"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"^config file .*empty\.yaml: the file is empty; write a mapping"):
+        load_config(write(tmp_path, "empty.yaml", "  \n"))
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError, match=r"^config file .*binary\.json: cannot read it"):
+        load_config(binary)
+
+
+@pytest.mark.parametrize("name, text, got", [
+    ("c.json", "[1, 2]", "list"), ("c.yaml", "- train_batch_size: 8\n", "list"), ("c.yaml", "8\n", "int"),
+])
+def test_top_level_must_be_a_mapping(tmp_path: Path, name: str, text: str, got: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^config file .*: the top level must be a mapping of keys, got {got}$"):
+        load_config(write(tmp_path, name, text))
+
+
+def test_unknown_key_in_a_file_names_the_path(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "train_batch_size: 8\nzero_optimization:\n  offload_optimiser: {}\n")
+    with pytest.raises(ConfigError, match=(r"^unknown key 'zero_optimization\.offload_optimiser'; did you mean "
+                                           r"'offload_optimizer'\?$")):
+        load_config(path)
+
+
+def test_shipped_configs_load() -> None:
+    for path in sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "examples").glob("*.json")):
+        config = load_config(path)
+        assert config.batch(8).train_batch_size > 0, path
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides, sources, explain, round trip.
+
+def test_overrides_apply_and_are_marked(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.json", SAME_CONFIG["json"])
+    config = load_config(path, ["zero_optimization.stage=3", "run.steps=50"])
+    assert config.zero_optimization.stage == 3 and config.run.steps == 50
+    assert config.sources["zero_optimization.stage"] == "override"
+    assert config.sources["run.steps"] == "override"
+    assert explain_row(config, "zero_optimization.stage") == ("3", "override")
+    assert explain_row(config, "run.steps") == ("50", "override")
+    assert explain_row(config, "train_batch_size") == ("16", "file")
+    # overlap_comm follows the overridden stage, not the file's.
+    assert config.zero_optimization.overlap_comm is True
+
+
+@pytest.mark.parametrize("override, check", [
+    ("optimizer.params.betas=[0.8, 0.9]", lambda c: c.optimizer.params.betas == (0.8, 0.9)),
+    ("scheduler=null", lambda c: c.scheduler is None),
+    ("mesh.data=null", lambda c: c.mesh.data is None),
+    ("run.output_dir=runs/x=1", lambda c: c.run.output_dir == "runs/x=1"),
+    ("fp16={enabled: false, loss_scale: 128}", lambda c: c.fp16.loss_scale == 128.0),
+    ("bfloat16.enabled=true", lambda c: c.bf16.enabled and c.sources["bf16.enabled"] == "override"),
+    ("optimizer.type=ADAM", lambda c: c.optimizer.type == "adam"),
+    ("kernels=xla", lambda c: c.kernels == "xla"),
+])
+def test_override_values(override: str, check: Any) -> None:
+    base = with_batch(scheduler={"type": "WarmupLR"}, mesh={"data": 2}, bf16={"enabled": False},
+                      optimizer={"type": "AdamW"})
+    config = load_config(base, [override])
+    assert check(config)
+
+
+def test_override_of_an_aliased_section_merges_into_it() -> None:
+    config = load_config(with_batch(bfloat16={"enabled": True, "check_grad_overflow": True}),
+                         ["bf16.enabled=false"])
+    assert config.bf16.enabled is False and config.bf16.check_grad_overflow is True
+    assert config.sources["bf16.enabled"] == "override" and config.sources["bf16.check_grad_overflow"] == "file"
+
+
+def test_override_of_a_whole_section_marks_its_keys() -> None:
+    config = load_config(with_batch(), ["zero_optimization={stage: 2, reduce_bucket_size: 1000}"])
+    assert config.sources["zero_optimization.reduce_bucket_size"] == "override"
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("zero_optimization.stage", r"^override 'zero_optimization\.stage': write it as key\.path=value, "
+                                r"e\.g\. zero_optimization\.stage=2$"),
+    ("=3", r"^override '=3': the key path before '=' has an empty part; write it as key\.path=value"),
+    ("zero_optimization..stage=2", r"^override 'zero_optimization\.\.stage=2': the key path before '=' has an "
+                                   r"empty part"),
+    ("train_micro_batch_size_per_gpu.x=1", r"^override train_micro_batch_size_per_gpu\.x: "
+                                           r"'train_micro_batch_size_per_gpu' is a value, not a section$"),
+    ("zero_optimizaton.stage=2", r"^unknown key 'zero_optimizaton'; did you mean 'zero_optimization'\?$"),
+    ("run.steps=abc", r"^run\.steps: expected an integer, got \"abc\"$"),
+    ("run.steps=", r"^run\.steps: expected an integer, got null$"),
+    ("fp16={enabled: true, enabled: false}", r"^fp16\.enabled: key written twice; keep one of them$"),
+])
+def test_bad_overrides(override: str, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(with_batch(), [override])
+
+
+def test_explain_shows_file_default_and_derived_sources(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "train_batch_size: 64\ntrain_micro_batch_size_per_gpu: 2\n"
+                                     "zero_optimization: {stage: 3}\noptimizer: {type: Adam, params: {lr: 0.01}}\n")
+    config = load_config(path)
+    assert explain_row(config, "train_batch_size", 8) == ("64", "file")
+    assert explain_row(config, "gradient_accumulation_steps", 8) == ("4", "derived (data-parallel size 8)")
+    assert explain_row(config, "gradient_accumulation_steps") == ("null", "default")
+    assert explain_row(config, "optimizer.params.lr") == ("0.01", "file")
+    assert explain_row(config, "optimizer.params.eps") == ("1e-08", "default")
+    assert explain_row(config, "optimizer.params.weight_decay") == ("0.0", "derived (FusedAdam default)")
+    assert explain_row(config, "zero_optimization.overlap_comm") == ("true", "derived (true for stage 3)")
+    assert explain_row(config, "model.d_ff") == ("512", "derived (4 * d_model)")
+    assert explain_row(config, "gradient_clipping") == ("1.0", "default")
+    keys = [line.split()[0] for line in config.explain().splitlines()[1:]]
+    assert len(keys) == len(set(keys)) and "zero_optimization.offload_optimizer.device" in keys
+
+
+def test_auto_means_the_default_outside_the_triad() -> None:
+    config = load_config(with_batch(gradient_clipping="auto", fp16={"enabled": "auto"},
+                                    zero_optimization={"overlap_comm": "auto", "stage": 3},
+                                    data_types={"grad_accum_dtype": "auto"}))
+    assert config.gradient_clipping == 1.0 and config.fp16.enabled is False
+    assert config.data_types.grad_accum_dtype is None
+    assert config.sources["gradient_clipping"] == "default ('auto')"
+    assert config.zero_optimization.overlap_comm is True  # default: derived from the stage
+    assert config.sources["zero_optimization.overlap_comm"] == "derived (true for stage 3)"
+
+
+def test_auto_is_a_plain_value_where_the_key_takes_it() -> None:
+    config = load_config(with_batch(kernels="AUTO", pipeline={"stages": "auto"}, run={"output_dir": "auto"}))
+    assert config.kernels == "auto" and config.sources["kernels"] == "file"
+    assert config.pipeline.stages == "auto" and config.run.output_dir == "auto"
+
+
+ROUND_TRIP = [
+    {"train_batch_size": 16, "gradient_accumulation_steps": 2},
+    with_batch(optimizer={"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": 0, "betas": [0.8, 0.9]}},
+               scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}},
+               zero_optimization={"stage": 3, "cpu_offload": True}, bfloat16={"enabled": True},
+               model={"d_model": 64, "n_heads": 8}, run={"log_every": 3}),
+    with_batch(optimizer={"type": "Lamb"}, scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": 9}},
+               fp16={"enabled": True, "loss_scale": 0}, kernels="pallas", mesh={"stage": 2, "data": 4}),
+    with_batch(optimizer={"type": "sgd", "params": {"momentum": 0.9, "nesterov": 1}}, steps_per_print=7),
+]
+
+
+@pytest.mark.parametrize("raw", ROUND_TRIP)
+def test_to_dict_round_trips(raw: dict[str, Any], tmp_path: Path) -> None:
+    config = load_config(raw)
+    plain = config.to_dict()
+    assert load_config(plain) == config
+    path = write(tmp_path, "config.json", json.dumps(plain))  # what the trainer writes next to a run
+    assert load_config(path) == config
+
+
+def test_shipped_configs_round_trip() -> None:
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        config = load_config(path)
+        assert load_config(config.to_dict()) == config, path
+
+
+def test_overriding_a_loaded_config_re_derives() -> None:
+    config = load_config(with_batch(optimizer={"type": "Adam", "params": {"lr": 0.1}}, model={"d_model": 64}))
+    assert config.optimizer.params.weight_decay == 0.0 and config.model.d_ff == 256
+    again = load_config(config, ["optimizer.params.torch_adam=true", "model.d_model=32", "steps_per_print=4"])
+    assert again.optimizer.params.weight_decay == 0.01 and again.model.d_ff == 128 and again.run.log_every == 4
+    assert again.sources["optimizer.params.lr"] == "file"
+    assert again.sources["optimizer.params.torch_adam"] == "override"
+    assert "optimizer.params.eps" not in again.sources
+    assert load_config(config) is config
+
+
+def test_overriding_a_config_built_in_python_keeps_its_values() -> None:
+    config = dataclasses.replace(load_config(with_batch()), gradient_clipping=0.5)
+    again = load_config(config, ["run.steps=3"])
+    assert again.gradient_clipping == 0.5 and again.run.steps == 3
+    assert again.sources["gradient_clipping"] == "given"
+
+
+def test_overriding_a_section_of_a_loaded_config_marks_its_keys() -> None:
+    config = load_config(with_batch(fp16={"enabled": False, "loss_scale": 64}))
+    again = load_config(config, ["fp16={enabled: false, hysteresis: 3}"])
+    assert again.fp16.loss_scale == 0.0 and again.fp16.hysteresis == 3
+    assert again.sources["fp16.enabled"] == "override" and "fp16.loss_scale" not in again.sources
+
+
+def test_every_schema_field_has_a_default_and_a_doc() -> None:
+    """So that "auto" and a missing key always mean something, and the reference documents every key."""
+    classes = [Config, *cfg.OPTIMIZER_PARAMS.values(), *cfg.SCHEDULER_PARAMS.values()]
+    seen: set[type] = set()
+    while classes:
+        cls = classes.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        for f in cfg.schema_fields(cls):
+            assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, f.name
+            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
+            if dataclasses.is_dataclass(f.default_factory):
+                classes.append(f.default_factory)
+    assert cfg.ZeroConfig in seen and cfg.OffloadParamConfig in seen
+
+
+# ---------------------------------------------------------------------------------------------
+# Features that parse but are not built yet.
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["fp16.enabled=true"], r"^fp16\.enabled: fp16 with dynamic loss scaling is not supported yet; "
+                            r"use bf16\.enabled$"),
+    (["kernels=pallas"], r"^kernels: 'pallas' is not supported yet; use 'auto' or 'xla'$"),
+    (["zero_optimization.offload_optimizer.device=cpu"],
+     r"^zero_optimization\.offload_\*: offload to cpu is not supported yet; set device: none$"),
+    (["zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu"],
+     r"^zero_optimization\.offload_\*: offload to cpu is not supported yet; set device: none$"),
+    (["zero_optimization.cpu_offload=true"],
+     r"^zero_optimization\.offload_\*: offload to cpu is not supported yet"),
+    (["zero_optimization.offload_optimizer.device=nvme"],
+     r"^zero_optimization\.offload_\*\.device: nvme is not supported; use cpu$"),
+    (["mesh.stage=2"], r"^mesh\.stage: pipeline parallelism is not supported yet; use mesh\.stage=1$"),
+    (["run.checkpoint_dir=/tmp/ckpt"], r"^run\.checkpoint_dir: checkpointing is not supported yet; remove it$"),
+    (["distributed.num_processes=2"], r"^distributed: multi-process runs are not supported yet; remove the "
+                                      r"section$"),
+    (["distributed.process_id=0"], r"^distributed: multi-process runs are not supported yet"),
+    (["bf16.check_grad_overflow=true"], r"^bf16\.check_grad_overflow: not supported yet; remove it$"),
+    (["zero_optimization.zero_quantized_weights=true"], r"ZeRO\+\+ is not supported$"),
+    (["zero_optimization.mics_shard_size=4"], r"^zero_optimization\.mics_shard_size: MiCS is not supported; "
+                                              r"use -1$"),
+    (["wandb.enabled=true"], r"^wandb\.enabled: not supported \(no network access\); use tensorboard or "
+                             r"csv_monitor$"),
+])
+def test_unsupported_features_fail_clearly(overrides: list[str], pattern: str) -> None:
+    config = load_config(with_batch(), overrides)  # it parses and validates...
+    assert len(unsupported_features(config)) == 1
+    with pytest.raises(ConfigError, match=pattern):  # ...but using it is a clear error
+        check_supported(config)
+
+
+def test_several_unsupported_features_are_counted() -> None:
+    config = load_config(with_batch(), ["fp16.enabled=true", "kernels=pallas", "mesh.stage=2"])
+    assert len(unsupported_features(config)) == 3
+    with pytest.raises(ConfigError, match=r"^fp16\.enabled: .* \(and 2 more\)$"):
+        check_supported(config)
+
+
+def test_supported_configs_pass() -> None:
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        config = load_config(path)
+        assert unsupported_features(config) == []
+        check_supported(config)
+
