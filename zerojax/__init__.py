@@ -15,7 +15,14 @@ from zerojax.step import make_eval_step, make_train_step
 
 __all__ = [
     "Config", "ConfigError", "Engine", "Plan", "TrainState", "from_nnx", "gather", "gathers_params",
-    "init_state", "initialize", "load_config", "make_eval_step", "make_mesh", "make_train_step", "plan",
+    "init_state", "initialize", "load_config", "load_exported", "make_eval_step", "make_mesh", "make_train_step", "plan",
     "request_cpu_devices", "to_nnx",
 ]
 __version__ = "0.1.0"
+
+
+def load_exported(path: str) -> dict:
+    """Parameters from a `zerojax export` safetensors file, as a nested dict of numpy arrays."""
+    from zerojax.checkpoint import load_exported as load  # orbax and safetensors load lazily
+    return load(path)
+

@@ -17,6 +17,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="JSON, hjson or YAML config file")
     train.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                        help="override config keys, e.g. --set zero_optimization.stage=2 run.steps=50")
+    train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
+                       help="continue the newest run under run.output_dir from its latest checkpoint "
+                            "(or from TAG)")
+
+    export = sub.add_parser("export", help="write a checkpoint's parameters to one safetensors file")
+    export.add_argument("checkpoint_dir")
+    export.add_argument("--out", required=True, help="output .safetensors file")
+    export.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    export.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
 
     config = sub.add_parser("config", help="inspect a config")
     config_sub = config.add_subparsers(dest="action", required=True)
@@ -31,10 +40,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "export":
+            return _export(args)
         return _explain(args)
     except ConfigError as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
         return 2
+    except FileExistsError as e:
+        print(f"zerojax: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"zerojax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("zerojax: interrupted", file=sys.stderr)
+        return 130
 
 
 def _start_devices(cpu_devices: int | None) -> None:
@@ -46,7 +66,14 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     _start_devices(config.mesh.cpu_devices)
     from zerojax.trainer import train
-    train(config)
+    train(config, resume=args.resume)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from zerojax.checkpoint import export_safetensors
+    path = export_safetensors(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype)
+    print(f"wrote {path}")
     return 0
 
 

@@ -416,8 +416,10 @@ class RunConfig:
     eval_batches: int = option(4, "Validation batches evaluated at the end.", ge=0)
     progress: bool = option(True, "Show a progress bar.")
     log_every: Optional[int] = option(None, "Steps between metrics lines (default: steps_per_print).", gt=0)
-    checkpoint_dir: Optional[str] = option(None, "Save checkpoints here (not supported yet).")
-    save_every: Optional[int] = option(None, "Steps between checkpoints.", gt=0)
+    checkpoint_dir: Optional[str] = option(
+        None, "Where checkpoints go (default: <output_dir>/checkpoints of this run).")
+    save_every: Optional[int] = option(None, "Steps between checkpoints (a final one is always saved; "
+                                             "null: only the final one).", gt=0)
 
 
 @dataclass(frozen=True)
@@ -1126,8 +1128,6 @@ def _check(config: Config, sources: Mapping[str, str] | None = None) -> None:
                           f"choose a divisor such as {next(h for h in (8, 4, 2, 1) if m.d_model % h == 0)}")
     if config.data.source == "file" and not config.data.path:
         raise ConfigError("data.path: required when data.source is 'file'; give a text file")
-    if (config.run.save_every is not None) and not config.run.checkpoint_dir:
-        raise ConfigError("run.save_every: needs run.checkpoint_dir; set both or neither")
 
 
 def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
@@ -1167,8 +1167,6 @@ def unsupported_features(config: Config) -> list[str]:
         out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
     if config.mesh.stage > 1:
         out.append("mesh.stage: pipeline parallelism is not supported yet; use mesh.stage=1")
-    if config.run.checkpoint_dir:
-        out.append("run.checkpoint_dir: checkpointing is not supported yet; remove it")
     dist = config.distributed
     if dist.coordinator_address or dist.num_processes or dist.process_id is not None:
         out.append("distributed: multi-process runs are not supported yet; remove the section")

@@ -9,7 +9,8 @@ step.py. Porting code keeps its shape:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -21,6 +22,9 @@ from zerojax.mesh import make_mesh
 from zerojax.state import TrainState, init_state
 from zerojax.step import LossFn, check_batch, check_eval_batch, make_eval_step, make_train_step
 
+if TYPE_CHECKING:
+    from zerojax.checkpoint import PendingSave
+
 
 class Engine:
     """Training state plus compiled train/eval steps for one config, mesh and model."""
@@ -31,6 +35,8 @@ class Engine:
         self.state: TrainState = init_state(config, self.plan, params)
         self._train_step = make_train_step(config, self.plan, loss_fn)
         self._eval_step = make_eval_step(config, self.plan, loss_fn)
+        self._pending: PendingSave | None = None
+        self.loaded_extra: dict[str, Any] = {}
 
     # -- training ---------------------------------------------------------------------------
     def _place(self, batch: Any) -> Any:
@@ -75,6 +81,49 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         return self.plan.report()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
+                        extra: Mapping[str, Any] | None = None, async_save: bool | None = None) -> str:
+        """Save everything needed to continue bit for bit; returns the tag (`global_step{N}` by default).
+
+        Asynchronous by default (`checkpoint.async_save`): training continues while it is written,
+        and the tag becomes `latest` only once complete. `extra` holds more JSON state (the trainer
+        keeps its data position there).
+        """
+        from zerojax import checkpoint  # orbax is imported only when checkpoints are used
+        cfg = self.config.checkpoint
+        self.wait_for_checkpoint()
+        self._pending = checkpoint.save(
+            save_dir, tag, self.state, self.plan,
+            extra={"client_state": client_state, "config": self.config.to_dict(), **(extra or {})},
+            async_save=cfg.async_save if async_save is None else async_save,
+            max_to_keep=cfg.max_to_keep, keep_every_n_steps=cfg.keep_every_n_steps)
+        return self._pending.tag
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save has completed (call before exiting)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        ) -> tuple[str, Any]:
+        """Restore a checkpoint onto this engine's mesh and stage; returns (path, client_state).
+
+        The layout comes from this engine's plan, so a checkpoint from any mesh shape or ZeRO stage
+        loads directly. The schedule position is derived from the restored step counters, so
+        `load_lr_scheduler_states` is accepted for compatibility and always honoured as True.
+        """
+        from zerojax import checkpoint
+        del load_lr_scheduler_states
+        self.wait_for_checkpoint()
+        self.state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
+                                            load_module_only=load_module_only)
+        self.loaded_extra = extra
+        resolved = tag or checkpoint.latest_tag(load_dir)
+        return str(Path(load_dir) / str(resolved)), extra.get("client_state")
 
     # -- DeepSpeed accessors --------------------------------------------------------------------
     def train_batch_size(self) -> int:

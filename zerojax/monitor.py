@@ -42,12 +42,13 @@ class Monitor:
     """Writes every logged step to metrics.jsonl and the enabled monitors; drives the progress bar."""
 
     def __init__(self, config: Config, output_dir: Path, total_steps: int, tokens_per_step: int,
-                 samples_per_step: int, *, enabled: bool = True):
+                 samples_per_step: int, *, enabled: bool = True, start_step: int = 0):
         self.config, self.output_dir = config, output_dir
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.enabled = enabled
         self.timers = Timers()
-        self._last_time, self._last_step = time.perf_counter(), 0
+        self._last_time, self._last_step = time.perf_counter(), start_step
+        self._first_step = start_step + 1
         self._bar = None
         self._tb = None
         self._csv: dict[str, Any] = {}
@@ -57,7 +58,8 @@ class Monitor:
         self._jsonl = open(output_dir / "metrics.jsonl", "a")
         if config.run.progress:
             from tqdm.auto import tqdm
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             dynamic_ncols=True)
         if config.tensorboard.enabled:
             from tensorboardX import SummaryWriter  # optional dependency, imported only when used
             self._tb = SummaryWriter(str(self._monitor_dir(config.tensorboard.output_path,
@@ -82,7 +84,7 @@ class Monitor:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
         cfg = self.config
-        log = step % cfg.run.log_every == 0 or step == 1
+        log = step % cfg.run.log_every == 0 or step == self._first_step
         show = step % cfg.steps_per_print == 0
         if not (self.enabled and (log or show)):
             return None

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from zerojax.config import Config
+from zerojax.errors import ConfigError
 from zerojax.data import Batches, read_corpus, split_corpus
 from zerojax.engine import Engine
 from zerojax.layout import plan as make_plan
@@ -18,14 +19,37 @@ from zerojax.models import gpt
 from zerojax.monitor import Monitor
 
 
+def _run_dirs(path: Path) -> list[Path]:
+    """`path`, `path-2`, `path-3`, ... that exist, in order."""
+    dirs, n = [], 1
+    while True:
+        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        if not candidate.exists():
+            return dirs
+        dirs.append(candidate)
+        n += 1
+
+
+def _has_run(path: Path) -> bool:
+    return (path / "metrics.jsonl").exists() or (path / "config.json").exists()
+
+
 def fresh_output_dir(path: Path) -> Path:
     """`path`, or `path-2`, `path-3`, ... if a previous run already wrote there: nothing is overwritten."""
     candidate, n = path, 1
-    while (candidate / "metrics.jsonl").exists() or (candidate / "config.json").exists():
+    while _has_run(candidate):
         n += 1
         candidate = path.with_name(f"{path.name}-{n}")
     candidate.mkdir(parents=True, exist_ok=True)
     return candidate
+
+
+def latest_output_dir(path: Path) -> Path:
+    """The newest run written under `path` (the one `--resume` continues)."""
+    runs = [d for d in _run_dirs(path) if _has_run(d)]
+    if not runs:
+        raise ConfigError(f"--resume: no earlier run under run.output_dir={path}; start without --resume")
+    return runs[-1]
 
 
 def measured_bytes(tree: Any) -> int:
@@ -53,8 +77,12 @@ def evaluate(engine: Engine, batches: Batches, n: int) -> float | None:
     return float(np.mean([float(engine.eval_batch(batches.batch(i))) for i in range(n)]))
 
 
-def train(config: Config) -> dict[str, Any]:
-    """Train the embedded GPT as the config says; returns a summary (also written to summary.json)."""
+def train(config: Config, resume: str | None = None) -> dict[str, Any]:
+    """Train the embedded GPT as the config says; returns a summary (also written to summary.json).
+
+    `resume` is None for a fresh run, "latest" or a checkpoint tag to continue the newest run under
+    `run.output_dir` exactly where its checkpoint left off (state, schedule and data position).
+    """
     start = time.perf_counter()
     mesh = make_mesh(config)
     model_cfg = config.model
@@ -65,49 +93,90 @@ def train(config: Config) -> dict[str, Any]:
     train_batches = Batches(split.train, rows, model_cfg.seq_len, config.data.seed)
     val_batches = Batches(split.val, rows, model_cfg.seq_len, config.data.seed + 1)
 
+    base = Path(config.run.output_dir)
+    out = latest_output_dir(base) if resume else fresh_output_dir(base)
+    ckpt_dir = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else out / "checkpoints"
+    if not resume:
+        _refuse_existing_checkpoints(ckpt_dir)
+
     # Initialize straight into the sharded master layout: no device ever holds the whole model.
     params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
                      out_shardings=layout.update_shardings)()
     engine = Engine(config, params, gpt.make_loss_fn(model_cfg), mesh)
     del params
+    if resume:
+        path, _ = engine.load_checkpoint(str(ckpt_dir), None if resume == "latest" else resume)
+        train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))
+        print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+    first_step = engine.global_steps + 1
 
-    out = fresh_output_dir(Path(config.run.output_dir))
-    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    if not (out / "config.json").exists():
+        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     print(startup_table(engine), flush=True)
     if config.dump_state:
         print(config.explain(engine.plan.data_size), flush=True)
-    print(f"writing to {out}", flush=True)
+    print(f"writing to {out}; checkpoints in {ckpt_dir}", flush=True)
     monitor = Monitor(config, out, config.run.steps, tokens_per_step=rows * model_cfg.seq_len,
-                      samples_per_step=rows)
+                      samples_per_step=rows, start_step=first_step - 1)
+
+    def save(async_save: bool | None = None) -> None:
+        tag = engine.save_checkpoint(str(ckpt_dir), extra={"data_position": train_batches.position},
+                                     async_save=async_save)
+        monitor.print(f"checkpoint {tag} -> {ckpt_dir}")
 
     first = last = None
     timers, breakdown = monitor.timers, config.wall_clock_breakdown
-    for step in range(1, config.run.steps + 1):
-        timers.start("data")
-        batch = next(train_batches)
-        timers.stop("data")
-        timers.start("step")
-        metrics = engine.train_batch(batch)
-        if breakdown:
-            jax.block_until_ready(metrics)
-        timers.stop("step")
-        if config.flops_profiler.enabled and step == config.flops_profiler.profile_step:
-            monitor.print(flops_profile(engine, batch))
-        timers.start("log")
-        record = monitor.step(step, metrics)
-        timers.stop("log")
-        if record is not None:
-            first = record["loss"] if first is None else first
-            last = record["loss"]
+    step = first_step - 1
+    try:
+        for step in range(first_step, config.run.steps + 1):
+            timers.start("data")
+            batch = next(train_batches)
+            timers.stop("data")
+            timers.start("step")
+            metrics = engine.train_batch(batch)
+            if breakdown:
+                jax.block_until_ready(metrics)
+            timers.stop("step")
+            if config.flops_profiler.enabled and step == config.flops_profiler.profile_step:
+                monitor.print(flops_profile(engine, batch))
+            timers.start("log")
+            record = monitor.step(step, metrics)
+            timers.stop("log")
+            if record is not None:
+                first = record["loss"] if first is None else first
+                last = record["loss"]
+            if config.run.save_every and step % config.run.save_every == 0 and step < config.run.steps:
+                save()
+    except KeyboardInterrupt:
+        monitor.print(f"interrupted at step {engine.global_steps}: saving a checkpoint before exiting")
+        if engine.global_steps >= first_step:
+            save(async_save=False)
+        engine.wait_for_checkpoint()
+        monitor.close()
+        raise
+    if engine.global_steps >= first_step:
+        save()
     val_loss = evaluate(engine, val_batches, config.run.eval_batches)
+    engine.wait_for_checkpoint()
     monitor.close()
     summary = {"steps": engine.global_steps, "first_loss": first, "last_loss": last, "val_loss": val_loss,
-               "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out)}
+               "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out),
+               "checkpoint_dir": str(ckpt_dir)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"done: {summary['steps']} steps, loss {first:.4f} -> {last:.4f}, validation loss "
+    losses = f"loss {first:.4f} -> {last:.4f}" if first is not None else "no steps run"
+    print(f"done: {summary['steps']} steps, {losses}, validation loss "
           f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}",
           flush=True)
     return summary
+
+
+def _refuse_existing_checkpoints(ckpt_dir: Path) -> None:
+    """A fresh run never writes into checkpoints of another run."""
+    from zerojax.checkpoint import latest_tag
+    if ckpt_dir.exists() and latest_tag(ckpt_dir) is not None:
+        raise ConfigError(f"run.checkpoint_dir: {ckpt_dir} already holds checkpoints (latest "
+                          f"{latest_tag(ckpt_dir)}); pass --resume to continue that run, or choose "
+                          f"another run.checkpoint_dir")
 
 
 def flops_profile(engine: Engine, batch: Any) -> str:
