@@ -148,6 +148,22 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], tuple[jax.
     return grad_fn
 
 
+def make_param_gather(plan: Plan) -> Callable[[Any], Any]:
+    """Updated master shards -> parameters: cast to the compute dtype *before* the all-gather.
+
+    Written as an explicit collective so the gather moves compute-dtype bytes (Ψ in bf16, the
+    ZeRO figure); left to the partitioner, XLA may gather fp32 and cast afterwards.
+    """
+    pol = plan.policy
+
+    def local(master: Any) -> Any:
+        return _tree_map_layouts(lambda lay, x: move(x.astype(pol.param), lay.update, lay.param),
+                                 plan.layouts, master)
+
+    update_specs = jax.tree.map(lambda s: s.spec, plan.update_shardings)
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(update_specs,), out_specs=_param_specs(plan))
+
+
 def clip_by_global_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
     """DeepSpeed's rule: scale by max_norm / (norm + 1e-6) when that is below 1; 0 disables."""
     if max_norm <= 0:
@@ -167,6 +183,8 @@ def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Tr
     grad_fn = make_grad_fn(plan, loss_fn)
     max_norm = config.gradient_clipping
 
+    gather_params = make_param_gather(plan)
+
     def constrain(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
@@ -178,7 +196,7 @@ def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Tr
         master = state.master if pol.mixed else constrain(state.params, plan.update_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, master)
         master = optax.apply_updates(master, updates)
-        params = constrain(jax.tree.map(lambda x: x.astype(pol.param), master), plan.param_shardings)
+        params = gather_params(master)
         position = state.step - state.skipped
         new = TrainState(params=params, master=master if pol.mixed else None, opt_state=opt_state,
                          step=state.step + 1, skipped=state.skipped)
