@@ -209,8 +209,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class FP16Config:
     """fp16 mixed precision with DeepSpeed's dynamic loss scaler."""
-    enabled: bool = option(False, "Train with fp16 compute and fp32 master weights (not supported yet; "
-                                  "use bf16).")
+    enabled: bool = option(False, "Train with fp16 compute, fp32 master weights and optimizer state, "
+                                  "and loss scaling.")
     auto_cast: bool = option(False, "Cast inputs to fp16 (accepted; the model decides its dtypes).")
     loss_scale: float = option(0.0, "0: dynamic loss scaling; > 0: this static scale.", ge=0)
     initial_scale_power: int = option(16, "Dynamic scaling starts at 2**initial_scale_power.", ge=0)
@@ -225,8 +225,8 @@ class FP16Config:
 class BF16Config:
     """bf16 mixed precision: bf16 params and compute, fp32 master weights and optimizer state."""
     enabled: bool = option(False, "Train with bf16 compute and fp32 master weights.")
-    check_grad_overflow: bool = option(False, "Skip steps whose gradients are not finite "
-                                              "(not supported yet).")
+    check_grad_overflow: bool = option(False, "Skip steps whose gradients are not finite, as fp16 does "
+                                              "(no loss scale).")
     immediate_grad_update: bool = option(True, "Accepted; gradients are always applied at the boundary.")
 
 
@@ -1149,12 +1149,8 @@ def unsupported_features(config: Config) -> list[str]:
     """Keys that parse and validate but whose feature is not built yet: using them is an error."""
     out = []
     zero = config.zero_optimization
-    if config.fp16.enabled:
-        out.append("fp16.enabled: fp16 with dynamic loss scaling is not supported yet; use bf16.enabled")
     if config.fp16.fp16_master_weights_and_grads:
         out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
-    if config.bf16.check_grad_overflow:
-        out.append("bf16.check_grad_overflow: not supported yet; remove it")
     if config.kernels == "pallas":
         out.append("kernels: 'pallas' is not supported yet; use 'auto' or 'xla'")
     if zero.offload_optimizer.device == "nvme" or zero.offload_param.device == "nvme":

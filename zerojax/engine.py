@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import Config, load_config
+from zerojax.errors import LossScaleError
 from zerojax.layout import MemoryReport, Plan, plan as make_plan
 from zerojax.mesh import make_mesh
 from zerojax.state import TrainState, init_state
@@ -49,6 +50,8 @@ class Engine:
         """One optimizer step on a global batch (leading dimension train_batch_size)."""
         check_batch(self.plan, batch)
         self.state, metrics = self._train_step(self.state, self._place(batch))
+        if self.plan.scaler.dynamic and bool(self.state.scaler.stuck):  # one flag per step, as DeepSpeed
+            raise LossScaleError(loss_scale_message(self.plan, self.state))
         return metrics
 
     def eval_batch(self, batch: Any) -> jax.Array:
@@ -137,6 +140,19 @@ class Engine:
 
     def zero_optimization_stage(self) -> int:
         return self.plan.stage
+
+
+def loss_scale_message(plan: Plan, state: TrainState) -> str:
+    """Why the run cannot go on: the scale is at its minimum and gradients still overflow."""
+    scaler = jax.device_get(state.scaler)
+    paths = plan.leaf_paths
+    bad = [paths[i] for i in np.flatnonzero(scaler.first_bad)]
+    shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+    return (f"fp16 gradients overflowed at step {int(state.step)} with the loss scale already at "
+            f"fp16.min_loss_scale={plan.scaler.min_scale:g}: {int(scaler.streak)} consecutive steps "
+            f"skipped; the first of them had non-finite gradients in {shown or 'no leaf (forced)'}. "
+            f"Train with bf16.enabled: true instead of fp16 (no loss scaling needed), or lower the "
+            f"learning rate / check the data for inf and NaN")
 
 
 def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, loss_fn: LossFn | None = None,

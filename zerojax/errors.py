@@ -1,4 +1,4 @@
-"""The one exception type users catch for bad input."""
+"""The exception types users catch."""
 
 
 class ConfigError(ValueError):
@@ -6,4 +6,12 @@ class ConfigError(ValueError):
 
     The message names the offending key (dotted path) or file and says what to write instead.
     It is raised before anything is compiled.
+    """
+
+
+class LossScaleError(FloatingPointError):
+    """fp16 gradients overflowed with the loss scale already at its minimum.
+
+    DeepSpeed stops the run here; so do we, saying which parameters went non-finite first and for
+    how many steps in a row. The engine's state is that of the last applied step.
     """

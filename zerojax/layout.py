@@ -18,7 +18,7 @@ from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
 from zerojax.config import BatchSize, Config, check_supported
 from zerojax.mesh import DATA, data_size
 from zerojax.optim import has_betas, make_optimizer
-from zerojax.precision import Policy, policy as make_policy
+from zerojax.precision import Policy, ScalerConfig, policy as make_policy, scaler_config
 from zerojax.schedules import Schedule, make_schedule
 
 PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer"
@@ -126,6 +126,7 @@ class Plan:
     stage: int
     batch: BatchSize
     policy: Policy
+    scaler: ScalerConfig
     schedule: Schedule
     tx: optax.GradientTransformation
     abstract_params: Any           # ShapeDtypeStructs of the logical (fp32) parameters
@@ -134,6 +135,15 @@ class Plan:
     @property
     def data_size(self) -> int:
         return data_size(self.mesh)
+
+    @property
+    def n_leaves(self) -> int:
+        return len(jax.tree.leaves(self.abstract_params))
+
+    @property
+    def leaf_paths(self) -> list[str]:
+        """Each parameter leaf's path, in tree order (for messages)."""
+        return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(self.abstract_params)]
 
     def _shardings(self, role: str) -> Any:
         return jax.tree.map(
@@ -205,7 +215,8 @@ def plan(config: Config, mesh: Mesh, params: Any) -> Plan:
     betas = opt.params.betas if has_betas(opt.type) else None
     schedule = make_schedule(config.scheduler, opt.params.lr, base_betas=betas)
     tx = make_optimizer(opt, schedule.lr, schedule.beta1, schedule.beta2)
-    return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol, schedule=schedule,
+    return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol,
+                scaler=scaler_config(config), schedule=schedule,
                 tx=tx, abstract_params=abstract, layouts=layouts)
 
 

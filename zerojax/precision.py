@@ -1,8 +1,15 @@
-"""Dtype policy: what the stored parameters, the master copy and the gradient accumulator hold."""
+"""Dtype policy, and DeepSpeed's loss scaler as pure functions over a small state.
+
+The policy says what the stored parameters, the master copy, the gradient accumulator and the
+collectives hold. The loss scaler multiplies the loss before differentiation (fp16 gradients would
+underflow otherwise) and adapts the scale exactly as DeepSpeed's `DynamicLossScaler` does; its state
+is part of the train state, so checkpoints carry it and a resumed run scales identically.
+"""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from zerojax.config import Config
@@ -32,3 +39,96 @@ def policy(config: Config) -> Policy:
     comm = _DTYPES[config.communication_data_type] if config.communication_data_type else None
     return Policy(param=jnp.dtype(param), master=jnp.dtype(jnp.float32), accum=jnp.dtype(accum),
                   comm=None if comm is None else jnp.dtype(comm))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss scaling.
+
+class ScalerConfig(NamedTuple):
+    """Static settings of the loss scaler (from the `fp16` section).
+
+    dynamic:      DeepSpeed's DynamicLossScaler (fp16 with loss_scale 0); otherwise the scale is fixed.
+    check_finite: skip steps whose gradients are not finite (fp16, or bf16.check_grad_overflow).
+    """
+    dynamic: bool
+    check_finite: bool
+    initial: float
+    window: int
+    hysteresis: int
+    consecutive: bool
+    min_scale: float
+
+
+class LossScaleState(NamedTuple):
+    """DeepSpeed's scaler variables, plus what an error at the minimum scale needs to explain itself.
+
+    scale:          the current loss scale (`cur_scale`).
+    hysteresis:     overflows still tolerated before the scale halves (`cur_hysteresis`).
+    last_overflow:  optimizer step of the latest overflow, -1 before any (`last_overflow_iter`).
+    streak:         consecutive skipped steps up to now.
+    first_bad:      per parameter leaf, whether it was non-finite at the first step of the streak.
+    stuck:          an overflow happened with the scale already at its minimum (DeepSpeed stops the
+                    run there); every later step is skipped until the caller reports it.
+    """
+    scale: jax.Array
+    hysteresis: jax.Array
+    last_overflow: jax.Array
+    streak: jax.Array
+    first_bad: jax.Array
+    stuck: jax.Array
+
+
+def scaler_config(config: Config) -> ScalerConfig:
+    fp16 = config.fp16
+    dynamic = fp16.enabled and fp16.loss_scale == 0
+    if dynamic:
+        initial = 2.0 ** fp16.initial_scale_power
+    else:
+        initial = fp16.loss_scale if fp16.enabled else 1.0
+    return ScalerConfig(dynamic=dynamic, check_finite=fp16.enabled or config.bf16.check_grad_overflow,
+                        initial=float(initial), window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+                        consecutive=fp16.consecutive_hysteresis, min_scale=float(fp16.min_loss_scale))
+
+
+def init_loss_scale(cfg: ScalerConfig, n_leaves: int) -> LossScaleState:
+    return LossScaleState(scale=jnp.asarray(cfg.initial, jnp.float32),
+                          hysteresis=jnp.asarray(cfg.hysteresis, jnp.int32),
+                          last_overflow=jnp.asarray(-1, jnp.int32), streak=jnp.asarray(0, jnp.int32),
+                          first_bad=jnp.zeros((n_leaves,), jnp.bool_), stuck=jnp.asarray(False))
+
+
+def update_loss_scale(cfg: ScalerConfig, s: LossScaleState, overflow: jax.Array, iteration: jax.Array,
+                      bad_leaves: jax.Array) -> LossScaleState:
+    """One step of DeepSpeed's `DynamicLossScaler.update_scale` (`iteration` is its `cur_iter`).
+
+    Overflow: when hysteresis is used up (or configured as 1) the scale halves down to the minimum,
+    and an overflow already at the minimum sets `stuck` (DeepSpeed raises there); otherwise one unit
+    of hysteresis is spent. Clean step: after `window` clean steps since the last overflow (or the
+    start) the scale doubles and hysteresis refills; `consecutive` refills it on every clean step.
+    """
+    streak = jnp.where(overflow, s.streak + 1, 0)
+    first_bad = jnp.where(overflow & (s.streak == 0), bad_leaves, s.first_bad)
+    if not cfg.dynamic:
+        return s._replace(streak=streak, first_bad=first_bad)
+    exhausted = (cfg.hysteresis == 1) | (s.hysteresis == 1)
+    at_min = s.scale == cfg.min_scale
+    scale_on_overflow = jnp.where(exhausted, jnp.maximum(s.scale / 2, cfg.min_scale), s.scale)
+    hysteresis_on_overflow = jnp.where(exhausted, s.hysteresis, s.hysteresis - 1)
+
+    stable = iteration - s.last_overflow - 1
+    grow = (stable > 0) & (stable % cfg.window == 0)
+    refill = grow | cfg.consecutive
+    scale_clean = jnp.where(grow, s.scale * 2, s.scale)
+    hysteresis_clean = jnp.where(refill, cfg.hysteresis, s.hysteresis)
+
+    return LossScaleState(
+        scale=jnp.where(overflow, scale_on_overflow, scale_clean).astype(jnp.float32),
+        hysteresis=jnp.where(overflow, hysteresis_on_overflow, hysteresis_clean).astype(jnp.int32),
+        last_overflow=jnp.where(overflow, iteration, s.last_overflow).astype(jnp.int32),
+        streak=streak, first_bad=first_bad, stuck=s.stuck | (overflow & exhausted & at_min))
+
+
+def leaf_finite(tree: Any) -> jax.Array:
+    """One bool per leaf: all of its elements finite (reduced over every shard by the partitioner)."""
+    leaves = jax.tree.leaves(tree)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]) if leaves else jnp.ones((0,), jnp.bool_)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from zerojax.config import Config
 from zerojax.layout import Plan
+from zerojax.precision import LossScaleState, init_loss_scale
 
 
 class TrainState(NamedTuple):
@@ -19,19 +20,35 @@ class TrainState(NamedTuple):
     opt_state: the optax state, parameter-shaped leaves in the `update` placement.
     step:      optimizer steps taken, skipped ones included (DeepSpeed's global_steps).
     skipped:   steps skipped for non-finite gradients (the schedule position is step - skipped).
+    scaler:    the loss scaler's state (a fixed scale of 1 unless fp16 is on).
+    rng:       the run's base PRNG key (raw uint32 key data); loss functions that take an `rng`
+               get it folded with the step, micro-batch and data shard, so a resumed run draws
+               the same numbers.
     """
     params: Any
     master: Any
     opt_state: Any
     step: jax.Array
     skipped: jax.Array
+    scaler: LossScaleState
+    rng: jax.Array
 
 
 def state_shardings(plan: Plan) -> TrainState:
+    rep = plan.replicated
     return TrainState(params=plan.param_shardings,
                       master=plan.update_shardings if plan.policy.mixed else None,
                       opt_state=plan.opt_state_shardings,
-                      step=plan.replicated, skipped=plan.replicated)
+                      step=rep, skipped=rep, scaler=jax.tree.map(lambda _: rep, _abstract_scaler(plan)),
+                      rng=rep)
+
+
+def _abstract_scaler(plan: Plan) -> LossScaleState:
+    return jax.eval_shape(lambda: init_loss_scale(plan.scaler, plan.n_leaves))
+
+
+def _abstract_rng() -> jax.ShapeDtypeStruct:
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
 
 
 def abstract_state(plan: Plan) -> TrainState:
@@ -45,7 +62,9 @@ def abstract_state(plan: Plan) -> TrainState:
               if pol.mixed else None)
     opt = jax.tree.map(lambda x, s: sds(x, x.dtype, s), plan.abstract_opt_state, sh.opt_state)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated)
-    return TrainState(params, master, opt, scalar, scalar)
+    scaler = jax.tree.map(lambda x, s: sds(x, x.dtype, s), _abstract_scaler(plan), sh.scaler)
+    rng = _abstract_rng()
+    return TrainState(params, master, opt, scalar, scalar, scaler, sds(rng, rng.dtype, sh.rng))
 
 
 def check_params(plan: Plan, params: Any) -> None:
@@ -63,24 +82,36 @@ def check_params(plan: Plan, params: Any) -> None:
         raise ValueError(f"init_state: parameter shapes differ from the plan's:\n{lines}")
 
 
-def init_state(config: Config, plan: Plan, params: Any) -> TrainState:
+def init_state(config: Config, plan: Plan, params: Any, rng: jax.Array | int | None = None) -> TrainState:
     """Place `params` (any placement, any float dtype) into a fresh train state of the plan.
 
     `config` must be the one the plan was made from; it is taken for symmetry with
-    `make_train_step` and checked.
+    `make_train_step` and checked. `rng` (a key or a seed; default `run.seed`) is the base key
+    of loss functions that take one.
     """
     if config.zero_optimization.stage != plan.stage:
         raise ValueError(f"init_state: config has ZeRO stage {config.zero_optimization.stage} but the "
                          f"plan was made for stage {plan.stage}; pass the plan's config")
     check_params(plan, params)
     pol = plan.policy
+    key = _key_data(config.run.seed if rng is None else rng)
 
-    def init(params: Any) -> TrainState:
+    def init(params: Any, key: jax.Array) -> TrainState:
         master = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(pol.master), s),
                               params, plan.update_shardings)
         compute = jax.tree.map(lambda x: x.astype(pol.param), params)
         zero = jnp.zeros((), jnp.int32)
         return TrainState(params=compute, master=master if pol.mixed else None,
-                          opt_state=plan.tx.init(master), step=zero, skipped=zero)
+                          opt_state=plan.tx.init(master), step=zero, skipped=zero,
+                          scaler=init_loss_scale(plan.scaler, plan.n_leaves), rng=key)
 
-    return jax.jit(init, out_shardings=state_shardings(plan))(params)
+    return jax.jit(init, out_shardings=state_shardings(plan))(params, key)
+
+
+def _key_data(rng: jax.Array | int) -> jax.Array:
+    """Raw uint32 key data from a seed, a typed key or raw key data (what orbax can store)."""
+    if isinstance(rng, int):
+        return jax.random.key_data(jax.random.key(rng))
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(rng)
+    return jnp.asarray(rng, jnp.uint32)

@@ -3,16 +3,21 @@
 The step reads placements from the plan and moves gradients between them with explicit
 collectives (collectives.move); it has no notion of "stage". Per optimizer step:
 
-1. inside `shard_map` over `data`: for each micro-batch (a `lax.scan`), the gradient of the
-   device's rows, moved into the accumulator's placement (stage 2/3: reduce-scattered every
-   micro-step; stage 0/1: kept PARTIAL and reduced once, at the boundary);
-2. at the boundary, the accumulator moved into the update placement (all-reduce for stage 0,
-   reduce-scatter for stage 1, nothing for 2/3);
-3. outside shard_map, under the automatic partitioner: global-norm clipping, the optax update
-   on the (sharded) fp32 master copy, and the cast + all-gather back to the parameter placement.
+1. `make_grad_fn`, inside `shard_map` over `data`: for each micro-batch (a `lax.scan`), the
+   gradient of the device's rows times the loss scale, moved into the accumulator's placement
+   (stage 2/3: reduce-scattered every micro-step; stage 0/1: kept PARTIAL and reduced once, at the
+   boundary); at the boundary, the accumulator moved into the update placement (all-reduce for
+   stage 0, reduce-scatter for stage 1, nothing for 2/3);
+2. `apply_update`, under the automatic partitioner: unscale, finite check, global-norm clipping,
+   the optax update on the (sharded) fp32 master copy, skipping the step on overflow, the loss
+   scaler's update, and the cast + all-gather back to the parameter placement.
+
+Anything that produces gradients in the update placement (the pipeline executor does) reuses
+`apply_update`, so precision, clipping, schedules and skipping behave the same everywhere.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -25,9 +30,10 @@ from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather,
 from zerojax.config import Config
 from zerojax.layout import LeafLayout, Plan
 from zerojax.mesh import DATA
+from zerojax.precision import leaf_finite, update_loss_scale
 from zerojax.state import TrainState, state_shardings
 
-LossFn = Callable[[Any, Any], jax.Array]
+LossFn = Callable[..., jax.Array]
 
 
 def _is_layout(x: Any) -> bool:
@@ -66,11 +72,21 @@ def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
     return _tree_map_layouts(one, plan.layouts, params)
 
 
-def _whole_params_loss(loss_fn: LossFn) -> LossFn:
-    """Adapt a loss that expects whole parameters: gather everything up front."""
-    if is_gathering(loss_fn):
-        return loss_fn
-    return lambda params, batch: loss_fn(gather(params), batch)
+def takes_rng(loss_fn: LossFn) -> bool:
+    """Loss functions with a parameter named `rng` receive a PRNG key (e.g. for dropout)."""
+    try:
+        return "rng" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _whole_params_loss(loss_fn: LossFn) -> Callable[[Any, Any, Any], jax.Array]:
+    """`loss(params, batch, rng)`: gathers everything up front for a loss that expects whole
+    parameters, and passes `rng` only to loss functions that take one."""
+    gathered = (lambda params: params) if is_gathering(loss_fn) else gather
+    if takes_rng(loss_fn):
+        return lambda params, batch, rng: loss_fn(gathered(params), batch, rng=rng)
+    return lambda params, batch, rng: loss_fn(gathered(params), batch)
 
 
 def _param_specs(plan: Plan) -> Any:
@@ -99,27 +115,36 @@ def check_eval_batch(plan: Plan, batch: Any) -> None:
                              f"data-parallel size {dp}")
 
 
-def make_grad_fn(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
-    """(params, global batch) -> (mean loss, gradients in the update placement), not yet jitted.
+GradFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
+    """(params, global batch, loss scale, key) -> (mean loss, scaled gradients in the update
+    placement), not yet jitted.
 
     Micro-batch i is rows [i*m*dp, (i+1)*m*dp) of the global batch and data shard d gets its d-th
-    block of m rows (DeepSpeed's order). The gradient is that of the global mean loss.
+    block of m rows (DeepSpeed's order). The gradient is that of the global mean loss times
+    `scale` (`apply_update` divides it out); the returned loss is unscaled. `key` is raw key data;
+    micro-batch i on shard d draws from `fold_in(fold_in(key, i), d)`.
     """
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
                        plan.batch.micro_batch_size)
     loss = _whole_params_loss(loss_fn)
     layouts = plan.layouts
 
-    def local(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
         wrapped = _wrap_params(plan, params, for_grad=True)
+        shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(DATA))
 
-        def scaled(p: Any, mb: Any) -> tuple[jax.Array, jax.Array]:
-            value = loss(p, mb)
-            return value.astype(jnp.float32) / (gas * dp), value.astype(jnp.float32)
+        def scaled(p: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+            value = loss(p, mb, rng).astype(jnp.float32)
+            return value * (scale / (gas * dp)), value
 
-        def micro(acc: Any, mb: Any) -> tuple[Any, jax.Array]:
-            (_, value), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb)
+        def micro(acc: Any, xs: Any) -> tuple[Any, jax.Array]:
+            i, mb = xs
+            rng = jax.random.fold_in(shard_key, i)
+            (_, value), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb, rng)
             g = _tree_map_layouts(
                 lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm),
                 layouts, unwrap(g))
@@ -131,19 +156,19 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], tuple[jax.
             return z if lay.grad == REPLICATED else to_varying(z)
 
         acc0 = _tree_map_layouts(zeros, layouts, plan.abstract_params)
-        acc, values = jax.lax.scan(micro, acc0, rows)
+        acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
         grads = _tree_map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm),
                                   layouts, acc)
         return jax.lax.pmean(jnp.mean(values), DATA), grads
 
     update_specs = jax.tree.map(lambda s: s.spec, plan.update_shardings)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(_param_specs(plan), P(None, DATA)),
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(_param_specs(plan), P(None, DATA), P(), P()),
                            out_specs=(P(), update_specs))
 
-    def grad_fn(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         check_batch(plan, batch)
         shaped = jax.tree.map(lambda x: x.reshape(gas, dp, m, *x.shape[1:]), batch)
-        return mapped(params, shaped)
+        return mapped(params, shaped, jnp.asarray(scale, jnp.float32), key)
 
     return grad_fn
 
@@ -172,37 +197,68 @@ def clip_by_global_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
     return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads)
 
 
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
+                 ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step from gradients in the update placement that carry the loss scale.
+
+    Unscale in fp32, check every leaf is finite (fp16, or bf16.check_grad_overflow), clip by the
+    global norm, run the optax update on the master copy, and - on overflow - keep the previous
+    master and optimizer state (so the schedule, driven by the optimizer's count, does not move
+    either), count a skipped step and let the loss scaler react. Parameters are re-derived from
+    the master, so a skipped step leaves them bit-identical too.
+    """
+    pol, tx, sc = plan.policy, plan.tx, plan.scaler
+    scale = state.scaler.scale
+    grads = jax.tree.map(lambda g: g.astype(pol.master) * (1.0 / scale).astype(pol.master), grads)
+    grad_norm = optax.tree.norm(grads)
+    clipped = clip_by_global_norm(grads, grad_norm, plan.config.gradient_clipping)
+    old_master = state.master if pol.mixed else _constrain(state.params, plan.update_shardings)
+    updates, opt_state = tx.update(clipped, state.opt_state, old_master)
+    master = optax.apply_updates(old_master, updates)
+    if sc.check_finite:
+        finite = leaf_finite(grads)
+        overflow = ~jnp.all(finite) | state.scaler.stuck
+        master = _select(overflow, old_master, master)
+        opt_state = _select(overflow, state.opt_state, opt_state)
+        scaler = update_loss_scale(sc, state.scaler, overflow, state.step, ~finite)
+    else:
+        overflow, scaler = jnp.zeros((), jnp.bool_), state.scaler
+    position = state.step - state.skipped
+    new = TrainState(params=make_param_gather(plan)(master), master=master if pol.mixed else None,
+                     opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
+                     scaler=scaler, rng=state.rng)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
+               "loss_scale": scale, "skipped": overflow}
+    return new, metrics
+
+
+def _constrain(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def step_key(state: TrainState) -> jax.Array:
+    """Raw key data for this step: the base key folded with the step counter."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
+
+
 def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], Any]:
     """A jitted `step(state, batch) -> (state, metrics)`; `step.lower(state, batch)` shows the HLO.
 
-    `loss_fn(params, batch) -> scalar` is the mean loss over the rows it is given. Loss functions
-    marked with `zerojax.gathers_params` receive ZeRO-3 parameters as `ParamShard`s and gather
-    them layer by layer; others receive whole parameters.
+    `loss_fn(params, batch) -> scalar` is the mean loss over the rows it is given (a parameter
+    named `rng` receives a PRNG key). Loss functions marked with `zerojax.gathers_params` receive
+    ZeRO-3 parameters as `ParamShard`s and gather them layer by layer; others receive whole
+    parameters. metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped.
     """
-    pol, tx = plan.policy, plan.tx
+    del config  # the plan was derived from it
     grad_fn = make_grad_fn(plan, loss_fn)
-    max_norm = config.gradient_clipping
-
-    gather_params = make_param_gather(plan)
-
-    def constrain(tree: Any, shardings: Any) -> Any:
-        return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads = grad_fn(state.params, batch)
-        grads = jax.tree.map(lambda g: g.astype(pol.master), grads)
-        grad_norm = optax.tree.norm(grads)
-        grads = clip_by_global_norm(grads, grad_norm, max_norm)
-        master = state.master if pol.mixed else constrain(state.params, plan.update_shardings)
-        updates, opt_state = tx.update(grads, state.opt_state, master)
-        master = optax.apply_updates(master, updates)
-        params = gather_params(master)
-        position = state.step - state.skipped
-        new = TrainState(params=params, master=master if pol.mixed else None, opt_state=opt_state,
-                         step=state.step + 1, skipped=state.skipped)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
-                   "loss_scale": jnp.ones((), jnp.float32), "skipped": jnp.zeros((), jnp.bool_)}
-        return new, metrics
+        loss, grads = grad_fn(state.params, batch, state.scaler.scale, step_key(state))
+        return apply_update(plan, state, grads, loss)
 
     shardings = state_shardings(plan)
     return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
@@ -210,11 +266,14 @@ def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Tr
 
 
 def make_eval_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Array]:
-    """A jitted `eval_step(params, batch) -> mean loss`; rows split over `data` (any multiple of dp)."""
+    """A jitted `eval_step(params, batch) -> mean loss`; rows split over `data` (any multiple of dp).
+
+    A loss function that takes `rng` gets `rng=None` here: evaluation is deterministic.
+    """
     loss = _whole_params_loss(loss_fn)
 
     def local(params: Any, batch: Any) -> jax.Array:
-        value = loss(_wrap_params(plan, params, for_grad=False), batch)
+        value = loss(_wrap_params(plan, params, for_grad=False), batch, None)
         return jax.lax.pmean(value.astype(jnp.float32), DATA)
 
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(_param_specs(plan), P(DATA)), out_specs=P())
