@@ -60,6 +60,17 @@ def test_override_changes_stage(tmp_path: Path) -> None:
     assert "ZeRO stage 1" in proc.stdout
 
 
+def test_fp16_config_trains(tmp_path: Path) -> None:
+    """configs/fp16.yaml: the main command in fp16 with the dynamic loss scaler."""
+    out = tmp_path / "run"
+    proc = run("train.py", "--config", "configs/fp16.yaml", "--set", *SMALL, f"run.output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "precision fp16" in proc.stdout
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["loss_scale"] == 2.0 ** 16
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
 @pytest.mark.parametrize("args, message", [
     (["--set", "zero_optimization.stag=2"], "unknown key 'zero_optimization.stag'; did you mean 'stage'"),
     (["--set", "train_batch_size=30"], "train_batch_size"),

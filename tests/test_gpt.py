@@ -146,3 +146,30 @@ def test_stage3_when_only_the_layer_axis_divides() -> None:
     ref = reference_run(p.tx, jnp.float32, loss_fn, params, batches, 0.0)
     assert_tree_close(to_numpy(state.params), ref[-1]["master"], rtol=1e-5, atol=1e-5, what="params")
     np.testing.assert_allclose(metrics["loss"], ref[-1]["loss"], rtol=1e-5)
+
+
+def _train_text(cfg: zerojax.Config, params: dict, steps: int) -> tuple[list[float], list[bool]]:
+    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 40, np.uint8).astype(np.int32)
+    batch = {"tokens": np.stack([text[s:s + T + 1] for s in np.arange(16) * 7])}
+    p = zerojax.plan(cfg, data_mesh(), params)
+    state = zerojax.init_state(cfg, p, params)
+    step = zerojax.make_train_step(cfg, p, gpt.make_loss_fn(CFG))
+    losses, skipped = [], []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        skipped.append(bool(metrics["skipped"]))
+    return losses, skipped
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_converges_like_bf16(params: dict, stage: int) -> None:
+    """fp16 with DeepSpeed's default dynamic scaler (2**16 to start) trains the GPT as bf16 does."""
+    opt = {"type": "Adam", "params": {"lr": 3e-3}}
+    fp16, fp16_skips = _train_text(make_config(stage, train_batch_size=16, optimizer=opt,
+                                               fp16={"enabled": True}), params, 12)
+    bf16, _ = _train_text(make_config(stage, train_batch_size=16, optimizer=opt, dtype="bf16"), params, 12)
+    assert all(np.isfinite(fp16)) and not any(fp16_skips)
+    drop = bf16[0] - bf16[-1]
+    assert drop > 1.0, bf16
+    assert abs(fp16[-1] - bf16[-1]) < 0.1 * drop, (fp16, bf16)

@@ -125,7 +125,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     Micro-batch i is rows [i*m*dp, (i+1)*m*dp) of the global batch and data shard d gets its d-th
     block of m rows (DeepSpeed's order). The gradient is that of the global mean loss times
     `scale` (`apply_update` divides it out); the returned loss is unscaled. `key` is raw key data;
-    micro-batch i on shard d draws from `fold_in(fold_in(key, i), d)`.
+    micro-batch i on data shard d draws from `fold_in(fold_in(key, d), i)`.
     """
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
                        plan.batch.micro_batch_size)
