@@ -112,6 +112,83 @@ def test_resume_is_bitwise(tmp_path, stage) -> None:
     assert_trees_equal(host(restored), expected)
 
 
+RESUME_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    import test_checkpoint as t
+    from zerojax import checkpoint as ckpt
+    from zerojax.layout import plan as make_plan
+    from zerojax.step import make_train_step
+
+    out = {}
+    for name in sys.argv[3:]:
+        cfg = t.RESUME_CASES[name]
+        plan = make_plan(cfg, t.mesh(8), jax.eval_shape(t.small_params))
+        state, extra = ckpt.load(f"{sys.argv[1]}/{name}", None, plan)
+        step = make_train_step(cfg, plan, t.mlp_loss)
+        for i in range(extra["data_position"], 10):
+            state, _ = step(state, t.resume_batch(i, name))
+        out.update(t.as_bytes(name, state))
+    np.savez(f"{sys.argv[1]}/resumed.npz", **out)
+""")
+
+RESUME_CASES = {f"stage{s}": config(s, bf16=True) for s in range(4)}
+RESUME_CASES["fp16-stage3"] = load_config({
+    "train_batch_size": 16, "gradient_accumulation_steps": 2, "scheduler": SCHEDULER,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "weight_decay": 0.01}},
+    "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 3},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+
+
+def resume_batch(i: int, case: str) -> dict:
+    """In the fp16 case steps 2 and 6 overflow (a non-finite input), so the saved scale has moved."""
+    b = batch(i, 16)
+    if case.startswith("fp16") and i in (2, 6):
+        b["x"][0, 0] = np.inf
+    return b
+
+
+def as_bytes(case: str, state: TrainState) -> dict[str, np.ndarray]:
+    """Every leaf's raw bytes and dtype name (npz cannot hold bfloat16), for a bitwise comparison."""
+    out = {}
+    for path, leaf in zip(ckpt.leaf_names(state), jax.tree.leaves(state)):
+        x = np.asarray(jax.device_get(leaf))
+        out[f"{case}/{path}"] = np.frombuffer(x.tobytes(), np.uint8)
+        out[f"{case}/{path}:dtype"] = np.array(x.dtype.name)
+    return out
+
+
+def test_resume_in_a_fresh_process_is_bitwise(tmp_path) -> None:
+    """10 steps == 5 steps + save + load in another process + 5 steps, bit for bit, for stages 0-3
+    (bf16, a schedule) and fp16 with a dynamic scale that moved; the data position comes back."""
+    expected = {}
+    for name, cfg in RESUME_CASES.items():
+        plan = make_plan(cfg, mesh(8), small_params())
+        step = make_train_step(cfg, plan, mlp_loss)
+        state = init_state(cfg, plan, small_params())
+        for i in range(10):
+            if i == 5:
+                ckpt.save(tmp_path / name, None, state, plan, extra={"data_position": i}, async_save=False)
+            state, _ = step(state, resume_batch(i, name))
+        if name.startswith("fp16"):
+            assert int(state.skipped) == 2 and float(state.scaler.scale) == 2.0 ** 6
+        assert np.all(np.isfinite(np.asarray(jax.device_get(state.params["out"]), np.float32)))
+        expected.update(as_bytes(name, state))
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", RESUME_CHILD, str(tmp_path), str(Path(__file__).parent),
+                           *RESUME_CASES], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = dict(np.load(tmp_path / "resumed.npz"))
+    assert sorted(got) == sorted(expected)
+    for key, want in expected.items():
+        np.testing.assert_array_equal(got[key], want, err_msg=key)
+
+
 def test_restore_onto_other_meshes_and_stages(tmp_path) -> None:
     """Saved on 8 devices at stage 3; resumed on 4 devices at stage 1 and 1 device at stage 0."""
     params = small_params()

@@ -134,3 +134,29 @@ def test_resume_continues_exactly_and_export(tmp_path: Path) -> None:
     params = zerojax.load_exported(str(out))
     assert params["blocks"]["fc"]["kernel"].shape == (2, 64, 256)
     assert params["embed"]["embedding"].dtype == np.float32
+
+
+def test_ctrl_c_saves_a_complete_checkpoint(tmp_path: Path) -> None:
+    import signal
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "train.py", "--config", "configs/zero1.yaml", "--set", *SMALL,
+                              "run.steps=100000", "steps_per_print=2", f"run.output_dir={out}"],
+                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in child.stdout:
+            if line.startswith("step 4:"):
+                child.send_signal(signal.SIGINT)
+                break
+        stdout, stderr = child.communicate(timeout=300)
+    finally:
+        child.kill()
+    assert child.returncode == 130, stderr[-3000:]
+    assert "saving a checkpoint before exiting" in stdout
+    tag = (out / "checkpoints" / "latest").read_text().strip()
+    stopped = int(tag.removeprefix("global_step"))
+    assert stopped >= 4
+    from zerojax import checkpoint
+    meta = checkpoint.metadata(out / "checkpoints")  # complete, and it knows where the data stopped
+    assert meta["step"] == stopped and meta["extra"]["data_position"] == stopped

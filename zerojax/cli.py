@@ -6,7 +6,7 @@ import sys
 from typing import Sequence
 
 from zerojax.config import load_config
-from zerojax.errors import ConfigError
+from zerojax.errors import ConfigError, LossScaleError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,15 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "export":
             return _export(args)
         return _explain(args)
-    except ConfigError as e:
+    except (ConfigError, FileExistsError, FileNotFoundError) as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
         return 2
-    except FileExistsError as e:
+    except LossScaleError as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"zerojax: error: {e}", file=sys.stderr)
-        return 2
+        return 1
     except KeyboardInterrupt:
         print("zerojax: interrupted", file=sys.stderr)
         return 130
