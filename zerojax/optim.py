@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.config import (AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig,
+from zerojax.config import (AdagradParams, LambParams, LionParams, OptimizerConfig,
                             SGDParams)
 from zerojax.errors import ConfigError
 
-__all__ = ["make_optimizer", "has_betas", "ScaleByMomentsState", "ScaleByAdagradState",
+__all__ = ["make_optimizer", "has_betas", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
            "TorchMomentumState", "scale_by_moments", "scale_by_clamped_trust_ratio",
            "scale_by_adagrad", "torch_momentum"]
 
@@ -176,16 +176,34 @@ def _decay(weight_decay: float) -> list[optax.GradientTransformation]:
 # ---------------------------------------------------------------------------------------------
 # One factory per optimizer; hyperparameters that may be scheduled are the factory's arguments.
 
-def _adam(p: AdamParams, decoupled: bool) -> Factory:
-    """FusedAdam: adam_w_mode adds wd*p to the direction (AdamW), otherwise to the gradient (L2)."""
-    wd = p.weight_decay or 0.0
+class AdamSettings(NamedTuple):
+    """The constants of DeepSpeed's Adam for a config (what a fused kernel needs besides state)."""
+    decoupled: bool        # AdamW's decay (True) or L2 into the gradient (adam_w_mode false)
+    weight_decay: float
+    eps: float
+    bias_correction: bool
 
+
+def adam_settings(config: OptimizerConfig) -> AdamSettings | None:
+    """Adam's constants, or None for other optimizers.
+
+    DeepSpeed: type AdamW forces decoupled decay; type Adam follows adam_w_mode (default true).
+    """
+    kind, p = config.type.lower(), config.params
+    if kind not in ("adam", "adamw"):
+        return None
+    return AdamSettings(decoupled=kind == "adamw" or bool(p.adam_w_mode), weight_decay=p.weight_decay or 0.0,
+                        eps=p.eps, bias_correction=p.bias_correction)
+
+
+def _adam(s: AdamSettings) -> Factory:
+    """FusedAdam: adam_w_mode adds wd*p to the direction (AdamW), otherwise to the gradient (L2)."""
     def factory(learning_rate: jax.Array, b1: jax.Array, b2: jax.Array) -> optax.GradientTransformation:
-        moments = scale_by_moments(b1, b2, p.eps, p.bias_correction)
-        if decoupled:
-            parts = [moments, *_decay(wd)]
+        moments = scale_by_moments(b1, b2, s.eps, s.bias_correction)
+        if s.decoupled:
+            parts = [moments, *_decay(s.weight_decay)]
         else:
-            parts = [*_decay(wd), moments]
+            parts = [*_decay(s.weight_decay), moments]
         return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
     return factory
 
@@ -230,9 +248,9 @@ def _sgd(p: SGDParams) -> Factory:
 
 def _factory(config: OptimizerConfig) -> Factory:
     kind, p = config.type.lower(), config.params
-    if kind in ("adam", "adamw"):
-        # DeepSpeed: type AdamW forces decoupled decay; type Adam follows adam_w_mode (default true).
-        return _adam(p, decoupled=kind == "adamw" or bool(p.adam_w_mode))
+    adam = adam_settings(config)
+    if adam is not None:
+        return _adam(adam)
     if kind == "lamb":  # load_config has rejected max_grad_norm
         return _lamb(p)
     if kind == "lion":

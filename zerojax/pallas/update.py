@@ -1,0 +1,150 @@
+"""The fused kernels inside the ZeRO update: each device runs them on its own shards.
+
+A Pallas kernel is a custom call the SPMD partitioner cannot split (left to it, XLA would gather
+the operands and run the kernel on whole arrays). So both kernels run inside `jax.shard_map` over
+`data` with the plan's `update` specs, the placement gradients arrive in and master weights and
+optimizer state live in: no data moves in or out of the kernels.
+
+Leaves whose update placement is replicated (stage 0, leaves no mesh size divides) are computed
+identically on every device. Their statistics are added once; sharded leaves' are summed over
+`data`. The shard_maps run with `check_vma=False` so that one launch can take both kinds of leaf;
+that is exact because replicated leaves' results are the same on every device.
+
+The optimizer state keeps optax's structure exactly (`tx.init`'s pytree): the fused path reads
+Adam's moments out of it and writes them back in place, and advances its scalar bookkeeping (update
+counts, the schedule's hyperparameters) by running the optax transform itself on empty arrays.
+So checkpoints, layouts and everything else cannot tell which path produced a state.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zerojax.collectives import Shard
+from zerojax.layout import LeafLayout, Plan
+from zerojax.mesh import DATA
+from zerojax.optim import ScaleByMomentsState, adam_settings
+from zerojax.pallas.adam import AdamScalars, adam_update_pallas, bias_corrections
+from zerojax.pallas.backend import XLA
+from zerojax.pallas.loss_scale import grad_stats_pallas
+
+
+class GradStats(NamedTuple):
+    """Statistics of the unscaled gradients over all devices.
+
+    norm:      global L2 norm (what clipping reads).
+    finite:    no element anywhere is inf or NaN.
+    nonfinite: per parameter leaf, the number of inf/NaN elements (float32), to name the culprits.
+    """
+    norm: jax.Array
+    finite: jax.Array
+    nonfinite: Any
+
+
+def _is_layout(x: Any) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def _sharded(plan: Plan) -> list[bool]:
+    return [isinstance(lay.update, Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=_is_layout)]
+
+
+def _update_specs(plan: Plan) -> Any:
+    return jax.tree.map(lambda s: s.spec, plan.update_shardings)
+
+
+def _find_moments(opt_state: Any) -> ScaleByMomentsState:
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByMomentsState))
+             if isinstance(x, ScaleByMomentsState)]
+    if len(found) != 1:
+        raise ValueError(f"fused Adam: expected one ScaleByMomentsState in the optimizer state, found {len(found)}")
+    return found[0]
+
+
+def _replace_moments(opt_state: Any, moments: ScaleByMomentsState) -> Any:
+    return jax.tree.map(lambda x: moments if isinstance(x, ScaleByMomentsState) else x, opt_state,
+                        is_leaf=lambda x: isinstance(x, ScaleByMomentsState))
+
+
+def _empty(x: Any) -> jax.Array:
+    return jnp.zeros((0,), x.dtype)
+
+
+class FusedUpdate:
+    """The kernel path of the update for one plan; `plan.kernels` picks the Pallas backend."""
+
+    def __init__(self, plan: Plan):
+        if plan.kernels == XLA:
+            raise ValueError("FusedUpdate: the plan resolved kernels to xla")
+        settings = adam_settings(plan.config.optimizer)
+        if settings is None:
+            raise ValueError(f"FusedUpdate: no fused kernel for optimizer {plan.config.optimizer.type}")
+        self.plan, self.settings, self.backend = plan, settings, plan.kernels
+        self._sharded = _sharded(plan)
+        self._specs = _update_specs(plan)
+        self._treedef = jax.tree.structure(plan.abstract_params)
+
+    # -- loss-scale kernel ------------------------------------------------------------------------
+    def grad_stats(self, grads: Any, inv_scale: jax.Array | float = 1.0) -> GradStats:
+        """Norm and finiteness of `grads * inv_scale` (grads in the update placement, any float dtype)."""
+        sharded = self._sharded
+
+        def local(grads: Any, inv_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+            sumsq, bad = grad_stats_pallas(jax.tree.leaves(grads), inv_scale, backend=self.backend)
+            per_leaf = jnp.stack([jnp.stack(sumsq), jnp.stack(bad)])          # (2, leaves)
+            own = jnp.asarray(sharded)
+            # invariant: sharded leaves' partial sums add up over `data`; replicated ones are whole.
+            summed = jax.lax.psum(jnp.where(own, per_leaf, 0.0), DATA)
+            return jnp.where(own, summed, per_leaf)
+
+        per_leaf = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(self._specs, P()),
+                                 out_specs=P(), check_vma=False)(grads, jnp.asarray(inv_scale, jnp.float32))
+        nonfinite = jax.tree.unflatten(self._treedef, list(per_leaf[1]))
+        return GradStats(norm=jnp.sqrt(jnp.sum(per_leaf[0])), finite=jnp.sum(per_leaf[1]) == 0,
+                         nonfinite=nonfinite)
+
+    # -- fused Adam -------------------------------------------------------------------------------
+    def adam(self, grads: Any, master: Any, opt_state: Any, *, grad_scale: jax.Array | float = 1.0,
+             apply: jax.Array | bool = True, emit: Any = None) -> tuple[Any, Any, Any]:
+        """One Adam/AdamW update of the fp32 `master` shards, equal to `tx.update` + apply_updates.
+
+        `grad_scale` multiplies the gradients as they are read (1/loss scale times the clipping
+        coefficient). Where `apply` is false the step is skipped: master and the whole optimizer
+        state come back unchanged. Returns (master, opt_state, master cast to `emit` or None).
+        """
+        tx, st = self.plan.tx, self.settings
+        apply = jnp.asarray(apply, jnp.bool_)
+        # Scalar bookkeeping: optax's own update on empty parameter leaves (no parameter work).
+        hollow = optax.tree_utils.tree_map_params(tx, _empty, opt_state)
+        empties = jax.tree.map(_empty, master)
+        _, advanced = tx.update(empties, hollow, empties)
+        advanced = jax.tree.map(lambda new, old: jnp.where(apply, new, old), advanced, hollow)
+        hyper = advanced.hyperparams
+        count = _find_moments(advanced).count
+        c1, c2 = bias_corrections(hyper["b1"], hyper["b2"], count, st.bias_correction)
+        scalars = AdamScalars(lr=hyper["learning_rate"], b1=hyper["b1"], b2=hyper["b2"],
+                              eps=jnp.float32(st.eps), weight_decay=jnp.float32(st.weight_decay),
+                              c1=c1, c2=c2, grad_scale=jnp.asarray(grad_scale, jnp.float32),
+                              apply=apply.astype(jnp.float32))
+        moments = _find_moments(opt_state)
+        tree = self._treedef
+
+        def local(master: Any, grads: Any, mu: Any, nu: Any, s: AdamScalars) -> tuple[Any, ...]:
+            p, m, v, cast = adam_update_pallas(jax.tree.leaves(master), jax.tree.leaves(grads),
+                                               jax.tree.leaves(mu), jax.tree.leaves(nu), s,
+                                               decoupled=st.decoupled, emit=emit, backend=self.backend)
+            out = (jax.tree.unflatten(tree, p), jax.tree.unflatten(tree, m), jax.tree.unflatten(tree, v))
+            return out + ((jax.tree.unflatten(tree, cast),) if emit is not None else ())
+
+        specs = self._specs
+        n_out = 4 if emit is not None else 3
+        outs = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(specs, specs, specs, specs, P()),
+                             out_specs=(specs,) * n_out, check_vma=False)(
+            master, grads, moments.mu, moments.nu, scalars)
+        new_master, mu, nu = outs[:3]
+        new_moments = _find_moments(advanced)._replace(mu=mu, nu=nu)
+        return new_master, _replace_moments(advanced, new_moments), (outs[3] if emit is not None else None)
