@@ -634,7 +634,6 @@ def test_every_schema_field_has_a_default_and_a_doc() -> None:
 # Features that parse but are not built yet.
 
 @pytest.mark.parametrize("overrides, pattern", [
-    (["kernels=pallas"], r"^kernels: 'pallas' is not supported yet; use 'auto' or 'xla'$"),
     (["zero_optimization.offload_optimizer.device=cpu"],
      r"^zero_optimization\.offload_\*: offload to cpu is not supported yet; set device: none$"),
     (["zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu"],

@@ -462,7 +462,8 @@ class Config:
     comms_logger: CommsLoggerConfig = section(CommsLoggerConfig)
     pipeline: PipelineConfig = section(PipelineConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
-    kernels: str = option("auto", "auto (Pallas on GPU, XLA elsewhere) | pallas (not supported yet) | xla.",
+    kernels: str = option("auto", "Optimizer update: auto (Pallas kernels on GPU for Adam/AdamW, XLA "
+                                  "elsewhere) | pallas (Triton on GPU, interpret mode on CPU) | xla (optax).",
                           choices=("auto", "pallas", "xla"))
     mesh: MeshConfig = section(MeshConfig)
     model: ModelConfig = section(ModelConfig)
@@ -1151,8 +1152,6 @@ def unsupported_features(config: Config) -> list[str]:
     zero = config.zero_optimization
     if config.fp16.fp16_master_weights_and_grads:
         out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
-    if config.kernels == "pallas":
-        out.append("kernels: 'pallas' is not supported yet; use 'auto' or 'xla'")
     if zero.offload_optimizer.device == "nvme" or zero.offload_param.device == "nvme":
         out.append("zero_optimization.offload_*.device: nvme is not supported; use cpu")
     elif zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":

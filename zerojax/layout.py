@@ -18,6 +18,7 @@ from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
 from zerojax.config import BatchSize, Config, check_supported
 from zerojax.mesh import DATA, data_size
 from zerojax.optim import has_betas, make_optimizer
+from zerojax.pallas.backend import platform_of, resolve as resolve_kernels
 from zerojax.precision import Policy, ScalerConfig, policy as make_policy, scaler_config
 from zerojax.schedules import Schedule, make_schedule
 
@@ -131,6 +132,7 @@ class Plan:
     tx: optax.GradientTransformation
     abstract_params: Any           # ShapeDtypeStructs of the logical (fp32) parameters
     layouts: Any                   # LeafLayout per parameter leaf
+    kernels: str = "xla"           # optimizer-update backend: xla, triton, mosaic_gpu or interpret
 
     @property
     def data_size(self) -> int:
@@ -197,6 +199,7 @@ def plan(config: Config, mesh: Mesh, params: Any) -> Plan:
     check that needs the mesh (batch triad, features not built yet) runs here, before any compile.
     """
     check_supported(config)
+    kernels = resolve_kernels(config.kernels, platform_of(mesh), config.optimizer.type)
     n = data_size(mesh)
     batch = config.batch(n)
     stage = config.zero_optimization.stage
@@ -217,7 +220,8 @@ def plan(config: Config, mesh: Mesh, params: Any) -> Plan:
     tx = make_optimizer(opt, schedule.lr, schedule.beta1, schedule.beta2)
     return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol,
                 scaler=scaler_config(config), schedule=schedule,
-                tx=tx, abstract_params=abstract, layouts=layouts)
+                tx=tx, abstract_params=abstract, layouts=layouts,
+                kernels=kernels)
 
 
 def _device_bytes(abstract: Any, shardings: Any, dtype: Any = None) -> int:

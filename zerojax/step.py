@@ -30,6 +30,8 @@ from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather,
 from zerojax.config import Config
 from zerojax.layout import LeafLayout, Plan
 from zerojax.mesh import DATA
+from zerojax.pallas.backend import XLA
+from zerojax.pallas.update import FusedUpdate
 from zerojax.precision import leaf_finite, update_loss_scale
 from zerojax.state import TrainState, state_shardings
 
@@ -189,11 +191,18 @@ def make_param_gather(plan: Plan) -> Callable[[Any], Any]:
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(update_specs,), out_specs=_param_specs(plan))
 
 
+def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:
+    """DeepSpeed's rule: max_norm / (norm + 1e-6) when that is below 1, else 1; 0 disables."""
+    if max_norm <= 0:
+        return jnp.ones((), jnp.float32)
+    return jnp.minimum(1.0, max_norm / (norm + 1e-6))
+
+
 def clip_by_global_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
-    """DeepSpeed's rule: scale by max_norm / (norm + 1e-6) when that is below 1; 0 disables."""
+    """Scale `grads` by `clip_coefficient` (returned unchanged when clipping is off)."""
     if max_norm <= 0:
         return grads
-    coef = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    coef = clip_coefficient(norm, max_norm)
     return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads)
 
 
@@ -206,34 +215,69 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     """One optimizer step from gradients in the update placement that carry the loss scale.
 
     Unscale in fp32, check every leaf is finite (fp16, or bf16.check_grad_overflow), clip by the
-    global norm, run the optax update on the master copy, and - on overflow - keep the previous
+    global norm, run the optimizer update on the master copy, and - on overflow - keep the previous
     master and optimizer state (so the schedule, driven by the optimizer's count, does not move
     either), count a skipped step and let the loss scaler react. Parameters are re-derived from
-    the master, so a skipped step leaves them bit-identical too.
+    the master, so a skipped step leaves them bit-identical too. `plan.kernels` picks the optax
+    update (xla) or the fused Pallas kernels; both give the same state.
     """
-    pol, tx, sc = plan.policy, plan.tx, plan.scaler
+    pol, sc = plan.policy, plan.scaler
     scale = state.scaler.scale
-    grads = jax.tree.map(lambda g: g.astype(pol.master) * (1.0 / scale).astype(pol.master), grads)
-    grad_norm = optax.tree.norm(grads)
-    clipped = clip_by_global_norm(grads, grad_norm, plan.config.gradient_clipping)
+    inv_scale = (1.0 / scale).astype(pol.master)
     old_master = state.master if pol.mixed else _constrain(state.params, plan.update_shardings)
-    updates, opt_state = tx.update(clipped, state.opt_state, old_master)
-    master = optax.apply_updates(old_master, updates)
-    if sc.check_finite:
-        finite = leaf_finite(grads)
-        overflow = ~jnp.all(finite) | state.scaler.stuck
-        master = _select(overflow, old_master, master)
-        opt_state = _select(overflow, state.opt_state, opt_state)
-        scaler = update_loss_scale(sc, state.scaler, overflow, state.step, ~finite)
-    else:
-        overflow, scaler = jnp.zeros((), jnp.bool_), state.scaler
+    update = _optax_update if plan.kernels == XLA else _fused_update
+    grad_norm, finite, overflow, master, opt_state, shards = update(plan, state, grads, inv_scale, old_master)
+    scaler = update_loss_scale(sc, state.scaler, overflow, state.step, ~finite) if sc.check_finite else state.scaler
     position = state.step - state.skipped
-    new = TrainState(params=make_param_gather(plan)(master), master=master if pol.mixed else None,
+    new = TrainState(params=make_param_gather(plan)(shards), master=master if pol.mixed else None,
                      opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
                      scaler=scaler, rng=state.rng)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
                "loss_scale": scale, "skipped": overflow}
     return new, metrics
+
+
+# (grad norm, per-leaf finite, overflow, master, opt_state, shards to gather)
+UpdateResult = tuple[jax.Array, jax.Array, jax.Array, Any, Any, Any]
+
+
+def _overflow(plan: Plan, state: TrainState, finite: jax.Array) -> jax.Array:
+    """Skip the step: a non-finite gradient anywhere, or the scaler stuck at its minimum."""
+    if not plan.scaler.check_finite:
+        return jnp.zeros((), jnp.bool_)
+    return ~jnp.all(finite) | state.scaler.stuck
+
+
+def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any
+                  ) -> UpdateResult:
+    """The update with optax, under XLA's automatic partitioner."""
+    pol = plan.policy
+    grads = jax.tree.map(lambda g: g.astype(pol.master) * inv_scale, grads)
+    grad_norm = optax.tree.norm(grads)
+    clipped = clip_by_global_norm(grads, grad_norm, plan.config.gradient_clipping)
+    updates, opt_state = plan.tx.update(clipped, state.opt_state, old_master)
+    master = optax.apply_updates(old_master, updates)
+    finite = leaf_finite(grads)
+    overflow = _overflow(plan, state, finite)
+    if plan.scaler.check_finite:
+        master = _select(overflow, old_master, master)
+        opt_state = _select(overflow, state.opt_state, opt_state)
+    return grad_norm, finite, overflow, master, opt_state, master
+
+
+def _fused_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any
+                  ) -> UpdateResult:
+    """The same with the Pallas kernels, on each device's shards: one read of the gradients for
+    norm and finiteness, then one fused Adam pass that unscales, clips, skips on overflow and
+    writes the compute-dtype copy the all-gather sends."""
+    pol = plan.policy
+    fused = FusedUpdate(plan)
+    stats = fused.grad_stats(grads, inv_scale)
+    coef = clip_coefficient(stats.norm, plan.config.gradient_clipping)
+    overflow = _overflow(plan, state, stats.leaf_finite)
+    master, opt_state, cast = fused.adam(grads, old_master, state.opt_state, grad_scale=inv_scale * coef,
+                                         apply=~overflow, emit=pol.param if pol.mixed else None)
+    return stats.norm, stats.leaf_finite, overflow, master, opt_state, cast if pol.mixed else master
 
 
 def _constrain(tree: Any, shardings: Any) -> Any:

@@ -116,12 +116,13 @@ def _body(decoupled: bool, emit: bool, backend: str):
 def adam_update_pallas(params: Sequence[jax.Array], grads: Sequence[jax.Array],
                        mu: Sequence[jax.Array], nu: Sequence[jax.Array], s: AdamScalars, *,
                        decoupled: bool, emit: Any = None, backend: str = TRITON,
-                       block: int | None = None,
+                       block: int | None = None, interpret: bool = False,
                        ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list[jax.Array] | None]:
     """The reference's update as Pallas launches; params, mu, nu are updated in place.
 
     params and the moments must be float32; grads may be any float dtype (read and upcast in the
-    kernel, never copied). `backend`: "triton" or "mosaic_gpu" on GPU, "interpret" anywhere.
+    kernel, never copied). `backend`: "triton" or "mosaic_gpu" on GPU, "interpret" anywhere;
+    `interpret` runs a GPU backend's own kernel in the interpreter (tests).
     """
     for name, xs in (("params", params), ("mu", mu), ("nu", nu)):
         if any(x.dtype != jnp.float32 for x in xs):
@@ -135,7 +136,7 @@ def adam_update_pallas(params: Sequence[jax.Array], grads: Sequence[jax.Array],
     if emit is not None:
         outputs.append(multi_tensor.Output(dtype=jnp.dtype(emit)))
     outs, _ = multi_tensor.launch(_body(decoupled, emit is not None, backend), groups, scalars, outputs,
-                                  backend=backend, block=block, name="fused_adam")
+                                  backend=backend, block=block, name="fused_adam", interpret=interpret)
     new_p = [o[0].reshape(shape) for o, shape in zip(outs, shapes)]
     new_m = [o[1].reshape(shape) for o, shape in zip(outs, shapes)]
     new_v = [o[2].reshape(shape) for o, shape in zip(outs, shapes)]

@@ -48,12 +48,15 @@ def _body(s_ref: Any, ins: tuple, outs: tuple, stats_ref: Any, blk: multi_tensor
 
 
 def grad_stats_pallas(grads: Sequence[jax.Array], inv_scale: jax.Array, *, backend: str = TRITON,
-                      block: int | None = None) -> tuple[list[jax.Array], list[jax.Array]]:
-    """The reference's statistics from one Pallas launch; per-block partial sums are added here."""
+                      block: int | None = None, interpret: bool = False) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The reference's statistics from one Pallas launch; per-block partial sums are added here.
+
+    `backend` and `interpret` as for `adam_update_pallas`.
+    """
     block = block or multi_tensor.default_block(backend)
     width = multi_tensor.scalar_width(backend, 1)
     scalars = jnp.zeros((width,), jnp.float32).at[0].set(jnp.asarray(inv_scale, jnp.float32))
     groups = [(g.reshape(-1),) for g in grads]
     _, parts = multi_tensor.launch(_body, groups, scalars, [], backend=backend, block=block, stats=True,
-                                   name="grad_stats")
+                                   name="grad_stats", interpret=interpret)
     return [jnp.sum(p[:, 0]) for p in parts], [jnp.sum(p[:, 1]) for p in parts]

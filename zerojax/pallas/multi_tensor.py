@@ -45,7 +45,7 @@ class Segment(NamedTuple):
 def segments(sizes: Sequence[int], block: int) -> list[Segment]:
     out, start = [], 0
     for i, n in enumerate(sizes):
-        blocks = max(1, -(-n // block))
+        blocks = -(-n // block)
         out.append(Segment(i, start, blocks, n))
         start += blocks
     return out
@@ -53,9 +53,9 @@ def segments(sizes: Sequence[int], block: int) -> list[Segment]:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """Masked access to one program's block of one array (its first `valid` elements are real)."""
+    """Access to one program's block of one array; `mask` marks the real elements of a tail block
+    (None: the whole block is real, or the backend clips copies at the array's end itself)."""
     mask: Any | None
-    backend: str
 
     def load(self, ref: Any) -> jax.Array:
         if self.mask is None:
@@ -110,33 +110,42 @@ def scalar_width(backend: str, n: int) -> int:
 
 def launch(body: Body, arrays: Sequence[Sequence[jax.Array]], scalars: jax.Array, outputs: Sequence[Output],
            *, backend: str, block: int | None = None, stats: bool = False, name: str = "multi_tensor",
-           ) -> tuple[list[tuple[jax.Array, ...]], list[jax.Array] | None]:
+           interpret: bool = False) -> tuple[list[tuple[jax.Array, ...]], list[jax.Array] | None]:
     """Run `body` over every block of every array group; returns per-group outputs (and statistics).
 
     arrays[k] is one group: equal-sized 1-D arrays (e.g. a parameter, its gradient and moments).
     outputs describes the outputs of each group. With `stats`, every program also writes
     `stats_width(backend)` floats; they come back per group as a (blocks, width) array.
+    `interpret` runs a GPU backend's kernel (its blocking and body) in the interpreter, for tests;
+    backend "interpret" is the Triton kernel interpreted.
     """
     arrays = [tuple(group) for group in arrays]
     block = block or default_block(backend)
     if not arrays:
         return [], ([] if stats else None)
     per_launch = 1 if backend == MOSAIC_GPU else MAX_ARRAYS_PER_LAUNCH
-    results: list[tuple[jax.Array, ...]] = []
-    stat_parts: list[jax.Array] = []
-    for first in range(0, len(arrays), per_launch):
-        chunk = arrays[first:first + per_launch]
-        outs, st = _launch_one(body, chunk, scalars, tuple(outputs), backend=backend, block=block,
-                               stats=stats, name=name)
-        results.extend(outs)
-        if stats:
-            stat_parts.extend(st)
+    results: list[tuple[jax.Array, ...] | None] = [None] * len(arrays)
+    stat_parts: list[jax.Array | None] = [None] * len(arrays)
+    for k, group in enumerate(arrays):  # empty arrays: nothing to launch
+        if group[0].shape[0] == 0:
+            results[k] = tuple(group[o.alias] if o.alias is not None else jnp.zeros((0,), o.dtype)
+                               for o in outputs)
+            stat_parts[k] = jnp.zeros((0, stats_width(backend)), jnp.float32)
+    work = [k for k, group in enumerate(arrays) if group[0].shape[0]]
+    for first in range(0, len(work), per_launch):
+        chunk = work[first:first + per_launch]
+        outs, st = _launch_one(body, [arrays[k] for k in chunk], scalars, tuple(outputs), backend=backend,
+                               block=block, stats=stats, name=name, interpret=interpret or backend == INTERPRET)
+        for j, k in enumerate(chunk):
+            results[k] = outs[j]
+            if stats:
+                stat_parts[k] = st[j]
     return results, (stat_parts if stats else None)
 
 
 def _launch_one(body: Body, arrays: list[tuple[jax.Array, ...]], scalars: jax.Array,
                 outputs: tuple[Output, ...], *, backend: str, block: int, stats: bool, name: str,
-                ) -> tuple[list[tuple[jax.Array, ...]], list[jax.Array]]:
+                interpret: bool) -> tuple[list[tuple[jax.Array, ...]], list[jax.Array]]:
     from jax.experimental import pallas as pl
 
     n_in, n_out = len(arrays[0]), len(outputs)
@@ -146,7 +155,7 @@ def _launch_one(body: Body, arrays: list[tuple[jax.Array, ...]], scalars: jax.Ar
             raise ValueError("multi_tensor.launch: each group needs equal-sized 1-D arrays")
     segs = segments(sizes, block)
     programs = segs[-1].start + segs[-1].blocks
-    masked = backend in (TRITON, INTERPRET)
+    masked = backend != MOSAIC_GPU  # Triton (and its interpretation) masks the tail itself
     width = stats_width(backend)
 
     def block_map(seg: Segment) -> Callable[[jax.Array], tuple[jax.Array]]:
@@ -182,7 +191,7 @@ def _launch_one(body: Body, arrays: list[tuple[jax.Array, ...]], scalars: jax.Ar
                 offsets = (pid - seg.start) * block + jnp.arange(block, dtype=jnp.int32)
                 mask = offsets < seg.size
             body(s_ref, ins[seg.index * n_in:(seg.index + 1) * n_in],
-                 outs[seg.index * n_out:(seg.index + 1) * n_out], stats_ref, Block(mask, backend))
+                 outs[seg.index * n_out:(seg.index + 1) * n_out], stats_ref, Block(mask))
 
         if len(segs) == 1:
             run(segs[0])
@@ -193,8 +202,8 @@ def _launch_one(body: Body, arrays: list[tuple[jax.Array, ...]], scalars: jax.Ar
     flat_in = [scalars] + [x for group in arrays for x in group]
     flat_out = pl.pallas_call(
         kernel, grid=(programs,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases=aliases, interpret=backend == INTERPRET,
-        compiler_params=compiler_params(backend), name=name)(*flat_in)
+        input_output_aliases=aliases, interpret=interpret,
+        compiler_params=None if interpret else compiler_params(backend), name=name)(*flat_in)
     results = [tuple(flat_out[k * n_out:(k + 1) * n_out]) for k in range(len(segs))]
     stat_parts = []
     if stats:

@@ -36,13 +36,11 @@ from zerojax.pallas.loss_scale import grad_stats_pallas
 class GradStats(NamedTuple):
     """Statistics of the unscaled gradients over all devices.
 
-    norm:      global L2 norm (what clipping reads).
-    finite:    no element anywhere is inf or NaN.
-    nonfinite: per parameter leaf, the number of inf/NaN elements (float32), to name the culprits.
+    norm:        global L2 norm (what clipping reads).
+    leaf_finite: one bool per parameter leaf (tree order): no inf/NaN anywhere in it.
     """
     norm: jax.Array
-    finite: jax.Array
-    nonfinite: Any
+    leaf_finite: jax.Array
 
 
 def _is_layout(x: Any) -> bool:
@@ -103,9 +101,7 @@ class FusedUpdate:
 
         per_leaf = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(self._specs, P()),
                                  out_specs=P(), check_vma=False)(grads, jnp.asarray(inv_scale, jnp.float32))
-        nonfinite = jax.tree.unflatten(self._treedef, list(per_leaf[1]))
-        return GradStats(norm=jnp.sqrt(jnp.sum(per_leaf[0])), finite=jnp.sum(per_leaf[1]) == 0,
-                         nonfinite=nonfinite)
+        return GradStats(norm=jnp.sqrt(jnp.sum(per_leaf[0])), leaf_finite=per_leaf[1] == 0)
 
     # -- fused Adam -------------------------------------------------------------------------------
     def adam(self, grads: Any, master: Any, opt_state: Any, *, grad_scale: jax.Array | float = 1.0,
