@@ -8,10 +8,10 @@ touches only that array's block; every other operand's block index is clamped to
 never read or written. Outputs alias their inputs (`input_output_aliases`), so XLA updates the
 buffers in place and moves exactly the bytes the kernel body reads and writes.
 
-Boundary blocks: Triton does not mask out-of-bounds loads by itself, so bodies get `Block.load` /
-`Block.store` that mask the tail of an array whose size is not a multiple of the block. Mosaic GPU
-copies blocks with TMA, which clips at the array's end, and runs one array per launch: its block
-pipeline would otherwise copy every operand's block for every program.
+Boundary blocks: Triton does not mask out-of-bounds accesses by itself, so bodies get
+`Block.load` / `Block.store`, which mask the tail of an array whose size is not a multiple of the
+block. Mosaic GPU copies blocks with TMA, which clips at the array's end, and runs one array per
+launch: its block pipeline would otherwise copy every operand's block for every program.
 """
 from __future__ import annotations
 
@@ -53,22 +53,37 @@ def segments(sizes: Sequence[int], block: int) -> list[Segment]:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """Access to one program's block of one array; `mask` marks the real elements of a tail block
-    (None: the whole block is real, or the backend clips copies at the array's end itself)."""
+    """Access to one program's block of one array. `mask` marks the real elements of a tail block
+    (None: the whole block is real); loads give 0 beyond the array's end on every backend.
+
+    Triton masks the memory accesses. Mosaic GPU's TMA clips copies at the array's end by itself
+    (`clipped`); loads are still zeroed past it, so reductions over the block stay exact."""
     mask: Any | None
+    clipped: bool = False
 
     def load(self, ref: Any) -> jax.Array:
         if self.mask is None:
             return ref[...]
+        if self.clipped:
+            return jnp.where(self.mask, ref[...], 0)
         from jax.experimental.pallas import triton as plt
         return plt.load(ref, mask=self.mask, other=0)
 
     def store(self, ref: Any, value: jax.Array) -> None:
-        if self.mask is None:
+        if self.mask is None or self.clipped:
             ref[...] = value.astype(ref.dtype)
             return
         from jax.experimental.pallas import triton as plt
         plt.store(ref, value.astype(ref.dtype), mask=self.mask)
+
+
+def _lane_index(block: int, backend: str, interpret: bool) -> jax.Array:
+    """0..block-1; Mosaic GPU needs the register layout spelled out (a warpgroup-strided vector)."""
+    if backend != MOSAIC_GPU or interpret:
+        return jnp.arange(block, dtype=jnp.int32)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    vec = max(1, min(2, block // 128))
+    return plgpu.broadcasted_iota(jnp.int32, (block,), 0, layout=plgpu.Layout.WG_STRIDED((block,), vec_size=vec))
 
 
 class Output(NamedTuple):
@@ -155,7 +170,7 @@ def _launch_one(body: Body, arrays: list[tuple[jax.Array, ...]], scalars: jax.Ar
             raise ValueError("multi_tensor.launch: each group needs equal-sized 1-D arrays")
     segs = segments(sizes, block)
     programs = segs[-1].start + segs[-1].blocks
-    masked = backend != MOSAIC_GPU  # Triton (and its interpretation) masks the tail itself
+    clipped = backend == MOSAIC_GPU  # TMA copies stop at the array's end; Triton must mask
     width = stats_width(backend)
 
     def block_map(seg: Segment) -> Callable[[jax.Array], tuple[jax.Array]]:
@@ -187,11 +202,11 @@ def _launch_one(body: Body, arrays: list[tuple[jax.Array, ...]], scalars: jax.Ar
 
         def run(seg: Segment) -> None:
             mask = None
-            if masked and seg.size % block:
-                offsets = (pid - seg.start) * block + jnp.arange(block, dtype=jnp.int32)
+            if seg.size % block:
+                offsets = (pid - seg.start) * block + _lane_index(block, backend, interpret)
                 mask = offsets < seg.size
             body(s_ref, ins[seg.index * n_in:(seg.index + 1) * n_in],
-                 outs[seg.index * n_out:(seg.index + 1) * n_out], stats_ref, Block(mask))
+                 outs[seg.index * n_out:(seg.index + 1) * n_out], stats_ref, Block(mask, clipped))
 
         if len(segs) == 1:
             run(segs[0])

@@ -1,0 +1,195 @@
+"""`kernels: pallas` inside the ZeRO step: selection, equivalence with `kernels: xla`, CUDA lowering.
+
+On CPU `pallas` runs the kernels in interpret mode, so these runs execute the kernel bodies on each
+device's own shards inside shard_map. Every stage must give the parameters, master weights and
+optimizer state of the optax path (tightly: the same float32 operations, up to rounding), with the
+same state pytree, so checkpoints cannot tell the paths apart. Lowering the whole step for CUDA
+shows what a GPU would run: two kernel launches per step, reading and writing the state in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zerojax
+from helpers import ADAM, data_mesh, make_batch, make_config, mlp_params, mse_loss, to_numpy
+from zerojax.pallas.backend import resolve
+
+TBS = 32
+PARAMS0 = mlp_params(0)
+BATCHES = [make_batch(TBS, i) for i in range(3)]
+REL = 1e-6
+
+
+def train(cfg: zerojax.Config, batches: list[Any]) -> tuple[zerojax.Plan, zerojax.TrainState, list[dict]]:
+    p = zerojax.plan(cfg, data_mesh(), PARAMS0)
+    state = zerojax.init_state(cfg, p, PARAMS0)
+    step = zerojax.make_train_step(cfg, p, mse_loss)
+    metrics = []
+    for b in batches:
+        state, m = step(state, b)
+        metrics.append(jax.device_get(m))
+    return p, state, metrics
+
+
+def assert_states_match(got: zerojax.TrainState, want: zerojax.TrainState) -> None:
+    """Same pytree (structure, dtypes, shardings); every float leaf within REL of its own scale;
+    integer leaves (counts, steps, the scaler's counters) equal."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        where = jax.tree_util.keystr(path)
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), where
+        a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+        if not np.issubdtype(a.dtype, np.floating) and a.dtype != jnp.bfloat16:
+            np.testing.assert_array_equal(a, b, err_msg=where)
+        elif b.size:
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            err, scale = np.max(np.abs(a - b)), np.max(np.abs(b))
+            assert err <= REL * scale, f"{where}: max |diff| {err:.3g} > {REL} * {scale:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection.
+
+@pytest.mark.parametrize("kernels, platform, optimizer, want", [
+    ("auto", "cpu", "Adam", "xla"), ("auto", "gpu", "AdamW", "triton"), ("auto", "gpu", "Lamb", "xla"),
+    ("auto", "tpu", "Adam", "xla"), ("pallas", "cpu", "adam", "interpret"), ("pallas", "gpu", "Adam", "triton"),
+    ("xla", "gpu", "Adam", "xla"), ("xla", "cpu", "SGD", "xla"),
+])
+def test_kernel_selection(kernels: str, platform: str, optimizer: str, want: str) -> None:
+    assert resolve(kernels, platform, optimizer) == want
+
+
+@pytest.mark.parametrize("kernels, platform, optimizer, message", [
+    ("pallas", "cpu", "Lamb", r"^kernels: 'pallas' has fused kernels for Adam and AdamW only, and optimizer.type "
+                              r"is 'Lamb'; use kernels: auto or xla$"),
+    ("pallas", "tpu", "Adam", r"^kernels: 'pallas' runs on GPU \(Triton\) or in interpret mode on CPU, not on "
+                              r"'tpu' devices; use kernels: auto or xla$"),
+])
+def test_kernel_selection_errors(kernels: str, platform: str, optimizer: str, message: str) -> None:
+    with pytest.raises(zerojax.ConfigError, match=message):
+        resolve(kernels, platform, optimizer)
+
+
+def test_plan_rejects_pallas_without_a_kernel_before_compiling() -> None:
+    cfg = make_config(2, optimizer={"type": "Lamb", "params": {"lr": 1e-3}}, kernels="pallas")
+    with pytest.raises(zerojax.ConfigError, match="^kernels: 'pallas' has fused kernels for Adam and AdamW only"):
+        zerojax.plan(cfg, data_mesh(), PARAMS0)
+
+
+def test_auto_on_cpu_is_the_optax_path() -> None:
+    assert zerojax.plan(make_config(1), data_mesh(), PARAMS0).kernels == "xla"
+    assert zerojax.plan(make_config(1, kernels="pallas"), data_mesh(), PARAMS0).kernels == "interpret"
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels inside the ZeRO step equal the optax path.
+
+CASES = {
+    "stage0-fp32": dict(stage=0),
+    "stage1-bf16": dict(stage=1, dtype="bf16"),
+    "stage2-fp32-clipped": dict(stage=2, clip=0.05),
+    "stage3-fp32-gas2": dict(stage=3, gas=2),
+    "stage3-bf16": dict(stage=3, dtype="bf16"),
+    # Classic Adam (L2 into the gradient, no bias correction) with OneCycle cycling beta1 per step.
+    "stage1-l2-onecycle": dict(stage=1, optimizer={"type": "Adam", "params": {
+        "lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": False, "bias_correction": False}},
+        scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
+                                                  "cycle_first_step_size": 2}}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pallas_step_equals_xla_step(case: str) -> None:
+    kw = {"optimizer": ADAM, **CASES[case]}
+    p_pallas, s_pallas, m_pallas = train(make_config(kernels="pallas", **kw), BATCHES)
+    p_xla, s_xla, m_xla = train(make_config(kernels="xla", **kw), BATCHES)
+    assert p_pallas.kernels == "interpret" and p_xla.kernels == "xla"
+    assert_states_match(s_pallas, s_xla)
+    for a, b in zip(m_pallas, m_xla):
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=REL)
+        np.testing.assert_allclose(a["lr"], b["lr"], rtol=0)
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=REL)
+    if "clip" in kw:
+        assert all(float(m["grad_norm"]) > 2 * kw["clip"] for m in m_xla), "clipping never engaged"
+    moved = max(float(np.max(np.abs(np.asarray(a, np.float64) - b)))
+                for a, b in zip(jax.tree.leaves(to_numpy(s_pallas.params)), jax.tree.leaves(PARAMS0)))
+    assert moved > 1e-3
+
+
+def poisoned(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    x = batch["x"].copy()
+    x[5, 3] = np.inf
+    return {"x": x, "y": batch["y"]}
+
+
+def test_fp16_overflow_skipping_with_kernels_equals_xla() -> None:
+    """The loss-scale kernel finds the overflow, the Adam kernel skips it, the scaler reacts alike."""
+    kw = dict(optimizer=ADAM, gas=2, fp16={"enabled": True, "initial_scale_power": 10, "hysteresis": 1})
+    bad = [BATCHES[0], poisoned(BATCHES[1]), BATCHES[1], BATCHES[2]]
+    _, s_pallas, m_pallas = train(make_config(2, kernels="pallas", **kw), bad)
+    _, s_xla, m_xla = train(make_config(2, kernels="xla", **kw), bad)
+    assert [bool(m["skipped"]) for m in m_pallas] == [bool(m["skipped"]) for m in m_xla] == [False, True, False, False]
+    assert [float(m["loss_scale"]) for m in m_pallas] == [float(m["loss_scale"]) for m in m_xla] == [1024, 1024, 512, 512]
+    assert_states_match(s_pallas, s_xla)
+    # The poisoned input feeds w_in only: the per-leaf finite check (which names culprits) agrees.
+    assert int(s_pallas.skipped) == 1
+    paths = zerojax.plan(make_config(2, kernels="xla", **kw), data_mesh(), PARAMS0).leaf_paths
+    assert [k for k, bad in zip(paths, np.asarray(s_pallas.scaler.first_bad)) if bad] == ["['w_in']"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The step as a GPU would run it, lowered for CUDA on this machine.
+
+TENSOR = re.compile(r"tensor<([0-9x]*)x?(f32|bf16|f16)>")
+BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+def kernel_calls(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+
+
+def call_bytes(line: str) -> int:
+    """Bytes of every operand and result of a custom call (from its type signature)."""
+    signature = line[line.rindex("} :") + 3:]
+    total = 0
+    for dims, dtype in TENSOR.findall(signature):
+        total += int(np.prod([int(d) for d in dims.split("x") if d])) * BYTES[dtype]
+    return total
+
+
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (3, "bf16")])
+def test_step_lowers_for_cuda_with_two_launches_in_place(stage: int, dtype: str) -> None:
+    cfg = make_config(stage, dtype=dtype, optimizer=ADAM, kernels="pallas")
+    p = dataclasses.replace(zerojax.plan(cfg, data_mesh(), PARAMS0), kernels="triton")
+    state = zerojax.init_state(cfg, p, PARAMS0)
+    text = zerojax.make_train_step(cfg, p, mse_loss).trace(state, BATCHES[0]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = kernel_calls(text)
+    assert len(calls) == 2  # gradient statistics, then Adam: for all leaves at once
+    stats, adam = sorted(calls, key=len)
+    leaves = len(jax.tree.leaves(PARAMS0))
+    assert len(re.findall(r"output_operand_alias<", adam)) == 3 * leaves
+    # No flat copy of the state is built: any concatenation is of per-leaf scalars.
+    for line in text.splitlines():
+        if "stablehlo.concatenate" in line:
+            sizes = [int(np.prod([int(d) for d in dims.split("x") if d])) for dims, _ in
+                     TENSOR.findall(line[line.rindex(":"):])]
+            assert max(sizes) <= 2 * leaves, line.strip()[:200]
+    # Bytes per parameter the Adam kernel moves on one device: read p, g, m, v, write p, m, v
+    # (fp32: 28 B); bf16 reads a 2-byte gradient and also writes the 2-byte copy the gather sends.
+    local = [int(np.prod(s.shard_shape(x.shape))) for x, s in
+             zip(jax.tree.leaves(p.abstract_params), jax.tree.leaves(p.update_shardings))]
+    scalars = 16 * 4  # the runtime-scalar operand
+    assert call_bytes(adam) - scalars == 28 * sum(local)
+    # The statistics kernel reads the gradient once and writes two floats per 2048-element block.
+    grad_bytes = 4 if dtype == "fp32" else 2
+    programs = sum(-(-n // 2048) for n in local)
+    assert call_bytes(stats) == 4 + grad_bytes * sum(local) + 2 * 4 * programs
