@@ -1,0 +1,10 @@
+"""Fused optimizer kernels in Pallas, each beside a plain jnp reference with the same signature.
+
+adam.py        fused Adam/AdamW over master weights, gradients and moments, in place
+loss_scale.py  gradient statistics for the loss scaler and clipping (sum of squares, inf/NaN count)
+multi_tensor.py  one launch over many arrays, block by block (the kernels' shared driver)
+update.py      both kernels inside the ZeRO update, on each device's own shards
+backend.py     which implementation the `kernels` config key selects (no Pallas import)
+
+Pallas itself is imported only when a kernel is traced.
+"""

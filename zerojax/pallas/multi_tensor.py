@@ -30,8 +30,9 @@ from zerojax.pallas.backend import INTERPRET, MOSAIC_GPU, TRITON
 BLOCK = 2048
 MOSAIC_BLOCK = 256
 NUM_WARPS = 4
-# Arrays per launch: every array adds one branch to the kernel; beyond this, launch again.
-MAX_ARRAYS_PER_LAUNCH = 64
+# Arrays per launch: each adds a branch to the kernel and up to 8 pointers to its parameters
+# (Adam: 4 inputs, 4 outputs); 48 keeps them under CUDA's classic 4 KiB kernel-parameter limit.
+MAX_ARRAYS_PER_LAUNCH = 48
 
 
 class Segment(NamedTuple):

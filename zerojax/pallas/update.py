@@ -118,9 +118,9 @@ class FusedUpdate:
         hollow = optax.tree_utils.tree_map_params(tx, _empty, opt_state)
         empties = jax.tree.map(_empty, master)
         _, advanced = tx.update(empties, hollow, empties)
-        advanced = jax.tree.map(lambda new, old: jnp.where(apply, new, old), advanced, hollow)
         hyper = advanced.hyperparams
         count = _find_moments(advanced).count
+        advanced = jax.tree.map(lambda new, old: jnp.where(apply, new, old), advanced, hollow)
         c1, c2 = bias_corrections(hyper["b1"], hyper["b2"], count, st.bias_correction)
         scalars = AdamScalars(lr=hyper["learning_rate"], b1=hyper["b1"], b2=hyper["b2"],
                               eps=jnp.float32(st.eps), weight_decay=jnp.float32(st.weight_decay),
