@@ -1,0 +1,344 @@
+"""Running a schedule: one `jax.shard_map` over the (`stage`, `data`) mesh, one `lax.scan` over ticks.
+
+The schedule (schedule.py) is turned into integer tables `[ticks, stages]` - which branch each
+stage runs, on which micro-batch, reading which buffer slot, and where to store what it receives -
+and the scan walks them. Every tick, on every device:
+
+1. compute: `lax.switch` on the table entry picks idle, forward of virtual stage v, or backward of
+   virtual stage v. A stage is heterogeneous code (the first embeds tokens, the last computes the
+   loss), and the switch is how different stages run different code inside one SPMD program: a
+   device only executes its own branch. Parameters come from the device's row of the `[S, width]`
+   stage buffer (buffers.py).
+2. communicate: one `lax.ppermute` sends every stage's forward output to stage s+1, one sends every
+   backward's input-gradient to stage s-1 (collectives stay outside the switch, so every device
+   takes part in every one; a stage that produced nothing sends zeros that nobody stores).
+3. store: a stage that receives in this tick (table entry >= 0) writes into the slot the schedule
+   allocated for that micro-batch.
+
+Backward recomputes the stage's forward from its stored *input* and backpropagates at once
+(`jax.vjp` inside the branch), so what a stage keeps per in-flight micro-batch is one activation,
+the schedule's slot count bounds activation memory (1F1B: S slots, GPipe: M), and residuals of
+different stages are never mixed. `activation_checkpoint_interval` k additionally rematerializes
+each run of k layers inside that recomputation.
+
+Gradients: shard_map's autodiff is not used (jax.vjp runs inside the body), so the trap of
+REFERENCE.md §3 is avoided by construction: the row is cast to data-varying before it is
+differentiated, so its gradient is this device's contribution (PARTIAL over `data`) and is reduced
+once, after the last tick, into the ZeRO update placement (all-reduce for stage 0, reduce-scatter
+for 1-3). Tied parameters are received from their owner stage before the first tick and their
+gradients are sent back and added into the owner's row after the last one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard, move
+from zerojax.errors import ConfigError
+from zerojax.mesh import DATA, STAGE
+from zerojax.pipeline.buffers import StageRows
+from zerojax.pipeline.schedule import Backward, Forward, RecvActivation, RecvGrad, Schedule
+
+BOTH = (STAGE, DATA)
+
+
+def vary(x: Any, axes: tuple[str, ...] = BOTH) -> Any:
+    """Type `x` as varying over `axes` (a no-op for axes it already varies over)."""
+    def one(leaf: Any) -> Any:
+        missing = tuple(a for a in axes if a not in jax.typeof(leaf).mat.varying)
+        return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+    return jax.tree.map(one, x)
+
+
+def tables(schedule: Schedule) -> dict[str, np.ndarray]:
+    """The schedule as `[ticks, stages]` int32 tables the scan reads.
+
+    code: 0 idle, 1+v forward of virtual stage v, 1+V+v its backward (V = stages * chunks).
+    """
+    t, s, v = schedule.num_ticks, schedule.stages, schedule.stages * schedule.chunks
+    out = {k: np.full((t, s), fill, np.int32) for k, fill in
+           (("code", 0), ("mb", 0), ("buf", 0), ("gbuf", 0), ("recv_act", -1), ("recv_grad", -1))}
+    for tick in range(t):
+        for stage in range(s):
+            for ins in schedule.ticks[tick][stage]:
+                if isinstance(ins, (Forward, Backward)):
+                    virtual = ins.chunk * s + stage
+                    out["code"][tick, stage] = 1 + virtual + (v if isinstance(ins, Backward) else 0)
+                    out["mb"][tick, stage] = ins.micro_batch
+                    out["buf"][tick, stage] = max(ins.buffer, 0)
+                    if isinstance(ins, Backward):
+                        out["gbuf"][tick, stage] = max(ins.grad_buffer, 0)
+                elif isinstance(ins, RecvActivation):
+                    out["recv_act"][tick, stage] = ins.buffer
+                elif isinstance(ins, RecvGrad):
+                    out["recv_grad"][tick, stage] = ins.buffer
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipeline:
+    """What the executor needs: the mesh, the stage rows, the schedules and the dtypes/placements.
+
+    `param` / `update` are placements of a device's row (dimension 0 of the local row) over `data`:
+    REPLICATED or Shard(0) (ZeRO-3 parameters; ZeRO-1/2/3 gradients and optimizer state).
+    """
+    mesh: Mesh
+    rows: StageRows
+    schedule: Schedule
+    param_dtype: Any
+    accum_dtype: Any
+    comm_dtype: Any
+    param: Placement
+    update: Placement
+    interval: int = 0
+
+    @property
+    def stages(self) -> int:
+        return self.rows.stages
+
+    @property
+    def data_size(self) -> int:
+        return int(self.mesh.shape[DATA])
+
+    def row_spec(self, placement: Placement) -> P:
+        return P(STAGE, DATA) if isinstance(placement, Shard) else P(STAGE)
+
+
+def _perms(stages: int, cyclic: bool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    fwd = [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if cyclic else [])
+    bwd = [(s + 1, s) for s in range(stages - 1)] + ([(0, stages - 1)] if cyclic else [])
+    return fwd, bwd
+
+
+def _stage_fn(pipe: Pipeline, v: int) -> Callable[..., tuple[Any, jax.Array]]:
+    """Virtual stage v as (row, tied_in, x, micro_batch) -> (activation out, loss); the last stage
+    has no activation out and the others no loss (None)."""
+    rows, module = pipe.rows, pipe.rows.module
+    layers = [module.layers[i] for i in rows.partition.layers(v)]
+    last = v == rows.virtual - 1
+
+    def run(row: jax.Array, tied_in: dict[str, jax.Array], x: Any, micro: Any) -> tuple[Any, jax.Array]:
+        params = rows.read_stage(v, row, tied_in)
+        out = module.run_layers(params, micro if v == 0 else x, layers, pipe.interval)
+        if last:
+            return None, jnp.asarray(module.loss_fn(out, micro), jnp.float32)
+        return out, None
+
+    return run
+
+
+def activation_shape(pipe: Pipeline, micro: Any) -> jax.ShapeDtypeStruct:
+    """The activation passed between stages; every stage boundary must pass the same one."""
+    rows, module = pipe.rows, pipe.rows.module
+    abstract = {k: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, pipe.param_dtype), p)
+                for k, p in module.abstract_params().items()}
+    x, shapes = micro, []
+    for v in range(rows.virtual - 1):
+        layers = [module.layers[i] for i in rows.partition.layers(v)]
+        x = jax.eval_shape(lambda p, h: module.run_layers(p, h, layers), abstract, x)
+        shapes.append(x)
+    if not shapes:
+        return jax.ShapeDtypeStruct((), jnp.float32)
+    for v, sh in enumerate(shapes):
+        leaves = jax.tree.leaves(sh)
+        if len(leaves) != 1 or leaves[0].shape != shapes[0].shape or leaves[0].dtype != shapes[0].dtype:
+            raise ConfigError(
+                f"PipelineModule: stage {v} passes {sh} to stage {v + 1} but stage 0 passes {shapes[0]}; "
+                f"every stage boundary must carry one array of one shape (choose partition_method / "
+                f"layers so that cuts fall between layers with equal outputs)")
+    return shapes[0]
+
+
+def _check_tables(pipe: Pipeline) -> None:
+    sched, rows = pipe.schedule, pipe.rows
+    if sched.stages != rows.stages or sched.chunks != rows.chunks:
+        raise ValueError(f"schedule is for {sched.stages} stages x {sched.chunks} chunks but the "
+                         f"rows are for {rows.stages} x {rows.chunks}")
+
+
+def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
+    """(rows [S, width], batch, loss cotangent scale) -> (mean loss, gradient rows in `update`).
+
+    batch leaves are global `[M * dp * m, ...]`; micro-batch i is rows [i*m*dp, (i+1)*m*dp) and
+    data shard d gets its d-th block of m rows, as in the unpipelined step. The gradient returned
+    is `scale` times the gradient of the mean loss over the whole batch. With `trace`, also the
+    `[ticks, stages]` table of what each device's switch executed (code, micro-batch).
+    """
+    _check_tables(pipe)
+    sched, rows = pipe.schedule, pipe.rows
+    S, V, M, dp = rows.stages, rows.virtual, sched.micro_batches, pipe.data_size
+    tab = tables(sched)
+    fwd_perm, bwd_perm = _perms(S, rows.chunks > 1)
+    stage_fns = [_stage_fn(pipe, v) for v in range(V)]
+    tied = [t for t in rows.tied if t.users]
+    update_local = pipe.update
+
+    def local(row: jax.Array, micro: Any, act: jax.ShapeDtypeStruct, scale: jax.Array) -> Any:
+        me = jax.lax.axis_index(STAGE)
+        row = row[0]
+        if isinstance(pipe.param, Shard):  # ZeRO-3: the stage's row is gathered once per step
+            row = jax.lax.all_gather(row, DATA, axis=0, tiled=True)
+        # Differentiated per device: the row's gradient stays PARTIAL over data (see module doc).
+        row = vary(row)
+        micro = jax.tree.map(lambda x: x[:, 0], micro)
+        tied_in = {}
+        for t in tied:
+            slot = rows.slot(t.key)
+            piece = jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
+            got = [jax.lax.ppermute(piece, STAGE, [(t.owner, u)]) for u in t.users]
+            tied_in[t.key] = vary(sum(got[1:], got[0]))
+        cot = vary(scale.astype(jnp.float32) / (M * dp))
+
+        def zeros_act() -> jax.Array:
+            return vary(jnp.zeros(act.shape, act.dtype))
+
+        def idle(row, tied_in, x, dy, mb, acc, acc_tied):
+            return zeros_act(), zeros_act(), acc, acc_tied, vary(jnp.zeros((), jnp.float32)), 0
+
+        def forward(v):
+            def branch(row, tied_in, x, dy, mb, acc, acc_tied):
+                y, loss = stage_fns[v](row, tied_in, x, mb)
+                y = zeros_act() if y is None else vary(y)
+                loss = jnp.zeros((), jnp.float32) if loss is None else loss
+                return y, zeros_act(), acc, acc_tied, vary(loss), 1 + v
+            return branch
+
+        def backward(v):
+            def branch(row, tied_in, x, dy, mb, acc, acc_tied):
+                (y, loss), pullback = jax.vjp(lambda p, tv, h: stage_fns[v](p, tv, h, mb), row, tied_in, x)
+                dp_, dtied, dx = pullback((None if y is None else dy, None if loss is None else cot))
+                acc = acc + dp_.astype(acc.dtype)
+                acc_tied = {k: a + dtied[k].astype(a.dtype) for k, a in acc_tied.items()}
+                dx = zeros_act() if v == 0 else vary(dx.astype(act.dtype))
+                return zeros_act(), dx, acc, acc_tied, vary(jnp.zeros((), jnp.float32)), 1 + V + v
+            return branch
+
+        branches = [idle] + [forward(v) for v in range(V)] + [backward(v) for v in range(V)]
+
+        def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
+            stash, gstash, acc, acc_tied, loss_sum = carry
+            at = {k: x[me] for k, x in xs.items()}
+            mb = jax.tree.map(lambda a: a[at["mb"]], micro)
+            out_act, out_grad, acc, acc_tied, loss, code = jax.lax.switch(
+                at["code"], branches, row, tied_in, stash[at["buf"]], gstash[at["gbuf"]], mb, acc, acc_tied)
+            act_in = jax.lax.ppermute(out_act, STAGE, fwd_perm)
+            grad_in = jax.lax.ppermute(out_grad, STAGE, bwd_perm)
+            stash = _store(stash, at["recv_act"], act_in)
+            gstash = _store(gstash, at["recv_grad"], grad_in)
+            return (stash, gstash, acc, acc_tied, loss_sum + loss), (code, at["mb"])
+
+        carry = (vary(jnp.zeros((sched.act_buffers, *act.shape), act.dtype)),
+                 vary(jnp.zeros((sched.grad_buffers, *act.shape), act.dtype)),
+                 vary(jnp.zeros(row.shape, pipe.accum_dtype)),
+                 {t.key: vary(jnp.zeros((rows.slot(t.key).size,), pipe.accum_dtype)) for t in tied},
+                 vary(jnp.zeros((), jnp.float32)))
+        xs = {k: jnp.asarray(v) for k, v in tab.items()}
+        (_, _, acc, acc_tied, loss_sum), (codes, mbs) = jax.lax.scan(tick, carry, xs)
+
+        # ReduceTiedGrads: every user's gradient goes back to the owner's row.
+        for t in tied:
+            slot = rows.slot(t.key)
+            back = [jax.lax.ppermute(acc_tied[t.key], STAGE, [(u, t.owner)]) for u in t.users]
+            acc = jax.lax.dynamic_update_slice_in_dim(
+                acc, jax.lax.slice_in_dim(acc, slot.offset, slot.offset + slot.size) + sum(back[1:], back[0]),
+                slot.offset, 0)
+        # ReduceGrads: PARTIAL over data -> the update placement (all-reduce or reduce-scatter).
+        grads = move(acc, PARTIAL, update_local, comm_dtype=pipe.comm_dtype)
+        loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, DATA)
+        out = (loss, grads[None])
+        if trace:
+            out += (jax.lax.pmean(codes, DATA)[:, None], jax.lax.pmean(mbs, DATA)[:, None])
+        return out
+
+    def grad_fn(rows_array: jax.Array, batch: Any, scale: jax.Array | float = 1.0) -> Any:
+        lead = jax.tree.leaves(batch)[0].shape[0]
+        m = lead // (M * dp)
+        shaped = jax.tree.map(lambda x: x.reshape(M, dp, m, *x.shape[1:]), batch)
+        micro0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct((m, *x.shape[3:]), x.dtype), shaped)
+        act = activation_shape(pipe, micro0)
+        out_specs = (P(), pipe.row_spec(update_local)) + ((P(None, STAGE), P(None, STAGE)) if trace else ())
+        mapped = jax.shard_map(
+            lambda r, b, s: local(r, b, act, s), mesh=pipe.mesh,
+            in_specs=(pipe.row_spec(pipe.param), P(None, DATA), P()), out_specs=out_specs)
+        return mapped(rows_array, shaped, jnp.asarray(scale, jnp.float32))
+
+    return grad_fn
+
+
+def _store(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """buf[slot] = value where slot >= 0 (the schedule's receive); unchanged otherwise."""
+    i = jnp.maximum(slot, 0)
+    return buf.at[i].set(jnp.where(slot >= 0, value, buf[i]))
+
+
+def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
+    """(rows, batch) -> mean loss, by the forward-only schedule in `pipe.schedule`.
+
+    batch leaves are `[M * dp * m, ...]` with M = pipe.schedule.micro_batches.
+    """
+    _check_tables(pipe)
+    sched, rows = pipe.schedule, pipe.rows
+    S, V, M, dp = rows.stages, rows.virtual, sched.micro_batches, pipe.data_size
+    tab = tables(sched)
+    fwd_perm, _ = _perms(S, rows.chunks > 1)
+    stage_fns = [_stage_fn(pipe, v) for v in range(V)]
+    tied = [t for t in rows.tied if t.users]
+
+    def local(row: jax.Array, micro: Any, act: jax.ShapeDtypeStruct) -> jax.Array:
+        me = jax.lax.axis_index(STAGE)
+        row = row[0]
+        if isinstance(pipe.param, Shard):
+            row = jax.lax.all_gather(row, DATA, axis=0, tiled=True)
+        row = vary(row)
+        micro = jax.tree.map(lambda x: x[:, 0], micro)
+        tied_in = {}
+        for t in tied:
+            slot = rows.slot(t.key)
+            piece = jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
+            got = [jax.lax.ppermute(piece, STAGE, [(t.owner, u)]) for u in t.users]
+            tied_in[t.key] = vary(sum(got[1:], got[0]))
+
+        def zeros_act() -> jax.Array:
+            return vary(jnp.zeros(act.shape, act.dtype))
+
+        def idle(x, mb):
+            return zeros_act(), vary(jnp.zeros((), jnp.float32))
+
+        def forward(v):
+            def branch(x, mb):
+                y, loss = stage_fns[v](row, tied_in, x, mb)
+                loss = jnp.zeros((), jnp.float32) if loss is None else loss
+                return (zeros_act() if y is None else vary(y)), vary(loss)
+            return branch
+
+        branches = [idle] + [forward(v) for v in range(V)]
+
+        def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
+            stash, loss_sum = carry
+            at = {k: x[me] for k, x in xs.items()}
+            mb = jax.tree.map(lambda a: a[at["mb"]], micro)
+            y, loss = jax.lax.switch(at["code"], branches, stash[at["buf"]], mb)
+            stash = _store(stash, at["recv_act"], jax.lax.ppermute(y, STAGE, fwd_perm))
+            return (stash, loss_sum + loss), None
+
+        carry = (vary(jnp.zeros((sched.act_buffers, *act.shape), act.dtype)), vary(jnp.zeros((), jnp.float32)))
+        xs = {k: jnp.asarray(v) for k, v in tab.items() if k in ("code", "mb", "buf", "recv_act")}
+        (_, loss_sum), _ = jax.lax.scan(tick, carry, xs)
+        return jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, DATA)
+
+    def forward_fn(rows_array: jax.Array, batch: Any) -> jax.Array:
+        lead = jax.tree.leaves(batch)[0].shape[0]
+        m = lead // (M * dp)
+        shaped = jax.tree.map(lambda x: x.reshape(M, dp, m, *x.shape[1:]), batch)
+        micro0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct((m, *x.shape[3:]), x.dtype), shaped)
+        act = activation_shape(pipe, micro0)
+        mapped = jax.shard_map(lambda r, b: local(r, b, act), mesh=pipe.mesh,
+                               in_specs=(pipe.row_spec(pipe.param), P(None, DATA)), out_specs=P())
+        return mapped(rows_array, shaped)
+
+    return forward_fn
