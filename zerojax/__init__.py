@@ -10,11 +10,13 @@ from zerojax.errors import ConfigError, LossScaleError
 from zerojax.interop import from_nnx, to_nnx
 from zerojax.layout import Plan, plan
 from zerojax.mesh import make_mesh, request_cpu_devices
+from zerojax.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from zerojax.state import TrainState, init_state
 from zerojax.step import apply_update, make_eval_step, make_grad_fn, make_train_step
 
 __all__ = [
-    "Config", "ConfigError", "Engine", "LossScaleError", "Plan", "TrainState", "from_nnx", "gather", "gathers_params",
+    "Config", "ConfigError", "Engine", "LayerSpec", "LossScaleError", "PipelineModule", "Plan", "TiedLayerSpec",
+    "TrainState", "from_nnx", "gather", "gathers_params",
     "apply_update", "init_state", "initialize", "load_config", "load_exported", "make_eval_step", "make_grad_fn", "make_mesh", "make_train_step", "plan",
     "request_cpu_devices", "to_nnx",
 ]

@@ -351,12 +351,18 @@ class DataTypesConfig:
 class PipelineConfig:
     """DeepSpeed's pipeline section; the stage count comes from mesh.stage."""
     stages: str = option("auto", "Accepted; set mesh.stage instead.")
-    partition: str = option("best", "Accepted; see PipelineModule.partition_method.")
+    partition: str = option("best", "How train.py cuts the embedded GPT: parameters | uniform | type:REGEX "
+                                    "('best' means parameters); see PipelineModule.partition_method.")
     seed_layers: bool = option(False, "Accepted, unused.")
-    activation_checkpoint_interval: int = option(0, "Layers per checkpointed segment.", ge=0)
+    activation_checkpoint_interval: int = option(
+        0, "Layers per rematerialized segment inside a stage's backward (0: none); a PipelineModule's "
+           "own activation_checkpoint_interval wins.", ge=0)
     pipe_partitioned: bool = option(True, "Accepted, unused.")
     grad_partitioned: bool = option(True, "Accepted, unused.")
-    schedule: str = option("1f1b", "Micro-batch schedule.", choices=("1f1b", "gpipe"))
+    schedule: str = option("1f1b", "Micro-batch schedule: 1f1b (DeepSpeed's TrainSchedule), gpipe, or "
+                                   "interleaved (1F1B over `chunks` model chunks per stage).",
+                           choices=("1f1b", "gpipe", "interleaved"))
+    chunks: int = option(1, "Model chunks per stage; more than 1 needs schedule: interleaved.", gt=0)
 
 
 @dataclass(frozen=True)
@@ -378,7 +384,8 @@ class CheckpointConfig:
 class MeshConfig:
     """Device mesh: a `data` axis (ZeRO shards over it) and a `stage` axis (pipeline)."""
     data: Optional[int] = option(None, "Data-parallel size (default: all devices / stage).", gt=0)
-    stage: int = option(1, "Pipeline stages (more than 1 is not supported yet).", gt=0)
+    stage: int = option(1, "Pipeline stages (more than 1 needs a PipelineModule: "
+                           "initialize(config, model=...)).", gt=0)
     cpu_devices: Optional[int] = option(8, "On a CPU-only machine, this many virtual devices "
                                            "(set before JAX starts; null leaves JAX's default).", gt=0)
 
@@ -1118,6 +1125,13 @@ def _check(config: Config, sources: Mapping[str, str] | None = None) -> None:
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError(f"zero_optimization.offload_param.device: parameter offload needs stage 3 "
                           f"(stage is {zero.stage}); set zero_optimization.stage=3 or remove offload_param")
+    pipe = config.pipeline
+    if pipe.chunks > 1 and pipe.schedule != "interleaved":
+        raise ConfigError(f"pipeline.chunks: {pipe.chunks} chunks per stage need pipeline.schedule: "
+                          f"interleaved (got {pipe.schedule}); set the schedule or chunks: 1")
+    if pipe.schedule == "interleaved" and pipe.chunks < 2:
+        raise ConfigError("pipeline.chunks: the interleaved schedule needs at least 2 chunks per stage; "
+                          "set pipeline.chunks: 2 (or more)")
     sched = config.scheduler
     if sched is not None and sched.type == "OneCycle":
         p = sched.params
@@ -1160,8 +1174,6 @@ def unsupported_features(config: Config) -> list[str]:
         out.append("zero_optimization.zero_quantized_*/zero_hpz_partition_size: ZeRO++ is not supported")
     if zero.mics_shard_size > 0:
         out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
-    if config.mesh.stage > 1:
-        out.append("mesh.stage: pipeline parallelism is not supported yet; use mesh.stage=1")
     dist = config.distributed
     if dist.coordinator_address or dist.num_processes or dist.process_id is not None:
         out.append("distributed: multi-process runs are not supported yet; remove the section")

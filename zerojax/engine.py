@@ -156,15 +156,23 @@ def loss_scale_message(plan: Plan, state: TrainState) -> str:
 
 
 def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, loss_fn: LossFn | None = None,
-               mesh: Mesh | None = None) -> Engine:
+               mesh: Mesh | None = None, *, model: Any = None) -> Engine:
     """DeepSpeed's `initialize`, returning the engine alone.
 
     `config` is a Config, a dict or a JSON/hjson/YAML path (DeepSpeed keys mean what they mean in
-    DeepSpeed). `mesh` defaults to all devices on one `data` axis. For a Flax NNX model use
-    `zerojax.from_nnx(model, loss)` to get `params` and `loss_fn`.
+    DeepSpeed). `mesh` defaults to the config's `mesh` section (all devices on one `data` axis, or
+    `stage` x `data`). For a Flax NNX model use `zerojax.from_nnx(model, loss)` to get `params` and
+    `loss_fn`. For pipeline parallelism pass `model=zerojax.PipelineModule(...)` (the loss is the
+    module's; `params`, if given, are initial logical parameters shaped like `model.init()`).
     """
+    if model is not None:
+        from zerojax.pipeline.engine import PipelineEngine  # the pipeline builds on this module
+        if loss_fn is not None:
+            raise TypeError("initialize: with model= the loss is the PipelineModule's loss_fn; drop loss_fn=")
+        config = load_config(config)
+        return PipelineEngine(config, model, mesh if mesh is not None else make_mesh(config), params)
     if params is None or loss_fn is None:
         raise TypeError("initialize: pass params= and loss_fn= (for a Flax NNX model: "
-                        "params, loss_fn = zerojax.from_nnx(model, loss))")
+                        "params, loss_fn = zerojax.from_nnx(model, loss)), or model=PipelineModule(...)")
     config = load_config(config)
     return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config))

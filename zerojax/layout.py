@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
 from zerojax.config import BatchSize, Config, check_supported
-from zerojax.mesh import DATA, data_size
+from zerojax.errors import ConfigError
+from zerojax.mesh import DATA, STAGE, data_size
 from zerojax.optim import has_betas, make_optimizer
 from zerojax.pallas.backend import platform_of, resolve as resolve_kernels
 from zerojax.precision import Policy, ScalerConfig, policy as make_policy, scaler_config
@@ -43,6 +44,7 @@ class LeafLayout:
     param: Placement
     grad: Placement
     update: Placement
+    lead: str | None = None    # a mesh axis dim 0 is split over (pipelines: one row per `stage`)
 
 
 def choose_dim(shape: tuple[int, ...], n: int) -> int | None:
@@ -71,11 +73,17 @@ def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
     return LeafLayout(param=param, grad=grad, update=update)
 
 
-def spec(placement: Placement, ndim: int) -> P:
-    """PartitionSpec of a reduced placement (PARTIAL buffers are full-size per device)."""
+def spec(placement: Placement, ndim: int, lead: str | None = None) -> P:
+    """PartitionSpec of a reduced placement (PARTIAL buffers are full-size per device); `lead`
+    names a mesh axis that dimension 0 is split over besides."""
+    if lead is None and not isinstance(placement, Shard):
+        return P()
+    axes: list[str | None] = [None] * ndim
     if isinstance(placement, Shard):
-        return P(*[DATA if d == placement.dim else None for d in range(ndim)])
-    return P()
+        axes[placement.dim] = DATA
+    if lead is not None:
+        axes[0] = lead
+    return P(*axes)
 
 
 def _is_layout(x: Any) -> bool:
@@ -149,7 +157,7 @@ class Plan:
 
     def _shardings(self, role: str) -> Any:
         return jax.tree.map(
-            lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape))),
+            lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.lead)),
             self.layouts, self.abstract_params, is_leaf=_is_layout)
 
     @property
@@ -192,13 +200,19 @@ class Plan:
         return memory_report(self)
 
 
-def plan(config: Config, mesh: Mesh, params: Any) -> Plan:
+def plan(config: Config, mesh: Mesh, params: Any, *, lead: str | None = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 
     `params` may be real arrays or `jax.ShapeDtypeStruct`s; only shapes are read. Every config
     check that needs the mesh (batch triad, features not built yet) runs here, before any compile.
+    `lead` names a mesh axis that every leaf's dimension 0 is split over on top of the ZeRO layout
+    (the pipeline's `[stage, width]` parameter rows; ZeRO then shards a later dimension).
     """
     check_supported(config)
+    if STAGE in mesh.shape and mesh.shape[STAGE] > 1 and lead != STAGE:
+        raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
+                          f"zerojax.initialize(config, model=zerojax.PipelineModule(...)); for a model "
+                          f"given as params= and loss_fn= set mesh.stage=1")
     kernels = resolve_kernels(config.kernels, platform_of(mesh), config.optimizer.type)
     n = data_size(mesh)
     batch = config.batch(n)
@@ -213,6 +227,12 @@ def plan(config: Config, mesh: Mesh, params: Any) -> Plan:
             raise ValueError(f"plan: parameter leaves must be arrays, got {type(x).__name__}")
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
     layouts = jax.tree.map(lambda x: leaf_layout(x.shape, n, partitions, threshold), abstract)
+    if lead is not None:
+        for x in jax.tree.leaves(abstract):
+            if not x.shape or x.shape[0] != mesh.shape[lead]:
+                raise ValueError(f"plan: with lead={lead!r} every leaf's dimension 0 must be the "
+                                 f"{lead} axis size {mesh.shape[lead]}, got shape {x.shape}")
+        layouts = jax.tree.map(lambda lay: dataclasses.replace(lay, lead=lead), layouts, is_leaf=_is_layout)
     pol = make_policy(config)
     opt = config.optimizer
     betas = opt.params.betas if has_betas(opt.type) else None

@@ -1,0 +1,213 @@
+"""The pipelined train and eval steps: the executor's gradients into the shared `apply_update`.
+
+A pipeline's model state is one tree, `{"stages": [S, width]}` (buffers.py), laid out by the
+ordinary ZeRO `plan` with its dimension 0 split over `stage` (`plan(..., lead="stage")`). So the
+optimizer step is literally the unpipelined one (`zerojax.apply_update`): unscale, finite check,
+global-norm clipping, the optax update on the ZeRO-sharded fp32 master, loss-scaler update and the
+parameter re-gather all run unchanged, and checkpoints save and restore the state as they do for
+any plan. ZeRO composes over `data` inside each stage:
+
+* stage 0 all-reduces the row gradient once per step, stage 1 reduce-scatters it once (what
+  DeepSpeed allows with pipelines);
+* stage 2 does the same as stage 1: the accumulator stays whole (PARTIAL) through the ticks and is
+  reduce-scattered once at the end, so its gradient memory is stage 1's, not sharded per
+  micro-batch (a reduction inside a tick would sit inside the schedule's `lax.switch`);
+* stage 3 keeps the row sharded over `data` between steps and all-gathers it once per step at the
+  start of the schedule: parameters at rest are 1/D per device, during the step a stage's whole row.
+
+Every stage gives the unpipelined model's parameters (tests/test_pipeline.py); DeepSpeed forbids
+pipelines with ZeRO >= 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from zerojax.collectives import REPLICATED, Placement, Shard
+from zerojax.config import Config
+from zerojax.errors import ConfigError
+from zerojax.layout import MemoryReport, Plan, plan as make_plan
+from zerojax.mesh import DATA, STAGE, data_size
+from zerojax.pipeline.buffers import StageRows, stage_rows
+from zerojax.pipeline.executor import Pipeline, make_forward_fn, make_grad_fn
+from zerojax.pipeline.module import PipelineModule
+from zerojax.pipeline.schedule import Schedule, build
+from zerojax.state import TrainState, state_shardings
+from zerojax.step import apply_update, check_batch, check_eval_batch
+
+ROWS = "stages"
+
+# Optimizers whose update reads a whole tensor (a norm per parameter): on a flat stage row they
+# would see every parameter of the stage as one tensor.
+PER_TENSOR_OPTIMIZERS = frozenset({"lamb"})
+
+
+def _row_placement(p: Placement) -> Placement:
+    """A placement of the `[S, width]` leaf, seen on one device's row (dimension 0 dropped)."""
+    return Shard(p.dim - 1) if isinstance(p, Shard) else p
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelinePlan:
+    """The ZeRO plan of the stage rows plus everything the executor needs."""
+    plan: Plan
+    module: PipelineModule
+    rows: StageRows
+    train: Pipeline
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.train.schedule
+
+    @property
+    def stages(self) -> int:
+        return self.rows.stages
+
+    def eval_pipeline(self, micro_batches: int) -> Pipeline:
+        return dataclasses.replace(self.train, schedule=build("inference", self.stages, micro_batches)
+                                   if self.rows.chunks == 1 else _inference_chunks(self, micro_batches))
+
+    def abstract_rows(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return {ROWS: jax.ShapeDtypeStruct((self.stages, self.rows.width), jnp.float32)}
+
+    def memory_report(self) -> MemoryReport:
+        """Per-device bytes against the ZeRO formula for one stage's row (what a device holds)."""
+        r = self.plan.report()
+        s = self.stages
+        return r._replace(n_params=self.rows.width, formula_params=r.formula_params / s,
+                          formula_grads=r.formula_grads / s, formula_optimizer=r.formula_optimizer / s)
+
+    def table(self) -> str:
+        sched = self.schedule
+        return "\n".join([self.rows.table(),
+                          f"schedule {sched.name}: {sched.micro_batches} micro-batches, {sched.num_ticks} ticks, "
+                          f"idle {100 * sched.idle_fraction:.1f}% (bubble (S-1)/(M+S-1) = "
+                          f"{100 * sched.bubble:.1f}%), {sched.act_buffers} activation slots per stage"])
+
+
+def _inference_chunks(pp: PipelinePlan, micro_batches: int) -> Schedule:
+    """Forward-only interleaved schedule: the training order's forwards."""
+    from zerojax.pipeline.schedule import FORWARD, _assemble, _simulate, interleaved_order
+    s, c = pp.stages, pp.rows.chunks
+    orders = [[op for op in interleaved_order(d, s, micro_batches, c) if op[0] == FORWARD] for d in range(s)]
+    return _assemble("inference", s, micro_batches, c, _simulate(orders, s, s * c, False), False)
+
+
+def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> PipelinePlan:
+    """Check the pipeline config against the module and mesh, partition, lay out; nothing compiles."""
+    if not isinstance(module, PipelineModule):
+        raise ConfigError(f"initialize: model= must be a zerojax.PipelineModule, got {type(module).__name__}")
+    stages = int(mesh.shape.get(STAGE, 1))
+    if stages < 2:
+        raise ConfigError("mesh.stage: a PipelineModule needs mesh.stage >= 2 (got 1); set mesh.stage, or "
+                          "train it unpipelined with initialize(config, params=module.init(), "
+                          "loss_fn=module.loss)")
+    if module.num_stages is not None and module.num_stages != stages:
+        raise ConfigError(f"mesh.stage: the mesh has {stages} stages but PipelineModule(num_stages="
+                          f"{module.num_stages}); make them equal (or leave num_stages=None)")
+    opt = config.optimizer.type.lower()
+    if opt in PER_TENSOR_OPTIMIZERS:
+        raise ConfigError(f"optimizer.type: {config.optimizer.type} computes a trust ratio per parameter "
+                          f"tensor, but a pipeline stores each stage's parameters as one flat row; use "
+                          f"Adam, AdamW, Lion, Adagrad or SGD with pipelines")
+    pipe_cfg = config.pipeline
+    dp = data_size(mesh)
+    gas = config.batch(dp).gradient_accumulation_steps
+    chunks = pipe_cfg.chunks
+    if stages * chunks > len(module.layers):
+        raise ConfigError(
+            f"mesh.stage: {stages} stages x {chunks} chunks = {stages * chunks} model pieces but the model "
+            f"has only {len(module.layers)} layers; use at most {len(module.layers) // chunks} stages")
+    schedule = build(pipe_cfg.schedule, stages, gas, chunks)
+    # Rows padded to a multiple of lcm(dp, 128): ZeRO can shard them, and for power-of-two data
+    # sizes up to 128 the width (so a checkpoint's shapes) does not depend on dp.
+    rows = stage_rows(module, stages, chunks, align=math.lcm(dp, 128))
+    plan = make_plan(config, mesh, {ROWS: jax.ShapeDtypeStruct((stages, rows.width), jnp.float32)}, lead=STAGE)
+    lay = plan.layouts[ROWS]
+    pol = plan.policy
+    interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
+                else pipe_cfg.activation_checkpoint_interval)
+    train = Pipeline(mesh, rows, schedule, pol.param, pol.accum, pol.comm, _row_placement(lay.param),
+                     _row_placement(lay.update), interval)
+    return PipelinePlan(plan, module, rows, train)
+
+
+def init_rows(pp: PipelinePlan, key: jax.Array | int = 0) -> dict[str, jax.Array]:
+    """Fresh fp32 rows in the update placement; each stage creates only the parameters it stores.
+
+    Parameters depend on the key and the layer index only (`PipelineModule.init_layer`), so any
+    partition gives the model `module.init(key)` gives.
+    """
+    key = jax.random.key(key) if isinstance(key, int) else key
+    rows = pp.rows
+
+    def branch(device: int) -> Callable[[], jax.Array]:
+        def make() -> jax.Array:
+            params = {k: pp.module.init_layer(k, key) for k in rows.slots[device]}
+            return rows.pack_device(device, params, jnp.float32)
+        return make
+
+    def local() -> jax.Array:
+        return jax.lax.switch(jax.lax.axis_index(STAGE), [branch(d) for d in range(rows.stages)])[None]
+
+    mapped = jax.shard_map(local, mesh=pp.plan.mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(STAGE),
+                           check_vma=False)
+    return jax.jit(lambda: {ROWS: mapped()}, out_shardings=pp.plan.update_shardings)()
+
+
+def pack_params(pp: PipelinePlan, params: dict[str, Any]) -> dict[str, jax.Array]:
+    """Logical parameters (`module.init()`-shaped) -> rows in the update placement."""
+    want = pp.module.abstract_params()
+    if jax.tree.structure(params) != jax.tree.structure(want) or any(
+            tuple(a.shape) != tuple(b.shape) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want))):
+        raise ConfigError(f"initialize: params= does not match the PipelineModule's parameters; expected the "
+                          f"structure of module.init(): {jax.tree.map(lambda x: tuple(x.shape), want)}")
+    return jax.jit(lambda p: {ROWS: pp.rows.pack(p, jnp.float32)}, out_shardings=pp.plan.update_shardings)(params)
+
+
+def make_pipeline_train_step(pp: PipelinePlan) -> Callable[[TrainState, Any], Any]:
+    """A jitted `step(state, batch) -> (state, metrics)`, metrics as the unpipelined step's."""
+    grad_fn = make_grad_fn(pp.train)
+    plan = pp.plan
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        check_batch(plan, batch)
+        loss, grads = grad_fn(state.params[ROWS], batch, state.scaler.scale)
+        return apply_update(plan, state, {ROWS: grads}, loss)
+
+    shardings = state_shardings(plan)
+    return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
+
+
+def eval_micro_batches(pp: PipelinePlan, rows_per_shard: int) -> int:
+    """Micro-batches for an eval batch: the training count when it divides the rows, else the
+    largest divisor of the rows below it (interleaved: a multiple of S, else 1 chunk-group)."""
+    gas = pp.schedule.micro_batches
+    for m in range(min(gas, rows_per_shard), 0, -1):
+        if rows_per_shard % m == 0 and (pp.rows.chunks == 1 or m % pp.stages == 0):
+            return m
+    raise ConfigError(f"eval batch: {rows_per_shard} rows per data shard cannot be split into a multiple "
+                      f"of mesh.stage={pp.stages} micro-batches for the interleaved schedule")
+
+
+def make_pipeline_eval_step(pp: PipelinePlan) -> Callable[[Any, Any], jax.Array]:
+    """`eval_step(params, batch) -> mean loss` through the forward-only schedule."""
+    plan = pp.plan
+
+    @functools.lru_cache(maxsize=None)
+    def compiled(micro_batches: int) -> Callable[[Any, Any], jax.Array]:
+        fwd = make_forward_fn(pp.eval_pipeline(micro_batches))
+        return jax.jit(lambda params, batch: fwd(params[ROWS], batch), in_shardings=(plan.param_shardings, None))
+
+    def eval_step(params: Any, batch: Any) -> jax.Array:
+        check_eval_batch(plan, batch)
+        rows = jax.tree.leaves(batch)[0].shape[0] // plan.data_size
+        return compiled(eval_micro_batches(pp, rows))(params, batch)
+
+    return eval_step
