@@ -62,8 +62,9 @@ def startup_table(engine: Engine) -> str:
     state = engine.state
     measured = {"parameters": measured_bytes(state.params),
                 "optimizer state": measured_bytes((state.master, state.opt_state))}
-    lines = [report.table(), f"measured on device 0: parameters {measured['parameters'] / 2**20:.2f} MiB, "
-                             f"optimizer state {measured['optimizer state'] / 2**20:.2f} MiB"]
+    lines = [engine.partition_report()] if hasattr(engine, "partition_report") else []
+    lines += [report.table(), f"measured on device 0: parameters {measured['parameters'] / 2**20:.2f} MiB, "
+                              f"optimizer state {measured['optimizer state'] / 2**20:.2f} MiB"]
     b = engine.plan.batch
     lines.append(f"batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
                  f"{b.gradient_accumulation_steps} x data {engine.plan.data_size}; mesh {dict(engine.mesh.shape)}; "
@@ -86,8 +87,13 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     mesh = make_mesh(config)
     model_cfg = config.model
-    abstract = gpt.abstract_params(model_cfg)
-    layout = make_plan(config, mesh, abstract)  # validates everything before data or compile
+    pipeline = None
+    if config.mesh.stage > 1:  # the GPT as pipeline layers, cut into mesh.stage stages
+        from zerojax.pipeline.step import make_pipeline_plan
+        pipeline = make_pipeline_plan(config, mesh, gpt.pipeline_module(model_cfg, config.pipeline.partition))
+        layout = pipeline.plan
+    else:
+        layout = make_plan(config, mesh, gpt.abstract_params(model_cfg))  # validates before data or compile
     split = split_corpus(read_corpus(config.data), config.data.val_fraction, model_cfg.seq_len)
     rows = layout.batch.train_batch_size
     train_batches = Batches(split.train, rows, model_cfg.seq_len, config.data.seed)
@@ -99,11 +105,15 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     if not resume:
         _refuse_existing_checkpoints(ckpt_dir)
 
-    # Initialize straight into the sharded master layout: no device ever holds the whole model.
-    params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
-                     out_shardings=layout.update_shardings)()
-    engine = Engine(config, params, gpt.make_loss_fn(model_cfg), mesh)
-    del params
+    if pipeline is not None:
+        from zerojax.pipeline.engine import PipelineEngine  # each stage initializes its own layers
+        engine: Engine = PipelineEngine(config, pipeline.module, mesh, pipeline=pipeline)
+    else:
+        # Initialize straight into the sharded master layout: no device ever holds the whole model.
+        params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
+                         out_shardings=layout.update_shardings)()
+        engine = Engine(config, params, gpt.make_loss_fn(model_cfg), mesh)
+        del params
     if resume:
         path, _ = engine.load_checkpoint(str(ckpt_dir), None if resume == "latest" else resume)
         train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))

@@ -132,3 +132,63 @@ def make_loss_fn(cfg: ModelConfig) -> Any:
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     return loss_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# The same model as a list of pipeline layers (train.py with mesh.stage > 1).
+
+class Embedding(nnx.Module):
+    """Token + position embeddings: the first pipeline layer, reading the batch itself."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(cfg.init_std),
+                               rngs=rngs)
+        self.pos = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.seq_len, d)))
+
+    def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
+        tokens = batch["tokens"][:, :-1]
+        return jnp.take(self.embed.embedding[...], tokens, axis=0) + self.pos[...][:tokens.shape[1]]
+
+
+class Head(nnx.Module):
+    """Final layer norm and LM head: the last pipeline layer, giving float32 logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
+                               kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = _layer_norm({"scale": self.ln_f.scale[...], "bias": self.ln_f.bias[...]}, x)
+        return jnp.einsum("btd,dv->btv", x, self.head.kernel[...], preferred_element_type=jnp.float32)
+
+
+def pipeline_loss(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-byte cross-entropy of the Head's logits."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+
+def pipeline_layers(cfg: ModelConfig) -> list[Any]:
+    """The GPT as LayerSpecs: Embedding, n_layers Blocks, Head (what `apply` computes)."""
+    from zerojax.pipeline import LayerSpec
+    return [LayerSpec(Embedding, cfg), *[LayerSpec(Block, cfg) for _ in range(cfg.n_layers)], LayerSpec(Head, cfg)]
+
+
+def pipeline_module(cfg: ModelConfig, partition_method: str = "parameters", num_stages: int | None = None,
+                    activation_checkpoint_interval: int | None = None) -> Any:
+    """A PipelineModule of the GPT with its loss ('best', DeepSpeed's config default, means parameters)."""
+    from zerojax.pipeline import PipelineModule
+    method = "parameters" if partition_method == "best" else partition_method
+    return PipelineModule(pipeline_layers(cfg), num_stages=num_stages, loss_fn=pipeline_loss,
+                          partition_method=method, activation_checkpoint_interval=activation_checkpoint_interval)
+
+
+def pipeline_params(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """`init_params`-shaped parameters -> the pipeline module's logical parameters (same model)."""
+    width = max(2, len(str(cfg.n_layers + 1)))
+    out = {f"layer_{0:0{width}d}": {"embed": params["embed"], "pos": params["pos"]}}
+    for i in range(cfg.n_layers):
+        out[f"layer_{i + 1:0{width}d}"] = jax.tree.map(lambda x, i=i: x[i], params["blocks"])
+    out[f"layer_{cfg.n_layers + 1:0{width}d}"] = {"ln_f": params["ln_f"], "head": params["head"]}
+    return out
