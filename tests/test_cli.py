@@ -160,3 +160,16 @@ def test_ctrl_c_saves_a_complete_checkpoint(tmp_path: Path) -> None:
     from zerojax import checkpoint
     meta = checkpoint.metadata(out / "checkpoints")  # complete, and it knows where the data stopped
     assert meta["step"] == stopped and meta["extra"]["data_position"] == stopped
+
+
+def test_pipeline_config_trains(tmp_path: Path) -> None:
+    """configs/pipeline.yaml: the GPT cut into 4 stages x 2 data shards, 1F1B, through train.py."""
+    out = tmp_path / "run"
+    proc = run("train.py", "--config", "configs/pipeline.yaml", "--set", *SMALL, f"run.output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pipeline partition (parameters, 4 stages)" in proc.stdout
+    assert "schedule 1f1b: 8 micro-batches" in proc.stdout and "mesh {'stage': 4, 'data': 2}" in proc.stdout
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_loss"] is not None and summary["steps"] == 12

@@ -642,7 +642,6 @@ def test_every_schema_field_has_a_default_and_a_doc() -> None:
      r"^zero_optimization\.offload_\*: offload to cpu is not supported yet"),
     (["zero_optimization.offload_optimizer.device=nvme"],
      r"^zero_optimization\.offload_\*\.device: nvme is not supported; use cpu$"),
-    (["mesh.stage=2"], r"^mesh\.stage: pipeline parallelism is not supported yet; use mesh\.stage=1$"),
     (["distributed.num_processes=2"], r"^distributed: multi-process runs are not supported yet; remove the "
                                       r"section$"),
     (["distributed.process_id=0"], r"^distributed: multi-process runs are not supported yet"),

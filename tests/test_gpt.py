@@ -173,3 +173,24 @@ def test_fp16_converges_like_bf16(params: dict, stage: int) -> None:
     drop = bf16[0] - bf16[-1]
     assert drop > 1.0, bf16
     assert abs(fp16[-1] - bf16[-1]) < 0.1 * drop, (fp16, bf16)
+
+
+def test_pipeline_layers_are_the_same_model(params: dict) -> None:
+    """`pipeline_layers` computes `apply`'s loss, and two pipelined steps (2 stages x 4 data, 1F1B,
+    ZeRO-1) give the parameters of two unpipelined steps of the stacked model. SGD, because the
+    key bias has a zero gradient whose rounding noise Adam would turn into lr-sized steps."""
+    from helpers import SGD, reference_run
+
+    module = gpt.pipeline_module(CFG)
+    logical = gpt.pipeline_params(CFG, params)
+    batches = [{"tokens": tokens(8, seed=i)} for i in range(2)]
+    np.testing.assert_allclose(float(module.loss(logical, batches[0])),
+                               float(gpt.make_loss_fn(CFG)(params, batches[0])), rtol=1e-6)
+    config = make_config(1, gas=2, train_batch_size=8, optimizer=SGD, clip=0.0, mesh={"stage": 2, "data": 4})
+    engine = zerojax.initialize(config, model=module, params=logical)
+    assert engine.pipeline.rows.partition.bounds == (0, 2, 4)   # Embedding+Block | Block+Head
+    for batch in batches:
+        engine.train_batch(batch)
+    ref = reference_run(engine.plan.tx, jnp.float32, gpt.make_loss_fn(CFG), params, batches, config.gradient_clipping)
+    assert_tree_close(engine.params, gpt.pipeline_params(CFG, ref[-1]["master"]), rtol=1e-5, atol=1e-5,
+                      what="params")

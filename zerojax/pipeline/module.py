@@ -120,7 +120,8 @@ def _describe(index: int, entry: Any) -> Layer:
         abstract = nnx.to_pure_dict(params)
         key = f"tied_{entry.key}" if isinstance(entry, TiedLayerSpec) else None
         return Layer(index, entry.name, key, entry, None, abstract, graphdef)
-    if callable(entry) and not isinstance(entry, type):
+    from flax import nnx
+    if callable(entry) and not isinstance(entry, (type, nnx.Module)):
         return Layer(index, getattr(entry, "__name__", type(entry).__name__), None, None, entry, {})
     raise ConfigError(f"layers[{index}]: expected a LayerSpec, TiedLayerSpec or a function, got {entry!r}; "
                       f"wrap modules as LayerSpec(ModuleClass, *args, **kwargs)")
