@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 
 from zerojax.config import Config

@@ -21,12 +21,15 @@ the schedule's slot count bounds activation memory (1F1B: S slots, GPipe: M), an
 different stages are never mixed. `activation_checkpoint_interval` k additionally rematerializes
 each run of k layers inside that recomputation.
 
-Gradients: shard_map's autodiff is not used (jax.vjp runs inside the body), so the trap of
-REFERENCE.md §3 is avoided by construction: the row is cast to data-varying before it is
-differentiated, so its gradient is this device's contribution (PARTIAL over `data`) and is reduced
-once, after the last tick, into the ZeRO update placement (all-reduce for stage 0, reduce-scatter
-for 1-3). Tied parameters are received from their owner stage before the first tick and their
-gradients are sent back and added into the owner's row after the last one.
+Gradients: shard_map's autodiff is not used (jax.vjp runs inside the body), and the trap of
+REFERENCE.md §3 is avoided explicitly: the row is cast to data-varying before it is
+differentiated, so its gradient is this device's contribution (PARTIAL over `data`), never an
+implicit psum. ZeRO-0/1 add it to a whole-row accumulator reduced once after the last tick
+(all-reduce, or reduce-scatter into the update placement); ZeRO-2/3 reduce-scatter it inside the
+backward branch - every device of a stage's data group runs the same branch in the same tick, so
+the collective has all its participants - into an accumulator of 1/D of the row. Tied parameters
+are received from their owner stage before the first tick; their gradients are sent back and
+added into the owner's row after the last one.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard, move
+from zerojax.collectives import PARTIAL, Placement, Shard, move, zeros_like_local
 from zerojax.errors import ConfigError
 from zerojax.mesh import DATA, STAGE
 from zerojax.pipeline.buffers import StageRows
@@ -84,8 +87,11 @@ def tables(schedule: Schedule) -> dict[str, np.ndarray]:
 class Pipeline:
     """What the executor needs: the mesh, the stage rows, the schedules and the dtypes/placements.
 
-    `param` / `update` are placements of a device's row (dimension 0 of the local row) over `data`:
-    REPLICATED or Shard(0) (ZeRO-3 parameters; ZeRO-1/2/3 gradients and optimizer state).
+    `param` / `grad` / `update` are placements of a device's row (dimension 0 of the local row)
+    over `data`: the parameters REPLICATED or Shard(0) (ZeRO-3); the gradient accumulator PARTIAL
+    (ZeRO-0/1: each backward adds the device's own contribution, reduced once after the last tick)
+    or Shard(0) (ZeRO-2/3: each backward's gradient is reduce-scattered at once, so the accumulator
+    is 1/D of the row); the reduced gradient at the update REPLICATED or Shard(0).
     """
     mesh: Mesh
     rows: StageRows
@@ -96,6 +102,7 @@ class Pipeline:
     param: Placement
     update: Placement
     interval: int = 0
+    grad: Placement = PARTIAL
 
     @property
     def stages(self) -> int:
@@ -161,6 +168,37 @@ def _check_tables(pipe: Pipeline) -> None:
                          f"rows are for {rows.stages} x {rows.chunks}")
 
 
+def _enter(pipe: Pipeline, rows_local: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A device's whole row, typed per-device, and the tied vectors it receives from their owners."""
+    rows = pipe.rows
+    row = rows_local[0]
+    if isinstance(pipe.param, Shard):  # ZeRO-3: the stage's row is gathered once per step
+        row = jax.lax.all_gather(row, DATA, axis=0, tiled=True)
+    # Differentiated per device: the row's gradient stays this device's contribution (PARTIAL).
+    row = vary(row)
+    tied_in = {}
+    for t in rows.tied:
+        if not t.users:
+            continue
+        slot = rows.slot(t.key)
+        piece = jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
+        got = [jax.lax.ppermute(piece, STAGE, [(t.owner, u)]) for u in t.users]
+        tied_in[t.key] = vary(sum(got[1:], got[0]))
+    return row, tied_in
+
+
+def _split_micro_batches(pipe: Pipeline, batch: Any) -> tuple[Any, Any]:
+    """Global `[M * dp * m, ...]` leaves -> `(M, dp, m, ...)`, and one micro-batch's abstract value."""
+    m_count, dp = pipe.schedule.micro_batches, pipe.data_size
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if rows % (m_count * dp):
+        raise ValueError(f"batch: {rows} rows do not split into {m_count} micro-batches x {dp} data shards")
+    m = rows // (m_count * dp)
+    shaped = jax.tree.map(lambda x: x.reshape(m_count, dp, m, *x.shape[1:]), batch)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((m, *x.shape[3:]), x.dtype), shaped)
+    return shaped, micro
+
+
 def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
     """(rows [S, width], batch, loss cotangent scale) -> (mean loss, gradient rows in `update`).
 
@@ -178,20 +216,10 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
     tied = [t for t in rows.tied if t.users]
     update_local = pipe.update
 
-    def local(row: jax.Array, micro: Any, act: jax.ShapeDtypeStruct, scale: jax.Array) -> Any:
+    def local(rows_local: jax.Array, micro: Any, act: jax.ShapeDtypeStruct, scale: jax.Array) -> Any:
         me = jax.lax.axis_index(STAGE)
-        row = row[0]
-        if isinstance(pipe.param, Shard):  # ZeRO-3: the stage's row is gathered once per step
-            row = jax.lax.all_gather(row, DATA, axis=0, tiled=True)
-        # Differentiated per device: the row's gradient stays PARTIAL over data (see module doc).
-        row = vary(row)
+        row, tied_in = _enter(pipe, rows_local)
         micro = jax.tree.map(lambda x: x[:, 0], micro)
-        tied_in = {}
-        for t in tied:
-            slot = rows.slot(t.key)
-            piece = jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
-            got = [jax.lax.ppermute(piece, STAGE, [(t.owner, u)]) for u in t.users]
-            tied_in[t.key] = vary(sum(got[1:], got[0]))
         cot = vary(scale.astype(jnp.float32) / (M * dp))
 
         def zeros_act() -> jax.Array:
@@ -212,7 +240,8 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
             def branch(row, tied_in, x, dy, mb, acc, acc_tied):
                 (y, loss), pullback = jax.vjp(lambda p, tv, h: stage_fns[v](p, tv, h, mb), row, tied_in, x)
                 dp_, dtied, dx = pullback((None if y is None else dy, None if loss is None else cot))
-                acc = acc + dp_.astype(acc.dtype)
+                # ZeRO-2/3: reduce-scattered here, over the data group that runs this same branch.
+                acc = acc + move(dp_.astype(acc.dtype), PARTIAL, pipe.grad, comm_dtype=pipe.comm_dtype)
                 acc_tied = {k: a + dtied[k].astype(a.dtype) for k, a in acc_tied.items()}
                 dx = zeros_act() if v == 0 else vary(dx.astype(act.dtype))
                 return zeros_act(), dx, acc, acc_tied, vary(jnp.zeros((), jnp.float32)), 1 + V + v
@@ -234,32 +263,29 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
 
         carry = (vary(jnp.zeros((sched.act_buffers, *act.shape), act.dtype)),
                  vary(jnp.zeros((sched.grad_buffers, *act.shape), act.dtype)),
-                 vary(jnp.zeros(row.shape, pipe.accum_dtype)),
+                 vary(zeros_like_local(row.shape, pipe.accum_dtype, pipe.grad, dp)),
                  {t.key: vary(jnp.zeros((rows.slot(t.key).size,), pipe.accum_dtype)) for t in tied},
                  vary(jnp.zeros((), jnp.float32)))
         xs = {k: jnp.asarray(v) for k, v in tab.items()}
         (_, _, acc, acc_tied, loss_sum), (codes, mbs) = jax.lax.scan(tick, carry, xs)
 
-        # ReduceTiedGrads: every user's gradient goes back to the owner's row.
+        # ReduceTiedGrads: every user's gradient goes back to the owner's row (non-owners receive
+        # zeros from the ppermute and add nothing).
         for t in tied:
             slot = rows.slot(t.key)
             back = [jax.lax.ppermute(acc_tied[t.key], STAGE, [(u, t.owner)]) for u in t.users]
-            acc = jax.lax.dynamic_update_slice_in_dim(
-                acc, jax.lax.slice_in_dim(acc, slot.offset, slot.offset + slot.size) + sum(back[1:], back[0]),
-                slot.offset, 0)
-        # ReduceGrads: PARTIAL over data -> the update placement (all-reduce or reduce-scatter).
-        grads = move(acc, PARTIAL, update_local, comm_dtype=pipe.comm_dtype)
+            full = jnp.zeros(row.shape, acc.dtype).at[slot.offset:slot.offset + slot.size].set(sum(back[1:], back[0]))
+            acc = acc + move(full, PARTIAL, pipe.grad, comm_dtype=pipe.comm_dtype)
+        # ReduceGrads: the accumulator -> the update placement (all-reduce, reduce-scatter or nothing).
+        grads = move(acc, pipe.grad, update_local, comm_dtype=pipe.comm_dtype)
         loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, DATA)
         out = (loss, grads[None])
-        if trace:
-            out += (jax.lax.pmean(codes, DATA)[:, None], jax.lax.pmean(mbs, DATA)[:, None])
+        if trace:  # identical over data (the tables depend on the stage only); pmax just types it so
+            out += (jax.lax.pmax(codes, DATA)[:, None], jax.lax.pmax(mbs, DATA)[:, None])
         return out
 
     def grad_fn(rows_array: jax.Array, batch: Any, scale: jax.Array | float = 1.0) -> Any:
-        lead = jax.tree.leaves(batch)[0].shape[0]
-        m = lead // (M * dp)
-        shaped = jax.tree.map(lambda x: x.reshape(M, dp, m, *x.shape[1:]), batch)
-        micro0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct((m, *x.shape[3:]), x.dtype), shaped)
+        shaped, micro0 = _split_micro_batches(pipe, batch)
         act = activation_shape(pipe, micro0)
         out_specs = (P(), pipe.row_spec(update_local)) + ((P(None, STAGE), P(None, STAGE)) if trace else ())
         mapped = jax.shard_map(
@@ -283,25 +309,15 @@ def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
     """
     _check_tables(pipe)
     sched, rows = pipe.schedule, pipe.rows
-    S, V, M, dp = rows.stages, rows.virtual, sched.micro_batches, pipe.data_size
+    S, V, M = rows.stages, rows.virtual, sched.micro_batches
     tab = tables(sched)
     fwd_perm, _ = _perms(S, rows.chunks > 1)
     stage_fns = [_stage_fn(pipe, v) for v in range(V)]
-    tied = [t for t in rows.tied if t.users]
 
-    def local(row: jax.Array, micro: Any, act: jax.ShapeDtypeStruct) -> jax.Array:
+    def local(rows_local: jax.Array, micro: Any, act: jax.ShapeDtypeStruct) -> jax.Array:
         me = jax.lax.axis_index(STAGE)
-        row = row[0]
-        if isinstance(pipe.param, Shard):
-            row = jax.lax.all_gather(row, DATA, axis=0, tiled=True)
-        row = vary(row)
+        row, tied_in = _enter(pipe, rows_local)
         micro = jax.tree.map(lambda x: x[:, 0], micro)
-        tied_in = {}
-        for t in tied:
-            slot = rows.slot(t.key)
-            piece = jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
-            got = [jax.lax.ppermute(piece, STAGE, [(t.owner, u)]) for u in t.users]
-            tied_in[t.key] = vary(sum(got[1:], got[0]))
 
         def zeros_act() -> jax.Array:
             return vary(jnp.zeros(act.shape, act.dtype))
@@ -332,10 +348,7 @@ def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
         return jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, DATA)
 
     def forward_fn(rows_array: jax.Array, batch: Any) -> jax.Array:
-        lead = jax.tree.leaves(batch)[0].shape[0]
-        m = lead // (M * dp)
-        shaped = jax.tree.map(lambda x: x.reshape(M, dp, m, *x.shape[1:]), batch)
-        micro0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct((m, *x.shape[3:]), x.dtype), shaped)
+        shaped, micro0 = _split_micro_batches(pipe, batch)
         act = activation_shape(pipe, micro0)
         mapped = jax.shard_map(lambda r, b: local(r, b, act), mesh=pipe.mesh,
                                in_specs=(pipe.row_spec(pipe.param), P(None, DATA)), out_specs=P())

@@ -194,7 +194,7 @@ def interleaved_order(device: int, stages: int, micro_batches: int, chunks: int)
 
 # -- simulation --------------------------------------------------------------------------------------
 
-def _simulate(orders: Sequence[Sequence[Op]], devices: int, virtual: int, backward: bool) -> list[list[Op | None]]:
+def _simulate(orders: Sequence[Sequence[Op]], devices: int, virtual: int) -> list[list[Op | None]]:
     """Place each device's ops on unit ticks as early as dependencies allow (in order per device)."""
     done: dict[tuple[str, int, int], int] = {}  # (kind, micro-batch, virtual stage) -> tick finished
     pos = [0] * devices
@@ -221,7 +221,6 @@ def _simulate(orders: Sequence[Sequence[Op]], devices: int, virtual: int, backwa
         if not any(row):
             raise RuntimeError("schedule deadlocks: the per-stage orders are inconsistent")
         timeline.append(row)
-    del backward
     return timeline
 
 
@@ -297,27 +296,26 @@ def _assemble(name: str, stages: int, micro_batches: int, chunks: int,
 
 
 def build(name: str, stages: int, micro_batches: int, chunks: int = 1) -> Schedule:
-    """A named schedule: "gpipe", "1f1b", "interleaved" (needs chunks > 1) or "inference"."""
+    """A named schedule: "gpipe", "1f1b", "interleaved" (chunks > 1), or "inference" (forwards only,
+    in the order of 1F1B, or of interleaved 1F1B when chunks > 1)."""
     if stages < 1 or micro_batches < 1:
         raise ConfigError(f"pipeline: need at least one stage and one micro-batch (got S={stages}, M={micro_batches})")
-    if name == "interleaved":
-        if chunks < 2:
-            raise ConfigError("pipeline.chunks: the interleaved schedule needs at least 2 chunks per stage")
-        if micro_batches % stages:
-            raise ConfigError(
-                f"gradient_accumulation_steps: the interleaved schedule runs micro-batches in groups of "
-                f"mesh.stage={stages}, so it needs a multiple of {stages} (got {micro_batches}); "
-                f"set gradient_accumulation_steps to {stages * max(1, round(micro_batches / stages))}")
-        orders = [interleaved_order(d, stages, micro_batches, chunks) for d in range(stages)]
-        return _assemble(name, stages, micro_batches, chunks,
-                         _simulate(orders, stages, stages * chunks, True), True)
-    if chunks != 1:
-        raise ConfigError(f"pipeline.chunks: only the interleaved schedule runs several chunks per stage")
+    interleaved = name == "interleaved" or (name == "inference" and chunks > 1)
+    if name == "interleaved" and chunks < 2:
+        raise ConfigError("pipeline.chunks: the interleaved schedule needs at least 2 chunks per stage")
+    if interleaved and micro_batches % stages:
+        raise ConfigError(
+            f"gradient_accumulation_steps: the interleaved schedule runs micro-batches in groups of "
+            f"mesh.stage={stages}, so it needs a multiple of {stages} (got {micro_batches}); "
+            f"set gradient_accumulation_steps to {stages * max(1, round(micro_batches / stages))}")
+    if chunks != 1 and not interleaved:
+        raise ConfigError("pipeline.chunks: only the interleaved schedule runs several chunks per stage")
     builders: dict[str, Callable[[int, int, int], list[Op]]] = {
-        "gpipe": gpipe_order, "1f1b": one_f_one_b_order, "inference": forward_order}
+        "gpipe": gpipe_order, "1f1b": one_f_one_b_order, "inference": forward_order,
+        "interleaved": lambda d, s, m: interleaved_order(d, s, m, chunks)}
     if name not in builders:
-        raise ConfigError(f"pipeline.schedule: unknown schedule {name!r}; use one of "
-                          f"{', '.join(sorted([*builders, 'interleaved']))}")
-    orders = [builders[name](s, stages, micro_batches) for s in range(stages)]
-    return _assemble(name, stages, micro_batches, 1, _simulate(orders, stages, stages, name != "inference"),
-                     name != "inference")
+        raise ConfigError(f"pipeline.schedule: unknown schedule {name!r}; use one of {', '.join(sorted(builders))}")
+    training = name != "inference"
+    make = builders["interleaved" if interleaved else name]
+    orders = [[op for op in make(d, stages, micro_batches) if training or op[0] == FORWARD] for d in range(stages)]
+    return _assemble(name, stages, micro_batches, chunks, _simulate(orders, stages, stages * chunks), training)

@@ -9,11 +9,12 @@ any plan. ZeRO composes over `data` inside each stage:
 
 * stage 0 all-reduces the row gradient once per step, stage 1 reduce-scatters it once (what
   DeepSpeed allows with pipelines);
-* stage 2 does the same as stage 1: the accumulator stays whole (PARTIAL) through the ticks and is
-  reduce-scattered once at the end, so its gradient memory is stage 1's, not sharded per
-  micro-batch (a reduction inside a tick would sit inside the schedule's `lax.switch`);
-* stage 3 keeps the row sharded over `data` between steps and all-gathers it once per step at the
-  start of the schedule: parameters at rest are 1/D per device, during the step a stage's whole row.
+* stage 2 reduce-scatters each backward's gradient as soon as it is computed, inside the
+  schedule's backward branch (the data group of a stage always runs the same branch, so the
+  collective has all its participants), and accumulates 1/D of the row;
+* stage 3 does the same and also keeps the row sharded over `data` between steps, all-gathering
+  it once per step at the start of the schedule: parameters at rest are 1/D per device, during the
+  step a stage's whole row (not one layer at a time, as the unpipelined stage 3 does).
 
 Every stage gives the unpipelined model's parameters (tests/test_pipeline.py); DeepSpeed forbids
 pipelines with ZeRO >= 2.
@@ -29,11 +30,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zerojax.collectives import REPLICATED, Placement, Shard
+from zerojax.collectives import Placement, Shard
 from zerojax.config import Config
 from zerojax.errors import ConfigError
 from zerojax.layout import MemoryReport, Plan, plan as make_plan
-from zerojax.mesh import DATA, STAGE, data_size
+from zerojax.mesh import STAGE, data_size
 from zerojax.pipeline.buffers import StageRows, stage_rows
 from zerojax.pipeline.executor import Pipeline, make_forward_fn, make_grad_fn
 from zerojax.pipeline.module import PipelineModule
@@ -70,8 +71,8 @@ class PipelinePlan:
         return self.rows.stages
 
     def eval_pipeline(self, micro_batches: int) -> Pipeline:
-        return dataclasses.replace(self.train, schedule=build("inference", self.stages, micro_batches)
-                                   if self.rows.chunks == 1 else _inference_chunks(self, micro_batches))
+        return dataclasses.replace(self.train, schedule=build("inference", self.stages, micro_batches,
+                                                              self.rows.chunks))
 
     def abstract_rows(self) -> dict[str, jax.ShapeDtypeStruct]:
         return {ROWS: jax.ShapeDtypeStruct((self.stages, self.rows.width), jnp.float32)}
@@ -89,14 +90,6 @@ class PipelinePlan:
                           f"schedule {sched.name}: {sched.micro_batches} micro-batches, {sched.num_ticks} ticks, "
                           f"idle {100 * sched.idle_fraction:.1f}% (bubble (S-1)/(M+S-1) = "
                           f"{100 * sched.bubble:.1f}%), {sched.act_buffers} activation slots per stage"])
-
-
-def _inference_chunks(pp: PipelinePlan, micro_batches: int) -> Schedule:
-    """Forward-only interleaved schedule: the training order's forwards."""
-    from zerojax.pipeline.schedule import FORWARD, _assemble, _simulate, interleaved_order
-    s, c = pp.stages, pp.rows.chunks
-    orders = [[op for op in interleaved_order(d, s, micro_batches, c) if op[0] == FORWARD] for d in range(s)]
-    return _assemble("inference", s, micro_batches, c, _simulate(orders, s, s * c, False), False)
 
 
 def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> PipelinePlan:
@@ -134,7 +127,7 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
                 else pipe_cfg.activation_checkpoint_interval)
     train = Pipeline(mesh, rows, schedule, pol.param, pol.accum, pol.comm, _row_placement(lay.param),
-                     _row_placement(lay.update), interval)
+                     _row_placement(lay.update), interval, _row_placement(lay.grad))
     return PipelinePlan(plan, module, rows, train)
 
 
