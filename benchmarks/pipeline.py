@@ -3,13 +3,14 @@
     python -m benchmarks.pipeline            (or: python benchmarks/pipeline.py)
 
 For the embedded GPT cut into S = 4 stages x 2 data shards (8 virtual CPU devices), bf16 with fp32
-master weights, AdamW, ZeRO-1 over `data`, and for each schedule (GPipe, 1F1B, interleaved 1F1B
-with 2 chunks per stage) and M micro-batches per step:
+master weights, AdamW, ZeRO-1 over `data`, and for each schedule (GPipe, DeepSpeed's 1F1B, the
+paired `1f1b_sync`, interleaved 1F1B with 2 chunks per stage) and M micro-batches per step:
 
 * idle fraction, executed: one training step's gradient pass is run with the executor's trace on,
-  which records, tick by tick, which `lax.switch` branch each device actually executed; the
-  fraction of (tick, device) slots that ran the idle branch is compared with the textbook bubble
-  (S-1)/(M+S-1) (interleaved: (S-1)/(v*M+S-1) with v chunks);
+  which records, tick by tick, which forward and backward `lax.switch` branches each device
+  actually executed; the idle share of device time (a forward or backward = one unit, a tick as
+  long as its busiest device) is compared with the textbook bubble (S-1)/(M+S-1) (interleaved:
+  (S-1)/(v*M+S-1) with v chunks); and the same trace weighted by each branch's compiled FLOPs;
 * temp bytes per device of the compiled train step (`compiled.memory_analysis()`), next to the
   bytes of the activation slots the schedule allocates (slots x one micro-batch's stage input):
   GPipe keeps all M inputs, 1F1B at most S, so GPipe's temp grows with M and 1F1B's does not.
@@ -38,7 +39,7 @@ import numpy as np  # noqa: E402
 
 import zerojax  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
-from zerojax.pipeline.executor import activation_shape, make_grad_fn  # noqa: E402
+from zerojax.pipeline.executor import _stage_fn, activation_shape, make_grad_fn  # noqa: E402
 from zerojax.pipeline.step import ROWS, init_rows, make_pipeline_plan, make_pipeline_train_step  # noqa: E402
 from zerojax.state import init_state  # noqa: E402
 
@@ -86,21 +87,53 @@ def measure(args: argparse.Namespace, schedule: str, micro_batches: int) -> dict
 
     # The executed schedule: which branch every device ran in every tick.
     grad_fn = jax.jit(make_grad_fn(pp.train, trace=True))
-    _, _, codes, _ = grad_fn(state.params[ROWS], batch, 1.0)
-    codes = np.asarray(codes)
+    _, _, fwd, bwd = grad_fn(state.params[ROWS], batch, 1.0)
+    fwd, bwd = np.asarray(fwd), np.asarray(bwd)
     sched = pp.schedule
-    idle = float(np.mean(codes == 0))
-    busy_per_device = (codes > 0).sum(axis=0)
-    assert (busy_per_device == 2 * micro_batches * sched.chunks).all(), busy_per_device
+    ran = (fwd > 0).sum(axis=0) + (bwd > 0).sum(axis=0)
+    assert (ran == 2 * micro_batches * sched.chunks).all(), ran
 
     micro = {"tokens": jax.ShapeDtypeStruct((args.micro, args.seq_len + 1), np.int32)}
     act = activation_shape(pp.train, micro)
     act_bytes = int(np.prod(act.shape)) * np.dtype(act.dtype).itemsize
-    return {"schedule": schedule, "M": micro_batches, "ticks": sched.num_ticks, "idle": idle,
+    f_cost, b_cost = branch_flops(pp, micro, act)
+    unit = np.r_[0.0, np.ones(pp.rows.virtual)]
+    return {"schedule": schedule, "M": micro_batches, "ticks": sched.num_ticks,
+            "idle": lockstep_idle(fwd, bwd, unit, unit), "lockstep": lockstep_idle(fwd, bwd, f_cost, b_cost),
+            "bwd_over_fwd": float(b_cost.sum() / f_cost.sum()),
             "theory": sched.bubble, "slots": sched.act_buffers, "grad_slots": sched.grad_buffers,
             "act_bytes": act_bytes, "stash": (sched.act_buffers + sched.grad_buffers) * act_bytes,
             "temp": mem.temp_size_in_bytes, "args": mem.argument_size_in_bytes,
             "partition": pp.rows.table(), "width": pp.rows.width}
+
+
+def lockstep_idle(fwd: np.ndarray, bwd: np.ndarray, f_cost: np.ndarray, b_cost: np.ndarray) -> float:
+    """Idle share of device time for an executed trace (`[ticks, devices]` branch codes) when every
+    tick lasts as long as its busiest device."""
+    work = f_cost[fwd] + b_cost[bwd]
+    return float(1 - work.sum() / (work.shape[1] * work.max(axis=1).sum()))
+
+
+def branch_flops(pp, micro: dict, act: jax.ShapeDtypeStruct) -> tuple[np.ndarray, np.ndarray]:
+    """FLOPs of every forward and backward switch branch (index 0: the empty slot, 1+v: virtual
+    stage v), each branch compiled alone on one device."""
+    rows, dtype = pp.rows, pp.train.param_dtype
+    row = jax.ShapeDtypeStruct((rows.width,), dtype)
+    tied = {t.key: jax.ShapeDtypeStruct((rows.slot(t.key).size,), dtype) for t in rows.tied if t.users}
+    fns = [_stage_fn(pp.train, v) for v in range(rows.virtual)]
+
+    def flops(f) -> float:
+        cost = jax.jit(f).lower(row, tied, act, micro).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return float(cost.get("flops", 0.0))
+
+    def backward(f):
+        def run(r, t, x, mb):
+            (y, loss), pull = jax.vjp(lambda p, tv, h: f(p, tv, h, mb), r, t, x)
+            return pull((None if y is None else jax.numpy.ones_like(y), None if loss is None else 1.0))
+        return run
+
+    return (np.asarray([0.0] + [flops(f) for f in fns]), np.asarray([0.0] + [flops(backward(f)) for f in fns]))
 
 
 def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str:
@@ -124,37 +157,48 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
         first["partition"],
         "```",
         "",
-        "| schedule | M | ticks | idle, executed | bubble (S-1)/(vM+S-1) | activation slots | grad slots | "
-        "slot bytes (MiB) | temp per device (MiB) | temp - slot bytes (MiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| schedule | M | ticks | idle, executed | bubble (S-1)/(vM+S-1) | idle, lockstep by FLOPs | "
+        "activation slots | grad slots | slot bytes (MiB) | temp per device (MiB) | temp - slot bytes (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(f"| {r['schedule']} | {r['M']} | {r['ticks']} | {100 * r['idle']:.1f}% | "
-                     f"{100 * r['theory']:.1f}% | {r['slots']} | {r['grad_slots']} | {r['stash'] / MiB:.2f} | "
-                     f"{r['temp'] / MiB:.2f} | {(r['temp'] - r['stash']) / MiB:.2f} |")
+                     f"{100 * r['theory']:.1f}% | {100 * r['lockstep']:.1f}% | {r['slots']} | {r['grad_slots']} | "
+                     f"{r['stash'] / MiB:.2f} | {r['temp'] / MiB:.2f} | {(r['temp'] - r['stash']) / MiB:.2f} |")
     by = {(r["schedule"], r["M"]): r for r in results}
     ms = sorted({r["M"] for r in results})
     lo, hi = ms[0], ms[-1]
     growth = {name: (by[(name, hi)]["temp"] - by[(name, lo)]["temp"]) / MiB
-              for name in ("gpipe", "1f1b", "interleaved") if (name, lo) in by and (name, hi) in by}
+              for name in ("gpipe", "1f1b", "1f1b_sync", "interleaved") if (name, lo) in by and (name, hi) in by}
     lines += [
         "",
-        "**Reading it.** *idle, executed* is the share of (tick, device) slots in which the device ran "
-        "the idle branch of the schedule's `lax.switch`, recorded by the executor while running one "
-        "step (`make_grad_fn(..., trace=True)`); it equals the textbook bubble because every tick is "
-        "one unit of work (a forward or a backward of one micro-batch on one stage). Real hardware "
-        "runs ticks in lockstep (every tick ends with a `ppermute`), so a tick lasts as long as its "
-        "slowest branch: with a backward costing about twice a forward (three times here, since the "
-        "backward recomputes the stage's forward), ticks that mix forwards and backwards idle the "
-        "forward stages for the difference, which this count does not show.",
+        "**Reading it.** *idle, executed*: the executor records, while running one step "
+        "(`make_grad_fn(..., trace=True)`), which branch of its forward and backward `lax.switch` "
+        "each device ran in each tick; counting a forward and a backward as one unit of work each, "
+        "and a tick as long as its busiest device, this is the share of device time spent idle. It "
+        "equals the textbook bubble.",
+        "",
+        "*idle, lockstep by FLOPs* weighs the same executed trace by what each branch costs (its "
+        "FLOPs, each branch compiled alone): the devices run ticks in lockstep (every tick ends with "
+        "a `ppermute`), so a tick lasts as long as its most expensive branch, and a device doing "
+        "less than that idles for the difference. A backward here costs "
+        f"{first['bwd_over_fwd']:.1f}x a forward (it recomputes the stage's forward first), and stages "
+        "differ (the first and last carry the embedding and the head). GPipe's ticks are all "
+        "forwards or all backwards, so lockstep adds only the stages' imbalance. DeepSpeed's 1F1B "
+        "order has neighbouring stages run a forward and a backward in the same tick, so in "
+        "lockstep the forward stage waits for the backward: its advantage on this executor is "
+        "memory, not time. `1f1b_sync` pairs a forward and a backward in every steady-state tick "
+        "(2(S-s-1) warm-up forwards instead of S-s-1) and loses nothing to lockstep, for up to 2S-1 "
+        "micro-batches in flight; interleaved is paired the same way.",
         "",
         f"*temp per device* is `compiled.memory_analysis().temp_size_in_bytes` of the whole train step. "
         f"From M = {lo} to M = {hi} it grows by "
         + ", ".join(f"{growth[n]:.2f} MiB for {n}" for n in growth)
         + f": GPipe keeps every micro-batch's stage input until the backward phase (M slots), 1F1B at "
           f"most S = {s} (the slots column), so its activation memory is bounded by S micro-batches "
-          f"whatever M is. Interleaved 1F1B lowers the bubble by the number of chunks at the price of "
-          f"more slots (each device holds inputs for several chunks). *temp - slot bytes* is what the "
+          f"whatever M is; `1f1b_sync` by 2S-1. Interleaved 1F1B lowers the bubble by the number of "
+          f"chunks at the price of more slots (each device holds inputs for several chunks), and its "
+          f"temp is lower here because each chunk is a single layer. *temp - slot bytes* is what the "
           f"step needs beside the slots: gradient accumulator, optimizer temporaries and the transient "
           f"activations of one stage's recomputed forward and backward; it does not depend on M.",
     ]
@@ -165,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     results = []
-    for schedule in ("gpipe", "1f1b", "interleaved"):
+    for schedule in ("gpipe", "1f1b", "1f1b_sync", "interleaved"):
         for m in args.micro_batches:
             if schedule == "interleaved" and m % args.stages:
                 continue

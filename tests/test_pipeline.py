@@ -142,6 +142,13 @@ def test_other_zero_stages_with_sgd(stage: int) -> None:
     assert placed(rows, "stage", "data") if stage == 3 else placed(rows, "stage")
 
 
+@pytest.mark.parametrize("stages, micro_batches", [(2, 2), (4, 8)])
+def test_synchronous_1f1b(stages: int, micro_batches: int) -> None:
+    """Paired ticks: a forward and a backward in one tick, the last stage's of the same micro-batch."""
+    engine = train_and_compare(config(stages, micro_batches, "1f1b_sync"), True, ("adam", True))
+    assert engine.pipeline.schedule.num_ticks == micro_batches + 2 * (stages - 1)
+
+
 def test_interleaved_schedule() -> None:
     cfg = config(2, 4, "interleaved", pipeline={"chunks": 2})
     engine = train_and_compare(cfg, True, ("adam", True))
@@ -167,12 +174,13 @@ def test_executor_runs_the_schedule_it_is_given() -> None:
     engine = zerojax.initialize(cfg, model=MODULES[True], params=PARAMS0[True])
     grad_fn = jax.jit(make_grad_fn(engine.pipeline.train, trace=True))
     data = batches(engine.train_batch_size())[0]
-    loss, _, codes, mbs = grad_fn(engine.state.params["stages"], data, 1.0)
+    loss, _, fwd, bwd = grad_fn(engine.state.params["stages"], data, 1.0)
     want = tables(engine.pipeline.schedule)
-    np.testing.assert_array_equal(np.asarray(codes), want["code"])
-    busy = want["code"] > 0
-    np.testing.assert_array_equal(np.asarray(mbs)[busy], want["mb"][busy])
-    idle = float(np.mean(np.asarray(codes) == 0))
+    np.testing.assert_array_equal(np.asarray(fwd), want["fwd"])
+    np.testing.assert_array_equal(np.asarray(bwd), want["bwd"])
+    # Every device ran each of its stage's forwards and backwards once: 4 of each.
+    assert ((np.asarray(fwd) > 0).sum(axis=0) == 4).all() and ((np.asarray(bwd) > 0).sum(axis=0) == 4).all()
+    idle = float(np.mean((np.asarray(fwd) == 0) & (np.asarray(bwd) == 0)))
     assert idle == pytest.approx((4 - 1) / (4 + 4 - 1))
     np.testing.assert_allclose(float(loss), float(MODULES[True].loss(PARAMS0[True], data)), rtol=1e-6)
 

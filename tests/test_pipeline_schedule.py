@@ -33,19 +33,43 @@ def check_dependencies(sched: zerojax.pipeline.Schedule, training: bool = True) 
         if st > 0:
             assert when[("F", mb, st)] > when[("F", mb, st - 1)]
         if training:
-            assert when[("B", mb, st)] > when[("F", mb, st)]
+            # The forward slot runs before the backward slot, so the last stage may pair F m + B m.
+            assert when[("B", mb, st)] > when[("F", mb, st)] or (
+                st == v - 1 and when[("B", mb, st)] == when[("F", mb, st)])
             if st < v - 1:
                 assert when[("B", mb, st)] > when[("B", mb, st + 1)]
+    for t in range(sched.num_ticks):
+        for s in range(sched.stages):
+            kinds = [type(c) for c in sched.computes(t, s)]
+            assert kinds in ([], [Forward], [Backward], [Forward, Backward], [Backward, Forward])
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b_sync"])
 @pytest.mark.parametrize("stages, micro_batches", CASES)
 def test_bubble_is_the_textbook_one(name: str, stages: int, micro_batches: int) -> None:
     sched = build(name, stages, micro_batches)
     check_dependencies(sched)
-    assert sched.num_ticks == 2 * (micro_batches + stages - 1)
-    assert sched.idle_fraction == pytest.approx((stages - 1) / (micro_batches + stages - 1))
-    assert sched.bubble == pytest.approx(sched.idle_fraction)
+    bubble = (stages - 1) / (micro_batches + stages - 1)
+    assert sched.bubble == pytest.approx(bubble)
+    assert sched.idle_fraction == pytest.approx(bubble)   # forwards and backwards of equal cost
+    if name == "1f1b_sync":  # paired: M + 2(S-1) ticks, and lockstep costs nothing extra
+        assert sched.num_ticks == micro_batches + 2 * (stages - 1)
+        assert sched.lockstep_idle(1, 3) == pytest.approx(bubble)
+    else:
+        assert sched.num_ticks == 2 * (micro_batches + stages - 1)
+    if name == "gpipe":
+        assert sched.lockstep_idle(1, 3) == pytest.approx(bubble)
+
+
+def test_lockstep_cost_of_deepspeeds_1f1b() -> None:
+    """In steady-state 1F1B, neighbouring stages run a forward and a backward in the same tick; in
+    lockstep the tick lasts a backward, so the forward stage idles for the difference."""
+    one_f, sync = build("1f1b", 4, 8), build("1f1b_sync", 4, 8)
+    assert one_f.lockstep_idle(1, 2) == pytest.approx(0.4)
+    assert sync.lockstep_idle(1, 2) == pytest.approx(3 / 11)
+    # Heterogeneous stages: the cost list is per stage; a uniformly scaled list changes nothing.
+    assert sync.lockstep_idle([2, 2, 2, 2], [4, 4, 4, 4]) == pytest.approx(3 / 11)
+    assert sync.lockstep_idle([1, 1, 1, 2], [2, 2, 2, 4]) > 3 / 11
 
 
 def live_inputs(sched: zerojax.pipeline.Schedule) -> int:
@@ -64,8 +88,10 @@ def live_inputs(sched: zerojax.pipeline.Schedule) -> int:
 @pytest.mark.parametrize("stages, micro_batches", CASES)
 def test_1f1b_bounds_live_activations_by_stages(stages: int, micro_batches: int) -> None:
     one_f, gpipe = build("1f1b", stages, micro_batches), build("gpipe", stages, micro_batches)
+    sync = build("1f1b_sync", stages, micro_batches)
     assert live_inputs(one_f) <= stages and one_f.act_buffers <= stages
     assert live_inputs(gpipe) == micro_batches and gpipe.act_buffers == micro_batches
+    assert live_inputs(sync) <= min(2 * stages - 1, micro_batches) and sync.act_buffers <= 2 * stages - 1
 
 
 @pytest.mark.parametrize("stages, micro_batches", [(4, 8), (2, 3), (4, 2)])
@@ -90,9 +116,13 @@ def test_timelines() -> None:
     assert build("gpipe", 2, 3).timeline().split("\n") == [
         "stage 0: F0 F1 F2 .  .  B0 B1 B2",
         "stage 1: .  F0 F1 F2 B0 B1 B2 . "]
+    assert build("1f1b_sync", 2, 4).timeline().split("\n") == [
+        "stage 0: F0    F1    F2+B0 F3+B1 B2    B3   ",
+        "stage 1: .     F0+B0 F1+B1 F2+B2 F3+B3 .    "]
 
 
-@pytest.mark.parametrize("name, stages, micro_batches", [("1f1b", 4, 8), ("gpipe", 2, 4), ("interleaved", 2, 4)])
+@pytest.mark.parametrize("name, stages, micro_batches", [("1f1b", 4, 8), ("gpipe", 2, 4), ("1f1b_sync", 4, 8),
+                                                         ("interleaved", 2, 4)])
 def test_sends_pair_with_receives_and_slots_are_not_overwritten(name: str, stages: int, micro_batches: int) -> None:
     sched = build(name, stages, micro_batches, 2 if name == "interleaved" else 1)
     v = stages * sched.chunks
@@ -123,8 +153,8 @@ def test_sends_pair_with_receives_and_slots_are_not_overwritten(name: str, stage
 
 def _consumed(sched: zerojax.pipeline.Schedule, tick: int, stage: int, micro_batch: int) -> bool:
     """The previous occupant's backward on this stage ran before `tick`."""
-    return any(isinstance(c := sched.compute(t, stage), Backward) and c.micro_batch == micro_batch
-               for t in range(tick))
+    return any(isinstance(c, Backward) and c.micro_batch == micro_batch
+               for t in range(tick) for c in sched.computes(t, stage))
 
 
 def test_loads_on_first_and_last_stage() -> None:
@@ -132,9 +162,8 @@ def test_loads_on_first_and_last_stage() -> None:
     for t, row in enumerate(sched.ticks):
         for s, instrs in enumerate(row):
             loads = [i for i in instrs if isinstance(i, LoadMicroBatch)]
-            compute = sched.compute(t, s)
-            wants_load = compute is not None and (s == 3 or (s == 0 and isinstance(compute, Forward)))
-            assert len(loads) == int(wants_load)
+            wants = [c for c in sched.computes(t, s) if s == 3 or (s == 0 and isinstance(c, Forward))]
+            assert len(loads) == len(wants)
 
 
 @pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8), (2, 2)])
@@ -142,6 +171,7 @@ def test_interleaved(stages: int, micro_batches: int) -> None:
     sched = build("interleaved", stages, micro_batches, 2)
     check_dependencies(sched)
     assert sched.idle_fraction == pytest.approx((stages - 1) / (2 * micro_batches + stages - 1))
+    assert sched.lockstep_idle(1, 3) == pytest.approx(sched.idle_fraction)   # paired, like 1f1b_sync
     assert sched.idle_fraction < build("1f1b", stages, micro_batches).idle_fraction
 
 

@@ -359,9 +359,11 @@ class PipelineConfig:
            "own activation_checkpoint_interval wins.", ge=0)
     pipe_partitioned: bool = option(True, "Accepted, unused.")
     grad_partitioned: bool = option(True, "Accepted, unused.")
-    schedule: str = option("1f1b", "Micro-batch schedule: 1f1b (DeepSpeed's TrainSchedule), gpipe, or "
+    schedule: str = option("1f1b", "Micro-batch schedule: 1f1b (DeepSpeed's TrainSchedule: at most S "
+                                   "micro-batches in flight), gpipe, 1f1b_sync (a forward and a backward per "
+                                   "tick in the steady state: no lockstep idling, up to 2S-1 in flight), or "
                                    "interleaved (1F1B over `chunks` model chunks per stage).",
-                           choices=("1f1b", "gpipe", "interleaved"))
+                           choices=("1f1b", "gpipe", "1f1b_sync", "interleaved"))
     chunks: int = option(1, "Model chunks per stage; more than 1 needs schedule: interleaved.", gt=0)
 
 

@@ -4,11 +4,13 @@ The schedule (schedule.py) is turned into integer tables `[ticks, stages]` - whi
 stage runs, on which micro-batch, reading which buffer slot, and where to store what it receives -
 and the scan walks them. Every tick, on every device:
 
-1. compute: `lax.switch` on the table entry picks idle, forward of virtual stage v, or backward of
-   virtual stage v. A stage is heterogeneous code (the first embeds tokens, the last computes the
-   loss), and the switch is how different stages run different code inside one SPMD program: a
-   device only executes its own branch. Parameters come from the device's row of the `[S, width]`
-   stage buffer (buffers.py).
+1. compute: a tick has a forward slot and a backward slot. One `lax.switch` on the table entry
+   runs nothing or the forward of virtual stage v, a second one nothing or the backward of
+   virtual stage v (GPipe and DeepSpeed's 1F1B fill at most one slot per tick; the paired
+   schedules fill both in their steady state). A stage is heterogeneous code (the first embeds
+   tokens, the last computes the loss), and the switch is how different stages run different
+   code inside one SPMD program: a device only executes its own branch. Parameters come from the
+   device's row of the `[S, width]` stage buffer (buffers.py).
 2. communicate: one `lax.ppermute` sends every stage's forward output to stage s+1, one sends every
    backward's input-gradient to stage s-1 (collectives stay outside the switch, so every device
    takes part in every one; a stage that produced nothing sends zeros that nobody stores).
@@ -61,21 +63,25 @@ def vary(x: Any, axes: tuple[str, ...] = BOTH) -> Any:
 def tables(schedule: Schedule) -> dict[str, np.ndarray]:
     """The schedule as `[ticks, stages]` int32 tables the scan reads.
 
-    code: 0 idle, 1+v forward of virtual stage v, 1+V+v its backward (V = stages * chunks).
+    A tick has a forward slot and a backward slot per stage. fwd / bwd: 0 for an empty slot, else
+    1 + v for virtual stage v; *_mb the micro-batch; *_buf the activation slot holding its input;
+    bwd_gbuf the slot holding its output gradient; recv_act / recv_grad the slot that data arriving
+    at the end of the tick goes to (-1: nothing arrives).
     """
-    t, s, v = schedule.num_ticks, schedule.stages, schedule.stages * schedule.chunks
-    out = {k: np.full((t, s), fill, np.int32) for k, fill in
-           (("code", 0), ("mb", 0), ("buf", 0), ("gbuf", 0), ("recv_act", -1), ("recv_grad", -1))}
+    t, s = schedule.num_ticks, schedule.stages
+    keys = (("fwd", 0), ("fwd_mb", 0), ("fwd_buf", 0), ("bwd", 0), ("bwd_mb", 0), ("bwd_buf", 0),
+            ("bwd_gbuf", 0), ("recv_act", -1), ("recv_grad", -1))
+    out = {k: np.full((t, s), fill, np.int32) for k, fill in keys}
     for tick in range(t):
         for stage in range(s):
             for ins in schedule.ticks[tick][stage]:
                 if isinstance(ins, (Forward, Backward)):
-                    virtual = ins.chunk * s + stage
-                    out["code"][tick, stage] = 1 + virtual + (v if isinstance(ins, Backward) else 0)
-                    out["mb"][tick, stage] = ins.micro_batch
-                    out["buf"][tick, stage] = max(ins.buffer, 0)
+                    slot = "fwd" if isinstance(ins, Forward) else "bwd"
+                    out[slot][tick, stage] = 1 + ins.chunk * s + stage
+                    out[f"{slot}_mb"][tick, stage] = ins.micro_batch
+                    out[f"{slot}_buf"][tick, stage] = max(ins.buffer, 0)
                     if isinstance(ins, Backward):
-                        out["gbuf"][tick, stage] = max(ins.grad_buffer, 0)
+                        out["bwd_gbuf"][tick, stage] = max(ins.grad_buffer, 0)
                 elif isinstance(ins, RecvActivation):
                     out["recv_act"][tick, stage] = ins.buffer
                 elif isinstance(ins, RecvGrad):
@@ -204,8 +210,9 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
 
     batch leaves are global `[M * dp * m, ...]`; micro-batch i is rows [i*m*dp, (i+1)*m*dp) and
     data shard d gets its d-th block of m rows, as in the unpipelined step. The gradient returned
-    is `scale` times the gradient of the mean loss over the whole batch. With `trace`, also the
-    `[ticks, stages]` table of what each device's switch executed (code, micro-batch).
+    is `scale` times the gradient of the mean loss over the whole batch. With `trace`, also two
+    `[ticks, stages]` tables of the branches each device's forward and backward switches executed
+    (0: none, 1 + v: virtual stage v).
     """
     _check_tables(pipe)
     sched, rows = pipe.schedule, pipe.rows
@@ -225,41 +232,47 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
         def zeros_act() -> jax.Array:
             return vary(jnp.zeros(act.shape, act.dtype))
 
-        def idle(row, tied_in, x, dy, mb, acc, acc_tied):
-            return zeros_act(), zeros_act(), acc, acc_tied, vary(jnp.zeros((), jnp.float32)), 0
+        def no_forward(x, mb):
+            return zeros_act(), vary(jnp.zeros((), jnp.float32))
 
         def forward(v):
-            def branch(row, tied_in, x, dy, mb, acc, acc_tied):
+            def branch(x, mb):
                 y, loss = stage_fns[v](row, tied_in, x, mb)
-                y = zeros_act() if y is None else vary(y)
                 loss = jnp.zeros((), jnp.float32) if loss is None else loss
-                return y, zeros_act(), acc, acc_tied, vary(loss), 1 + v
+                return (zeros_act() if y is None else vary(y)), vary(loss)
             return branch
 
+        def no_backward(x, dy, mb, acc, acc_tied):
+            return zeros_act(), acc, acc_tied
+
         def backward(v):
-            def branch(row, tied_in, x, dy, mb, acc, acc_tied):
+            def branch(x, dy, mb, acc, acc_tied):
                 (y, loss), pullback = jax.vjp(lambda p, tv, h: stage_fns[v](p, tv, h, mb), row, tied_in, x)
                 dp_, dtied, dx = pullback((None if y is None else dy, None if loss is None else cot))
                 # ZeRO-2/3: reduce-scattered here, over the data group that runs this same branch.
                 acc = acc + move(dp_.astype(acc.dtype), PARTIAL, pipe.grad, comm_dtype=pipe.comm_dtype)
                 acc_tied = {k: a + dtied[k].astype(a.dtype) for k, a in acc_tied.items()}
-                dx = zeros_act() if v == 0 else vary(dx.astype(act.dtype))
-                return zeros_act(), dx, acc, acc_tied, vary(jnp.zeros((), jnp.float32)), 1 + V + v
+                return (zeros_act() if v == 0 else vary(dx.astype(act.dtype))), acc, acc_tied
             return branch
 
-        branches = [idle] + [forward(v) for v in range(V)] + [backward(v) for v in range(V)]
+        forwards = [no_forward] + [forward(v) for v in range(V)]
+        backwards = [no_backward] + [backward(v) for v in range(V)]
 
         def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
             stash, gstash, acc, acc_tied, loss_sum = carry
             at = {k: x[me] for k, x in xs.items()}
-            mb = jax.tree.map(lambda a: a[at["mb"]], micro)
-            out_act, out_grad, acc, acc_tied, loss, code = jax.lax.switch(
-                at["code"], branches, row, tied_in, stash[at["buf"]], gstash[at["gbuf"]], mb, acc, acc_tied)
+            # The forward slot runs first: the last stage's backward of micro-batch m may follow
+            # its forward of m in the same tick (paired schedules).
+            out_act, loss = jax.lax.switch(at["fwd"], forwards, stash[at["fwd_buf"]],
+                                           jax.tree.map(lambda a: a[at["fwd_mb"]], micro))
+            out_grad, acc, acc_tied = jax.lax.switch(
+                at["bwd"], backwards, stash[at["bwd_buf"]], gstash[at["bwd_gbuf"]],
+                jax.tree.map(lambda a: a[at["bwd_mb"]], micro), acc, acc_tied)
             act_in = jax.lax.ppermute(out_act, STAGE, fwd_perm)
             grad_in = jax.lax.ppermute(out_grad, STAGE, bwd_perm)
             stash = _store(stash, at["recv_act"], act_in)
             gstash = _store(gstash, at["recv_grad"], grad_in)
-            return (stash, gstash, acc, acc_tied, loss_sum + loss), (code, at["mb"])
+            return (stash, gstash, acc, acc_tied, loss_sum + loss), (at["fwd"], at["bwd"])
 
         carry = (vary(jnp.zeros((sched.act_buffers, *act.shape), act.dtype)),
                  vary(jnp.zeros((sched.grad_buffers, *act.shape), act.dtype)),
@@ -267,7 +280,7 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
                  {t.key: vary(jnp.zeros((rows.slot(t.key).size,), pipe.accum_dtype)) for t in tied},
                  vary(jnp.zeros((), jnp.float32)))
         xs = {k: jnp.asarray(v) for k, v in tab.items()}
-        (_, _, acc, acc_tied, loss_sum), (codes, mbs) = jax.lax.scan(tick, carry, xs)
+        (_, _, acc, acc_tied, loss_sum), (fwd_ran, bwd_ran) = jax.lax.scan(tick, carry, xs)
 
         # ReduceTiedGrads: every user's gradient goes back to the owner's row (non-owners receive
         # zeros from the ppermute and add nothing).
@@ -281,7 +294,7 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
         loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, DATA)
         out = (loss, grads[None])
         if trace:  # identical over data (the tables depend on the stage only); pmax just types it so
-            out += (jax.lax.pmax(codes, DATA)[:, None], jax.lax.pmax(mbs, DATA)[:, None])
+            out += (jax.lax.pmax(fwd_ran, DATA)[:, None], jax.lax.pmax(bwd_ran, DATA)[:, None])
         return out
 
     def grad_fn(rows_array: jax.Array, batch: Any, scale: jax.Array | float = 1.0) -> Any:
@@ -337,13 +350,13 @@ def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
         def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
             stash, loss_sum = carry
             at = {k: x[me] for k, x in xs.items()}
-            mb = jax.tree.map(lambda a: a[at["mb"]], micro)
-            y, loss = jax.lax.switch(at["code"], branches, stash[at["buf"]], mb)
+            mb = jax.tree.map(lambda a: a[at["fwd_mb"]], micro)
+            y, loss = jax.lax.switch(at["fwd"], branches, stash[at["fwd_buf"]], mb)
             stash = _store(stash, at["recv_act"], jax.lax.ppermute(y, STAGE, fwd_perm))
             return (stash, loss_sum + loss), None
 
         carry = (vary(jnp.zeros((sched.act_buffers, *act.shape), act.dtype)), vary(jnp.zeros((), jnp.float32)))
-        xs = {k: jnp.asarray(v) for k, v in tab.items() if k in ("code", "mb", "buf", "recv_act")}
+        xs = {k: jnp.asarray(v) for k, v in tab.items() if k in ("fwd", "fwd_mb", "fwd_buf", "recv_act")}
         (_, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         return jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, DATA)
 

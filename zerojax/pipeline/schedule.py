@@ -119,17 +119,36 @@ class Schedule:
     def num_ticks(self) -> int:
         return len(self.ticks)
 
-    def compute(self, tick: int, stage: int) -> Forward | Backward | None:
-        for ins in self.ticks[tick][stage]:
-            if isinstance(ins, (Forward, Backward)):
-                return ins
-        return None
+    def computes(self, tick: int, stage: int) -> list[Forward | Backward]:
+        """The forward and/or backward stage `stage` runs in tick `tick` (at most one of each)."""
+        return [ins for ins in self.ticks[tick][stage] if isinstance(ins, (Forward, Backward))]
+
+    def compute(self, tick: int, stage: int, kind: type | None = None) -> Forward | Backward | None:
+        """The first compute instruction of the tick (of type `kind` if given), or None."""
+        return next((c for c in self.computes(tick, stage) if kind is None or isinstance(c, kind)), None)
+
+    def lockstep_idle(self, forward: Sequence[float] | float = 1.0, backward: Sequence[float] | float = 1.0) -> float:
+        """Idle share of device time when ticks run in lockstep.
+
+        Costs are per virtual stage (or one number for all). A tick lasts as long as its busiest
+        device (the ticks end with a collective), and a device's work in a tick is the cost of the
+        forward and backward it runs there.
+        """
+        v = self.stages * self.chunks
+        f = [forward] * v if isinstance(forward, (int, float)) else list(forward)
+        b = [backward] * v if isinstance(backward, (int, float)) else list(backward)
+        busy = total = 0.0
+        for t in range(self.num_ticks):
+            work = [sum((f if isinstance(c, Forward) else b)[c.chunk * self.stages + s] for c in self.computes(t, s))
+                    for s in range(self.stages)]
+            busy += sum(work)
+            total += max(work) * self.stages
+        return 1 - busy / total
 
     @property
     def idle_fraction(self) -> float:
-        """Share of (tick, stage) slots without a forward or backward (unit-length ticks)."""
-        busy = sum(self.compute(t, s) is not None for t in range(self.num_ticks) for s in range(self.stages))
-        return 1 - busy / (self.num_ticks * self.stages)
+        """`lockstep_idle` with forwards and backwards of equal cost on every stage."""
+        return self.lockstep_idle()
 
     @property
     def bubble(self) -> float:
@@ -138,13 +157,12 @@ class Schedule:
         return (s - 1) / (v * m + s - 1)
 
     def timeline(self) -> str:
-        """One line per stage: F3 / B3 (chunk c > 0: F3.c), '.' for idle."""
-        def cell(ins: Forward | Backward | None) -> str:
-            if ins is None:
-                return "."
+        """One line per stage: F3 / B3 / F4+B1 (chunk c: F3.c), '.' for idle."""
+        def name(ins: Forward | Backward) -> str:
             tag = FORWARD if isinstance(ins, Forward) else BACKWARD
             return f"{tag}{ins.micro_batch}" + (f".{ins.chunk}" if self.chunks > 1 else "")
-        cells = [[cell(self.compute(t, s)) for t in range(self.num_ticks)] for s in range(self.stages)]
+        cells = [["+".join(name(c) for c in self.computes(t, s)) or "." for t in range(self.num_ticks)]
+                 for s in range(self.stages)]
         w = max(len(c) for row in cells for c in row)
         return "\n".join(f"stage {s}: " + " ".join(c.ljust(w) for c in row) for s, row in enumerate(cells))
 
@@ -162,6 +180,19 @@ def gpipe_order(stage: int, stages: int, micro_batches: int) -> list[Op]:
 def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[Op]:
     """DeepSpeed's TrainSchedule / PipeDream-Flush: warm-up, steady 1F1B, cool-down."""
     warmup = min(stages - stage - 1, micro_batches)
+    ops: list[Op] = [(FORWARD, m, stage) for m in range(warmup)]
+    for i in range(micro_batches - warmup):
+        ops += [(FORWARD, warmup + i, stage), (BACKWARD, i, stage)]
+    ops += [(BACKWARD, m, stage) for m in range(micro_batches - warmup, micro_batches)]
+    return ops
+
+
+def sync_one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[Op]:
+    """1F1B for lockstep ticks: 2(S-s-1) warm-up forwards, so that in the steady state every stage
+    runs one forward *and* one backward per tick (paired) and all ticks cost the same. Stage s then
+    holds up to 2(S-s)-1 micro-batches (DeepSpeed's order: S-s), the price of never idling a stage
+    that runs a forward while its neighbour runs a backward."""
+    warmup = min(2 * (stages - stage - 1), micro_batches)
     ops: list[Op] = [(FORWARD, m, stage) for m in range(warmup)]
     for i in range(micro_batches - warmup):
         ops += [(FORWARD, warmup + i, stage), (BACKWARD, i, stage)]
@@ -194,30 +225,42 @@ def interleaved_order(device: int, stages: int, micro_batches: int, chunks: int)
 
 # -- simulation --------------------------------------------------------------------------------------
 
-def _simulate(orders: Sequence[Sequence[Op]], devices: int, virtual: int) -> list[list[Op | None]]:
-    """Place each device's ops on unit ticks as early as dependencies allow (in order per device)."""
+def _simulate(orders: Sequence[Sequence[Op]], devices: int, virtual: int, pair: bool) -> list[list[list[Op]]]:
+    """Place each device's ops on ticks, in order, as early as their inputs allow.
+
+    A tick has one forward slot and one backward slot per device. Unpaired (GPipe), a device runs
+    one op per tick; paired (1F1B), it also runs the next op of its order in the same tick when
+    that is of the other kind and ready - so steady-state 1F1B ticks hold a forward *and* a
+    backward on every stage and cost the same everywhere when ticks run in lockstep. Inputs come
+    from earlier ticks, except that the forward slot runs before the backward slot, so a backward
+    may use its own stage's forward of the same tick (the last stage's F m + B m).
+    """
     done: dict[tuple[str, int, int], int] = {}  # (kind, micro-batch, virtual stage) -> tick finished
     pos = [0] * devices
-    timeline: list[list[Op | None]] = []
+    timeline: list[list[list[Op]]] = []
     total = sum(len(o) for o in orders)
+
+    def ready(op: Op, t: int, same_tick: list[Op]) -> bool:
+        kind, m, v = op
+        if kind == FORWARD:
+            return v == 0 or done.get((FORWARD, m, v - 1), t) < t
+        own = done.get((FORWARD, m, v), t) < t or (FORWARD, m, v) in same_tick
+        return own and (v == virtual - 1 or done.get((BACKWARD, m, v + 1), t) < t)
+
     while sum(pos) < total:
         t = len(timeline)
-        row: list[Op | None] = [None] * devices
+        row: list[list[Op]] = [[] for _ in range(devices)]
         for d in range(devices):
-            if pos[d] == len(orders[d]):
-                continue
-            kind, m, v = orders[d][pos[d]]
-            if kind == FORWARD:
-                ready = v == 0 or done.get((FORWARD, m, v - 1), t) < t
-            else:
-                ready = done.get((FORWARD, m, v), t) < t and (
-                    v == virtual - 1 or done.get((BACKWARD, m, v + 1), t) < t)
-            if ready:
-                row[d] = orders[d][pos[d]]
-        for d, op in enumerate(row):
-            if op is not None:
+            order = orders[d]
+            if pos[d] < len(order) and ready(order[pos[d]], t, []):
+                row[d].append(order[pos[d]])
+                nxt = pos[d] + 1
+                if pair and nxt < len(order) and order[nxt][0] != order[pos[d]][0] and ready(order[nxt], t, row[d]):
+                    row[d].append(order[nxt])
+        for d, ops in enumerate(row):
+            for op in ops:
                 done[op] = t
-                pos[d] += 1
+            pos[d] += len(ops)
         if not any(row):
             raise RuntimeError("schedule deadlocks: the per-stage orders are inconsistent")
         timeline.append(row)
@@ -243,7 +286,7 @@ class _Slots:
 
 
 def _assemble(name: str, stages: int, micro_batches: int, chunks: int,
-              timeline: list[list[Op | None]], training: bool) -> Schedule:
+              timeline: list[list[list[Op]]], training: bool) -> Schedule:
     virtual = stages * chunks
     ticks: list[list[list[Instruction]]] = [[[] for _ in range(stages)] for _ in timeline]
     act = [_Slots() for _ in range(stages)]
@@ -252,9 +295,7 @@ def _assemble(name: str, stages: int, micro_batches: int, chunks: int,
     grad_slot: dict[tuple[int, int], int] = {}
     for t, row in enumerate(timeline):
         frees: list[tuple[_Slots, int]] = []
-        for d, op in enumerate(row):
-            if op is None:
-                continue
+        for d, op in ((d, op) for d, ops in enumerate(row) for op in ops):
             kind, m, v = op
             chunk = v // stages
             if kind == FORWARD:
@@ -311,11 +352,13 @@ def build(name: str, stages: int, micro_batches: int, chunks: int = 1) -> Schedu
     if chunks != 1 and not interleaved:
         raise ConfigError("pipeline.chunks: only the interleaved schedule runs several chunks per stage")
     builders: dict[str, Callable[[int, int, int], list[Op]]] = {
-        "gpipe": gpipe_order, "1f1b": one_f_one_b_order, "inference": forward_order,
+        "gpipe": gpipe_order, "1f1b": one_f_one_b_order, "1f1b_sync": sync_one_f_one_b_order,
+        "inference": forward_order,
         "interleaved": lambda d, s, m: interleaved_order(d, s, m, chunks)}
     if name not in builders:
         raise ConfigError(f"pipeline.schedule: unknown schedule {name!r}; use one of {', '.join(sorted(builders))}")
     training = name != "inference"
     make = builders["interleaved" if interleaved else name]
     orders = [[op for op in make(d, stages, micro_batches) if training or op[0] == FORWARD] for d in range(stages)]
-    return _assemble(name, stages, micro_batches, chunks, _simulate(orders, stages, stages * chunks), training)
+    timeline = _simulate(orders, stages, stages * chunks, pair=name in ("1f1b_sync", "interleaved"))
+    return _assemble(name, stages, micro_batches, chunks, timeline, training)
