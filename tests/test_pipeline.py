@@ -73,8 +73,8 @@ def config(stages: int, micro_batches: int, schedule: str = "1f1b", *, stage: in
         "optimizer": optimizer, "gradient_clipping": clip, "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "mesh": {"stage": stages, "data": data}, "pipeline": {"schedule": schedule, **extra.pop("pipeline", {})}}
-    if dtype == "bf16":
-        raw["bf16"] = {"enabled": True}
+    if dtype in ("bf16", "fp16"):
+        raw[dtype] = {"enabled": True}
     raw.update(extra)
     return zerojax.load_config(raw)
 
@@ -166,6 +166,16 @@ def test_bf16_and_eval() -> None:
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), engine.params)
     want = float(MODULES[False].loss(params, held_out))
     np.testing.assert_allclose(float(engine.eval_batch(held_out)), want, rtol=2e-2)
+
+
+def test_fp16_loss_scaling() -> None:
+    """The loss scale multiplies the last stage's cotangent and apply_update divides it out (SGD:
+    a scale left in the gradient would show up 65536-fold)."""
+    cfg = config(2, 2, "1f1b", dtype="fp16", optimizer=SGD, clip=0.0)
+    engine = train_and_compare(cfg, True, ("sgd-fp16", True), dtype="fp16")
+    assert engine.skipped_steps == 0
+    assert float(engine.state.scaler.scale) == 2.0 ** 16
+    assert engine.state.params["stages"].dtype == jnp.float16
 
 
 def test_executor_runs_the_schedule_it_is_given() -> None:
