@@ -35,6 +35,7 @@ from zerojax.config import Config
 from zerojax.errors import ConfigError
 from zerojax.layout import MemoryReport, Plan, plan as make_plan
 from zerojax.mesh import STAGE, data_size
+from zerojax.pallas.backend import XLA
 from zerojax.pipeline.buffers import StageRows, stage_rows
 from zerojax.pipeline.executor import Pipeline, make_forward_fn, make_grad_fn
 from zerojax.pipeline.module import PipelineModule
@@ -122,6 +123,13 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     # sizes up to 128 the width (so a checkpoint's shapes) does not depend on dp.
     rows = stage_rows(module, stages, chunks, align=math.lcm(dp, 128))
     plan = make_plan(config, mesh, {ROWS: jax.ShapeDtypeStruct((stages, rows.width), jnp.float32)}, lead=STAGE)
+    if plan.kernels != XLA:
+        # The fused kernels reduce their gradient statistics over `data` only; a pipeline's rows
+        # are split over `stage` too, so pipelines keep the optax update.
+        if config.kernels == "pallas":
+            raise ConfigError("kernels: 'pallas' is not supported with pipeline parallelism yet; use "
+                              "kernels: auto or xla (pipelines run the optax update)")
+        plan = dataclasses.replace(plan, kernels=XLA)
     lay = plan.layouts[ROWS]
     pol = plan.policy
     interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
