@@ -194,8 +194,11 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
         "order has neighbouring stages run a forward and a backward in the same tick, so in "
         "lockstep the forward stage waits for the backward: its advantage on this executor is "
         "memory, not time. `1f1b_sync` pairs a forward and a backward in every steady-state tick "
-        "(2(S-s-1) warm-up forwards instead of S-s-1) and loses nothing to lockstep, for up to 2S-1 "
-        "micro-batches in flight; interleaved is paired the same way.",
+        "(2(S-s-1) warm-up forwards instead of S-s-1) and loses no more than GPipe to lockstep, for "
+        "up to 2S-1 micro-batches in flight; interleaved is paired the same way. What remains above "
+        "the bubble for all of them is the stages' imbalance: the `parameters` partition balances "
+        "parameters, and the embedding's many parameters cost few FLOPs, so stages 0 and 3 run one "
+        "block each and stages 1 and 2 two.",
         "",
         f"*temp per device* is `compiled.memory_analysis().temp_size_in_bytes` of the whole train step. "
         f"From M = {lo} to M = {hi} it grows by "
