@@ -75,9 +75,6 @@ class PipelinePlan:
         return dataclasses.replace(self.train, schedule=build("inference", self.stages, micro_batches,
                                                               self.rows.chunks))
 
-    def abstract_rows(self) -> dict[str, jax.ShapeDtypeStruct]:
-        return {ROWS: jax.ShapeDtypeStruct((self.stages, self.rows.width), jnp.float32)}
-
     def memory_report(self) -> MemoryReport:
         """Per-device bytes against the ZeRO formula for one stage's row (what a device holds)."""
         r = self.plan.report()
@@ -89,7 +86,7 @@ class PipelinePlan:
         sched = self.schedule
         return "\n".join([self.rows.table(),
                           f"schedule {sched.name}: {sched.micro_batches} micro-batches, {sched.num_ticks} ticks, "
-                          f"idle {100 * sched.idle_fraction:.1f}% (bubble (S-1)/(M+S-1) = "
+                          f"idle {100 * sched.idle_fraction:.1f}% (textbook bubble "
                           f"{100 * sched.bubble:.1f}%), {sched.act_buffers} activation slots per stage"])
 
 
@@ -114,10 +111,11 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     dp = data_size(mesh)
     gas = config.batch(dp).gradient_accumulation_steps
     chunks = pipe_cfg.chunks
-    if stages * chunks > len(module.layers):
-        raise ConfigError(
-            f"mesh.stage: {stages} stages x {chunks} chunks = {stages * chunks} model pieces but the model "
-            f"has only {len(module.layers)} layers; use at most {len(module.layers) // chunks} stages")
+    n = len(module.layers)
+    if stages * chunks > n:
+        pieces = f"{stages} pipeline stages" + (f" x {chunks} chunks = {stages * chunks} pieces" if chunks > 1 else "")
+        raise ConfigError(f"mesh.stage: {pieces} but the model has only {n} layers; use at most "
+                          f"{n // chunks} stages (each piece needs at least one layer)")
     schedule = build(pipe_cfg.schedule, stages, gas, chunks)
     # Rows padded to a multiple of lcm(dp, 128): ZeRO can shard them, and for power-of-two data
     # sizes up to 128 the width (so a checkpoint's shapes) does not depend on dp.
