@@ -424,10 +424,21 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Multi-process start-up through jax.distributed (not supported yet)."""
-    coordinator_address: Optional[str] = option(None, "host:port of process 0.")
-    num_processes: Optional[int] = option(None, "Number of processes.", gt=0)
-    process_id: Optional[int] = option(None, "This process's id.", ge=0)
+    """Multi-process start-up through jax.distributed (see docs/distributed.md)."""
+    coordinator_address: Optional[str] = option(
+        None, "host:port of process 0 (default: ZEROJAX_COORDINATOR_ADDRESS, MASTER_ADDR:MASTER_PORT, "
+              "or the cluster's).")
+    num_processes: Optional[int] = option(None, "Number of processes (default: ZEROJAX_NUM_PROCESSES, "
+                                                "WORLD_SIZE, or the cluster's).", gt=0)
+    process_id: Optional[int] = option(None, "This process's id (default: ZEROJAX_PROCESS_ID, RANK, "
+                                             "or the cluster's).", ge=0)
+    join: str = option("auto", "auto: join when coordinates are given or a launcher is detected (zerojax "
+                               "launch, SLURM srun, Open MPI mpirun, a Kubernetes indexed Job, a multi-host "
+                               "Cloud TPU slice); always: call jax.distributed.initialize and let JAX detect "
+                               "the rest; never: run as one process.", choices=("auto", "always", "never"))
+    initialization_timeout: int = option(300, "Seconds to wait for every process to join.", gt=0)
+    check_consistency: bool = option(False, "Debug: check at start-up that every process holds the same "
+                                            "config and model structure (two small all-gathers).")
 
 
 @dataclass(frozen=True)
@@ -1162,9 +1173,6 @@ def unsupported_features(config: Config) -> list[str]:
         out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
     if config.mesh.stage > 1:
         out.append("mesh.stage: pipeline parallelism is not supported yet; use mesh.stage=1")
-    dist = config.distributed
-    if dist.coordinator_address or dist.num_processes or dist.process_id is not None:
-        out.append("distributed: multi-process runs are not supported yet; remove the section")
     if config.wandb.enabled:
         out.append("wandb.enabled: not supported (no network access); use tensorboard or csv_monitor")
     return out
