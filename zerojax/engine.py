@@ -55,6 +55,8 @@ class Engine:
     def train_batch(self, batch: Any) -> dict[str, jax.Array]:
         """One optimizer step on a global batch (leading dimension train_batch_size; in a
         multi-process run, host data may hold only this process's rows)."""
+        if jax.process_count() == 1:
+            check_batch(self.plan, batch)  # one clear message before any transfer
         batch = self._place(batch, self.plan.batch.train_batch_size)
         check_batch(self.plan, batch)
         self.state, metrics = self._train_step(self.state, batch)
@@ -64,6 +66,8 @@ class Engine:
 
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
+        if jax.process_count() == 1:
+            check_eval_batch(self.plan, batch)
         batch = self._place(batch)
         check_eval_batch(self.plan, batch)
         return self._eval_step(self.state.params, batch)

@@ -18,6 +18,7 @@ from zerojax.layout import plan as make_plan
 from zerojax.mesh import make_mesh
 from zerojax.models import gpt
 from zerojax.monitor import Monitor
+from zerojax.offload import HOST_KINDS, step_memory
 
 
 def _run_dirs(path: Path) -> list[Path]:
@@ -53,18 +54,28 @@ def latest_output_dir(path: Path) -> Path:
     return runs[-1]
 
 
-def measured_bytes(tree: Any) -> int:
-    """Bytes this process's first device really holds for `tree`."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+def measured_bytes(tree: Any, host: bool | None = None) -> int:
+    """Bytes this process's first device really holds for `tree` (`host`: only those stored in host
+    memory, or only those in device memory)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
+               if host is None or (x.sharding.memory_kind in HOST_KINDS) == host)
 
 
-def startup_table(engine: Engine) -> str:
+def startup_table(engine: Engine, batch: Any = None) -> str:
+    """The plan's bytes per device against the ZeRO formula, what the arrays really hold, and - given
+    a batch - what the compiled step takes on device and on host (this compile is the one the first
+    step then uses)."""
     report = engine.memory_report()
     state = engine.state
-    measured = {"parameters": measured_bytes(state.params),
-                "optimizer state": measured_bytes((state.master, state.opt_state))}
-    lines = [report.table(), f"measured on device 0: parameters {measured['parameters'] / 2**20:.2f} MiB, "
-                             f"optimizer state {measured['optimizer state'] / 2**20:.2f} MiB"]
+    mib = 2 ** 20
+    measured = [(name, measured_bytes(tree, False), measured_bytes(tree, True))
+                for name, tree in (("parameters", state.params), ("optimizer state", (state.master, state.opt_state)))]
+    lines = [report.table(), "measured on device 0: " + ", ".join(
+        f"{name} {dev / mib:.2f} MiB" + (f" + {host / mib:.2f} MiB on host" if host else "")
+        for name, dev, host in measured)]
+    if batch is not None:
+        placed = engine._place(batch, engine.plan.batch.train_batch_size)
+        lines.append(step_memory(engine.train_step_fn.lower(engine.state, placed).compile()).line())
     b = engine.plan.batch
     lines.append(f"batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
                  f"{b.gradient_accumulation_steps} x data {engine.plan.data_size}; mesh {dict(engine.mesh.shape)}; "
@@ -125,7 +136,7 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
 
     if is_primary() and not (out / "config.json").exists():
         (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    _say(startup_table(engine))
+    _say(startup_table(engine, train_batches.batch(train_batches.position, train_batches.local)))
     if config.dump_state:
         _say(config.explain(engine.plan.data_size))
     _say(f"writing to {out}; checkpoints in {ckpt_dir}")
