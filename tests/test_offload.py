@@ -6,6 +6,7 @@ host computation) and the arithmetic (identical parameters), not a memory saving
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,33 @@ def test_entry_layout_bytes_reads_memory_spaces() -> None:
            "(f32[2,4]{1,0:S(5)}, /*index=1*/bf16[8]{0:T(128)S(5)})}, num_partitions=8\n")
     assert entry_layout_bytes(hlo) == (16 + 4, 32, 0, 32 + 16)
     assert set(HOST_KINDS) == {"pinned_host", "unpinned_host"}
+
+
+def _placements_by_function(module_text: str) -> dict[str, list[tuple[str, str]]]:
+    """(memory kind, tensor type) of every memory placement annotation, per function of a lowered module."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    current = ""
+    for line in module_text.splitlines():
+        m = re.match(r"\s*func\.func (?:public|private) @([\w.]+)", line)
+        if m:
+            current = m.group(1)
+        m = re.search(r'_xla_buffer_placement = "(\w+)"\}\} : \((tensor<[^>]*>)\)', line)
+        if m:
+            found.setdefault(current, []).append((m.group(1), m.group(2)))
+    return found
+
+
+def test_parameters_come_in_layer_by_layer_on_gpu() -> None:
+    """Lowered for CUDA (on CPU, JAX drops placement annotations), each stacked layer's shard is moved to
+    the device inside the scanned body, one layer at a time - never the whole stack before the forward."""
+    e = engine(config(3, "bf16", {"device": "cpu"}, {"device": "cpu"}))
+    traced = e.train_step_fn.trace(e.state, e._place(make_batch(32, 0), 32))
+    placements = _placements_by_function(traced.lower(lowering_platforms=("cuda",)).as_text())
+    stacked = e.state.params["layers"]["w"].addressable_shards[0].data.shape  # (layers, 32, 4)
+    layer = "tensor<" + "x".join(map(str, stacked[1:])) + "xbf16>"
+    whole = "tensor<" + "x".join(map(str, stacked)) + "xbf16>"
+    bodies = [name for name, found in placements.items() if name != "main" and ("device", layer) in found]
+    assert bodies, placements
+    # The whole stack reaches the device only as a gradient, after the backward pass (in the shard_map
+    # body, not in a scanned one), and leaves the device only to be stored.
+    assert all(("device", whole) not in placements[name] for name in bodies)

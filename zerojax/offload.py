@@ -152,9 +152,21 @@ def to_memory(tree: Any, kind: str | None) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
+def to_device(tree: Any) -> Any:
+    """Values typed as host memory moved to the device; the others untouched.
+
+    Inside jit the type says where a value is, so the lowered module carries no transfer, not even
+    an empty one, for what is already on the device.
+    """
+    def one(x: Any) -> Any:
+        on_host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+        return jax.device_put(x, jax.memory.Space.Device) if on_host else x
+    return jax.tree.map(one, tree)
+
+
 def bring_in(tree: Any, kind: str | None) -> Any:
     """Arrays stored in memory `kind` moved to the device for computing; a no-op for device memory."""
-    return tree if kind is None else to_memory(tree, None)
+    return tree if kind is None else to_device(tree)
 
 
 def run_update(memory: Memory, fn: Callable[..., Any], *args: Any) -> Any:

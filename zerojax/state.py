@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from zerojax.config import Config
 from zerojax.layout import Plan
-from zerojax.offload import to_memory
+from zerojax.offload import to_device
 from zerojax.precision import LossScaleState, init_loss_scale
 
 
@@ -99,7 +99,7 @@ def init_state(config: Config, plan: Plan, params: Any, rng: jax.Array | int | N
     key = _key_data(config.run.seed if rng is None else rng)
 
     def init(params: Any, key: jax.Array) -> TrainState:
-        params = to_memory(params, None)  # computed on the device, whatever memory they come from
+        params = to_device(params)  # computed on the device, whatever memory they come from
         master = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(pol.master), s),
                               params, plan.update_shardings)
         compute = jax.tree.map(lambda x: x.astype(pol.param), params)

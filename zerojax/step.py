@@ -30,9 +30,9 @@ from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather,
 from zerojax.config import Config
 from zerojax.layout import LeafLayout, Plan
 from zerojax.mesh import DATA
+from zerojax.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.update import FusedUpdate
-from zerojax.offload import bring_in, run_update
 from zerojax.precision import leaf_finite, update_loss_scale
 from zerojax.state import TrainState, state_shardings
 
