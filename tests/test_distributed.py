@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -209,23 +210,44 @@ def test_consistency_check_names_the_differing_process() -> None:
     assert "config.optimizer.params.lr: here 0.02, process 0 0.01" in text
 
 
-def test_train_py_under_launch_writes_once(tmp_path: Path) -> None:
-    """`zerojax launch -n 2 train.py --config configs/zero3.yaml`: one set of run files from process 0,
-    checkpoint shards from both, the same losses as one process (tiny model, few steps)."""
-    from test_cli import SMALL, run
-    small = [*SMALL, "run.steps=4", "run.log_every=2", "steps_per_print=2", "run.save_every=2"]
-    proc = launch("-n", "2", "train.py", "--config", "configs/zero3.yaml", "--set", *small,
-                  f"run.output_dir={tmp_path / 'two'}", timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "[0] ZeRO stage 3" in proc.stdout and "[1] ZeRO stage 3" not in proc.stdout
-    assert "[0] done: 4 steps" in proc.stdout and "[1] done" not in proc.stdout
-    assert not (tmp_path / "two-2").exists()  # both processes agreed on one output folder
-    ckpt = tmp_path / "two" / "checkpoints"
-    assert (ckpt / "latest").read_text().strip() == "global_step4"
-    assert (ckpt / "global_step2" / "state" / "ocdbt.process_1").exists()
-    one = run("train.py", "--config", "configs/zero3.yaml", "--set", *small, f"run.output_dir={tmp_path / 'one'}")
-    assert one.returncode == 0, one.stderr[-3000:]
-    two_losses = [json.loads(l)["loss"] for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    one_losses = [json.loads(l)["loss"] for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    assert len(two_losses) == len(one_losses) == 3
-    np.testing.assert_allclose(two_losses, one_losses, rtol=2e-3)  # bf16 compute, another reduction order
+def test_train_py_under_launch_stops_together_and_resumes(tmp_path: Path) -> None:
+    """`zerojax launch -n 2 train.py --config configs/zero3.yaml` (tiny model): one set of run files from
+    process 0, checkpoint shards from both; Ctrl-C stops both after the same step with a checkpoint,
+    and `--resume` continues from it in two processes."""
+    from test_cli import SMALL
+    out = tmp_path / "run"
+    small = [*SMALL, "run.steps=60", "run.log_every=1", "steps_per_print=1", f"run.output_dir={out}"]
+    cmd = [sys.executable, "-m", "zerojax.cli", "launch", "-n", "2", "train.py", "--config", "configs/zero3.yaml",
+           "--set", *small]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from test_launch import Lines
+    try:
+        lines = Lines(proc)
+        lines.wait_for(lambda seen: any(l.startswith("[0] step 2:") for l in seen), 240)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    stdout, stderr = lines.text(), proc.stderr.read()
+    assert code == 130, stderr[-3000:]
+    stop = [l for l in stdout.splitlines() if "stop requested: every process stopped after step" in l]
+    assert len(stop) == 1 and stop[0].startswith("[0] "), stdout[-3000:]
+    stopped = int(stop[0].split("after step ")[1].split(";")[0])
+    assert "[0] zerojax: interrupted" in stderr and "[1] zerojax: interrupted" in stderr
+    assert "[0] ZeRO stage 3" in stdout and "[1] ZeRO stage 3" not in stdout
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, stopped + 1))
+    tag = out / "checkpoints" / f"global_step{stopped}"
+    assert (out / "checkpoints" / "latest").read_text().strip() == tag.name
+    assert sorted(p.name for p in (tag / "state").glob("ocdbt.process_*")) == ["ocdbt.process_0", "ocdbt.process_1"]
+
+    resumed = launch("-n", "2", "train.py", "--config", "configs/zero3.yaml", "--resume", "--set", *small,
+                     f"run.steps={stopped + 2}", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"[0] resumed from {tag} at step {stopped}" in resumed.stdout
+    assert f"[0] done: {stopped + 2} steps" in resumed.stdout and "[1] done" not in resumed.stdout
+    assert not (tmp_path / "run-2").exists()  # both processes agreed on the run folder
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, stopped + 3))

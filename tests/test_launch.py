@@ -63,7 +63,8 @@ class Lines:
     def __init__(self, proc: subprocess.Popen):
         self.q: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+        self.reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self.reader.start()
 
     def _read(self, stream) -> None:
         for line in stream:
@@ -80,6 +81,13 @@ class Lines:
             except queue.Empty:
                 pass
         return self.seen
+
+    def text(self, timeout: float = 30) -> str:
+        """Everything the process wrote, once it has closed its output."""
+        self.reader.join(timeout)
+        while not self.q.empty():
+            self.seen.append(self.q.get())
+        return "".join(self.seen)
 
 
 def test_each_process_gets_its_place_and_a_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,3 +252,29 @@ def test_killing_one_jax_process_fails_the_launch_within_a_minute() -> None:
     stderr = proc.stderr.read()
     assert code != 0 and elapsed < 60, (code, elapsed)
     assert f"process 1 (pid {victim}) was killed by SIGKILL" in stderr, stderr[-3000:]
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for a reaper counts: it runs no more)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_processes_do_not_outlive_a_killed_launcher(tmp_path: Path) -> None:
+    script = child(tmp_path, 'import os, time\nprint("pid", os.getpid(), flush=True)\ntime.sleep(120)\n')
+    proc = subprocess.Popen(launch_cmd("-n", "2", script), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        seen = Lines(proc).wait_for(lambda seen: sum("pid" in l for l in seen) == 2, 30)
+        pids = [int(l.split()[-1]) for l in seen if " pid " in l]
+        proc.kill()  # SIGKILL: the launcher cannot clean up itself
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+    assert all(_gone(p) for p in pids), pids

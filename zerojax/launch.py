@@ -175,15 +175,23 @@ def plan_processes(args: argparse.Namespace) -> list[Spec]:
 # ---------------------------------------------------------------------------------------------
 # Running and watching.
 
+def _find_prctl() -> object | None:
+    """libc's prctl, resolved here in the launcher so a child runs no loader code after fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
-    """In the child, before exec: its own process group (signals come only from the launcher), and
-    SIGTERM if the launcher itself dies (Linux), so no process outlives it."""
-    os.setpgrp()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    """In the child, before exec: SIGTERM when the launcher dies, so no process outlives it."""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)  # type: ignore[operator]
 
 
 def describe_exit(code: int) -> str:
@@ -258,8 +266,10 @@ class Launcher:
     def _start(self, spec: Spec) -> Child:
         env = {**os.environ, **spec.env}
         command = spec.command if spec.host is None else ["ssh", spec.host, spec.line()]
+        # Its own process group: signals reach it once, from the launcher, not also from the terminal.
         popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+                                 stderr=subprocess.PIPE, process_group=0,
+                                 preexec_fn=_die_with_parent if _PRCTL is not None else None)
         child = Child(spec, popen)
         for stream, sink in ((popen.stdout, self.out), (popen.stderr, self.err)):
             t = threading.Thread(target=self._copy, args=(child, stream, sink), daemon=True,
