@@ -22,13 +22,13 @@ STEPS = 3
 
 
 def config(stage: int, dtype: str, optimizer: dict | None = None, param: dict | None = None,
-           opt: dict | None = None) -> zerojax.Config:
+           opt: dict | None = None, kernels: str = "xla") -> zerojax.Config:
     zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if optimizer:
         zero["offload_optimizer"] = optimizer
     if param:
         zero["offload_param"] = param
-    return make_config(stage, dtype=dtype, gas=2, optimizer=opt, zero_optimization=zero)
+    return make_config(stage, dtype=dtype, gas=2, optimizer=opt, zero_optimization=zero, kernels=kernels)
 
 
 def engine(cfg: zerojax.Config) -> zerojax.Engine:
@@ -49,14 +49,17 @@ CASES = {
                                            None, "device"),
     "stage3-bf16-all-offloaded": (3, "bf16", {"device": "cpu"}, {"device": "cpu"}, "host"),
     "stage3-fp32-params-only": (3, "fp32", None, {"device": "cpu"}, "device"),
+    # The fused Pallas update (interpreted on CPU) runs on the device: the state comes in for it.
+    "stage3-bf16-pallas-kernels": (3, "bf16", {"device": "cpu"}, {"device": "cpu"}, "device"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_offloaded_run_equals_the_plain_run(case: str) -> None:
     stage, dtype, opt_off, param_off, update = CASES[case]
-    plain = trained(config(stage, dtype))
-    off = trained(config(stage, dtype, opt_off, param_off))
+    kernels = "pallas" if "pallas" in case else "xla"
+    plain = trained(config(stage, dtype, kernels=kernels))
+    off = trained(config(stage, dtype, opt_off, param_off, kernels=kernels))
     assert off.plan.memory.update == update
     assert not plain.plan.memory.offloaded and off.plan.memory.offloaded
     # Offload moves bytes, never arithmetic: the same parameters and optimizer state.
@@ -125,6 +128,10 @@ def test_offload_errors_name_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
         zerojax.plan(config(2, "fp32", {"device": "cpu", "compute": "host"}, opt=lamb), data_mesh(), mlp_params(0))
     assert zerojax.plan(config(2, "fp32", {"device": "cpu"}, opt=lamb), data_mesh(),
                         mlp_params(0)).memory.update == "device"  # auto falls back
+    with pytest.raises(zerojax.ConfigError, match=r"compute: host runs the optax update on the host, but kernels "
+                                                  r"resolve to interpret"):
+        zerojax.plan(config(2, "fp32", {"device": "cpu", "compute": "host"}, kernels="pallas"), data_mesh(),
+                     mlp_params(0))
     monkeypatch.setattr(offload, "_available_kinds", lambda mesh: {"device"})
     with pytest.raises(zerojax.ConfigError, match=r"^zero_optimization\.offload_param\.device: cpu needs the "
                                                   r"'pinned_host' memory kind, but the cpu backend's devices offer "
