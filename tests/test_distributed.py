@@ -67,6 +67,9 @@ def test_deepspeed_environment() -> None:
     env = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "WORLD_SIZE": "3", "RANK": "2", "LOCAL_RANK": "0"}
     p = resolve(dist(), env)
     assert (p.coordinator_address, p.num_processes, p.process_id, p.local_rank) == ("node0:29500", 3, 2, 0)
+    # Only a complete set counts: a stray RANK in an image's environment leaves a single process alone.
+    assert resolve(dist(), {"RANK": "0", "LOCAL_RANK": "0"}) is None
+    assert resolve(dist(), {k: v for k, v in env.items() if k != "MASTER_PORT"}) is None
 
 
 def test_slurm_one_task_per_node_gets_every_local_device() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from zerojax import launch
 from zerojax.launch import Launcher, LaunchError, _parser, plan_processes, read_hostfile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,12 @@ def run(*args: str, timeout: float = 60, extra_env: dict[str, str] | None = None
 
 
 def run_here(*args: str, monkeypatch: pytest.MonkeyPatch) -> subprocess.CompletedProcess:
-    """The launcher in this process (the children are still real processes), for speed."""
+    """The launcher in this process (the children are still real processes), for speed.
+
+    Without the parent-death hook: it runs Python in the forked child, which JAX (live in this
+    process) warns about; test_processes_do_not_outlive_a_killed_launcher covers it in a real launcher.
+    """
+    monkeypatch.setattr(launch, "_PRCTL", None)
     for key, value in env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(ROOT)

@@ -110,8 +110,10 @@ def resolve(dist: DistributedConfig, environ: Mapping[str, str] | None = None) -
     environ = os.environ if environ is None else environ
     if dist.join == "never":
         return None
-    master = (f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
-              if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT") else None)
+    # DeepSpeed's / torchrun's variables count only as a complete set: a stray RANK in an image's
+    # environment must not turn a single-process run into an error.
+    torch_env = all(environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"))
+    master = f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}" if torch_env else None
     # (value, where it came from) per field, first match wins.
     sources: dict[str, list[tuple[Any, str]]] = {
         "coordinator_address": [(dist.coordinator_address, "distributed.coordinator_address"),
@@ -119,10 +121,10 @@ def resolve(dist: DistributedConfig, environ: Mapping[str, str] | None = None) -
                                 (master, "MASTER_ADDR/MASTER_PORT")],
         "num_processes": [(dist.num_processes, "distributed.num_processes"),
                           (_int(environ, ENV_NUM_PROCESSES), ENV_NUM_PROCESSES),
-                          (_int(environ, "WORLD_SIZE"), "WORLD_SIZE")],
+                          (_int(environ, "WORLD_SIZE") if torch_env else None, "WORLD_SIZE")],
         "process_id": [(dist.process_id, "distributed.process_id"),
                        (_int(environ, ENV_PROCESS_ID), ENV_PROCESS_ID),
-                       (_int(environ, "RANK"), "RANK")],
+                       (_int(environ, "RANK") if torch_env else None, "RANK")],
     }
     chosen: dict[str, tuple[Any, str]] = {}
     for name, options in sources.items():
@@ -132,9 +134,11 @@ def resolve(dist: DistributedConfig, environ: Mapping[str, str] | None = None) -
                 break
     cluster = _cluster(environ)
     local_rank = _int(environ, ENV_LOCAL_RANK)
-    local_rank = local_rank if local_rank is not None else _int(environ, "LOCAL_RANK")
+    if local_rank is None and torch_env:
+        local_rank = _int(environ, "LOCAL_RANK")
     local_size = _int(environ, ENV_LOCAL_SIZE)
-    local_size = local_size if local_size is not None else _int(environ, "LOCAL_WORLD_SIZE")
+    if local_size is None and torch_env:
+        local_size = _int(environ, "LOCAL_WORLD_SIZE")
     per_process = _int(environ, ENV_DEVICES_PER_PROCESS)
     if per_process is not None and per_process < 1:
         raise ConfigError(f"{ENV_DEVICES_PER_PROCESS}={per_process}: must be at least 1")

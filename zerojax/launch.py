@@ -18,6 +18,7 @@ import argparse
 import collections
 import ctypes
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -33,6 +34,7 @@ from typing import IO, Sequence
 from zerojax.distributed import (ENV_COORDINATOR, ENV_DEVICES_PER_PROCESS, ENV_LOCAL_RANK, ENV_LOCAL_SIZE,
                                  ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
+_LINE_END = re.compile(rb"(?<=[\r\n])")
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's default, used when ports on other hosts cannot be probed
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -239,14 +241,7 @@ class Launcher:
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
-            pending += chunk
-            lines = []
-            start = 0
-            for i, byte in enumerate(pending):
-                if byte in (10, 13):  # \n, \r
-                    lines.append(pending[start:i + 1])
-                    start = i + 1
-            pending = pending[start:]
+            *lines, pending = _LINE_END.split(pending + chunk)  # each line keeps its \n or \r
             if lines:
                 with self._lock:
                     for line in lines:
