@@ -386,7 +386,10 @@ def stop_requested(step: int) -> bool:
     if jax.process_count() == 1:
         return False
     from jax.experimental import multihost_utils
-    return bool(multihost_utils.reached_preemption_sync_point(step))
+    try:
+        return bool(multihost_utils.reached_preemption_sync_point(step))
+    except RuntimeError:  # the preemption service is off (jax_enable_preemption_service=False)
+        return False
 
 
 @contextlib.contextmanager
