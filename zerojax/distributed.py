@@ -401,7 +401,8 @@ def interrupts_as_preemption() -> Iterator[None]:
     jax.distributed.initialize) catches SIGTERM and agrees on one step for everybody; SIGINT is
     re-sent as SIGTERM so it takes the same path, and `stop_requested` reports that step.
     """
-    if jax.process_count() == 1 or threading.current_thread() is not threading.main_thread():
+    if (jax.process_count() == 1 or threading.current_thread() is not threading.main_thread()
+            or not jax.config.jax_enable_preemption_service):  # without it SIGTERM would just kill
         yield
         return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
