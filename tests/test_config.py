@@ -274,6 +274,9 @@ BAD_CONFIGS = [
      with_batch(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
      r"^zero_optimization\.offload_param\.device: parameter offload needs stage 3 \(stage is 2\); set "
      r"zero_optimization\.stage=3 or remove offload_param$"),
+    ("offload-without-zero", with_batch(zero_optimization={"offload_optimizer": {"device": "cpu"}}),
+     r"^zero_optimization\.offload_optimizer\.device: offload needs ZeRO stage 1, 2 or 3 \(stage is 0\); "
+     r"set zero_optimization\.stage or remove offload_optimizer$"),
     ("cpu-offload-contradiction",
      with_batch(zero_optimization={"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}),
      r"^zero_optimization\.cpu_offload: true contradicts offload_optimizer\.device=nvme; keep only "
@@ -634,17 +637,14 @@ def test_every_schema_field_has_a_default_and_a_doc() -> None:
 # Features that parse but are not built yet.
 
 @pytest.mark.parametrize("overrides, pattern", [
-    (["zero_optimization.offload_optimizer.device=cpu"],
-     r"^zero_optimization\.offload_\*: offload to cpu is not supported yet; set device: none$"),
-    (["zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu"],
-     r"^zero_optimization\.offload_\*: offload to cpu is not supported yet; set device: none$"),
-    (["zero_optimization.cpu_offload=true"],
-     r"^zero_optimization\.offload_\*: offload to cpu is not supported yet"),
-    (["zero_optimization.offload_optimizer.device=nvme"],
-     r"^zero_optimization\.offload_\*\.device: nvme is not supported; use cpu$"),
-    (["distributed.num_processes=2"], r"^distributed: multi-process runs are not supported yet; remove the "
-                                      r"section$"),
-    (["distributed.process_id=0"], r"^distributed: multi-process runs are not supported yet"),
+    (["zero_optimization.stage=1", "zero_optimization.offload_optimizer.device=nvme"],
+     r"^zero_optimization\.offload_optimizer\.device: nvme is not supported; use cpu \(host memory, "
+     r"docs/offload\.md\) or none$"),
+    (["zero_optimization.stage=3", "zero_optimization.offload_param.device=nvme"],
+     r"^zero_optimization\.offload_param\.device: nvme is not supported; use cpu"),
+    (["zero_optimization.stage=2", "zero_optimization.offload_optimizer.device=cpu",
+      "zero_optimization.offload_optimizer.ratio=0.5"],
+     r"^zero_optimization\.offload_optimizer\.ratio: 0\.5 \(partial offload\) is not supported; use 1\.0$"),
     (["zero_optimization.zero_quantized_weights=true"], r"ZeRO\+\+ is not supported$"),
     (["zero_optimization.mics_shard_size=4"], r"^zero_optimization\.mics_shard_size: MiCS is not supported; "
                                               r"use -1$"),

@@ -43,3 +43,17 @@ def test_file_source(tmp_path) -> None:
     missing = load_config({"train_batch_size": 8, "data": {"source": "file", "path": str(tmp_path / "x")}})
     with pytest.raises(ConfigError, match="data.path"):
         read_corpus(missing.data)
+
+
+def test_each_process_builds_exactly_its_rows() -> None:
+    """Two processes that each build their half reproduce the batch one process builds."""
+    tokens = read_corpus(DataConfig(max_bytes=50_000))
+    whole = Batches(tokens, rows=8, seq_len=16, seed=1)
+    halves = [Batches(tokens, rows=8, seq_len=16, seed=1, local=np.arange(4) + 4 * p) for p in range(2)]
+    for _ in range(3):
+        want = next(whole)["tokens"]
+        got = np.concatenate([next(h)["tokens"] for h in halves])
+        np.testing.assert_array_equal(got, want)
+    assert halves[0].position == whole.position == 3
+    odd = Batches(tokens, rows=8, seq_len=16, seed=1).batch(5, np.array([1, 6]))["tokens"]
+    np.testing.assert_array_equal(odd, whole.batch(5)["tokens"][[1, 6]])

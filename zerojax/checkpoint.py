@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 
 from zerojax.errors import ConfigError
 from zerojax.layout import Plan
+from zerojax.offload import to_device
 from zerojax.state import TrainState, abstract_state, init_state
 
 STATE_DIR = "state"
@@ -458,8 +459,9 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     if missing:
         fields = init_state(plan.config, plan, truth)._asdict()
     else:
-        params = (jax.jit(lambda t: jax.tree.map(lambda x: x.astype(pol.param), t),
-                          out_shardings=plan.param_shardings)(truth) if pol.mixed else truth)
+        params = (jax.jit(lambda t: jax.tree.map(lambda x: to_device(x).astype(pol.param), t),
+                          out_shardings=jax.tree.map(lambda t: t.sharding, target.params))(truth)
+                  if pol.mixed else truth)
         fields = {"params": params, "master": truth if pol.mixed else None}
     for field in restored_fields:
         fields[field] = _unflatten(getattr(target, field), field, values)

@@ -1,11 +1,12 @@
-"""`zerojax train | config explain`: the command line over load_config and the trainer."""
+"""`zerojax train | launch | export | config explain`: the command line over load_config and the trainer."""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Sequence
 
-from zerojax.config import load_config
+from zerojax.config import Config, load_config
+from zerojax.distributed import DistributedError
 from zerojax.errors import ConfigError, LossScaleError
 
 
@@ -20,6 +21,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
                        help="continue the newest run under run.output_dir from its latest checkpoint "
                             "(or from TAG)")
+
+    sub.add_parser("launch", add_help=False,
+                   help="start N processes of a script joined through jax.distributed "
+                        "(zerojax launch -n 2 train.py --config ...; see zerojax launch --help)")
 
     export = sub.add_parser("export", help="write a checkpoint's parameters to one safetensors file")
     export.add_argument("checkpoint_dir")
@@ -36,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # its own parser: everything after the script belongs to the script
+        from zerojax.launch import main as launch
+        return launch(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
@@ -49,19 +58,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LossScaleError as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
         return 1
+    except DistributedError as e:
+        print(f"zerojax: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("zerojax: interrupted", file=sys.stderr)
         return 130
 
 
-def _start_devices(cpu_devices: int | None) -> None:
-    from zerojax.mesh import request_cpu_devices
-    request_cpu_devices(cpu_devices)
+def _start(config: Config) -> None:
+    """This process's devices (and its place in a multi-process run), before JAX starts."""
+    from zerojax.distributed import start
+    start(config)
 
 
 def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
-    _start_devices(config.mesh.cpu_devices)
+    _start(config)
     from zerojax.trainer import train
     train(config, resume=args.resume)
     return 0
@@ -76,7 +89,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     config = load_config(args.file, args.set)
-    _start_devices(config.mesh.cpu_devices)
+    from zerojax.mesh import request_cpu_devices
+    request_cpu_devices(config.mesh.cpu_devices)
     import jax
     dp = config.mesh.data or jax.device_count() // config.mesh.stage
     print(config.explain(dp))

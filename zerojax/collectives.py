@@ -76,21 +76,22 @@ class ParamShard:
 
     `dim` counts from the end (negative), so slicing leading axes - as `lax.scan` over stacked
     layers does - keeps it valid. Models call `gather` on a layer's parameters inside the scanned
-    (and rematerialized) body, so only one layer is ever whole on a device.
+    (and rematerialized) body, so only one layer is ever whole on a device. `on_host`: the block
+    is stored in host memory (parameter offload) and `gather` brings it to the device first.
     """
 
-    def __init__(self, value: jax.Array, dim: int):
-        self.value, self.dim = value, dim
+    def __init__(self, value: jax.Array, dim: int, on_host: bool = False):
+        self.value, self.dim, self.on_host = value, dim, on_host
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array], int]:
-        return (self.value,), self.dim
+    def tree_flatten(self) -> tuple[tuple[jax.Array], tuple[int, bool]]:
+        return (self.value,), (self.dim, self.on_host)
 
     @classmethod
-    def tree_unflatten(cls, dim: int, children: tuple[jax.Array]) -> "ParamShard":
-        return cls(children[0], dim)
+    def tree_unflatten(cls, aux: tuple[int, bool], children: tuple[jax.Array]) -> "ParamShard":
+        return cls(children[0], *aux)
 
     def __repr__(self) -> str:
-        return f"ParamShard(shape={getattr(self.value, 'shape', None)}, dim={self.dim})"
+        return f"ParamShard(shape={getattr(self.value, 'shape', None)}, dim={self.dim}, on_host={self.on_host})"
 
 
 def _is_shard(x: Any) -> bool:
@@ -107,7 +108,8 @@ def gather(tree: Any, axis: str = DATA) -> Any:
     def one(x: Any) -> Any:
         if not _is_shard(x):
             return x
-        return jax.lax.all_gather(x.value, axis, axis=x.value.ndim + x.dim, tiled=True)
+        value = jax.device_put(x.value, jax.memory.Space.Device) if x.on_host else x.value
+        return jax.lax.all_gather(value, axis, axis=value.ndim + x.dim, tiled=True)
 
     return jax.tree.map(one, tree, is_leaf=_is_shard)
 

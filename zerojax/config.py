@@ -232,23 +232,28 @@ class BF16Config:
 
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
-    """Where the fp32 master weights and optimizer state live between steps."""
-    device: str = option("none", "none | cpu (not supported yet) | nvme (not supported).",
+    """Where the fp32 master weights and optimizer state live between steps (docs/offload.md)."""
+    device: str = option("none", "none | cpu (host memory; ZeRO stages 1-3) | nvme (not supported; use cpu).",
                          choices=("none", "cpu", "nvme"))
     nvme_path: Optional[str] = option(None, "For device nvme (not supported).")
-    pin_memory: bool = option(True, "Use pinned host memory.")
+    pin_memory: bool = option(True, "Pinned host memory (memory kind pinned_host; false: unpinned_host).")
     buffer_count: int = option(4, "NVMe buffers (accepted, unused).", gt=0)
     fast_init: bool = option(False, "Accepted, unused.")
-    ratio: float = option(1.0, "Fraction of the optimizer step run on the host.", ge=0, le=1)
+    ratio: float = option(1.0, "Fraction of the optimizer step run on the host (only 1.0 is supported).",
+                          ge=0, le=1)
+    compute: str = option("auto", "Where the update runs with device: cpu. host: on the host, next to the "
+                                  "state (DeepSpeed's ZeRO-Offload; elementwise optimizers); device: the "
+                                  "state is brought to the device for the update; auto: host where the "
+                                  "backend supports it, else device.", choices=("auto", "host", "device"))
 
 
 @dataclass(frozen=True)
 class OffloadParamConfig:
-    """Where stage-3 parameters live between uses."""
-    device: str = option("none", "none | cpu (not supported yet) | nvme (not supported).",
-                         choices=("none", "cpu", "nvme"))
+    """Where stage-3 parameters live between uses (docs/offload.md)."""
+    device: str = option("none", "none | cpu (host memory, each layer brought in where it is gathered; "
+                                 "stage 3) | nvme (not supported; use cpu).", choices=("none", "cpu", "nvme"))
     nvme_path: Optional[str] = option(None, "For device nvme (not supported).")
-    pin_memory: bool = option(True, "Use pinned host memory.")
+    pin_memory: bool = option(True, "Pinned host memory (memory kind pinned_host; false: unpinned_host).")
     buffer_count: int = option(5, "NVMe buffers (accepted, unused).", gt=0)
     buffer_size: int = option(100_000_000, "NVMe buffer size (accepted, unused).", gt=0)
     max_in_cpu: int = option(1_000_000_000, "Accepted, unused.", ge=0)
@@ -388,8 +393,9 @@ class MeshConfig:
     data: Optional[int] = option(None, "Data-parallel size (default: all devices / stage).", gt=0)
     stage: int = option(1, "Pipeline stages (more than 1 needs a PipelineModule: "
                            "initialize(config, model=...)).", gt=0)
-    cpu_devices: Optional[int] = option(8, "On a CPU-only machine, this many virtual devices "
-                                           "(set before JAX starts; null leaves JAX's default).", gt=0)
+    cpu_devices: Optional[int] = option(8, "On a CPU-only machine, this many virtual devices for the job, "
+                                           "split evenly over the processes of a multi-process run (set "
+                                           "before JAX starts; null leaves JAX's default).", gt=0)
 
 
 @dataclass(frozen=True)
@@ -433,10 +439,21 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Multi-process start-up through jax.distributed (not supported yet)."""
-    coordinator_address: Optional[str] = option(None, "host:port of process 0.")
-    num_processes: Optional[int] = option(None, "Number of processes.", gt=0)
-    process_id: Optional[int] = option(None, "This process's id.", ge=0)
+    """Multi-process start-up through jax.distributed (see docs/distributed.md)."""
+    coordinator_address: Optional[str] = option(
+        None, "host:port of process 0 (default: ZEROJAX_COORDINATOR_ADDRESS, MASTER_ADDR:MASTER_PORT, "
+              "or the cluster's).")
+    num_processes: Optional[int] = option(None, "Number of processes (default: ZEROJAX_NUM_PROCESSES, "
+                                                "WORLD_SIZE, or the cluster's).", gt=0)
+    process_id: Optional[int] = option(None, "This process's id (default: ZEROJAX_PROCESS_ID, RANK, "
+                                             "or the cluster's).", ge=0)
+    join: str = option("auto", "auto: join when coordinates are given or a launcher is detected (zerojax "
+                               "launch, SLURM srun, Open MPI mpirun, a Kubernetes indexed Job, a multi-host "
+                               "Cloud TPU slice); always: call jax.distributed.initialize and let JAX detect "
+                               "the rest; never: run as one process.", choices=("auto", "always", "never"))
+    initialization_timeout: int = option(300, "Seconds to wait for every process to join.", gt=0)
+    check_consistency: bool = option(False, "Debug: check at start-up that every process holds the same "
+                                            "config and model structure (two small all-gathers).")
 
 
 @dataclass(frozen=True)
@@ -1124,6 +1141,9 @@ def _check(config: Config, sources: Mapping[str, str] | None = None) -> None:
     if isinstance(opt.params, LambParams) and opt.params.min_coeff > opt.params.max_coeff:
         raise ConfigError("optimizer.params.min_coeff: larger than max_coeff; swap them")
     zero = config.zero_optimization
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
+                          "(stage is 0); set zero_optimization.stage or remove offload_optimizer")
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError(f"zero_optimization.offload_param.device: parameter offload needs stage 3 "
                           f"(stage is {zero.stage}); set zero_optimization.stage=3 or remove offload_param")
@@ -1168,17 +1188,17 @@ def unsupported_features(config: Config) -> list[str]:
     zero = config.zero_optimization
     if config.fp16.fp16_master_weights_and_grads:
         out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
-    if zero.offload_optimizer.device == "nvme" or zero.offload_param.device == "nvme":
-        out.append("zero_optimization.offload_*.device: nvme is not supported; use cpu")
-    elif zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
-        out.append("zero_optimization.offload_*: offload to cpu is not supported yet; set device: none")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(zero, key).device == "nvme":
+            out.append(f"zero_optimization.{key}.device: nvme is not supported; use cpu (host memory, "
+                       f"docs/offload.md) or none")
+    if zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.ratio < 1.0:
+        out.append(f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
+                   f"offload) is not supported; use 1.0")
     if zero.zero_quantized_weights or zero.zero_quantized_gradients or zero.zero_hpz_partition_size > 1:
         out.append("zero_optimization.zero_quantized_*/zero_hpz_partition_size: ZeRO++ is not supported")
     if zero.mics_shard_size > 0:
         out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
-    dist = config.distributed
-    if dist.coordinator_address or dist.num_processes or dist.process_id is not None:
-        out.append("distributed: multi-process runs are not supported yet; remove the section")
     if config.wandb.enabled:
         out.append("wandb.enabled: not supported (no network access); use tensorboard or csv_monitor")
     return out

@@ -69,15 +69,25 @@ class Batches:
     """Global batches of `rows` random windows of `seq_len + 1` bytes from `tokens`.
 
     `position` counts batches handed out, which is all a checkpoint needs to resume the stream.
+    In a multi-process run each process iterates over its `local` rows only.
     """
 
-    def __init__(self, tokens: np.ndarray, rows: int, seq_len: int, seed: int, position: int = 0):
+    def __init__(self, tokens: np.ndarray, rows: int, seq_len: int, seed: int, position: int = 0,
+                 local: np.ndarray | None = None):
         self.tokens, self.rows, self.seq_len, self.seed = tokens, rows, seq_len, seed
         self.position = position
+        self.local = local  # the rows this process builds when iterating (None: all)
 
-    def batch(self, index: int) -> dict[str, np.ndarray]:
+    def batch(self, index: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Global batch `index`, or only its `rows` (ascending row indices: one process's share).
+
+        Row r is the same window whatever `rows` is, so processes that each build their own rows
+        together hold exactly the batch one process would build.
+        """
         rng = np.random.default_rng((self.seed, index))
         starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.rows)
+        if rows is not None:
+            starts = starts[rows]
         windows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)]
         return {"tokens": windows.astype(np.int32)}
 
@@ -85,6 +95,6 @@ class Batches:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        out = self.batch(self.position)
+        out = self.batch(self.position, self.local)
         self.position += 1
         return out

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import Config, load_config
+from zerojax.distributed import check_consistency, global_array
 from zerojax.errors import LossScaleError
 from zerojax.layout import MemoryReport, Plan, plan as make_plan
 from zerojax.mesh import make_mesh
@@ -33,6 +34,8 @@ class Engine:
     def __init__(self, config: Config, params: Any, loss_fn: LossFn, mesh: Mesh):
         self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
         self.plan: Plan = make_plan(config, mesh, params)
+        if config.distributed.check_consistency:
+            check_consistency(config, self.plan.abstract_params)
         self.state: TrainState = init_state(config, self.plan, params)
         self._train_step = make_train_step(config, self.plan, loss_fn)
         self._eval_step = make_eval_step(config, self.plan, loss_fn)
@@ -40,24 +43,34 @@ class Engine:
         self.loaded_extra: dict[str, Any] = {}
 
     # -- training ---------------------------------------------------------------------------
-    def _place(self, batch: Any) -> Any:
-        """Host rows go straight to their data shard; arrays already on devices pass through."""
+    def _place(self, batch: Any, rows: int | None = None) -> Any:
+        """Host rows go straight to their data shard; arrays already on devices pass through.
+
+        In a multi-process run a host batch holds this process's rows of the global batch (the
+        ones `zerojax.distributed.local_rows` names), or all of them.
+        """
         sharding = self.plan.batch_sharding
-        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x), sharding),
-                            batch)
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else global_array(x, sharding, rows), batch)
 
     def train_batch(self, batch: Any) -> dict[str, jax.Array]:
-        """One optimizer step on a global batch (leading dimension train_batch_size)."""
+        """One optimizer step on a global batch (leading dimension train_batch_size; in a
+        multi-process run, host data may hold only this process's rows)."""
+        if jax.process_count() == 1:
+            check_batch(self.plan, batch)  # one clear message before any transfer
+        batch = self._place(batch, self.plan.batch.train_batch_size)
         check_batch(self.plan, batch)
-        self.state, metrics = self._train_step(self.state, self._place(batch))
+        self.state, metrics = self._train_step(self.state, batch)
         if self.plan.scaler.dynamic and bool(self.state.scaler.stuck):  # one flag per step, as DeepSpeed
             raise LossScaleError(loss_scale_message(self.plan, self.state))
         return metrics
 
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
+        if jax.process_count() == 1:
+            check_eval_batch(self.plan, batch)
+        batch = self._place(batch)
         check_eval_batch(self.plan, batch)
-        return self._eval_step(self.state.params, self._place(batch))
+        return self._eval_step(self.state.params, batch)
 
     @property
     def train_step_fn(self) -> Callable[[TrainState, Any], Any]:

@@ -18,6 +18,7 @@ from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
 from zerojax.config import BatchSize, Config, check_supported
 from zerojax.errors import ConfigError
 from zerojax.mesh import DATA, STAGE, data_size
+from zerojax.offload import HOST_KINDS, Memory, memory_plan
 from zerojax.optim import has_betas, make_optimizer
 from zerojax.pallas.backend import platform_of, resolve as resolve_kernels
 from zerojax.precision import Policy, ScalerConfig, policy as make_policy, scaler_config
@@ -102,10 +103,21 @@ class MemoryReport(NamedTuple):
     formula_grads: float
     formula_optimizer: float
     replicated_fraction: float
+    params_host: int = 0        # of `params`, the bytes stored in host memory (offload)
+    optimizer_host: int = 0     # of `optimizer`, the bytes stored in host memory (offload)
+    memory: str = "no offload"  # Memory.describe() of the plan
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def host(self) -> int:
+        return self.params_host + self.optimizer_host
+
+    @property
+    def device(self) -> int:
+        return self.total - self.host
 
     @property
     def formula_total(self) -> float:
@@ -114,15 +126,16 @@ class MemoryReport(NamedTuple):
     def table(self) -> str:
         def mib(b: float) -> str:
             return f"{b / 2**20:10.2f}"
-        rows = [("parameters", self.params, self.formula_params),
-                ("gradients", self.grads, self.formula_grads),
-                ("optimizer state", self.optimizer, self.formula_optimizer),
-                ("total", self.total, self.formula_total)]
-        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {self.data_size} data shards",
-               f"{'per device':<16} {'MiB':>10} {'formula':>10} {'ratio':>7}"]
-        for name, got, want in rows:
-            ratio = got / want if want else float("nan")
-            out.append(f"{name:<16} {mib(got)} {mib(want)} {ratio:7.3f}")
+        rows = [("parameters", self.params, self.params_host, self.formula_params),
+                ("gradients", self.grads, 0, self.formula_grads),
+                ("optimizer state", self.optimizer, self.optimizer_host, self.formula_optimizer),
+                ("total", self.total, self.host, self.formula_total)]
+        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {self.data_size} data shards; "
+               f"{self.memory}",
+               f"{'per device':<16} {'device MiB':>10} {'host MiB':>10} {'formula':>10} {'ratio':>7}"]
+        for name, got, host, want in rows:
+            ratio = got / want if want else float("nan")  # wherever the bytes live
+            out.append(f"{name:<16} {mib(got - host)} {mib(host)} {mib(want)} {ratio:7.3f}")
         out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
         return "\n".join(out)
 
@@ -141,6 +154,7 @@ class Plan:
     abstract_params: Any           # ShapeDtypeStructs of the logical (fp32) parameters
     layouts: Any                   # LeafLayout per parameter leaf
     kernels: str = "xla"           # optimizer-update backend: xla, triton, mosaic_gpu or interpret
+    memory: Memory = Memory()      # memory kinds of stored state and where the update runs (offload)
 
     @property
     def data_size(self) -> int:
@@ -177,6 +191,27 @@ class Plan:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+    def _stored(self, shardings: Any, kind: str | None) -> Any:
+        return shardings if kind is None else jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+    @property
+    def param_storage(self) -> Any:
+        """Where parameters live between steps: `param_shardings` in the plan's parameter memory."""
+        return self._stored(self.param_shardings, self.memory.params)
+
+    @property
+    def update_storage(self) -> Any:
+        """Where the fp32 master copy lives between steps (host memory under optimizer offload)."""
+        return self._stored(self.update_shardings, self.memory.optimizer)
+
+    @property
+    def opt_state_storage(self) -> Any:
+        """Where optimizer state lives between steps: parameter-shaped leaves follow the master copy,
+        counters and scalars stay on the device."""
+        return optax.tree_utils.tree_map_params(
+            self.tx, lambda _, sharding: sharding, self.abstract_opt_state, self.update_storage,
+            transform_non_params=lambda _: self.replicated)
 
     @property
     def abstract_opt_state(self) -> Any:
@@ -241,12 +276,15 @@ def plan(config: Config, mesh: Mesh, params: Any, *, lead: str | None = None) ->
     return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol,
                 scaler=scaler_config(config), schedule=schedule,
                 tx=tx, abstract_params=abstract, layouts=layouts,
-                kernels=kernels)
+                kernels=kernels, memory=memory_plan(config, mesh, kernels))
 
 
-def _device_bytes(abstract: Any, shardings: Any, dtype: Any = None) -> int:
+def _device_bytes(abstract: Any, shardings: Any, dtype: Any = None, *, host_only: bool = False) -> int:
+    """Bytes per device of `abstract` placed by `shardings` (with `host_only`: those in host memory)."""
     total = 0
     for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        if host_only and s.memory_kind not in HOST_KINDS:
+            continue
         itemsize = jax.numpy.dtype(dtype or x.dtype).itemsize
         total += math.prod(s.shard_shape(x.shape)) * itemsize
     return total
@@ -285,9 +323,14 @@ def memory_report(p: Plan) -> MemoryReport:
             if role in parts:
                 total += size * width
                 kept += size * width * (not isinstance(place, Shard))
+    host_master = (_device_bytes(p.abstract_params, p.update_storage, pol.master, host_only=True)
+                   if pol.mixed else 0)
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
         formula_params=pol.param.itemsize * psi * share(PARAMETERS),
         formula_grads=pol.accum.itemsize * psi * share(GRADIENTS),
         formula_optimizer=k * psi * share(OPTIMIZER),
-        replicated_fraction=kept / total if total else 0.0)
+        replicated_fraction=kept / total if total else 0.0,
+        params_host=_device_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
+        optimizer_host=host_master + _device_bytes(opt_abstract, p.opt_state_storage, host_only=True),
+        memory=p.memory.describe())

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from zerojax.config import Config
 from zerojax.layout import Plan
+from zerojax.offload import to_device
 from zerojax.precision import LossScaleState, init_loss_scale
 
 
@@ -35,10 +36,11 @@ class TrainState(NamedTuple):
 
 
 def state_shardings(plan: Plan) -> TrainState:
+    """Where each field lives between steps (memory kinds included: offloaded state is on the host)."""
     rep = plan.replicated
-    return TrainState(params=plan.param_shardings,
-                      master=plan.update_shardings if plan.policy.mixed else None,
-                      opt_state=plan.opt_state_shardings,
+    return TrainState(params=plan.param_storage,
+                      master=plan.update_storage if plan.policy.mixed else None,
+                      opt_state=plan.opt_state_storage,
                       step=rep, skipped=rep, scaler=jax.tree.map(lambda _: rep, _abstract_scaler(plan)),
                       rng=rep)
 
@@ -97,6 +99,7 @@ def init_state(config: Config, plan: Plan, params: Any, rng: jax.Array | int | N
     key = _key_data(config.run.seed if rng is None else rng)
 
     def init(params: Any, key: jax.Array) -> TrainState:
+        params = to_device(params)  # computed on the device, whatever memory they come from
         master = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(pol.master), s),
                               params, plan.update_shardings)
         compute = jax.tree.map(lambda x: x.astype(pol.param), params)

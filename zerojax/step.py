@@ -30,6 +30,7 @@ from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather,
 from zerojax.config import Config
 from zerojax.layout import LeafLayout, Plan
 from zerojax.mesh import DATA
+from zerojax.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.update import FusedUpdate
 from zerojax.precision import leaf_finite, update_loss_scale
@@ -62,14 +63,21 @@ def _grad_source(lay: LeafLayout) -> Any:
 
 
 def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
-    """Local parameter blocks as the loss sees them inside shard_map."""
+    """Local parameter blocks as the loss sees them inside shard_map.
+
+    Parameters stored in host memory (offload) reach the device here, except the ones the loss
+    gathers itself: those come in layer by layer, inside `gather`.
+    """
+    stored = plan.memory.params
+
     def one(lay: LeafLayout, x: jax.Array) -> Any:
         if _gathered_up_front(lay):
             # A per-device (varying) gather outside the differentiated function: the gradient is
             # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
-            return jax.lax.all_gather(x, DATA, axis=0, tiled=True)
+            return jax.lax.all_gather(bring_in(x, stored), DATA, axis=0, tiled=True)
         if isinstance(lay.param, Shard):
-            return ParamShard(x, lay.param.dim - x.ndim)
+            return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None)
+        x = bring_in(x, stored)
         return to_varying(x) if for_grad else x
     return _tree_map_layouts(one, plan.layouts, params)
 
@@ -147,9 +155,11 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             i, mb = xs
             rng = jax.random.fold_in(shard_key, i)
             (_, value), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb, rng)
+            # Gradients of host-stored blocks leave the backward pass in host memory.
+            g = bring_in(unwrap(g), plan.memory.params)
             g = _tree_map_layouts(
                 lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm),
-                layouts, unwrap(g))
+                layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
 
         def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct) -> jax.Array:
@@ -215,7 +225,8 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     """One optimizer step from gradients in the update placement that carry the loss scale.
 
     Unscale in fp32, check every leaf is finite (fp16, or bf16.check_grad_overflow), clip by the
-    global norm, run the optimizer update on the master copy, and - on overflow - keep the previous
+    global norm, run the optimizer update on the master copy (on the host when the plan offloads
+    it there: `offload.run_update`), and - on overflow - keep the previous
     master and optimizer state (so the schedule, driven by the optimizer's count, does not move
     either), count a skipped step and let the loss scaler react. Parameters are re-derived from
     the master, so a skipped step leaves them bit-identical too. `plan.kernels` picks the optax
@@ -224,12 +235,14 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     pol, sc = plan.policy, plan.scaler
     scale = state.scaler.scale
     inv_scale = (1.0 / scale).astype(pol.master)
-    old_master = state.master if pol.mixed else _constrain(state.params, plan.update_shardings)
+    old_master = (state.master if pol.mixed else
+                  _constrain(bring_in(state.params, plan.memory.params), plan.update_shardings))
     update = _optax_update if plan.kernels == XLA else _fused_update
     grad_norm, finite, overflow, master, opt_state, shards = update(plan, state, grads, inv_scale, old_master)
     scaler = update_loss_scale(sc, state.scaler, overflow, state.step, ~finite) if sc.check_finite else state.scaler
     position = state.step - state.skipped
-    new = TrainState(params=make_param_gather(plan)(shards), master=master if pol.mixed else None,
+    params = make_param_gather(plan)(bring_in(shards, plan.memory.optimizer))  # gathered on the device
+    new = TrainState(params=params, master=master if pol.mixed else None,
                      opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
                      scaler=scaler, rng=state.rng)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
@@ -254,14 +267,21 @@ def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Arra
     pol = plan.policy
     grads = jax.tree.map(lambda g: g.astype(pol.master) * inv_scale, grads)
     grad_norm = optax.tree.norm(grads)
-    clipped = clip_by_global_norm(grads, grad_norm, plan.config.gradient_clipping)
-    updates, opt_state = plan.tx.update(clipped, state.opt_state, old_master)
-    master = optax.apply_updates(old_master, updates)
     finite = leaf_finite(grads)
     overflow = _overflow(plan, state, finite)
-    if plan.scaler.check_finite:
-        master = _select(overflow, old_master, master)
-        opt_state = _select(overflow, state.opt_state, opt_state)
+
+    def optimize(master: Any, opt_state: Any, grads: Any, grad_norm: jax.Array, overflow: jax.Array
+                 ) -> tuple[Any, Any]:
+        """The per-shard, elementwise part: it runs where the plan puts the update (device or host)."""
+        clipped = clip_by_global_norm(grads, grad_norm, plan.config.gradient_clipping)
+        updates, new_opt_state = plan.tx.update(clipped, opt_state, master)
+        new_master = optax.apply_updates(master, updates)
+        if plan.scaler.check_finite:
+            new_master = _select(overflow, master, new_master)
+            new_opt_state = _select(overflow, opt_state, new_opt_state)
+        return new_master, new_opt_state
+
+    master, opt_state = run_update(plan.memory, optimize, old_master, state.opt_state, grads, grad_norm, overflow)
     return grad_norm, finite, overflow, master, opt_state, master
 
 
@@ -275,7 +295,10 @@ def _fused_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Arra
     stats = fused.grad_stats(grads, inv_scale)
     coef = clip_coefficient(stats.norm, plan.config.gradient_clipping)
     overflow = _overflow(plan, state, stats.leaf_finite)
-    master, opt_state, cast = fused.adam(grads, old_master, state.opt_state, grad_scale=inv_scale * coef,
+    # The kernels run on the device: offloaded state comes in for them (the plan never puts a fused
+    # update on the host).
+    old_master, opt_state = bring_in((old_master, state.opt_state), plan.memory.optimizer)
+    master, opt_state, cast = fused.adam(grads, old_master, opt_state, grad_scale=inv_scale * coef,
                                          apply=~overflow, emit=pol.param if pol.mixed else None)
     return stats.norm, stats.leaf_finite, overflow, master, opt_state, cast if pol.mixed else master
 
@@ -326,4 +349,4 @@ def make_eval_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Any
         check_eval_batch(plan, batch)
         return mapped(params, batch)
 
-    return jax.jit(eval_step, in_shardings=(plan.param_shardings, None))
+    return jax.jit(eval_step, in_shardings=(state_shardings(plan).params, None))

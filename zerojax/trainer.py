@@ -12,11 +12,13 @@ import numpy as np
 from zerojax.config import Config
 from zerojax.errors import ConfigError
 from zerojax.data import Batches, read_corpus, split_corpus
+from zerojax.distributed import agreed, interrupts_as_preemption, is_primary, local_rows, stop_requested
 from zerojax.engine import Engine
 from zerojax.layout import plan as make_plan
 from zerojax.mesh import make_mesh
 from zerojax.models import gpt
 from zerojax.monitor import Monitor
+from zerojax.offload import HOST_KINDS, step_memory
 
 
 def _run_dirs(path: Path) -> list[Path]:
@@ -52,19 +54,29 @@ def latest_output_dir(path: Path) -> Path:
     return runs[-1]
 
 
-def measured_bytes(tree: Any) -> int:
-    """Bytes this process's first device really holds for `tree`."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+def measured_bytes(tree: Any, host: bool | None = None) -> int:
+    """Bytes this process's first device really holds for `tree` (`host`: only those stored in host
+    memory, or only those in device memory)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
+               if host is None or (x.sharding.memory_kind in HOST_KINDS) == host)
 
 
-def startup_table(engine: Engine) -> str:
+def startup_table(engine: Engine, batch: Any = None) -> str:
+    """The plan's bytes per device against the ZeRO formula, what the arrays really hold, and - given
+    a batch - what the compiled step takes on device and on host (this compile is the one the first
+    step then uses)."""
     report = engine.memory_report()
     state = engine.state
-    measured = {"parameters": measured_bytes(state.params),
-                "optimizer state": measured_bytes((state.master, state.opt_state))}
+    mib = 2 ** 20
+    measured = [(name, measured_bytes(tree, False), measured_bytes(tree, True))
+                for name, tree in (("parameters", state.params), ("optimizer state", (state.master, state.opt_state)))]
     lines = [engine.partition_report()] if hasattr(engine, "partition_report") else []
-    lines += [report.table(), f"measured on device 0: parameters {measured['parameters'] / 2**20:.2f} MiB, "
-                              f"optimizer state {measured['optimizer state'] / 2**20:.2f} MiB"]
+    lines += [report.table(), "measured on device 0: " + ", ".join(
+        f"{name} {dev / mib:.2f} MiB" + (f" + {host / mib:.2f} MiB on host" if host else "")
+        for name, dev, host in measured)]
+    if batch is not None:
+        placed = engine._place(batch, engine.plan.batch.train_batch_size)
+        lines.append(step_memory(engine.train_step_fn.lower(engine.state, placed).compile()).line())
     b = engine.plan.batch
     lines.append(f"batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
                  f"{b.gradient_accumulation_steps} x data {engine.plan.data_size}; mesh {dict(engine.mesh.shape)}; "
@@ -75,7 +87,13 @@ def startup_table(engine: Engine) -> str:
 def evaluate(engine: Engine, batches: Batches, n: int) -> float | None:
     if n == 0:
         return None
-    return float(np.mean([float(engine.eval_batch(batches.batch(i))) for i in range(n)]))
+    return float(np.mean([float(engine.eval_batch(batches.batch(i, batches.local))) for i in range(n)]))
+
+
+def _say(text: str) -> None:
+    """Only process 0 prints (every process of a multi-process run would say the same)."""
+    if is_primary():
+        print(text, flush=True)
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
@@ -96,14 +114,20 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
         layout = make_plan(config, mesh, gpt.abstract_params(model_cfg))  # validates before data or compile
     split = split_corpus(read_corpus(config.data), config.data.val_fraction, model_cfg.seq_len)
     rows = layout.batch.train_batch_size
-    train_batches = Batches(split.train, rows, model_cfg.seq_len, config.data.seed)
-    val_batches = Batches(split.val, rows, model_cfg.seq_len, config.data.seed + 1)
+    mine = local_rows(layout.batch_sharding, rows)  # this process builds only its own rows
+    train_batches = Batches(split.train, rows, model_cfg.seq_len, config.data.seed, local=mine)
+    val_batches = Batches(split.val, rows, model_cfg.seq_len, config.data.seed + 1, local=mine)
 
-    base = Path(config.run.output_dir)
-    out = latest_output_dir(base) if resume else fresh_output_dir(base)
-    ckpt_dir = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else out / "checkpoints"
-    if not resume:
-        _refuse_existing_checkpoints(ckpt_dir)
+    def choose_dirs() -> str:
+        base = Path(config.run.output_dir)
+        out = latest_output_dir(base) if resume else fresh_output_dir(base)
+        ckpt_dir = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else out / "checkpoints"
+        if not resume:
+            _refuse_existing_checkpoints(ckpt_dir)
+        return json.dumps([str(out), str(ckpt_dir)])
+
+    # Process 0 picks the folders (it alone writes run files); every process writes checkpoint shards.
+    out, ckpt_dir = (Path(d) for d in json.loads(agreed(choose_dirs)))
 
     if pipeline is not None:
         from zerojax.pipeline.engine import PipelineEngine  # each stage initializes its own layers
@@ -117,17 +141,17 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     if resume:
         path, _ = engine.load_checkpoint(str(ckpt_dir), None if resume == "latest" else resume)
         train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))
-        print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+        _say(f"resumed from {path} at step {engine.global_steps}")
     first_step = engine.global_steps + 1
 
-    if not (out / "config.json").exists():
+    if is_primary() and not (out / "config.json").exists():
         (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    print(startup_table(engine), flush=True)
+    _say(startup_table(engine, train_batches.batch(train_batches.position, train_batches.local)))
     if config.dump_state:
-        print(config.explain(engine.plan.data_size), flush=True)
-    print(f"writing to {out}; checkpoints in {ckpt_dir}", flush=True)
+        _say(config.explain(engine.plan.data_size))
+    _say(f"writing to {out}; checkpoints in {ckpt_dir}")
     monitor = Monitor(config, out, config.run.steps, tokens_per_step=rows * model_cfg.seq_len,
-                      samples_per_step=rows, start_step=first_step - 1)
+                      samples_per_step=rows, start_step=first_step - 1, enabled=is_primary())
 
     def save(async_save: bool | None = None) -> None:
         tag = engine.save_checkpoint(str(ckpt_dir), extra={"data_position": train_batches.position},
@@ -137,26 +161,31 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     first = last = None
     timers, breakdown = monitor.timers, config.wall_clock_breakdown
     step = first_step - 1
+    stopped = False  # all processes agreed to stop early (multi-process SIGTERM or Ctrl-C)
     try:
-        for step in range(first_step, config.run.steps + 1):
-            timers.start("data")
-            batch = next(train_batches)
-            timers.stop("data")
-            timers.start("step")
-            metrics = engine.train_batch(batch)
-            if breakdown:
-                jax.block_until_ready(metrics)
-            timers.stop("step")
-            if config.flops_profiler.enabled and step == config.flops_profiler.profile_step:
-                monitor.print(flops_profile(engine, batch))
-            timers.start("log")
-            record = monitor.step(step, metrics)
-            timers.stop("log")
-            if record is not None:
-                first = record["loss"] if first is None else first
-                last = record["loss"]
-            if config.run.save_every and step % config.run.save_every == 0 and step < config.run.steps:
-                save()
+        with interrupts_as_preemption():
+            for step in range(first_step, config.run.steps + 1):
+                timers.start("data")
+                batch = next(train_batches)
+                timers.stop("data")
+                timers.start("step")
+                metrics = engine.train_batch(batch)
+                if breakdown:
+                    jax.block_until_ready(metrics)
+                timers.stop("step")
+                if config.flops_profiler.enabled and step == config.flops_profiler.profile_step:
+                    monitor.print(flops_profile(engine, batch))
+                timers.start("log")
+                record = monitor.step(step, metrics)
+                timers.stop("log")
+                if record is not None:
+                    first = record["loss"] if first is None else first
+                    last = record["loss"]
+                if config.run.save_every and step % config.run.save_every == 0 and step < config.run.steps:
+                    save()
+                if stop_requested(step):
+                    stopped = True
+                    break
     except KeyboardInterrupt:
         monitor.print(f"interrupted at step {engine.global_steps}: saving a checkpoint before exiting")
         if engine.global_steps >= first_step:
@@ -164,6 +193,12 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
         engine.wait_for_checkpoint()
         monitor.close()
         raise
+    if stopped:
+        monitor.print(f"stop requested: every process stopped after step {engine.global_steps}; saving a checkpoint")
+        save(async_save=False)
+        engine.wait_for_checkpoint()
+        monitor.close()
+        raise KeyboardInterrupt
     if engine.global_steps >= first_step:
         save()
     val_loss = evaluate(engine, val_batches, config.run.eval_batches)
@@ -172,11 +207,11 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     summary = {"steps": engine.global_steps, "first_loss": first, "last_loss": last, "val_loss": val_loss,
                "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out),
                "checkpoint_dir": str(ckpt_dir)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if is_primary():
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     losses = f"loss {first:.4f} -> {last:.4f}" if first is not None else "no steps run"
-    print(f"done: {summary['steps']} steps, {losses}, validation loss "
-          f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}",
-          flush=True)
+    _say(f"done: {summary['steps']} steps, {losses}, validation loss "
+         f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}")
     return summary
 
 
@@ -191,7 +226,7 @@ def _refuse_existing_checkpoints(ckpt_dir: Path) -> None:
 
 def flops_profile(engine: Engine, batch: Any) -> str:
     """FLOPs of one step from the compiled HLO, with the step's latency and achieved TFLOPS."""
-    placed = engine._place(batch)
+    placed = engine._place(batch, engine.plan.batch.train_batch_size)
     compiled = engine.train_step_fn.lower(engine.state, placed).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -1,0 +1,98 @@
+"""One process of a multi-process test run, started by `zerojax launch` (see test_distributed.py).
+
+    zerojax launch -n 2 tests/multiprocess_worker.py train OUT STAGE [STAGE ...]
+    zerojax launch -n 2 tests/multiprocess_worker.py hang
+    zerojax launch -n 2 tests/multiprocess_worker.py mismatch
+
+`train`: the tiny MLP of helpers.py, STEPS steps per ZeRO stage on an 8-device mesh split over the
+processes, each process feeding only its own rows; then a checkpoint (every process writes its
+shards) and, from process 0, the final parameters gathered into OUT/stage<S>.npz.
+`hang`: join, say "ready", then run collectives until killed (the launcher test kills one process).
+`mismatch`: process 1 has another learning rate; distributed.check_consistency must say so.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+
+if os.environ.get("ZEROJAX_TEST_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["ZEROJAX_TEST_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+import numpy as np  # noqa: E402
+
+import zerojax  # noqa: E402
+from zerojax.distributed import local_rows, start  # noqa: E402
+
+STEPS = 3
+
+
+def config_for(stage: int, **extra: object) -> zerojax.Config:
+    from helpers import make_config
+    extra = {"mesh": {"cpu_devices": 8}, "distributed": {"check_consistency": True}, **extra}
+    return make_config(stage, gas=2, **extra)
+
+
+def batches(n: int) -> list[dict[str, np.ndarray]]:
+    from helpers import make_batch
+    return [make_batch(32, seed=i) for i in range(n)]
+
+
+def train(out: Path, stages: list[int]) -> None:
+    from helpers import layerwise_loss, mlp_params
+    start(config_for(stages[0]))
+    assert jax.process_count() > 1 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
+    for stage in stages:
+        config = config_for(stage)
+        engine = zerojax.initialize(config, params=mlp_params(0), loss_fn=layerwise_loss)
+        mine = local_rows(engine.plan.batch_sharding, engine.train_batch_size())
+        for batch in batches(STEPS):
+            engine.train_batch({k: v[mine] for k, v in batch.items()})  # only this process's rows
+        engine.save_checkpoint(str(out / f"ckpt{stage}"), async_save=False)
+        from jax.experimental import multihost_utils
+        whole = multihost_utils.process_allgather(engine.params, tiled=True)
+        if jax.process_index() == 0:
+            flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(whole)}
+            np.savez(out / f"stage{stage}.npz", **flat)
+        print(f"stage {stage}: {engine.global_steps} steps done", flush=True)
+
+
+def hang() -> None:
+    start(zerojax.load_config({"train_batch_size": 8, "mesh": {"cpu_devices": 4}}))
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    total = jax.jit(lambda x: jnp.sum(x), out_shardings=NamedSharding(mesh, P()))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(2, np.float32), (4,))
+    float(total(x))
+    print(f"ready pid {os.getpid()}", flush=True)
+    while True:
+        float(total(x))  # a collective: with a peer gone, this blocks or fails
+        time.sleep(0.1)
+
+
+def mismatch() -> None:
+    from helpers import mlp_params, mse_loss
+    optimizer = {"type": "Adam", "params": {"lr": 1e-2 if int(os.environ["ZEROJAX_PROCESS_ID"]) == 0 else 2e-2}}
+    config = config_for(1, optimizer=optimizer)
+    start(config)
+    zerojax.initialize(config, params=mlp_params(0), loss_fn=mse_loss)
+    print("no mismatch found", flush=True)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "train":
+        train(Path(sys.argv[2]), [int(s) for s in sys.argv[3:]])
+    elif mode == "hang":
+        hang()
+    elif mode == "mismatch":
+        mismatch()
+    else:
+        raise SystemExit(f"unknown mode {mode}")

@@ -1,0 +1,256 @@
+"""Multi-process runs: where a process learns its place, and 2 processes x 4 devices against 1 x 8.
+
+The multi-process tests start real processes through `zerojax launch` (tests/multiprocess_worker.py)
+with a timeout on every subprocess; the rest checks the start-up logic without starting JAX twice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import zerojax
+from helpers import assert_tree_close, data_mesh, layerwise_loss, mlp_params, mse_loss, to_numpy
+from multiprocess_worker import STEPS, batches, config_for
+from zerojax.config import DistributedConfig, load_config
+from zerojax.distributed import (Processes, cpu_devices_per_process, differences, fingerprint, global_array,
+                                 local_rows, resolve)
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = os.path.abspath(os.environ.get("ZEROJAX_TEST_CACHE", ROOT / ".cache" / "jax"))
+
+
+def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`zerojax launch ...` from the repository root, with this suite's compilation cache."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ZEROJAX_TEST_CACHE": CACHE, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)  # each process asks for its own share of devices
+    return subprocess.run([sys.executable, "-m", "zerojax.cli", "launch", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------
+# Where the coordinates come from.
+
+def dist(**kw: object) -> DistributedConfig:
+    return DistributedConfig(**kw)
+
+
+def test_single_process_without_coordinates() -> None:
+    assert resolve(dist(), {}) is None
+    assert resolve(dist(), {"ZEROJAX_NUM_PROCESSES": "1", "ZEROJAX_PROCESS_ID": "0",
+                            "ZEROJAX_COORDINATOR_ADDRESS": "h:1"}) is None
+
+
+def test_launcher_environment() -> None:
+    env = {"ZEROJAX_COORDINATOR_ADDRESS": "127.0.0.1:4321", "ZEROJAX_NUM_PROCESSES": "2",
+           "ZEROJAX_PROCESS_ID": "1", "ZEROJAX_LOCAL_RANK": "1", "ZEROJAX_LOCAL_SIZE": "2",
+           "ZEROJAX_DEVICES_PER_PROCESS": "4"}
+    p = resolve(dist(), env)
+    assert p == Processes("127.0.0.1:4321", 2, 1, 1, 2, 4, origin="zerojax launch")
+    assert p.local_device_ids() == [4, 5, 6, 7]
+
+
+def test_config_wins_over_environment_per_value() -> None:
+    env = {"ZEROJAX_COORDINATOR_ADDRESS": "a:1", "ZEROJAX_NUM_PROCESSES": "4", "ZEROJAX_PROCESS_ID": "3"}
+    p = resolve(dist(coordinator_address="b:2", num_processes=4), env)
+    assert (p.coordinator_address, p.num_processes, p.process_id) == ("b:2", 4, 3)
+
+
+def test_deepspeed_environment() -> None:
+    env = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "WORLD_SIZE": "3", "RANK": "2", "LOCAL_RANK": "0"}
+    p = resolve(dist(), env)
+    assert (p.coordinator_address, p.num_processes, p.process_id, p.local_rank) == ("node0:29500", 3, 2, 0)
+    # Only a complete set counts: a stray RANK in an image's environment leaves a single process alone.
+    assert resolve(dist(), {"RANK": "0", "LOCAL_RANK": "0"}) is None
+    assert resolve(dist(), {k: v for k, v in env.items() if k != "MASTER_PORT"}) is None
+
+
+def test_slurm_one_task_per_node_gets_every_local_device() -> None:
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+           "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2"}
+    p = resolve(dist(), env)
+    assert p.origin == "SLURM" and p.coordinator_address is None  # JAX derives it from the node list
+    assert (p.num_processes, p.process_id, p.local_size) == (2, 1, 1)
+    assert p.local_device_ids() == []  # all local GPUs, not JAX's one-GPU-per-process default
+    per_gpu = resolve(dist(), {**env, "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1"})
+    assert per_gpu.local_size == 8 and per_gpu.local_device_ids() is None  # JAX's default: device LOCALID
+    assert resolve(dist(), {**env, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+    assert resolve(dist(join="never"), env) is None
+
+
+def test_open_mpi_kubernetes_and_tpu_are_detected() -> None:
+    ompi = {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+    assert resolve(dist(), ompi).origin == "Open MPI"
+    assert resolve(dist(), {"KUBERNETES_SERVICE_HOST": "x", "JOB_COMPLETION_INDEX": "0"}).origin == "Kubernetes"
+    assert resolve(dist(), {"KUBERNETES_SERVICE_HOST": "x"}) is None  # a plain pod is one process
+    assert resolve(dist(), {"TPU_WORKER_HOSTNAMES": "t0,t1"}).origin == "Cloud TPU"
+    assert resolve(dist(join="always"), {}).origin == "JAX cluster detection"
+
+
+@pytest.mark.parametrize("given, env, match", [
+    (dict(num_processes=2), {}, "distributed.coordinator_address.*ZEROJAX_COORDINATOR_ADDRESS"),
+    (dict(coordinator_address="h:1", num_processes=2), {}, "process_id.*ZEROJAX_PROCESS_ID"),
+    (dict(), {"ZEROJAX_COORDINATOR_ADDRESS": "h:1", "ZEROJAX_NUM_PROCESSES": "2", "ZEROJAX_PROCESS_ID": "2"},
+     "ZEROJAX_PROCESS_ID: process_id 2 is outside 0..1"),
+    (dict(), {"ZEROJAX_NUM_PROCESSES": "two"}, "ZEROJAX_NUM_PROCESSES='two': expected an integer"),
+])
+def test_incomplete_or_wrong_coordinates_are_one_clear_error(given: dict, env: dict, match: str) -> None:
+    with pytest.raises(zerojax.ConfigError, match=match):
+        resolve(dist(**given), env)
+
+
+def test_cpu_devices_split_over_processes() -> None:
+    config = load_config({"train_batch_size": 8, "mesh": {"cpu_devices": 8}})
+    procs = Processes("h:1", 2, 0)
+    assert cpu_devices_per_process(config, None) == 8
+    assert cpu_devices_per_process(config, procs) == 4
+    assert cpu_devices_per_process(config, Processes("h:1", 2, 0, devices_per_process=3)) == 3
+    with pytest.raises(zerojax.ConfigError, match="mesh.cpu_devices: 8 devices do not split evenly over 3"):
+        cpu_devices_per_process(config, Processes("h:1", 3, 0))
+
+
+def test_distributed_keys_parse_and_are_checked() -> None:
+    config = load_config({"train_batch_size": 8, "distributed": {"join": "never", "check_consistency": True,
+                                                                  "initialization_timeout": 30}})
+    assert config.distributed.join == "never" and config.distributed.check_consistency
+    with pytest.raises(zerojax.ConfigError, match="distributed.join"):
+        load_config({"train_batch_size": 8, "distributed": {"join": "sometimes"}})
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows and fingerprints in one process.
+
+def test_one_process_owns_every_row_and_places_host_data() -> None:
+    p = zerojax.plan(config_for(1), data_mesh(), mlp_params(0))
+    assert local_rows(p.batch_sharding, 32).tolist() == list(range(32))
+    x = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
+    placed = global_array(x, p.batch_sharding, 32)
+    assert placed.sharding == p.batch_sharding
+    np.testing.assert_array_equal(np.asarray(placed), x)
+
+
+def test_fingerprint_differences_name_the_key() -> None:
+    params = mlp_params(0)
+    a = fingerprint(config_for(1), params)
+    b = fingerprint(config_for(1, optimizer={"type": "Adam", "params": {"lr": 0.5}}), params)
+    assert differences(a, a) == []
+    assert any(line.startswith("config.optimizer.params.lr: here 0.5, process 0 0.01") for line in differences(b, a))
+    wider = {**params, "w_out": np.zeros((32, 5), np.float32)}
+    assert any("w_out" in line for line in differences(fingerprint(config_for(1), wider), a))
+    # The process's own id is not part of it.
+    assert fingerprint(config_for(1, distributed={"process_id": 1, "num_processes": 2}), params) == fingerprint(
+        config_for(1, distributed={"process_id": 0, "num_processes": 2}), params)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes x 4 devices, launched through `zerojax launch`.
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("two_processes")
+    proc = launch("-n", "2", "tests/multiprocess_worker.py", "train", str(out), "1", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for stage in (1, 3):
+        assert f"[0] stage {stage}: {STEPS} steps done" in proc.stdout
+        assert f"[1] stage {stage}: {STEPS} steps done" in proc.stdout
+    return out
+
+
+def one_process_engine(stage: int, n: int = 8) -> zerojax.Engine:
+    return zerojax.initialize(config_for(stage), params=mlp_params(0), loss_fn=layerwise_loss, mesh=data_mesh(n))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_two_processes_train_like_one(two_processes: Path, stage: int) -> None:
+    engine = one_process_engine(stage)
+    for batch in batches(STEPS):
+        engine.train_batch(batch)
+    want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(to_numpy(engine.params))}
+    got = dict(np.load(two_processes / f"stage{stage}.npz"))
+    assert sorted(got) == sorted(want)
+    assert_tree_close(got, want, rtol=1e-5, atol=1e-7, what=f"stage {stage} params")
+    # Training moved them: the comparison is not between two copies of the initial parameters.
+    start = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(mlp_params(0))}
+    assert max(float(np.max(np.abs(got[k] - start[k]))) for k in got) > 1e-3
+
+
+@pytest.mark.parametrize("stage, devices", [(3, 8), (1, 4)])
+def test_checkpoint_from_two_processes_restores_in_one(two_processes: Path, stage: int, devices: int) -> None:
+    saved = two_processes / f"ckpt{stage}"
+    meta = json.loads((saved / f"global_step{STEPS}" / "meta.json").read_text())
+    assert meta["step"] == STEPS and meta["mesh"] == {"data": 8}
+    state_dir = saved / f"global_step{STEPS}" / "state"
+    assert sorted(p.name for p in state_dir.glob("ocdbt.process_*")) == ["ocdbt.process_0", "ocdbt.process_1"]
+
+    reference = one_process_engine(stage)
+    for batch in batches(STEPS):
+        reference.train_batch(batch)
+    engine = one_process_engine(stage, devices)
+    engine.load_checkpoint(str(saved))
+    assert engine.global_steps == STEPS
+    assert_tree_close(to_numpy(engine.params), to_numpy(reference.params), rtol=1e-5, atol=1e-7, what="params")
+    assert_tree_close(to_numpy(engine.state.opt_state), to_numpy(reference.state.opt_state),
+                      rtol=1e-5, atol=1e-9, what="opt_state")
+    # And it trains on from there like the reference.
+    extra = batches(STEPS + 1)[-1]
+    assert abs(float(engine.train_batch(extra)["loss"]) - float(reference.train_batch(extra)["loss"])) < 1e-5
+
+
+def test_consistency_check_names_the_differing_process() -> None:
+    proc = launch("-n", "2", "--grace", "2", "tests/multiprocess_worker.py", "mismatch", timeout=180)
+    assert proc.returncode != 0
+    assert "no mismatch found" not in proc.stdout
+    text = proc.stdout + proc.stderr
+    assert "distributed.check_consistency: process(es) [1] hold a different config" in text
+    assert "config.optimizer.params.lr: here 0.02, process 0 0.01" in text
+
+
+def test_train_py_under_launch_stops_together_and_resumes(tmp_path: Path) -> None:
+    """`zerojax launch -n 2 train.py --config configs/zero3.yaml` (tiny model): one set of run files from
+    process 0, checkpoint shards from both; Ctrl-C stops both after the same step with a checkpoint,
+    and `--resume` continues from it in two processes."""
+    from test_cli import SMALL
+    out = tmp_path / "run"
+    small = [*SMALL, "run.steps=60", "run.log_every=1", "steps_per_print=1", f"run.output_dir={out}"]
+    cmd = [sys.executable, "-m", "zerojax.cli", "launch", "-n", "2", "train.py", "--config", "configs/zero3.yaml",
+           "--set", *small]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from test_launch import Lines
+    try:
+        lines = Lines(proc)
+        lines.wait_for(lambda seen: any(l.startswith("[0] step 2:") for l in seen), 240)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    stdout, stderr = lines.text(), proc.stderr.read()
+    assert code == 130, stderr[-3000:]
+    stop = [l for l in stdout.splitlines() if "stop requested: every process stopped after step" in l]
+    assert len(stop) == 1 and stop[0].startswith("[0] "), stdout[-3000:]
+    stopped = int(stop[0].split("after step ")[1].split(";")[0])
+    assert "[0] zerojax: interrupted" in stderr and "[1] zerojax: interrupted" in stderr
+    assert "[0] ZeRO stage 3" in stdout and "[1] ZeRO stage 3" not in stdout
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, stopped + 1))
+    tag = out / "checkpoints" / f"global_step{stopped}"
+    assert (out / "checkpoints" / "latest").read_text().strip() == tag.name
+    assert sorted(p.name for p in (tag / "state").glob("ocdbt.process_*")) == ["ocdbt.process_0", "ocdbt.process_1"]
+
+    resumed = launch("-n", "2", "train.py", "--config", "configs/zero3.yaml", "--resume", "--set", *small,
+                     f"run.steps={stopped + 2}", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"[0] resumed from {tag} at step {stopped}" in resumed.stdout
+    assert f"[0] done: {stopped + 2} steps" in resumed.stdout and "[1] done" not in resumed.stdout
+    assert not (tmp_path / "run-2").exists()  # both processes agreed on the run folder
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, stopped + 3))

@@ -1,0 +1,260 @@
+"""ZeRO-Offload as memory kinds: where model state lives between steps, and where the update runs.
+
+DeepSpeed moves optimizer state (and, in ZeRO-3, parameters) to CPU memory by hand and runs a CPU
+Adam. Here offload is part of the layout: the plan gives the stored state `NamedSharding`s with
+`memory_kind="pinned_host"` (`unpinned_host` without `pin_memory`), and the step moves between
+memory spaces only where the layout says:
+
+* `offload_optimizer.device: cpu` - the fp32 master copy and the optimizer state live in host
+  memory. The update either runs on the host (`compute: host`, DeepSpeed's ZeRO-Offload: only
+  gradients go down and the new parameters come up) or on the device (`compute: device`, state
+  offload: this device's state shards come up for the update and go back). `compute: auto` takes
+  the host where the backend can compile a host computation (`compute_on`), the device otherwise.
+* `offload_param.device: cpu` (stage 3) - the parameter shards live in host memory and each layer
+  is brought to the device where the model gathers it (`zerojax.gather` inside the scanned body).
+  Their gradients leave the backward pass in host memory and are brought back before reduction.
+
+On a CPU backend "host" and "device" are the same RAM: placements, equivalence and the compiled
+memory spaces can be checked there; the memory saving only exists on GPU and TPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from zerojax.config import Config
+from zerojax.errors import ConfigError
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+# Optimizers whose update is elementwise per parameter shard (Lamb needs per-tensor norms across
+# shards, i.e. collectives, which a host computation cannot run).
+ELEMENTWISE_OPTIMIZERS = frozenset({"adam", "adamw", "adagrad", "lion", "sgd"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Memory kinds of stored state (None: the device's own memory) and where the update computes."""
+    params: str | None = None      # stored parameters
+    optimizer: str | None = None   # fp32 master copy and optimizer state
+    update: str = "device"         # "device" or "host"
+
+    @property
+    def offloaded(self) -> bool:
+        return self.params is not None or self.optimizer is not None
+
+    def describe(self) -> str:
+        if not self.offloaded:
+            return "no offload"
+        parts = []
+        if self.optimizer is not None:
+            parts.append(f"master weights and optimizer state in {self.optimizer}")
+        if self.params is not None:
+            parts.append(f"parameters in {self.params}")
+        return "offload: " + ", ".join(parts) + f"; optimizer update on the {self.update}"
+
+
+def _kind(pin_memory: bool) -> str:
+    return "pinned_host" if pin_memory else "unpinned_host"
+
+
+def _available_kinds(mesh: Mesh) -> set[str]:
+    device = mesh.devices.flat[0]
+    try:
+        return {m.kind for m in device.addressable_memories()}
+    except Exception:  # backends without the memories API
+        return set()
+
+
+@functools.lru_cache(maxsize=None)
+def host_update_supported(platform: str, kind: str) -> bool:
+    """Whether this backend compiles an elementwise update inside `compute_on("device_host")`."""
+    from jax.experimental.compute_on import compute_on
+
+    device = next(d for d in jax.devices() if d.platform == platform)
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+
+    @compute_on("device_host")
+    @jax.jit
+    def update(m: jax.Array, g: jax.Array) -> jax.Array:
+        return m - 0.1 * g / (jax.numpy.sqrt(g * g) + 1e-8)
+
+    def probe(m: jax.Array, g: jax.Array) -> jax.Array:
+        return update(*to_memory((m, g), kind))
+
+    try:
+        x = jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding)
+        g = jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding.with_memory_kind("device"))
+        jax.jit(probe, out_shardings=sharding).lower(x, g).compile()
+        return True
+    except Exception:
+        return False
+
+
+def memory_plan(config: Config, mesh: Mesh, kernels: str = "xla") -> Memory:
+    """Memory kinds from `zero_optimization.offload_*`, checked against the mesh's backend.
+
+    `kernels` is the plan's update backend: fused Pallas kernels run on the device, so with them
+    the update stays there (the state still lives on the host between steps).
+
+    Every failure is a ConfigError naming the key, raised before anything is compiled (the probe
+    for `compute: auto` compiles an 8-element function once per backend).
+    """
+    zero = config.zero_optimization
+    opt_cfg, param_cfg = zero.offload_optimizer, zero.offload_param
+    optimizer = _kind(opt_cfg.pin_memory) if opt_cfg.device == "cpu" else None
+    params = _kind(param_cfg.pin_memory) if param_cfg.device == "cpu" else None
+    if optimizer is None and params is None:
+        return Memory()
+    available = _available_kinds(mesh)
+    platform = mesh.devices.flat[0].platform
+    for key, kind in (("offload_optimizer", optimizer), ("offload_param", params)):
+        if kind is not None and kind not in available:
+            raise ConfigError(
+                f"zero_optimization.{key}.device: cpu needs the '{kind}' memory kind, but the {platform} "
+                f"backend's devices offer {sorted(available) or 'none'}; set zero_optimization.{key}.device: "
+                f"none" + (" (or pin_memory: false)" if kind == "pinned_host" and "unpinned_host" in available
+                           else ""))
+    update = "device"
+    if optimizer is not None:
+        elementwise = config.optimizer.type in ELEMENTWISE_OPTIMIZERS
+        if opt_cfg.compute == "host":
+            if kernels != "xla":
+                raise ConfigError(f"zero_optimization.offload_optimizer.compute: host runs the optax update on the "
+                                  f"host, but kernels resolve to {kernels} (fused on the device); use compute: "
+                                  f"device (or auto), or kernels: xla")
+            if not elementwise:
+                raise ConfigError(f"zero_optimization.offload_optimizer.compute: host runs elementwise optimizers "
+                                  f"only ({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}); {config.optimizer.type} "
+                                  f"needs norms across shards: use compute: device (or auto)")
+            if not host_update_supported(platform, optimizer):
+                raise ConfigError(f"zero_optimization.offload_optimizer.compute: host - the {platform} backend "
+                                  f"cannot compile the update on the host here; use compute: device (or auto)")
+            update = "host"
+        elif (opt_cfg.compute == "auto" and kernels == "xla" and elementwise
+              and host_update_supported(platform, optimizer)):
+            update = "host"
+    return Memory(params=params, optimizer=optimizer, update=update)
+
+
+# ---------------------------------------------------------------------------------------------
+# Moves inside the jitted step.
+
+def to_memory(tree: Any, kind: str | None) -> Any:
+    """Every array of `tree` in device memory (kind None or "device") or host memory (a host kind)."""
+    space = jax.memory.Space.Host if kind in HOST_KINDS else jax.memory.Space.Device
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def to_device(tree: Any) -> Any:
+    """Values typed as host memory moved to the device; the others untouched.
+
+    Inside jit the type says where a value is, so the lowered module carries no transfer, not even
+    an empty one, for what is already on the device.
+    """
+    def one(x: Any) -> Any:
+        on_host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+        return jax.device_put(x, jax.memory.Space.Device) if on_host else x
+    return jax.tree.map(one, tree)
+
+
+def bring_in(tree: Any, kind: str | None) -> Any:
+    """Arrays stored in memory `kind` moved to the device for computing; a no-op for device memory."""
+    return tree if kind is None else to_device(tree)
+
+
+def run_update(memory: Memory, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` where the plan runs the optimizer update.
+
+    On the device: state stored on the host is brought in first (and the step's out_shardings put
+    the results back). On the host: every input goes to host memory (gradients and a few scalars
+    travel, the state is already there) and `fn` runs as a host computation.
+    """
+    if memory.update == "host":
+        from jax.experimental.compute_on import compute_on
+
+        with compute_on("device_host"):
+            return jax.jit(fn)(*to_memory(args, memory.optimizer))
+    return fn(*bring_in(args, memory.optimizer))
+
+
+# ---------------------------------------------------------------------------------------------
+# What a compiled step holds where.
+
+class StepMemory(NamedTuple):
+    """Per-device bytes of a compiled step's arguments and outputs by memory space, and its temp."""
+    device_arguments: int
+    host_arguments: int
+    device_outputs: int
+    host_outputs: int
+    temp: int
+    source: str   # "memory_analysis" or "HLO" (where memory_analysis does not split host bytes)
+
+    def line(self) -> str:
+        mib = 2 ** 20
+        return (f"compiled step per device: arguments {self.device_arguments / mib:.2f} MiB on device + "
+                f"{self.host_arguments / mib:.2f} MiB on host, temp {self.temp / mib:.2f} MiB "
+                f"(host placement from {self.source})")
+
+
+_ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+             "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+             "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](?:\{([^}]*)\})?")
+# Memory spaces of host memory in compiled layouts: S(5) is XLA's kHostMemorySpace (pinned_host);
+# the CPU client prints unpinned_host as S(6).
+HOST_MEMORY_SPACES = ("S(5)", "S(6)")
+
+
+def _layout_bytes(text: str) -> tuple[int, int]:
+    """(device bytes, host bytes) of the arrays in one side of an entry computation layout."""
+    device = host = 0
+    for dtype, dims, layout in _ARRAY.findall(text):
+        if dtype not in _ITEMSIZE:
+            continue
+        size = math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype]
+        if layout and any(space in layout for space in HOST_MEMORY_SPACES):
+            host += size
+        else:
+            device += size
+    return device, host
+
+
+def entry_layout_bytes(hlo: str) -> tuple[int, int, int, int]:
+    """(device args, host args, device outputs, host outputs) from `entry_computation_layout`."""
+    start = hlo.find("entry_computation_layout={")
+    if start < 0:
+        raise ValueError("no entry_computation_layout in the HLO text")
+    i = start + len("entry_computation_layout={")
+    depth = 1
+    j = i
+    while depth:
+        depth += {"{": 1, "}": -1}.get(hlo[j], 0)
+        j += 1
+    args, _, outs = hlo[i:j - 1].partition(")->")
+    return (*_layout_bytes(args), *_layout_bytes(outs))
+
+
+def step_memory(compiled: Any) -> StepMemory:
+    """Where a compiled step's arguments live, per device.
+
+    `memory_analysis()` splits host bytes on backends that report them; on CPU its host fields are
+    zero and host-resident arguments are counted as ordinary ones, so the split is read from the
+    memory spaces (`S(5)`, `S(6)`) of the compiled module's entry layout instead.
+    """
+    stats = compiled.memory_analysis()
+    stats = stats[0] if isinstance(stats, (list, tuple)) else stats
+    temp = int(getattr(stats, "temp_size_in_bytes", 0))
+    host_args = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
+    host_outs = int(getattr(stats, "host_output_size_in_bytes", 0) or 0)
+    if host_args or host_outs:
+        return StepMemory(int(stats.argument_size_in_bytes), host_args, int(stats.output_size_in_bytes), host_outs,
+                          temp, "memory_analysis")
+    dev_args, host_args, dev_outs, host_outs = entry_layout_bytes(compiled.as_text())
+    return StepMemory(dev_args, host_args, dev_outs, host_outs, temp, "HLO")
