@@ -210,6 +210,12 @@ def test_checkpoint_round_trip(tmp_path: Any) -> None:
     fresh.train_batch(data[1])
     assert_tree_close(to_numpy(fresh.params), to_numpy(engine.params), rtol=0, atol=0, what="continued")
 
+    # zero_to_fp32 for a pipeline: the logical parameters under their own names, not the rows.
+    from zerojax.checkpoint import export_safetensors
+    exported = zerojax.load_exported(str(export_safetensors(tmp_path, None, tmp_path / "model.safetensors")))
+    assert_tree_close(to_numpy(exported), after_one, rtol=0, atol=0, what="exported")
+    assert set(exported) == set(PARAMS0[True]) and "stages" not in exported
+
 
 def test_stage_local_init_is_the_module_init() -> None:
     """Each stage creates only its own layers, and together they are `module.init(seed)`."""

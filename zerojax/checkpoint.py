@@ -39,6 +39,7 @@ from zerojax.state import TrainState, abstract_state, init_state
 STATE_DIR = "state"
 META_FILE = "meta.json"
 LATEST_FILE = "latest"
+PIPELINE_ROWS = "pipeline_rows"   # extra key: where a pipelined run's logical parameters sit in its rows
 FORMAT = "zerojax-checkpoint"
 VERSION = 1
 PathLike = str | os.PathLike[str]
@@ -490,14 +491,17 @@ def export_safetensors(directory: PathLike, tag: str | None, out_path: PathLike,
 
     Tensor names are the parameter paths joined with '.'. The header is computed from the
     metadata, then leaves are read and written one by one, so host memory stays near the
-    largest leaf whatever the model size. The file appears atomically at `out_path`.
+    largest leaf whatever the model size. A pipelined run's parameters are written under their
+    logical names, cut out of its `[stages, width]` rows (held in host memory while writing). The
+    file appears atomically at `out_path`.
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise ConfigError(f"export dtype {dtype!r}: use one of {sorted(_SAFETENSORS_DTYPES)}")
     np_dtype, st_dtype = _SAFETENSORS_DTYPES[dtype]
     tag_dir = _resolve(Path(directory), tag)
     meta = _read_meta(tag_dir)
-    params = meta["params"]
+    rows = meta.get("extra", {}).get(PIPELINE_ROWS)
+    params = rows["leaves"] if rows else meta["params"]
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(tag_dir), "step": str(meta["step"]),
                                                "dtype": dtype}}
     offset = 0
@@ -510,16 +514,29 @@ def export_safetensors(directory: PathLike, tag: str | None, out_path: PathLike,
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    sources = [_join(meta["truth"], name) for name in params]
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, array in _read_leaves(tag_dir / STATE_DIR, sources):
+        for array in _exported_arrays(tag_dir, meta, rows):
             np.ascontiguousarray(array.astype(np_dtype, copy=False)).tofile(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out)
     return out
+
+
+def _exported_arrays(tag_dir: Path, meta: Mapping[str, Any], rows: Mapping[str, Any] | None
+                     ) -> Iterator[np.ndarray]:
+    """The parameters to export, in header order: saved leaves, or slices of pipeline rows."""
+    if not rows:
+        sources = [_join(meta["truth"], name) for name in meta["params"]]
+        for _, array in _read_leaves(tag_dir / STATE_DIR, sources):
+            yield array
+        return
+    (_, table), = _read_leaves(tag_dir / STATE_DIR, [_join(meta["truth"], rows["array"])])
+    for entry in rows["leaves"].values():
+        start = entry["offset"]
+        yield table[entry["row"], start:start + math.prod(entry["shape"])].reshape(entry["shape"])
 
 
 def load_exported(path: PathLike) -> dict[str, Any]:

@@ -143,6 +143,24 @@ class StageRows:
                 out[key] = jax.tree.map(np.asarray, slot.unflatten(rows[d, slot.offset:slot.offset + slot.size]))
         return {k: out[k] for k in self.module.abstract_params()}
 
+    def manifest(self) -> dict[str, dict[str, Any]]:
+        """Where each logical parameter leaf sits in the rows, by dotted name (JSON-able).
+
+        Checkpoints carry it, so `zerojax export` writes the logical parameters of a pipelined run
+        (not its padded rows) without the PipelineModule at hand.
+        """
+        out = {}
+        for d, slots in enumerate(self.slots):
+            for key, slot in sorted(slots.items(), key=lambda kv: kv[1].offset):
+                skeleton = jax.tree.unflatten(slot.treedef, range(len(slot.shapes)))
+                paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
+                start = slot.offset
+                for (path, _), shape in zip(paths, slot.shapes):
+                    name = ".".join([key, *(_key_text(k) for k in path)])
+                    out[name] = {"row": d, "offset": start, "shape": list(shape)}
+                    start += math.prod(shape)
+        return out
+
     def table(self) -> str:
         """The partition, plus what each device stores."""
         lines = [self.partition.table()]
@@ -154,6 +172,13 @@ class StageRows:
             where = ", ".join(str(u) for u in t.users) or "no other stage"
             lines.append(f"tied {t.key!r}: stored on stage {t.owner}, also used by {where}")
         return "\n".join(lines)
+
+
+def _key_text(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
 
 
 def stage_rows(module: PipelineModule, num_stages: int, chunks: int = 1, align: int = 1) -> StageRows:

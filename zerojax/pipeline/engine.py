@@ -6,7 +6,7 @@ TrainState) whose plan lays out the stage rows and whose steps run the pipeline 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from jax.sharding import Mesh
 
@@ -44,6 +44,13 @@ class PipelineEngine(Engine):
         """Logical parameters (host numpy arrays): the fp32 master copy under mixed precision."""
         tree = self.state.master if self.plan.policy.mixed else self.state.params
         return self.pipeline.rows.unpack(tree[ROWS])
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
+                        extra: Mapping[str, Any] | None = None, async_save: bool | None = None) -> str:
+        """As Engine.save_checkpoint, plus the row manifest `zerojax export` needs for logical names."""
+        from zerojax.checkpoint import PIPELINE_ROWS  # orbax is imported only when checkpoints are used
+        extra = {PIPELINE_ROWS: {"array": ROWS, "leaves": self.pipeline.rows.manifest()}, **(extra or {})}
+        return super().save_checkpoint(save_dir, tag, client_state, extra=extra, async_save=async_save)
 
     def memory_report(self) -> MemoryReport:
         return self.pipeline.memory_report()
