@@ -230,7 +230,7 @@ def measure_size(n: int, args: argparse.Namespace, backend: str, device: Any) ->
     finite = all(bool(jnp.all(jnp.isfinite(x[:4096]))) for x in (*box["fused"][0], *box["optax"][0]))
     if not finite:
         raise RuntimeError(f"{n:.3g} parameters: the updated parameters are not finite")
-    del box
+    box.clear()  # free the device buffers before the next size
     return dict(n=n, leaves=len(sizes), times=times, kernels=kernels,
                 fused_launches_compiled=compiled_launches(fused_compiled.as_text()),
                 optax_launches=compiled_launches(optax_compiled.as_text()),

@@ -101,6 +101,22 @@ def data_mesh(n: int | None = None) -> Mesh:
     return Mesh(np.array(devices), (DATA,))
 
 
+def train_steps(cfg: zerojax.Config, batches: Sequence[Any], params: Any = None,
+                loss_fn: Callable[..., jax.Array] = mse_loss, mesh: Mesh | None = None
+                ) -> tuple[zerojax.Plan, zerojax.TrainState, list[dict]]:
+    """`make_train_step` over `batches` (default: the 8-device data mesh, `mlp_params(0)`, MSE):
+    the plan, the final state and the metrics on the host."""
+    params = mlp_params(0) if params is None else params
+    p = zerojax.plan(cfg, data_mesh() if mesh is None else mesh, params)
+    state = zerojax.init_state(cfg, p, params)
+    step = zerojax.make_train_step(cfg, p, loss_fn)
+    metrics = []
+    for b in batches:
+        state, m = step(state, b)
+        metrics.append(jax.device_get(m))
+    return p, state, metrics
+
+
 # ------------------------------------------------------------------------------------------------
 # The single-device reference: plain value_and_grad of the global mean loss + the plan's optax tx.
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from helpers import assert_tree_close, data_mesh, layerwise_loss, mlp_params, mse_loss, to_numpy
+from helpers import assert_tree_close, data_mesh, layerwise_loss, mlp_params, to_numpy
 from multiprocess_worker import STEPS, batches, config_for
 from zerojax.config import DistributedConfig, load_config
 from zerojax.distributed import (Processes, cpu_devices_per_process, differences, fingerprint, global_array,

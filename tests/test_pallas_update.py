@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from helpers import ADAM, data_mesh, make_batch, make_config, mlp_params, mse_loss, to_numpy
+from helpers import ADAM, data_mesh, make_batch, make_config, mlp_params, mse_loss, to_numpy, train_steps
 from zerojax.pallas.backend import resolve
 
 TBS = 32
@@ -27,15 +26,6 @@ BATCHES = [make_batch(TBS, i) for i in range(3)]
 REL = 1e-6
 
 
-def train(cfg: zerojax.Config, batches: list[Any]) -> tuple[zerojax.Plan, zerojax.TrainState, list[dict]]:
-    p = zerojax.plan(cfg, data_mesh(), PARAMS0)
-    state = zerojax.init_state(cfg, p, PARAMS0)
-    step = zerojax.make_train_step(cfg, p, mse_loss)
-    metrics = []
-    for b in batches:
-        state, m = step(state, b)
-        metrics.append(jax.device_get(m))
-    return p, state, metrics
 
 
 def assert_states_match(got: zerojax.TrainState, want: zerojax.TrainState) -> None:
@@ -109,8 +99,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_pallas_step_equals_xla_step(case: str) -> None:
     kw = {"optimizer": ADAM, **CASES[case]}
-    p_pallas, s_pallas, m_pallas = train(make_config(kernels="pallas", **kw), BATCHES)
-    p_xla, s_xla, m_xla = train(make_config(kernels="xla", **kw), BATCHES)
+    p_pallas, s_pallas, m_pallas = train_steps(make_config(kernels="pallas", **kw), BATCHES)
+    p_xla, s_xla, m_xla = train_steps(make_config(kernels="xla", **kw), BATCHES)
     assert p_pallas.kernels == "interpret" and p_xla.kernels == "xla"
     assert_states_match(s_pallas, s_xla)
     for a, b in zip(m_pallas, m_xla):
@@ -134,8 +124,8 @@ def test_fp16_overflow_skipping_with_kernels_equals_xla() -> None:
     """The loss-scale kernel finds the overflow, the Adam kernel skips it, the scaler reacts alike."""
     kw = dict(optimizer=ADAM, gas=2, fp16={"enabled": True, "initial_scale_power": 10, "hysteresis": 1})
     bad = [BATCHES[0], poisoned(BATCHES[1]), BATCHES[1], BATCHES[2]]
-    _, s_pallas, m_pallas = train(make_config(2, kernels="pallas", **kw), bad)
-    _, s_xla, m_xla = train(make_config(2, kernels="xla", **kw), bad)
+    _, s_pallas, m_pallas = train_steps(make_config(2, kernels="pallas", **kw), bad)
+    _, s_xla, m_xla = train_steps(make_config(2, kernels="xla", **kw), bad)
     assert [bool(m["skipped"]) for m in m_pallas] == [bool(m["skipped"]) for m in m_xla] == [False, True, False, False]
     assert [float(m["loss_scale"]) for m in m_pallas] == [float(m["loss_scale"]) for m in m_xla] == [1024, 1024, 512, 512]
     assert_states_match(s_pallas, s_xla)

@@ -16,7 +16,7 @@ import pytest
 
 import zerojax
 from helpers import (ADAM, assert_relative_close, assert_tree_close, data_mesh, make_batch, make_config, mlp_params,
-                     mse_loss, to_numpy)
+                     mse_loss, to_numpy, train_steps)
 from zerojax.precision import LossScaleState, ScalerConfig, init_loss_scale, update_loss_scale
 
 
@@ -143,15 +143,6 @@ def poisoned(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"x": x, "y": batch["y"]}
 
 
-def train(cfg: zerojax.Config, batches: list[dict[str, np.ndarray]]) -> tuple[zerojax.Plan, Any, list[dict]]:
-    p = zerojax.plan(cfg, data_mesh(), mlp_params(0))
-    state = zerojax.init_state(cfg, p, mlp_params(0))
-    step = zerojax.make_train_step(cfg, p, mse_loss)
-    metrics = []
-    for b in batches:
-        state, m = step(state, b)
-        metrics.append(jax.device_get(m))
-    return p, state, metrics
 
 
 SCHEDULE = {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2, "warmup_type": "linear"}}
@@ -164,8 +155,8 @@ SCHEDULE = {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr
 def test_forced_overflows_are_skipped_then_equal_a_clean_run(stage: int, fp16: dict) -> None:
     cfg = make_config(stage, gas=2, optimizer=ADAM, fp16=fp16, scheduler=SCHEDULE)
     bad = [GOOD[0], poisoned(GOOD[1]), GOOD[1], poisoned(GOOD[2]), GOOD[2]]
-    p, state, metrics = train(cfg, bad)
-    _, clean, clean_metrics = train(cfg, GOOD)
+    p, state, metrics = train_steps(cfg, bad)
+    _, clean, clean_metrics = train_steps(cfg, GOOD)
 
     assert [bool(m["skipped"]) for m in metrics] == [False, True, False, True, False]
     assert int(state.step) == 5 and int(state.skipped) == 2
@@ -184,8 +175,8 @@ def test_forced_overflows_are_skipped_then_equal_a_clean_run(stage: int, fp16: d
 
 def test_bf16_check_grad_overflow_skips_without_a_scale() -> None:
     cfg = make_config(2, dtype="bf16", optimizer=ADAM, bf16={"enabled": True, "check_grad_overflow": True})
-    _, state, metrics = train(cfg, [GOOD[0], poisoned(GOOD[1]), GOOD[1]])
-    _, clean, _ = train(cfg, GOOD[:2])
+    _, state, metrics = train_steps(cfg, [GOOD[0], poisoned(GOOD[1]), GOOD[1]])
+    _, clean, _ = train_steps(cfg, GOOD[:2])
     assert [bool(m["skipped"]) for m in metrics] == [False, True, False]
     assert all(float(m["loss_scale"]) == 1.0 for m in metrics)
     assert_tree_close(to_numpy(state.master), to_numpy(clean.master), rtol=0, atol=0, what="master")
@@ -194,7 +185,7 @@ def test_bf16_check_grad_overflow_skips_without_a_scale() -> None:
 def test_unchecked_bf16_applies_non_finite_steps() -> None:
     """Without the check, a NaN step is applied, as in DeepSpeed's bf16 default: it is not skipped."""
     cfg = make_config(1, dtype="bf16", optimizer=ADAM)
-    _, state, metrics = train(cfg, [poisoned(GOOD[0])])
+    _, state, metrics = train_steps(cfg, [poisoned(GOOD[0])])
     assert not bool(metrics[0]["skipped"]) and int(state.skipped) == 0
     assert not np.all(np.isfinite(np.asarray(jax.device_get(state.master["w_in"]))))
 
@@ -221,8 +212,8 @@ def test_fp16_matches_fp32_reference_loosely(stage: int) -> None:
     """fp16 compute with fp32 master weights tracks an fp32 run (loss and parameters)."""
     cfg16 = make_config(stage, gas=2, optimizer=ADAM, fp16={"enabled": True})
     cfg32 = make_config(stage, gas=2, optimizer=ADAM)
-    _, s16, m16 = train(cfg16, GOOD)
-    _, s32, m32 = train(cfg32, GOOD)
+    _, s16, m16 = train_steps(cfg16, GOOD)
+    _, s32, m32 = train_steps(cfg32, GOOD)
     assert not any(bool(m["skipped"]) for m in m16)
     for a, b in zip(m16, m32):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=2e-3)

@@ -20,7 +20,7 @@ import pytest
 
 import zerojax
 from helpers import (ADAM, SGD, assert_relative_close, assert_tree_close, data_mesh, forward, layerwise_loss,
-                     make_batch, make_config, mlp_params, mse_loss, reference_run, to_numpy)
+                     make_batch, make_config, mlp_params, mse_loss, reference_run, to_numpy, train_steps)
 
 STEPS = 3
 TBS = 32
@@ -66,13 +66,7 @@ def assert_state_shardings(p: zerojax.Plan, state: zerojax.TrainState) -> None:
 
 def run_and_compare(cfg: zerojax.Config, mesh: Any, loss_fn: Any, ref_key: tuple,
                     dtype: str) -> tuple[zerojax.Plan, list[dict[str, Any]]]:
-    p = zerojax.plan(cfg, mesh, PARAMS0)
-    state = zerojax.init_state(cfg, p, PARAMS0)
-    step = zerojax.make_train_step(cfg, p, loss_fn)
-    metrics = []
-    for batch in BATCHES:
-        state, m = step(state, batch)
-        metrics.append(jax.device_get(m))
+    p, state, metrics = train_steps(cfg, BATCHES, PARAMS0, loss_fn, mesh)
     assert_state_shardings(p, state)
 
     ref = reference(p, ref_key, cfg.gradient_clipping)

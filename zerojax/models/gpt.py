@@ -52,14 +52,19 @@ class Block(nnx.Module):
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
+def _embeddings(cfg: ModelConfig, rngs: nnx.Rngs) -> tuple[nnx.Embed, nnx.Param]:
+    """Token and learned position embeddings (shared by GPT and its pipeline form, same init order)."""
+    init = nnx.initializers.normal(cfg.init_std)
+    embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, rngs=rngs)
+    return embed, nnx.Param(init(rngs.params(), (cfg.seq_len, cfg.d_model)))
+
+
 class GPT(nnx.Module):
     """Token + position embeddings, `n_layers` stacked blocks, final norm, LM head."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d = cfg.d_model
-        self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(cfg.init_std),
-                               rngs=rngs)
-        self.pos = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.seq_len, d)))
+        self.embed, self.pos = _embeddings(cfg, rngs)
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -141,10 +146,7 @@ class Embedding(nnx.Module):
     """Token + position embeddings: the first pipeline layer, reading the batch itself."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d = cfg.d_model
-        self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(cfg.init_std),
-                               rngs=rngs)
-        self.pos = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.seq_len, d)))
+        self.embed, self.pos = _embeddings(cfg, rngs)
 
     def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
         tokens = batch["tokens"][:, :-1]

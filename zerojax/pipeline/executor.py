@@ -205,6 +205,27 @@ def _split_micro_batches(pipe: Pipeline, batch: Any) -> tuple[Any, Any]:
     return shaped, micro
 
 
+
+def _forward_branches(stage_fns: list[Callable[..., Any]], row: jax.Array, tied_in: Any,
+                      act: jax.ShapeDtypeStruct) -> list[Callable[..., Any]]:
+    """`lax.switch` branches `(x, micro_batch) -> (activation out, loss)`: index 0 idles, index
+    v + 1 runs virtual stage v. Every branch returns the same types (zeros where a stage has no
+    output or no loss), as a switch needs."""
+    def zeros_act() -> jax.Array:
+        return vary(jnp.zeros(act.shape, act.dtype))
+
+    def idle(x: jax.Array, mb: Any) -> tuple[jax.Array, jax.Array]:
+        return zeros_act(), vary(jnp.zeros((), jnp.float32))
+
+    def forward(v: int) -> Callable[..., Any]:
+        def branch(x: jax.Array, mb: Any) -> tuple[jax.Array, jax.Array]:
+            y, loss = stage_fns[v](row, tied_in, x, mb)
+            loss = jnp.zeros((), jnp.float32) if loss is None else loss
+            return (zeros_act() if y is None else vary(y)), vary(loss)
+        return branch
+
+    return [idle] + [forward(v) for v in range(len(stage_fns))]
+
 def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
     """(rows [S, width], batch, loss cotangent scale) -> (mean loss, gradient rows in `update`).
 
@@ -232,16 +253,6 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
         def zeros_act() -> jax.Array:
             return vary(jnp.zeros(act.shape, act.dtype))
 
-        def no_forward(x, mb):
-            return zeros_act(), vary(jnp.zeros((), jnp.float32))
-
-        def forward(v):
-            def branch(x, mb):
-                y, loss = stage_fns[v](row, tied_in, x, mb)
-                loss = jnp.zeros((), jnp.float32) if loss is None else loss
-                return (zeros_act() if y is None else vary(y)), vary(loss)
-            return branch
-
         def no_backward(x, dy, mb, acc, acc_tied):
             return zeros_act(), acc, acc_tied
 
@@ -255,7 +266,7 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
                 return (zeros_act() if v == 0 else vary(dx.astype(act.dtype))), acc, acc_tied
             return branch
 
-        forwards = [no_forward] + [forward(v) for v in range(V)]
+        forwards = _forward_branches(stage_fns, row, tied_in, act)
         backwards = [no_backward] + [backward(v) for v in range(V)]
 
         def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
@@ -332,20 +343,7 @@ def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
         row, tied_in = _enter(pipe, rows_local)
         micro = jax.tree.map(lambda x: x[:, 0], micro)
 
-        def zeros_act() -> jax.Array:
-            return vary(jnp.zeros(act.shape, act.dtype))
-
-        def idle(x, mb):
-            return zeros_act(), vary(jnp.zeros((), jnp.float32))
-
-        def forward(v):
-            def branch(x, mb):
-                y, loss = stage_fns[v](row, tied_in, x, mb)
-                loss = jnp.zeros((), jnp.float32) if loss is None else loss
-                return (zeros_act() if y is None else vary(y)), vary(loss)
-            return branch
-
-        branches = [idle] + [forward(v) for v in range(V)]
+        branches = _forward_branches(stage_fns, row, tied_in, act)
 
         def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
             stash, loss_sum = carry
