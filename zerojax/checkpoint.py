@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 
 from zerojax.errors import ConfigError
 from zerojax.layout import Plan
+from zerojax.names import dotted, join
 from zerojax.offload import to_device
 from zerojax.state import TrainState, abstract_state, init_state
 
@@ -52,22 +53,9 @@ class CheckpointError(ConfigError):
 # ---------------------------------------------------------------------------------------------
 # Leaf names: one dotted string per array, the same on every mesh and stage.
 
-def _key_name(key: Any) -> str:
-    """DictKey.key, GetAttrKey.name, SequenceKey.idx (FlattenedIndexKey.key) as text."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p != "")
-
-
 def leaf_names(tree: Any, prefix: str = "") -> list[str]:
     """Dotted path of every leaf, in `jax.tree.leaves` order; duplicates are an error."""
-    names = [_join(prefix, *(_key_name(k) for k in path))
-             for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    names = [dotted(path, prefix) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise CheckpointError(f"checkpoint: leaf names collide after joining with '.': {dup[:5]}; "
@@ -529,11 +517,11 @@ def _exported_arrays(tag_dir: Path, meta: Mapping[str, Any], rows: Mapping[str, 
                      ) -> Iterator[np.ndarray]:
     """The parameters to export, in header order: saved leaves, or slices of pipeline rows."""
     if not rows:
-        sources = [_join(meta["truth"], name) for name in meta["params"]]
+        sources = [join(meta["truth"], name) for name in meta["params"]]
         for _, array in _read_leaves(tag_dir / STATE_DIR, sources):
             yield array
         return
-    (_, table), = _read_leaves(tag_dir / STATE_DIR, [_join(meta["truth"], rows["array"])])
+    (_, table), = _read_leaves(tag_dir / STATE_DIR, [join(meta["truth"], rows["array"])])
     for entry in rows["leaves"].values():
         start = entry["offset"]
         yield table[entry["row"], start:start + math.prod(entry["shape"])].reshape(entry["shape"])

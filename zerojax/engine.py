@@ -32,13 +32,18 @@ class Engine:
     """Training state plus compiled train/eval steps for one config, mesh and model."""
 
     def __init__(self, config: Config, params: Any, loss_fn: LossFn, mesh: Mesh):
-        self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
-        self.plan: Plan = make_plan(config, mesh, params)
+        plan = make_plan(config, mesh, params)
+        self._start(config, mesh, loss_fn, plan, params, make_train_step(config, plan, loss_fn),
+                    make_eval_step(config, plan, loss_fn))
+
+    def _start(self, config: Config, mesh: Mesh, loss_fn: LossFn, plan: Plan, params: Any,
+               train_step: Callable[[TrainState, Any], Any], eval_step: Callable[[Any, Any], jax.Array]) -> None:
+        """Everything an engine holds, whatever built its plan and steps (the pipeline engine too)."""
+        self.config, self.mesh, self.loss_fn, self.plan = config, mesh, loss_fn, plan
         if config.distributed.check_consistency:
-            check_consistency(config, self.plan.abstract_params)
-        self.state: TrainState = init_state(config, self.plan, params)
-        self._train_step = make_train_step(config, self.plan, loss_fn)
-        self._eval_step = make_eval_step(config, self.plan, loss_fn)
+            check_consistency(config, plan.abstract_params)
+        self.state: TrainState = init_state(config, plan, params)
+        self._train_step, self._eval_step = train_step, eval_step
         self._pending: PendingSave | None = None
         self.loaded_extra: dict[str, Any] = {}
 
@@ -52,13 +57,20 @@ class Engine:
         sharding = self.plan.batch_sharding
         return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else global_array(x, sharding, rows), batch)
 
+    def _checked(self, batch: Any, check: Callable[[Plan, Any], None], rows: int | None = None) -> Any:
+        """`batch` placed on the devices, its shape checked once: on the host rows before any transfer
+        when this process holds the whole batch, on the global array when each process holds a part."""
+        if jax.process_count() == 1:
+            check(self.plan, batch)
+            return self._place(batch, rows)
+        batch = self._place(batch, rows)
+        check(self.plan, batch)
+        return batch
+
     def train_batch(self, batch: Any) -> dict[str, jax.Array]:
         """One optimizer step on a global batch (leading dimension train_batch_size; in a
         multi-process run, host data may hold only this process's rows)."""
-        if jax.process_count() == 1:
-            check_batch(self.plan, batch)  # one clear message before any transfer
-        batch = self._place(batch, self.plan.batch.train_batch_size)
-        check_batch(self.plan, batch)
+        batch = self._checked(batch, check_batch, self.plan.batch.train_batch_size)
         self.state, metrics = self._train_step(self.state, batch)
         if self.plan.scaler.dynamic and bool(self.state.scaler.stuck):  # one flag per step, as DeepSpeed
             raise LossScaleError(loss_scale_message(self.plan, self.state))
@@ -66,10 +78,7 @@ class Engine:
 
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
-        if jax.process_count() == 1:
-            check_eval_batch(self.plan, batch)
-        batch = self._place(batch)
-        check_eval_batch(self.plan, batch)
+        batch = self._checked(batch, check_eval_batch)
         return self._eval_step(self.state.params, batch)
 
     @property

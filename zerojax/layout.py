@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import optax
@@ -87,8 +87,14 @@ def spec(placement: Placement, ndim: int, lead: str | None = None) -> P:
     return P(*axes)
 
 
-def _is_layout(x: Any) -> bool:
+def is_layout(x: Any) -> bool:
+    """`is_leaf` for trees of LeafLayouts (a LeafLayout is a dataclass, not a pytree node to enter)."""
     return isinstance(x, LeafLayout)
+
+
+def map_layouts(fn: Callable[..., Any], layouts: Any, *trees: Any) -> Any:
+    """`jax.tree.map` over a plan's layouts and parameter-shaped trees, one LeafLayout per leaf."""
+    return jax.tree.map(fn, layouts, *trees, is_leaf=is_layout)
 
 
 class MemoryReport(NamedTuple):
@@ -170,9 +176,8 @@ class Plan:
         return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(self.abstract_params)]
 
     def _shardings(self, role: str) -> Any:
-        return jax.tree.map(
-            lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.lead)),
-            self.layouts, self.abstract_params, is_leaf=_is_layout)
+        return map_layouts(lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.lead)),
+                           self.layouts, self.abstract_params)
 
     @property
     def param_shardings(self) -> Any:
@@ -187,6 +192,16 @@ class Plan:
     def update_shardings(self) -> Any:
         """Shardings of reduced gradients at the update, of the master copy and of optimizer state."""
         return self._shardings("update")
+
+    @property
+    def param_specs(self) -> Any:
+        """PartitionSpecs of `param_shardings` (shard_map's in/out specs)."""
+        return jax.tree.map(lambda s: s.spec, self.param_shardings)
+
+    @property
+    def update_specs(self) -> Any:
+        """PartitionSpecs of `update_shardings` (shard_map's in/out specs)."""
+        return jax.tree.map(lambda s: s.spec, self.update_shardings)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -209,8 +224,12 @@ class Plan:
     def opt_state_storage(self) -> Any:
         """Where optimizer state lives between steps: parameter-shaped leaves follow the master copy,
         counters and scalars stay on the device."""
+        return self._opt_state_following(self.update_storage)
+
+    def _opt_state_following(self, update: Any) -> Any:
+        """Parameter-shaped optimizer leaves placed as `update`; counters and scalars replicated."""
         return optax.tree_utils.tree_map_params(
-            self.tx, lambda _, sharding: sharding, self.abstract_opt_state, self.update_storage,
+            self.tx, lambda _, sharding: sharding, self.abstract_opt_state, update,
             transform_non_params=lambda _: self.replicated)
 
     @property
@@ -222,9 +241,7 @@ class Plan:
     @property
     def opt_state_shardings(self) -> Any:
         """Parameter-shaped optimizer leaves follow `update`; counters and scalars are replicated."""
-        return optax.tree_utils.tree_map_params(
-            self.tx, lambda _, sharding: sharding, self.abstract_opt_state, self.update_shardings,
-            transform_non_params=lambda _: self.replicated)
+        return self._opt_state_following(self.update_shardings)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -267,7 +284,7 @@ def plan(config: Config, mesh: Mesh, params: Any, *, lead: str | None = None) ->
             if not x.shape or x.shape[0] != mesh.shape[lead]:
                 raise ValueError(f"plan: with lead={lead!r} every leaf's dimension 0 must be the "
                                  f"{lead} axis size {mesh.shape[lead]}, got shape {x.shape}")
-        layouts = jax.tree.map(lambda lay: dataclasses.replace(lay, lead=lead), layouts, is_leaf=_is_layout)
+        layouts = jax.tree.map(lambda lay: dataclasses.replace(lay, lead=lead), layouts, is_leaf=is_layout)
     pol = make_policy(config)
     opt = config.optimizer
     betas = opt.params.betas if has_betas(opt.type) else None
@@ -315,7 +332,7 @@ def memory_report(p: Plan) -> MemoryReport:
 
     # Fraction of model-state bytes that the stage would shard but stayed whole.
     kept = total = 0.0
-    for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=_is_layout), jax.tree.leaves(p.abstract_params)):
+    for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=is_layout), jax.tree.leaves(p.abstract_params)):
         size = math.prod(x.shape)
         for role, place, width in ((PARAMETERS, lay.param, pol.param.itemsize),
                                    (GRADIENTS, lay.grad, pol.accum.itemsize),

@@ -29,13 +29,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from zerojax.config import Config
+from zerojax.config import OPTIMIZER_PARAMS, Config
 from zerojax.errors import ConfigError
+from zerojax.optim import PER_TENSOR_OPTIMIZERS, is_elementwise
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
-# Optimizers whose update is elementwise per parameter shard (Lamb needs per-tensor norms across
-# shards, i.e. collectives, which a host computation cannot run).
-ELEMENTWISE_OPTIMIZERS = frozenset({"adam", "adamw", "adagrad", "lion", "sgd"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,15 +121,16 @@ def memory_plan(config: Config, mesh: Mesh, kernels: str = "xla") -> Memory:
                            else ""))
     update = "device"
     if optimizer is not None:
-        elementwise = config.optimizer.type in ELEMENTWISE_OPTIMIZERS
+        elementwise = is_elementwise(config.optimizer.type)
         if opt_cfg.compute == "host":
             if kernels != "xla":
                 raise ConfigError(f"zero_optimization.offload_optimizer.compute: host runs the optax update on the "
                                   f"host, but kernels resolve to {kernels} (fused on the device); use compute: "
                                   f"device (or auto), or kernels: xla")
             if not elementwise:
+                others = sorted(set(OPTIMIZER_PARAMS) - PER_TENSOR_OPTIMIZERS)
                 raise ConfigError(f"zero_optimization.offload_optimizer.compute: host runs elementwise optimizers "
-                                  f"only ({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}); {config.optimizer.type} "
+                                  f"only ({', '.join(others)}); {config.optimizer.type} "
                                   f"needs norms across shards: use compute: device (or auto)")
             if not host_update_supported(platform, optimizer):
                 raise ConfigError(f"zero_optimization.offload_optimizer.compute: host - the {platform} backend "

@@ -28,7 +28,7 @@ from zerojax.config import (AdagradParams, LambParams, LionParams, OptimizerConf
                             SGDParams)
 from zerojax.errors import ConfigError
 
-__all__ = ["make_optimizer", "has_betas", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
+__all__ = ["make_optimizer", "has_betas", "is_elementwise", "PER_TENSOR_OPTIMIZERS", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
            "TorchMomentumState", "scale_by_moments", "scale_by_clamped_trust_ratio",
            "scale_by_adagrad", "torch_momentum"]
 
@@ -39,6 +39,16 @@ Factory = Callable[..., optax.GradientTransformation]
 
 # Optimizers whose torch param groups carry `betas`: the only ones DeepSpeed's OneCycle cycles.
 _WITH_BETAS = frozenset({"adam", "adamw", "lamb", "lion"})
+
+
+# Optimizers whose update reads whole tensors (LAMB's trust ratio is a norm per parameter tensor):
+# they cannot run shard by shard on the host, nor on a pipeline's flat stage rows.
+PER_TENSOR_OPTIMIZERS = frozenset({"lamb"})
+
+
+def is_elementwise(optimizer_type: str) -> bool:
+    """Whether the update is elementwise per parameter shard (every optimizer but LAMB)."""
+    return optimizer_type.lower() not in PER_TENSOR_OPTIMIZERS
 
 
 def has_betas(optimizer_type: str) -> bool:

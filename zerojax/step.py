@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather, is_gathering, move, to_varying,
                                  unwrap, zeros_like_local)
 from zerojax.config import Config
-from zerojax.layout import LeafLayout, Plan
+from zerojax.layout import LeafLayout, Plan, map_layouts
 from zerojax.mesh import DATA
 from zerojax.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
@@ -37,14 +37,6 @@ from zerojax.precision import leaf_finite, update_loss_scale
 from zerojax.state import TrainState, state_shardings
 
 LossFn = Callable[..., jax.Array]
-
-
-def _is_layout(x: Any) -> bool:
-    return isinstance(x, LeafLayout)
-
-
-def _tree_map_layouts(fn: Callable[..., Any], layouts: Any, *trees: Any) -> Any:
-    return jax.tree.map(fn, layouts, *trees, is_leaf=_is_layout)
 
 
 def _gathered_up_front(lay: LeafLayout) -> bool:
@@ -79,7 +71,7 @@ def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
             return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None)
         x = bring_in(x, stored)
         return to_varying(x) if for_grad else x
-    return _tree_map_layouts(one, plan.layouts, params)
+    return map_layouts(one, plan.layouts, params)
 
 
 def takes_rng(loss_fn: LossFn) -> bool:
@@ -97,10 +89,6 @@ def _whole_params_loss(loss_fn: LossFn) -> Callable[[Any, Any, Any], jax.Array]:
     if takes_rng(loss_fn):
         return lambda params, batch, rng: loss_fn(gathered(params), batch, rng=rng)
     return lambda params, batch, rng: loss_fn(gathered(params), batch)
-
-
-def _param_specs(plan: Plan) -> Any:
-    return jax.tree.map(lambda s: s.spec, plan.param_shardings)
 
 
 def check_batch(plan: Plan, batch: Any) -> None:
@@ -157,7 +145,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             (_, value), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb, rng)
             # Gradients of host-stored blocks leave the backward pass in host memory.
             g = bring_in(unwrap(g), plan.memory.params)
-            g = _tree_map_layouts(
+            g = map_layouts(
                 lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm),
                 layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
@@ -167,15 +155,14 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             # Accumulators holding per-device values (PARTIAL, Shard) are typed as varying.
             return z if lay.grad == REPLICATED else to_varying(z)
 
-        acc0 = _tree_map_layouts(zeros, layouts, plan.abstract_params)
+        acc0 = map_layouts(zeros, layouts, plan.abstract_params)
         acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
-        grads = _tree_map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm),
+        grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm),
                                   layouts, acc)
         return jax.lax.pmean(jnp.mean(values), DATA), grads
 
-    update_specs = jax.tree.map(lambda s: s.spec, plan.update_shardings)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(_param_specs(plan), P(None, DATA), P(), P()),
-                           out_specs=(P(), update_specs))
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(None, DATA), P(), P()),
+                           out_specs=(P(), plan.update_specs))
 
     def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         check_batch(plan, batch)
@@ -194,11 +181,10 @@ def make_param_gather(plan: Plan) -> Callable[[Any], Any]:
     pol = plan.policy
 
     def local(master: Any) -> Any:
-        return _tree_map_layouts(lambda lay, x: move(x.astype(pol.param), lay.update, lay.param),
+        return map_layouts(lambda lay, x: move(x.astype(pol.param), lay.update, lay.param),
                                  plan.layouts, master)
 
-    update_specs = jax.tree.map(lambda s: s.spec, plan.update_shardings)
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(update_specs,), out_specs=_param_specs(plan))
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.update_specs,), out_specs=plan.param_specs)
 
 
 def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:
@@ -343,7 +329,7 @@ def make_eval_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Any
         value = loss(_wrap_params(plan, params, for_grad=False), batch, None)
         return jax.lax.pmean(value.astype(jnp.float32), DATA)
 
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(_param_specs(plan), P(DATA)), out_specs=P())
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(DATA)), out_specs=P())
 
     def eval_step(params: Any, batch: Any) -> jax.Array:
         check_eval_batch(plan, batch)

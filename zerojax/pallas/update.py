@@ -25,7 +25,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives import Shard
-from zerojax.layout import LeafLayout, Plan
+from zerojax.layout import Plan, is_layout
 from zerojax.mesh import DATA
 from zerojax.optim import ScaleByMomentsState, adam_settings
 from zerojax.pallas.adam import AdamScalars, adam_update_pallas, bias_corrections
@@ -43,16 +43,8 @@ class GradStats(NamedTuple):
     leaf_finite: jax.Array
 
 
-def _is_layout(x: Any) -> bool:
-    return isinstance(x, LeafLayout)
-
-
 def _sharded(plan: Plan) -> list[bool]:
-    return [isinstance(lay.update, Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=_is_layout)]
-
-
-def _update_specs(plan: Plan) -> Any:
-    return jax.tree.map(lambda s: s.spec, plan.update_shardings)
+    return [isinstance(lay.update, Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout)]
 
 
 def _find_moments(opt_state: Any) -> ScaleByMomentsState:
@@ -83,7 +75,7 @@ class FusedUpdate:
             raise ValueError(f"FusedUpdate: no fused kernel for optimizer {plan.config.optimizer.type}")
         self.plan, self.settings, self.backend = plan, settings, plan.kernels
         self._sharded = _sharded(plan)
-        self._specs = _update_specs(plan)
+        self._specs = plan.update_specs
         self._treedef = jax.tree.structure(plan.abstract_params)
 
     # -- loss-scale kernel ------------------------------------------------------------------------

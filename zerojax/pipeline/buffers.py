@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.names import dotted
 from zerojax.pipeline.module import Partition, PipelineModule
 
 
@@ -156,7 +157,7 @@ class StageRows:
                 paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
                 start = slot.offset
                 for (path, _), shape in zip(paths, slot.shapes):
-                    name = ".".join([key, *(_key_text(k) for k in path)])
+                    name = dotted(path, key)
                     out[name] = {"row": d, "offset": start, "shape": list(shape)}
                     start += math.prod(shape)
         return out
@@ -172,13 +173,6 @@ class StageRows:
             where = ", ".join(str(u) for u in t.users) or "no other stage"
             lines.append(f"tied {t.key!r}: stored on stage {t.owner}, also used by {where}")
         return "\n".join(lines)
-
-
-def _key_text(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def stage_rows(module: PipelineModule, num_stages: int, chunks: int = 1, align: int = 1) -> StageRows:

@@ -16,7 +16,6 @@ from zerojax.layout import MemoryReport
 from zerojax.pipeline.module import PipelineModule
 from zerojax.pipeline.step import (ROWS, PipelinePlan, init_rows, make_pipeline_eval_step, make_pipeline_plan,
                                    make_pipeline_train_step, pack_params)
-from zerojax.state import init_state
 
 
 class PipelineEngine(Engine):
@@ -28,16 +27,11 @@ class PipelineEngine(Engine):
 
     def __init__(self, config: Config, module: PipelineModule, mesh: Mesh, params: Any = None,
                  pipeline: PipelinePlan | None = None):
-        self.config, self.mesh, self.module = config, mesh, module
-        self.loss_fn = module.loss
+        self.module = module
         self.pipeline = pipeline if pipeline is not None else make_pipeline_plan(config, mesh, module)
-        self.plan = self.pipeline.plan
         rows = init_rows(self.pipeline, config.run.seed) if params is None else pack_params(self.pipeline, params)
-        self.state = init_state(config, self.plan, rows)
-        self._train_step = make_pipeline_train_step(self.pipeline)
-        self._eval_step = make_pipeline_eval_step(self.pipeline)
-        self._pending = None
-        self.loaded_extra: dict[str, Any] = {}
+        self._start(config, mesh, module.loss, self.pipeline.plan, rows, make_pipeline_train_step(self.pipeline),
+                    make_pipeline_eval_step(self.pipeline))
 
     @property
     def params(self) -> dict[str, Any]:

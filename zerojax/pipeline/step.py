@@ -35,6 +35,7 @@ from zerojax.config import Config
 from zerojax.errors import ConfigError
 from zerojax.layout import MemoryReport, Plan, plan as make_plan
 from zerojax.mesh import STAGE, data_size
+from zerojax.optim import is_elementwise
 from zerojax.pallas.backend import XLA
 from zerojax.pipeline.buffers import StageRows, stage_rows
 from zerojax.pipeline.executor import Pipeline, make_forward_fn, make_grad_fn
@@ -44,10 +45,6 @@ from zerojax.state import TrainState, state_shardings
 from zerojax.step import apply_update, check_batch, check_eval_batch
 
 ROWS = "stages"
-
-# Optimizers whose update reads a whole tensor (a norm per parameter): on a flat stage row they
-# would see every parameter of the stage as one tensor.
-PER_TENSOR_OPTIMIZERS = frozenset({"lamb"})
 
 
 def _row_placement(p: Placement) -> Placement:
@@ -102,8 +99,7 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     if module.num_stages is not None and module.num_stages != stages:
         raise ConfigError(f"mesh.stage: the mesh has {stages} stages but PipelineModule(num_stages="
                           f"{module.num_stages}); make them equal (or leave num_stages=None)")
-    opt = config.optimizer.type.lower()
-    if opt in PER_TENSOR_OPTIMIZERS:
+    if not is_elementwise(config.optimizer.type):  # on a flat stage row it would see one tensor
         raise ConfigError(f"optimizer.type: {config.optimizer.type} computes a trust ratio per parameter "
                           f"tensor, but a pipeline stores each stage's parameters as one flat row; use "
                           f"Adam, AdamW, Lion, Adagrad or SGD with pipelines")
