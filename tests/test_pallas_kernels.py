@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.optim import ScaleByMomentsState, make_optimizer
+from zerojax.optim import ScaleByMomentsState, bias_corrections, make_optimizer
 from zerojax.pallas import multi_tensor
-from zerojax.pallas.adam import AdamScalars, adam_update_pallas, adam_update_reference, bias_corrections
+from zerojax.pallas.adam import AdamScalars, adam_update_pallas, adam_update_reference
 from zerojax.pallas.loss_scale import grad_stats_pallas, grad_stats_reference
 
 SHAPES = [(37,), (5, 41), (128,), (3, 7, 11), (300,), (0,), (1,)]

@@ -206,6 +206,11 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _exit_status(code: int) -> int:
+    """The launcher's exit status for a failed child: its own code, or 128 + N for signal N."""
+    return code if code > 0 else 128 - code
+
+
 @dataclass
 class Child:
     spec: Spec
@@ -341,7 +346,7 @@ class Launcher:
                 if bad:
                     child, code = bad[0]
                     self.say(self._failure(child, code))
-                    return code if code > 0 else 128 - code
+                    return _exit_status(code)
                 return 0
             failed = [(c, code) for c, code in zip(self.children, codes) if code not in (None, 0)]
             if failed and interrupted is None:
@@ -352,7 +357,7 @@ class Launcher:
                             f"{self.grace:g} s)" if running else ""))
                 self.stop(running)
                 self._finish()
-                return code if code > 0 else 128 - code
+                return _exit_status(code)
             if self.timeout is not None and time.monotonic() - started > self.timeout:
                 running = [c for c in self.children if c.popen.poll() is None]
                 self.say(f"--timeout {self.timeout:g} s reached; stopping process(es) {[c.spec.index for c in running]}")

@@ -28,7 +28,7 @@ from zerojax.config import (AdagradParams, LambParams, LionParams, OptimizerConf
                             SGDParams)
 from zerojax.errors import ConfigError
 
-__all__ = ["make_optimizer", "has_betas", "is_elementwise", "PER_TENSOR_OPTIMIZERS", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
+__all__ = ["make_optimizer", "has_betas", "is_elementwise", "bias_corrections", "PER_TENSOR_OPTIMIZERS", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
            "TorchMomentumState", "scale_by_moments", "scale_by_clamped_trust_ratio",
            "scale_by_adagrad", "torch_momentum"]
 
@@ -66,6 +66,19 @@ class ScaleByMomentsState(NamedTuple):
     nu: optax.Updates
 
 
+def bias_corrections(b1: jax.Array | float, b2: jax.Array | float, count: jax.Array,
+                     bias_correction: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(1 - b1**t, 1 - b2**t) for the t-th update (t counts from 1), or (1, 1) without correction.
+
+    FusedAdam and FusedLamb use the *current* betas, so a cycled beta1 enters the correction.
+    """
+    if not bias_correction:
+        one = jnp.ones((), jnp.float32)
+        return one, one
+    t = count.astype(jnp.float32)
+    return 1 - b1 ** t, 1 - b2 ** t
+
+
 def scale_by_moments(b1: jax.Array | float, b2: jax.Array | float, eps: float,
                      bias_correction: bool = True) -> optax.GradientTransformation:
     """Adam's direction m_hat / (sqrt(v_hat) + eps), bias correction optional.
@@ -84,11 +97,7 @@ def scale_by_moments(b1: jax.Array | float, b2: jax.Array | float, eps: float,
         mu = jax.tree.map(lambda g, m: b1 * m + (1 - b1) * g, updates, state.mu)
         nu = jax.tree.map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
         count = optax.safe_increment(state.count)
-        if bias_correction:
-            t = count.astype(jnp.float32)
-            c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-        else:
-            c1 = c2 = 1.0
+        c1, c2 = bias_corrections(b1, b2, count, bias_correction)
         direction = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
         return direction, ScaleByMomentsState(count=count, mu=mu, nu=nu)
 

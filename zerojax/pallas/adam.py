@@ -44,16 +44,6 @@ class AdamScalars(NamedTuple):
     apply: jax.Array
 
 
-def bias_corrections(b1: jax.Array, b2: jax.Array, count: jax.Array,
-                     bias_correction: bool) -> tuple[jax.Array, jax.Array]:
-    """(1 - b1**t, 1 - b2**t) for the t-th update (t counts from 1), as zerojax.optim computes them."""
-    if not bias_correction:
-        one = jnp.ones((), jnp.float32)
-        return one, one
-    t = count.astype(jnp.float32)
-    return 1 - b1 ** t, 1 - b2 ** t
-
-
 def adam_update_reference(params: Sequence[jax.Array], grads: Sequence[jax.Array],
                           mu: Sequence[jax.Array], nu: Sequence[jax.Array], s: AdamScalars, *,
                           decoupled: bool, emit: Any = None, backend: str | None = None,

@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 from zerojax.collectives import Shard
 from zerojax.layout import Plan, is_layout
 from zerojax.mesh import DATA
-from zerojax.optim import ScaleByMomentsState, adam_settings
-from zerojax.pallas.adam import AdamScalars, adam_update_pallas, bias_corrections
+from zerojax.optim import ScaleByMomentsState, adam_settings, bias_corrections
+from zerojax.pallas.adam import AdamScalars, adam_update_pallas
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.loss_scale import grad_stats_pallas
 

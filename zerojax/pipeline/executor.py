@@ -205,7 +205,6 @@ def _split_micro_batches(pipe: Pipeline, batch: Any) -> tuple[Any, Any]:
     return shaped, micro
 
 
-
 def _forward_branches(stage_fns: list[Callable[..., Any]], row: jax.Array, tied_in: Any,
                       act: jax.ShapeDtypeStruct) -> list[Callable[..., Any]]:
     """`lax.switch` branches `(x, micro_batch) -> (activation out, loss)`: index 0 idles, index
@@ -225,6 +224,7 @@ def _forward_branches(stage_fns: list[Callable[..., Any]], row: jax.Array, tied_
         return branch
 
     return [idle] + [forward(v) for v in range(len(stage_fns))]
+
 
 def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
     """(rows [S, width], batch, loss cotangent scale) -> (mean loss, gradient rows in `update`).
