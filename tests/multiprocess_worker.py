@@ -3,12 +3,19 @@
     zerojax launch -n 2 tests/multiprocess_worker.py train OUT STAGE [STAGE ...]
     zerojax launch -n 2 tests/multiprocess_worker.py hang
     zerojax launch -n 2 tests/multiprocess_worker.py mismatch
+    zerojax launch -n 2 --hang-timeout S tests/multiprocess_worker.py stall
+    zerojax launch -n 2 tests/multiprocess_worker.py saveload OUT
 
 `train`: the tiny MLP of helpers.py, STEPS steps per ZeRO stage on an 8-device mesh split over the
 processes, each process feeding only its own rows; then a checkpoint (every process writes its
 shards) and, from process 0, the final parameters gathered into OUT/stage<S>.npz.
 `hang`: join, say "ready", then run collectives until killed (the launcher test kills one process).
 `mismatch`: process 1 has another learning rate; distributed.check_consistency must say so.
+`saveload`: save (asynchronously, as the engine does by default), train on while it commits, then
+load the latest tag, three times, on a slow shared file system (process 0's meta.json/`latest` writes take a second):
+every process must load the tag just saved.
+`stall`: ZeRO-3 steps under the hang watchdog, process 1 deliberately stalls before step 4 (the
+other then waits in that step's collectives); both must report and the launcher must name them.
 """
 from __future__ import annotations
 
@@ -86,6 +93,46 @@ def mismatch() -> None:
     print("no mismatch found", flush=True)
 
 
+def stall() -> None:
+    from helpers import layerwise_loss, make_batch, mlp_params
+    from zerojax.watchdog import beat, watching
+    config = config_for(3)
+    start(config)
+    engine = zerojax.initialize(config, params=mlp_params(0), loss_fn=layerwise_loss)
+    mine = local_rows(engine.plan.batch_sharding, engine.train_batch_size())
+    with watching(config.distributed.hang_timeout):  # the launcher's --hang-timeout wins
+        for step in range(1, 1000):
+            beat(f"in train step {step}", f"step {step - 1}", allowance=6.0 if step == 1 else 1.0)
+            if step == 4 and jax.process_index() == 1:
+                print("stalling before step 4", flush=True)
+                time.sleep(600)  # a deliberately stalled process
+            batch = make_batch(32, seed=step)
+            engine.train_batch({k: v[mine] for k, v in batch.items()})
+
+
+def saveload(out: Path) -> None:
+    from helpers import layerwise_loss, make_batch, mlp_params
+    from zerojax import checkpoint
+    config = config_for(3)
+    start(config)
+    if jax.process_index() == 0:  # process 0 alone writes meta.json and `latest`: make that slow
+        write = checkpoint._write_atomic
+        checkpoint._write_atomic = lambda path, text: (time.sleep(1.0), write(path, text))[1]
+    engine = zerojax.initialize(config, params=mlp_params(0), loss_fn=layerwise_loss)
+    mine = local_rows(engine.plan.batch_sharding, engine.train_batch_size())
+    def step(seed: int) -> None:
+        batch = make_batch(32, seed=seed)
+        engine.train_batch({k: v[mine] for k, v in batch.items()})
+
+    for round_ in range(1, 4):
+        step(round_)
+        tag = engine.save_checkpoint(str(out))  # asynchronous: it commits while the next steps run
+        step(100 + round_)
+        step(200 + round_)
+        path, _ = engine.load_checkpoint(str(out))  # tag None: the latest
+        print(f"round {round_}: saved {tag}, loaded {Path(path).name} at step {engine.global_steps}", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "train":
@@ -94,5 +141,9 @@ if __name__ == "__main__":
         hang()
     elif mode == "mismatch":
         mismatch()
+    elif mode == "stall":
+        stall()
+    elif mode == "saveload":
+        saveload(Path(sys.argv[2]))
     else:
         raise SystemExit(f"unknown mode {mode}")

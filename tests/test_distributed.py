@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -254,3 +255,74 @@ def test_train_py_under_launch_stops_together_and_resumes(tmp_path: Path) -> Non
     assert not (tmp_path / "run-2").exists()  # both processes agreed on the run folder
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, stopped + 3))
+
+
+def test_train_py_under_launch_runs_200_steps_to_the_end(tmp_path: Path) -> None:
+    """The README's `zerojax launch -n 2 train.py --config configs/zero3.yaml` path for 200 steps (a tiny
+    model, logging only at step 1 and the end: no process reads a result in between). Before each
+    process was held to one unfinished step (distributed.InFlight), the processes queued every step
+    ahead of their devices and a gloo reduce-scatter gave up after its 30 s read timeout (2 runs of
+    2 here); with only process 0 reading results every 5 steps, as in the README's config, the same
+    queueing on process 1 was reported to hang at step 47."""
+    out = tmp_path / "run"
+    steps = ["run.steps=200", "run.log_every=1000", "steps_per_print=1000", "model.d_model=32", "model.n_layers=1",
+             "model.n_heads=2", "model.seq_len=16", "data.max_bytes=100000", "run.eval_batches=1",
+             "run.progress=false", "run.save_every=1000", f"run.output_dir={out}"]
+    proc = launch("-n", "2", "train.py", "--config", "configs/zero3.yaml", "--set", *steps, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "[0] done: 200 steps" in proc.stdout, proc.stdout[-2000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step200"
+
+
+def test_a_stalled_process_is_reported_by_every_process_and_named() -> None:
+    """Process 1 stops before step 4; process 0 then waits in that step's collectives. Within the hang
+    timeout both dump their stacks saying where they are, and the launcher names both and fails."""
+    from zerojax.watchdog import EXIT_HUNG
+    started = time.monotonic()
+    proc = launch("-n", "2", "--hang-timeout", "8", "--grace", "3", "tests/multiprocess_worker.py", "stall",
+                  timeout=240)
+    elapsed = time.monotonic() - started
+    err = proc.stderr
+    assert proc.returncode == EXIT_HUNG, proc.stdout[-2000:] + err[-4000:]
+    assert "[1] stalling before step 4" in proc.stdout
+    assert "zerojax launch: process(es) [0, 1] made no progress within the hang timeout" in err, err[-4000:]
+    assert "[1] zerojax watchdog: process 1 of 2 made no progress for" in err
+    assert "last progress: step 3; now in train step 4" in err
+    assert "[0] zerojax watchdog: process 0 of 2 made no progress for" in err
+    assert "now in train step 5" in err  # process 0 went on to dispatch step 4 and waits for it
+    stack1 = [l for l in err.splitlines() if l.startswith("[1]   File")]
+    assert any("multiprocess_worker.py" in l and " in stall" in l for l in stack1), err[-4000:]
+    assert elapsed < 200
+
+
+def test_save_then_load_latest_agrees_on_every_process(tmp_path: Path) -> None:
+    """Process 0 writes meta.json and `latest` after the arrays are committed; a load of the latest tag
+    right after a save must not run on any process before that (a barrier ends every save)."""
+    proc = launch("-n", "2", "tests/multiprocess_worker.py", "saveload", str(tmp_path / "ckpt"), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for p in (0, 1):
+        for r in (1, 2, 3):
+            assert f"[{p}] round {r}: saved global_step{r}, loaded global_step{r} at step {r}" in proc.stdout, \
+                proc.stdout[-3000:]
+
+
+def test_launch_with_relative_paths_from_a_fresh_working_directory(tmp_path: Path) -> None:
+    """What a new user types, from a folder of their own: relative run.output_dir, then --resume, in two
+    processes (every process resolves the relative paths against the same working directory)."""
+    from test_cli import SMALL
+    small = [*SMALL, "run.steps=4", "run.output_dir=runs/rel"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ZEROJAX_TEST_CACHE": CACHE, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "zerojax.cli", "launch", "-n", "2", str(ROOT / "train.py"),
+                               "--config", str(ROOT / "configs" / "zero3.yaml"), *extra], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = run("--set", *small)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert (tmp_path / "runs" / "rel" / "checkpoints" / "latest").read_text().strip() == "global_step4"
+    resumed = run("--resume", "--set", *small, "run.steps=6")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "[0] resumed from runs/rel/checkpoints/global_step4 at step 4" in resumed.stdout
+    assert (tmp_path / "runs" / "rel" / "checkpoints" / "latest").read_text().strip() == "global_step6"

@@ -216,26 +216,113 @@ def test_hostfile_dry_run_prints_one_ssh_command_per_host(tmp_path: Path) -> Non
     lines = proc.stdout.splitlines()
     assert len(lines) == 2
     for i, (line, host) in enumerate(zip(lines, ["node-a", "node-b"])):
-        assert line.startswith(f"ssh {host} ")
+        assert line.startswith(f"ssh -- {host} ")
         for part in ("ZEROJAX_COORDINATOR_ADDRESS=node-a:29500", "ZEROJAX_NUM_PROCESSES=2",
                      f"ZEROJAX_PROCESS_ID={i}", "ZEROJAX_DEVICES_PER_PROCESS=8", "train.py --config configs/zero3.yaml"):
             assert part in line
 
 
-def test_hostfile_runs_over_ssh(tmp_path: Path) -> None:
-    """A stand-in `ssh` that runs the remote command here: the launcher's ssh path end to end."""
+FAKE_SSH = f"""#!{sys.executable}
+# A stand-in ssh: `ssh -- HOST COMMAND` runs COMMAND here, in its own session like a process on
+# another machine (signals to this client never reach it), with this client's stdin.
+import subprocess, sys
+args = sys.argv[1:]
+assert args[0] == "--", args  # the launcher always ends ssh's options before the host
+print("ssh to", args[1], file=sys.stderr, flush=True)
+sys.exit(subprocess.call(["sh", "-c", args[2]], start_new_session=True))
+"""
+
+
+def fake_ssh(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "ssh"
-    fake.write_text('#!/bin/sh\nhost="$1"; shift\necho "ssh to $host" >&2\nexec sh -c "$1"\n')
+    fake.write_text(FAKE_SSH)
     fake.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_hostfile_runs_over_ssh(tmp_path: Path) -> None:
+    """A stand-in `ssh` that runs the remote command here: the launcher's ssh path end to end."""
     hosts = tmp_path / "hosts"
     hosts.write_text("alpha slots=1\nbeta slots=1\n")
     script = child(tmp_path, 'import os; print("process", os.environ["ZEROJAX_PROCESS_ID"], os.getcwd())\n')
-    proc = run("--hostfile", str(hosts), script, extra_env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    proc = run("--hostfile", str(hosts), script, extra_env=fake_ssh(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert f"[0] process 0 {ROOT}" in proc.stdout and f"[1] process 1 {ROOT}" in proc.stdout
     assert "[0] ssh to alpha" in proc.stderr and "[1] ssh to beta" in proc.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_stopping_the_launch_stops_remote_processes(tmp_path: Path) -> None:
+    """Killing an ssh client leaves its remote process running; the launcher's remote side stops it."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("alpha slots=1\nbeta slots=1\n")
+    pids = tmp_path / "pids"
+    script = child(tmp_path, f"""
+        import os, time
+        with open({str(pids)!r}, "a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        print("running", flush=True)
+        time.sleep(600)
+    """)
+    proc = run("--hostfile", str(hosts), "--timeout", "4", "--grace", "1", script, extra_env=fake_ssh(tmp_path))
+    assert proc.returncode == 124, proc.stderr
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in started), f"remote processes {started} outlived the launch"
+
+
+@pytest.mark.parametrize("line, match", [
+    ("-oProxyCommand=touch${IFS}/tmp/pwned slots=1", "starts with '-'"),
+    ("-p2222", "starts with '-'"),
+    ("node;touch${IFS}x slots=1", "is not a host name"),
+    ("$(touch x) slots=1", "is not a host name"),
+    ("`id` slots=1", "is not a host name"),
+    ("node|cat slots=1", "is not a host name"),
+    ("'quoted' slots=1", "is not a host name"),
+])
+def test_hostile_hostfile_lines_are_refused(tmp_path: Path, line: str, match: str) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"good-node slots=1\n{line}\n")
+    with pytest.raises(LaunchError, match=f"{hosts}:2: host .* {match}"):
+        read_hostfile(hosts)
+    # Through the command line: one error, exit 2, and ssh is never run.
+    proc = run("--hostfile", str(hosts), "tests/multiprocess_worker.py", extra_env=fake_ssh(tmp_path))
+    assert proc.returncode == 2 and f"{hosts}:2" in proc.stderr and "ssh to" not in proc.stderr, proc.stderr
+    assert not (ROOT / "x").exists() and not Path("/tmp/pwned").exists()
+
+
+def test_plain_host_names_and_addresses_are_accepted(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-1.cluster.local slots=8\nuser@10.0.0.2 slots=8\n[fe80::1%eth0]\nworker_3\n")
+    assert [h.name for h in read_hostfile(hosts)] == ["node-1.cluster.local", "user@10.0.0.2", "[fe80::1%eth0]",
+                                                     "worker_3"]
+    parsed = _parser().parse_args(["--hostfile", str(hosts), "train.py"])
+    assert plan_processes(parsed)[0].env["ZEROJAX_COORDINATOR_ADDRESS"] == "node-1.cluster.local:29500"
+
+
+def test_non_utf8_hostfile_and_bad_port_are_one_clear_error(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_bytes(b"node-a slots=1\nnode-\xff slots=1\n")
+    with pytest.raises(LaunchError, match=f"{hosts}:2: not UTF-8 text"):
+        read_hostfile(hosts)
+    hosts.write_text("node-a slots=1\n")
+    for port in ("abc", "0", "70000", "-1"):
+        proc = run("--hostfile", str(hosts), "--master-port", port, "--dry-run", "train.py")
+        assert proc.returncode == 2 and "--master-port" in proc.stderr and "1 to 65535" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    proc = run("--master-addr=-oProxyCommand=x", "--dry-run", "-n", "2", "train.py")
+    assert proc.returncode == 2 and "--master-addr: host" in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ each process builds only the rows its own devices hold (`local_rows`, `global_ar
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -285,6 +286,34 @@ def _global_rows(sharding: jax.sharding.Sharding, local: int) -> int:
     if not share or (local * probe) % share:
         raise ValueError(f"batch: {local} rows per process do not fit the {sharding.num_devices}-device layout")
     return local * probe // share
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps in flight.
+
+class InFlight:
+    """At most `depth` dispatched steps not yet finished on this process of a multi-process run.
+
+    JAX dispatches a jitted step and returns before it runs. A process that never reads a result
+    (every process but 0, which alone logs) would otherwise queue steps without bound ahead of the
+    others, and on CPU the queued steps' gloo collectives then run with the processes far apart: a
+    reduce-scatter gives up after gloo's 30 s read timeout on one process (the error stays inside the
+    queued arrays) while the other waits in its all-gather forever - the silent hang of
+    `zerojax launch -n 2 train.py`. Waiting for step N-depth before returning from step N keeps
+    every process within `depth` steps of its own device work, whatever it logs. One process: free.
+    """
+
+    def __init__(self, depth: int = 1):
+        self.depth = depth
+        self._steps: collections.deque[Any] = collections.deque()
+
+    def add(self, outputs: Any) -> None:
+        """Record a just-dispatched step by (some of) its outputs; wait for the oldest beyond `depth`."""
+        if jax.process_count() == 1:
+            return
+        self._steps.append(outputs)
+        while len(self._steps) > self.depth:
+            jax.block_until_ready(self._steps.popleft())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Sequence
 
+from zerojax.watchdog import ENV_HANG_TIMEOUT, EXIT_HUNG, REPORT_PREFIX
 from zerojax.distributed import (ENV_COORDINATOR, ENV_DEVICES_PER_PROCESS, ENV_LOCAL_RANK, ENV_LOCAL_SIZE,
                                  ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
@@ -61,18 +62,44 @@ def _parser() -> argparse.ArgumentParser:
                    help="DeepSpeed hostfile ('host slots=N' per line): one process per host over ssh")
     p.add_argument("--master-addr", default=None,
                    help="coordinator host (default: 127.0.0.1, or the hostfile's first host)")
-    p.add_argument("--master-port", type=int, default=None,
+    p.add_argument("--master-port", type=_port, default=None,
                    help=f"coordinator port (default: a free port locally, {DEFAULT_MASTER_PORT} with a hostfile)")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="after a failure, seconds between SIGTERM and SIGKILL of the other processes")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="stop every process and fail after this many seconds")
+    p.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+                   help="every process fails, dumping its Python stack, after this many seconds without "
+                        "progress (sets ZEROJAX_HANG_TIMEOUT, overriding distributed.hang_timeout; 0: off)")
     p.add_argument("--dry-run", action="store_true", help="print the per-process commands and exit")
     p.add_argument("-m", "--module", action="store_true", help="run the target as `python -m module`")
     p.add_argument("--no-python", action="store_true", help="run the target as a program, not a Python script")
     p.add_argument("target", help="the training script (e.g. train.py)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
+
+
+def _port(text: str) -> int:
+    """A TCP port (1..65535), or argparse's one-line error naming the flag."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; give a number from 1 to 65535, e.g. "
+                                         f"{DEFAULT_MASTER_PORT}")
+    return int(text)
+
+
+# A host as ssh and the coordinator address take it: a name or IPv4 address, `user@` allowed, an IPv6
+# address in brackets. Nothing that starts with '-' (ssh would read an option, e.g. -oProxyCommand=...)
+# and no shell or space characters (the dry run prints the name into shell lines).
+_HOST = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.+-]*@)?(?:[A-Za-z0-9_][A-Za-z0-9_.-]*|\[[0-9A-Za-z:.%_-]+\])")
+
+
+def check_host(name: str, where: str) -> str:
+    """`name` if it is a plain host name or address; LaunchError naming `where` otherwise."""
+    if not _HOST.fullmatch(name):
+        why = ("starts with '-', which ssh would read as an option" if name.startswith("-") else
+               "is not a host name (letters, digits, '.', '-', '_', an optional user@, [IPv6])")
+        raise LaunchError(f"{where}: host {name!r} {why}; write one plain host name per line")
+    return name
 
 
 @dataclass(frozen=True)
@@ -85,12 +112,20 @@ def read_hostfile(path: Path) -> list[Host]:
     """DeepSpeed's hostfile: `hostname slots=N` per line, `#` comments and blank lines ignored."""
     if not path.is_file():
         raise LaunchError(f"--hostfile {path}: no such file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise LaunchError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x}); a hostfile holds "
+                          f"'hostname slots=N' lines in plain text") from None
     hosts: list[Host] = []
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
+        check_host(parts[0], f"{path}:{number}")
         slots = None
         for extra in parts[1:]:
             key, _, value = extra.partition("=")
@@ -137,7 +172,27 @@ class Spec:
 
     def shell(self) -> str:
         """What to type on this machine to start it (over ssh for another host)."""
-        return self.line() if self.host is None else f"ssh {shlex.quote(self.host)} {shlex.quote(self.line())}"
+        return self.line() if self.host is None else shlex.join(["ssh", "--", self.host, self.line()])
+
+    def guarded(self, grace: float) -> str:
+        """The remote side of an ssh launch: the command, stopped when the ssh connection's stdin
+        closes - the launcher closes it to stop the run, and it closes by itself when the launcher or
+        its ssh client dies - with SIGTERM, then SIGKILL after `grace` seconds. Killing the local ssh
+        client alone would leave the remote process running. Under `sh -c`, whatever the login shell."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        script = "\n".join([
+            f"cd {shlex.quote(os.getcwd())} || exit 1",
+            "exec 3<&0",
+            f"env {env} {shlex.join(self.command)} 3<&- &",
+            "pid=$!",
+            "{ while read -r _ <&3; do :; done; kill -TERM $pid; "
+            f"sleep {max(grace, 0.1):g}; kill -KILL $pid; }} 2>/dev/null &",
+            "guard=$!",
+            "exec 3<&-",
+            "wait $pid; rc=$?",
+            "kill $guard 2>/dev/null",
+            "exit $rc"])
+        return f"sh -c {shlex.quote(script)}"
 
 
 def process_env(index: int, n: int, coordinator: str, local_rank: int, local_size: int,
@@ -149,8 +204,22 @@ def process_env(index: int, n: int, coordinator: str, local_rank: int, local_siz
     return env
 
 
+def _with_hang_timeout(specs: list[Spec], seconds: float | None) -> list[Spec]:
+    if seconds is None:
+        return specs
+    if seconds < 0:
+        raise LaunchError(f"--hang-timeout {seconds:g}: must be >= 0 seconds (0: off)")
+    for spec in specs:
+        spec.env[ENV_HANG_TIMEOUT] = f"{seconds:g}"
+    return specs
+
+
 def plan_processes(args: argparse.Namespace) -> list[Spec]:
     """The processes to start, from -n (this machine) or a hostfile (one per host)."""
+    return _with_hang_timeout(_plan(args), getattr(args, "hang_timeout", None))
+
+
+def _plan(args: argparse.Namespace) -> list[Spec]:
     command = target_command(args)
     if args.devices_per_process is not None and args.devices_per_process < 1:
         raise LaunchError(f"--devices-per-process {args.devices_per_process}: must be at least 1")
@@ -159,7 +228,7 @@ def plan_processes(args: argparse.Namespace) -> list[Spec]:
         if args.num_processes is not None and args.num_processes != len(hosts):
             raise LaunchError(f"-n {args.num_processes} contradicts the hostfile's {len(hosts)} hosts "
                               f"(one process per host); drop -n")
-        addr = args.master_addr or hosts[0].name
+        addr = check_host(args.master_addr, "--master-addr") if args.master_addr else hosts[0].name.rpartition("@")[2]
         coordinator = f"{addr}:{args.master_port or DEFAULT_MASTER_PORT}"
         return [Spec(i, h.name, command,
                      process_env(i, len(hosts), coordinator, 0, 1,
@@ -168,7 +237,7 @@ def plan_processes(args: argparse.Namespace) -> list[Spec]:
     n = 1 if args.num_processes is None else args.num_processes
     if n < 1:
         raise LaunchError(f"-n {n}: must be at least 1")
-    addr = args.master_addr or "127.0.0.1"
+    addr = check_host(args.master_addr, "--master-addr") if args.master_addr else "127.0.0.1"
     coordinator = f"{addr}:{args.master_port or free_port()}"
     return [Spec(i, None, command, process_env(i, n, coordinator, i, n, args.devices_per_process))
             for i in range(n)]
@@ -216,6 +285,7 @@ class Child:
     spec: Spec
     popen: subprocess.Popen
     last: collections.deque = field(default_factory=lambda: collections.deque(maxlen=5))
+    hang_report: str | None = None  # its watchdog's first line, when it stopped itself as hung
     readers: list[threading.Thread] = field(default_factory=list)
 
 
@@ -254,6 +324,8 @@ class Launcher:
                         text = line.strip()
                         if text:
                             child.last.append(text.decode(errors="replace"))
+                            if text.startswith(REPORT_PREFIX.encode()) and child.hang_report is None:
+                                child.hang_report = text.decode(errors="replace")
                     sink.flush()
         if pending:
             with self._lock:
@@ -265,9 +337,12 @@ class Launcher:
     # -- processes ------------------------------------------------------------------------------
     def _start(self, spec: Spec) -> Child:
         env = {**os.environ, **spec.env}
-        command = spec.command if spec.host is None else ["ssh", spec.host, spec.line()]
+        # `--`: nothing from a hostfile is ever read as an ssh option (check_host refuses those too).
+        command = spec.command if spec.host is None else ["ssh", "--", spec.host, spec.guarded(self.grace)]
         # Its own process group: signals reach it once, from the launcher, not also from the terminal.
-        popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        # A remote process's stdin is a pipe the launcher holds open: closing it stops the process.
+        popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL if spec.host is None else subprocess.PIPE,
                                  stderr=subprocess.PIPE, process_group=0,
                                  preexec_fn=_die_with_parent if _PRCTL is not None else None)
         child = Child(spec, popen)
@@ -285,12 +360,22 @@ class Launcher:
             except (ProcessLookupError, PermissionError):
                 pass
 
+    @staticmethod
+    def _hang_up(child: Child) -> None:
+        if child.popen.stdin is not None and not child.popen.stdin.closed:
+            try:
+                child.popen.stdin.close()
+            except OSError:
+                pass
+
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signals.append(signum)
 
     def stop(self, survivors: Sequence[Child], first: int = signal.SIGTERM) -> None:
-        """`first` to every running process, SIGKILL to those still running after the grace period."""
+        """`first` to every running process, SIGKILL to those still running after the grace period;
+        a remote process is stopped from its host (see Spec.guarded) when its ssh stdin closes."""
         for child in survivors:
+            self._hang_up(child)
             self._signal(child, first)
         deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline and any(c.popen.poll() is None for c in survivors):
@@ -303,6 +388,7 @@ class Launcher:
 
     def _finish(self) -> None:
         for child in self.children:
+            self._hang_up(child)
             for t in child.readers:
                 t.join(timeout=5)
 
@@ -349,6 +435,8 @@ class Launcher:
                     return _exit_status(code)
                 return 0
             failed = [(c, code) for c, code in zip(self.children, codes) if code not in (None, 0)]
+            if failed and interrupted is None and any(code == EXIT_HUNG or c.hang_report for c, code in failed):
+                return self._hung()
             if failed and interrupted is None:
                 child, code = failed[0]
                 running = [c for c in self.children if c.popen.poll() is None]
@@ -365,6 +453,32 @@ class Launcher:
                 self._finish()
                 return 124
             time.sleep(0.05)
+
+    def _hung(self) -> int:
+        """A process stopped itself as hung: the others, stuck with it, report within their own
+        timeout (give them `grace` + a little to do so); name every stuck process, stop the rest. A
+        process that reported counts as stuck however it ended: the first to exit can take the others
+        down through the coordination service before they exit by themselves."""
+        deadline = time.monotonic() + self.grace + 2.0
+        while time.monotonic() < deadline and any(c.popen.poll() is None for c in self.children):
+            time.sleep(0.05)
+        for child in self.children:  # let the copy threads pass on the stacks already written
+            if child.popen.poll() is not None:
+                for t in child.readers:
+                    t.join(timeout=2)
+        hung = [c for c in self.children if c.popen.poll() == EXIT_HUNG or c.hang_report]
+        running = [c for c in self.children if c.popen.poll() is None]
+        lines = [f"process(es) {[c.spec.index for c in hung]} made no progress within the hang timeout and "
+                 f"stopped (their Python stacks are above):"]
+        lines += [f"  [{c.spec.index}] pid {c.popen.pid}{f' on {c.spec.host}' if c.spec.host else ''}: "
+                  f"{(c.hang_report or '(no report)')[len(REPORT_PREFIX):].strip()}" for c in hung]
+        if running:
+            lines.append(f"stopping process(es) {[c.spec.index for c in running]} (SIGTERM, SIGKILL after "
+                         f"{self.grace:g} s)")
+        self.say("\n".join(lines))
+        self.stop(running)
+        self._finish()
+        return EXIT_HUNG
 
     def _failure(self, child: Child, code: int) -> str:
         where = f" on {child.spec.host}" if child.spec.host else ""
