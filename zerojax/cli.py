@@ -7,7 +7,7 @@ from typing import Sequence
 
 from zerojax.config import Config, load_config
 from zerojax.distributed import DistributedError
-from zerojax.errors import ConfigError, LossScaleError
+from zerojax.errors import ConfigError, LossScaleError, NonFiniteError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -15,12 +15,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train the embedded GPT (or the model the config names)")
-    train.add_argument("--config", required=True, help="JSON, hjson or YAML config file")
-    train.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                       help="override config keys, e.g. --set zero_optimization.stage=2 run.steps=50")
+    train.add_argument("--config", required=True, action="append",
+                       help="JSON, hjson or YAML config file (one; changes go in --set)")
+    train.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                       help="override config keys, e.g. --set zero_optimization.stage=2 run.steps=50; "
+                            "every --set applies, left to right (a later value of a key wins)")
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
-                       help="continue the newest run under run.output_dir from its latest checkpoint "
-                            "(or from TAG)")
+                       help="continue the run under run.output_dir that holds a checkpoint, from its latest "
+                            "checkpoint (or from TAG); a path (a run, checkpoint or tag folder) picks exactly")
 
     sub.add_parser("launch", add_help=False,
                    help="start N processes of a script joined through jax.distributed "
@@ -31,12 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="output .safetensors file")
     export.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     export.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    export.add_argument("--force", action="store_true", help="replace --out if it already exists")
 
     config = sub.add_parser("config", help="inspect a config")
     config_sub = config.add_subparsers(dest="action", required=True)
     explain = config_sub.add_parser("explain", help="print every resolved value and where it came from")
     explain.add_argument("file")
-    explain.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    explain.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     return parser
 
 
@@ -55,15 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileExistsError, FileNotFoundError) as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
         return 2
-    except LossScaleError as e:
+    except (LossScaleError, NonFiniteError) as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
         return 1
     except DistributedError as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("zerojax: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGUSR1 after saving (preemption.Preempted)
+        print(f"zerojax: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
 
 
 def _start(config: Config) -> None:
@@ -72,8 +75,16 @@ def _start(config: Config) -> None:
     start(config)
 
 
+def _one_config(files: Sequence[str]) -> str:
+    """`--config` names one file: a second one would otherwise replace the first without a word."""
+    if len(files) > 1:
+        raise ConfigError(f"--config given {len(files)} times ({', '.join(files)}); give one file and put "
+                          f"changes in --set key=value (or in a copy of the file)")
+    return files[0]
+
+
 def _train(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.set)
+    config = load_config(_one_config(args.config), args.set)
     _start(config)
     from zerojax.trainer import train
     train(config, resume=args.resume)
@@ -82,7 +93,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from zerojax.checkpoint import export_safetensors
-    path = export_safetensors(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype)
+    path = export_safetensors(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {path}")
     return 0
 

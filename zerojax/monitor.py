@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -52,9 +53,11 @@ class Monitor:
         self._bar = None
         self._tb = None
         self._csv: dict[str, Any] = {}
+        self.replaced = 0  # metrics.jsonl rows past start_step dropped on resume
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
+        self.replaced = drop_rows_after(output_dir / "metrics.jsonl", start_step)
         self._jsonl = open(output_dir / "metrics.jsonl", "a")
         if config.run.progress:
             from tqdm.auto import tqdm
@@ -79,6 +82,12 @@ class Monitor:
         else:
             print(line, flush=True)
 
+    def fetches(self, step: int) -> bool:
+        """Whether `step`'s metrics come to the host (the same answer on every process): the only
+        steps at which the run looks at values, so it never waits on the device in between."""
+        return (step % self.config.run.log_every == 0 or step == self._first_step
+                or step % self.config.steps_per_print == 0)
+
     def step(self, step: int, metrics: Mapping[str, jax.Array]) -> dict[str, Any] | None:
         """Advance to `step` (1-based); on logging steps fetch and write the metrics."""
         if self._bar is not None:
@@ -86,7 +95,7 @@ class Monitor:
         cfg = self.config
         log = step % cfg.run.log_every == 0 or step == self._first_step
         show = step % cfg.steps_per_print == 0
-        if not (self.enabled and (log or show)):
+        if not (self.enabled and self.fetches(step)):
             return None
         values = {k: v.item() for k, v in jax.device_get(dict(metrics)).items()}
         now = time.perf_counter()
@@ -123,6 +132,7 @@ class Monitor:
     def _csv_row(self, name: str, samples: int, value: float) -> None:
         if name not in self._csv:
             path = self._csv_dir / (name.replace("/", "_") + ".csv")
+            _drop_csv_rows_after(path, (self._first_step - 1) * self.samples_per_step)
             new = not path.exists()
             handle = open(path, "a", newline="")
             writer = csv.writer(handle)
@@ -143,3 +153,39 @@ class Monitor:
             self._tb.close()
         for handle, _ in self._csv.values():
             handle.close()
+
+
+def _rewrite(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(lines))
+    os.replace(tmp, path)
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """A resumed run continues from its checkpoint's `step`: rows an earlier process wrote past it
+    (it was killed before its next checkpoint) would be written again, so they go. Returns how many."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) > step:
+                continue
+        except (ValueError, KeyError, TypeError):  # a line cut short by the kill
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        _rewrite(path, kept)
+    return len(lines) - len(kept)
+
+
+def _drop_csv_rows_after(path: Path, samples: int) -> None:
+    """The same for a CSV monitor file, whose rows are keyed by samples seen."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = lines[:1] + [l for l in lines[1:] if l.split(",")[0].strip().isdigit()
+                        and int(l.split(",")[0]) <= samples and l.endswith("\n")]
+    if kept != lines:
+        _rewrite(path, kept)

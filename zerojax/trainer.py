@@ -10,15 +10,23 @@ import jax
 import numpy as np
 
 from zerojax.config import Config
-from zerojax.errors import ConfigError
-from zerojax.data import Batches, read_corpus, split_corpus
+from zerojax.errors import ConfigError, NonFiniteError
+from zerojax.data import Batches, Prefetch, read_corpus, split_corpus
 from zerojax.distributed import agreed, interrupts_as_preemption, is_primary, local_rows, stop_requested
 from zerojax.engine import Engine
 from zerojax.layout import plan as make_plan
 from zerojax.mesh import make_mesh
 from zerojax.models import gpt
 from zerojax.monitor import Monitor
+from zerojax.nonfinite import NonFiniteGuard, stop_message
 from zerojax.offload import HOST_KINDS, step_memory
+from zerojax.preemption import Preempted, bounded, stop_signals
+from zerojax.preflight import check_memory, check_resume_tag, check_writable, resume_target
+from zerojax.watchdog import FIRST_STEP_ALLOWANCE, beat, watching
+
+
+#: Batches built ahead of the step that takes them (0: built in the loop, no thread).
+PREFETCH_DEPTH = 2
 
 
 def _run_dirs(path: Path) -> list[Path]:
@@ -44,14 +52,6 @@ def fresh_output_dir(path: Path) -> Path:
         candidate = path.with_name(f"{path.name}-{n}")
     candidate.mkdir(parents=True, exist_ok=True)
     return candidate
-
-
-def latest_output_dir(path: Path) -> Path:
-    """The newest run written under `path` (the one `--resume` continues)."""
-    runs = [d for d in _run_dirs(path) if _has_run(d)]
-    if not runs:
-        raise ConfigError(f"--resume: no earlier run under run.output_dir={path}; start without --resume")
-    return runs[-1]
 
 
 def measured_bytes(tree: Any, host: bool | None = None) -> int:
@@ -99,10 +99,21 @@ def _say(text: str) -> None:
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     """Train the embedded GPT as the config says; returns a summary (also written to summary.json).
 
-    `resume` is None for a fresh run, "latest" or a checkpoint tag to continue the newest run under
-    `run.output_dir` exactly where its checkpoint left off (state, schedule and data position).
+    `resume` is None for a fresh run; "latest", a checkpoint tag, or the path of a run, checkpoint or
+    tag folder to continue a run under `run.output_dir` exactly where its checkpoint left off (state,
+    schedule and data position): `preflight.resume_target` says which run that is.
+    A run that makes no progress for `distributed.hang_timeout` seconds fails (zerojax.watchdog).
     """
+    with watching(config.distributed.hang_timeout):
+        return _train(config, resume)
+
+
+def _train(config: Config, resume: str | None) -> dict[str, Any]:
     start = time.perf_counter()
+    if config.optimizer is None:  # a library user passes one in code; the command line has only the file
+        raise ConfigError('optimizer: train.py trains with the config\'s optimizer section and this config has '
+                          'none; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, or '
+                          '--set optimizer.type=AdamW optimizer.params.lr=3e-4')
     mesh = make_mesh(config)
     model_cfg = config.model
     pipeline = None
@@ -112,22 +123,38 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
         layout = pipeline.plan
     else:
         layout = make_plan(config, mesh, gpt.abstract_params(model_cfg))  # validates before data or compile
-    split = split_corpus(read_corpus(config.data), config.data.val_fraction, model_cfg.seq_len)
     rows = layout.batch.train_batch_size
+
+    def choose_dirs() -> str:
+        # process 0's host speaks for all (one answer, so no process is left waiting for another)
+        check_memory(config, layout, rows // jax.process_count())  # before any batch is built
+        base = Path(config.run.output_dir)
+        shared = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else None
+        tag = None
+        try:
+            if resume:
+                runs = [d for d in _run_dirs(base) if _has_run(d)]
+                out, ckpt_dir, tag = resume_target(runs, base, resume, shared)
+                check_resume_tag(ckpt_dir, tag, config.run.steps, config.run.save_every)
+            else:
+                out = fresh_output_dir(base)
+                ckpt_dir = shared or out / "checkpoints"
+                _refuse_existing_checkpoints(ckpt_dir)
+        except OSError as e:
+            raise ConfigError(f"run.output_dir: cannot create {base} ({e.strerror or e}); choose a writable "
+                              f"folder, e.g. --set run.output_dir=/path/you/own") from None
+        check_writable(out, "run.output_dir")
+        check_writable(ckpt_dir, "run.checkpoint_dir")
+        return json.dumps([str(out), str(ckpt_dir), tag])
+
+    # Process 0 picks the folders (it alone writes run files); every process writes checkpoint shards.
+    out_name, ckpt_name, resume_tag = json.loads(agreed(choose_dirs))
+    out, ckpt_dir = Path(out_name), Path(ckpt_name)
+    split = split_corpus(read_corpus(config.data), config.data.val_fraction, model_cfg.seq_len,
+                         config.data.max_bytes)
     mine = local_rows(layout.batch_sharding, rows)  # this process builds only its own rows
     train_batches = Batches(split.train, rows, model_cfg.seq_len, config.data.seed, local=mine)
     val_batches = Batches(split.val, rows, model_cfg.seq_len, config.data.seed + 1, local=mine)
-
-    def choose_dirs() -> str:
-        base = Path(config.run.output_dir)
-        out = latest_output_dir(base) if resume else fresh_output_dir(base)
-        ckpt_dir = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else out / "checkpoints"
-        if not resume:
-            _refuse_existing_checkpoints(ckpt_dir)
-        return json.dumps([str(out), str(ckpt_dir)])
-
-    # Process 0 picks the folders (it alone writes run files); every process writes checkpoint shards.
-    out, ckpt_dir = (Path(d) for d in json.loads(agreed(choose_dirs)))
 
     if pipeline is not None:
         from zerojax.pipeline.engine import PipelineEngine  # each stage initializes its own layers
@@ -139,13 +166,15 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
         engine = Engine(config, params, gpt.make_loss_fn(model_cfg), mesh)
         del params
     if resume:
-        path, _ = engine.load_checkpoint(str(ckpt_dir), None if resume == "latest" else resume)
+        beat(f"loading checkpoint {resume_tag or 'latest'} from {ckpt_dir}", allowance=FIRST_STEP_ALLOWANCE)
+        path, _ = engine.load_checkpoint(str(ckpt_dir), resume_tag)
         train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))
         _say(f"resumed from {path} at step {engine.global_steps}")
     first_step = engine.global_steps + 1
 
     if is_primary() and not (out / "config.json").exists():
         (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    beat("compiling the train step", allowance=FIRST_STEP_ALLOWANCE)
     _say(startup_table(engine, train_batches.batch(train_batches.position, train_batches.local)))
     if config.dump_state:
         _say(config.explain(engine.plan.data_size))
@@ -153,20 +182,48 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     monitor = Monitor(config, out, config.run.steps, tokens_per_step=rows * model_cfg.seq_len,
                       samples_per_step=rows, start_step=first_step - 1, enabled=is_primary())
 
+    if monitor.replaced:
+        monitor.print(f"metrics.jsonl: dropped {monitor.replaced} row(s) past step {first_step - 1} "
+                      f"(written after that checkpoint by the run that stopped; this run writes them again)")
+    guard = NonFiniteGuard(engine)
+
+    def check_finite(record: dict[str, Any] | None = None, saving: bool = False) -> None:
+        """At fetch points and before saves only: never a per-step host sync."""
+        problem = guard.problem(record, saving=saving)
+        if problem is not None:
+            from zerojax.checkpoint import latest_tag
+            engine.wait_for_checkpoint()
+            raise NonFiniteError(stop_message(problem, engine.global_steps, latest_tag(ckpt_dir), ckpt_dir))
+
+    saved_at = None  # the step of the last save: a stop right after a save_every save does not save twice
+
     def save(async_save: bool | None = None) -> None:
-        tag = engine.save_checkpoint(str(ckpt_dir), extra={"data_position": train_batches.position},
+        nonlocal saved_at
+        if saved_at == engine.global_steps:
+            return
+        check_finite(saving=True)  # a non-finite state is never saved, so `latest` stays the last good one
+        beat(f"saving checkpoint global_step{engine.global_steps} (every process writes its shards, then "
+             f"they meet in a barrier)")
+        tag = engine.save_checkpoint(str(ckpt_dir), extra={"data_position": ahead.position},
                                      async_save=async_save)
         monitor.print(f"checkpoint {tag} -> {ckpt_dir}")
+        saved_at = engine.global_steps
 
     first = last = None
     timers, breakdown = monitor.timers, config.wall_clock_breakdown
     step = first_step - 1
     stopped = False  # all processes agreed to stop early (multi-process SIGTERM or Ctrl-C)
+    # The next batches are built in a thread while the step runs; `ahead.position` counts the batches
+    # taken, the data position a checkpoint saves (`train_batches` itself runs ahead).
+    ahead = Prefetch(train_batches, depth=PREFETCH_DEPTH, start=train_batches.position, name="zerojax-batches")
     try:
-        with interrupts_as_preemption():
+        with ahead, interrupts_as_preemption(), stop_signals() as signals:
             for step in range(first_step, config.run.steps + 1):
+                beat(f"in train step {step} (its all-gathers and reduce-scatters, or waiting for step "
+                     f"{step - 1} to finish)", f"step {step - 1} dispatched",
+                     allowance=FIRST_STEP_ALLOWANCE if step == first_step else 1.0)  # compiled already, mostly
                 timers.start("data")
-                batch = next(train_batches)
+                batch = next(ahead)
                 timers.stop("data")
                 timers.start("step")
                 metrics = engine.train_batch(batch)
@@ -174,6 +231,7 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
                     jax.block_until_ready(metrics)
                 timers.stop("step")
                 if config.flops_profiler.enabled and step == config.flops_profiler.profile_step:
+                    beat(f"profiling step {step} (compiles it once more)", allowance=FIRST_STEP_ALLOWANCE)
                     monitor.print(flops_profile(engine, batch))
                 timers.start("log")
                 record = monitor.step(step, metrics)
@@ -181,29 +239,58 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
                 if record is not None:
                     first = record["loss"] if first is None else first
                     last = record["loss"]
+                if monitor.fetches(step):  # every process reads the loss here, not only the one that logs
+                    check_finite({"loss": float(jax.device_get(metrics["loss"])), "step": step})
                 if config.run.save_every and step % config.run.save_every == 0 and step < config.run.steps:
                     save()
+                if signals.received is not None:
+                    break
                 if stop_requested(step):
                     stopped = True
                     break
-    except KeyboardInterrupt:
-        monitor.print(f"interrupted at step {engine.global_steps}: saving a checkpoint before exiting")
-        if engine.global_steps >= first_step:
-            save(async_save=False)
-        engine.wait_for_checkpoint()
+    except NonFiniteError:
         monitor.close()
         raise
-    if stopped:
-        monitor.print(f"stop requested: every process stopped after step {engine.global_steps}; saving a checkpoint")
-        save(async_save=False)
-        engine.wait_for_checkpoint()
+    except KeyboardInterrupt as e:
+        code = getattr(e, "exit_code", 130)
+        monitor.print(f"interrupted at step {engine.global_steps}: saving a checkpoint before exiting")
+        with bounded(config.run.signal_save_seconds, code, "the checkpoint on interrupt"):
+            try:
+                if engine.global_steps >= first_step:
+                    save(async_save=False)
+                engine.wait_for_checkpoint()
+            except RuntimeError as err:  # a second signal inside a step: its state buffers were donated
+                monitor.print(f"no checkpoint: interrupted inside a step ({err}); the last saved one stands")
         monitor.close()
-        raise KeyboardInterrupt
-    if engine.global_steps >= first_step:
-        save()
-    val_loss = evaluate(engine, val_batches, config.run.eval_batches)
-    engine.wait_for_checkpoint()
-    monitor.close()
+        raise
+    try:  # every way out closes the writers (progress bar, metrics, TensorBoard, CSV)
+        if signals.received is not None:
+            monitor.print(f"{signals.name} after step {engine.global_steps}: saving a checkpoint before exiting "
+                          f"(at most {config.run.signal_save_seconds} s)")
+            with bounded(config.run.signal_save_seconds, 128 + signals.received, f"the checkpoint on {signals.name}"):
+                if engine.global_steps >= first_step:
+                    save(async_save=False)
+                engine.wait_for_checkpoint()
+            raise Preempted(signals.received)
+        if stopped:
+            monitor.print(f"stop requested: every process stopped after step {engine.global_steps}; saving a checkpoint")
+            save(async_save=False)
+            engine.wait_for_checkpoint()
+            raise KeyboardInterrupt
+        # A stop signal from here on lets the final save finish, then ends the run with its exit code.
+        with stop_signals() as late:
+            if engine.global_steps >= first_step:
+                save()
+            if late.received is None:
+                beat("evaluating (compiles the eval step) and waiting for the last checkpoint",
+                     f"step {engine.global_steps}", allowance=FIRST_STEP_ALLOWANCE)
+                val_loss = evaluate(engine, val_batches, config.run.eval_batches)
+            engine.wait_for_checkpoint()
+        if late.received is not None:
+            monitor.print(f"{late.name} during the final save: the checkpoint is complete; exiting")
+            raise Preempted(late.received)
+    finally:
+        monitor.close()
     summary = {"steps": engine.global_steps, "first_loss": first, "last_loss": last, "val_loss": val_loss,
                "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out),
                "checkpoint_dir": str(ckpt_dir)}
