@@ -19,7 +19,8 @@ KERNEL_OPTIMIZERS = frozenset({"adam", "adamw"})
 def resolve(kernels: str, platform: str, optimizer_type: str) -> str:
     """The backend for `kernels` (config value) on devices of `platform` ("cpu", "gpu", "tpu").
 
-    auto:   Triton on GPU when the optimizer has a kernel, XLA otherwise.
+    auto:   Triton on GPU when the optimizer has a kernel, XLA otherwise (`plan` then runs
+            selfcheck.settle, which falls back to XLA if the kernels fail their check).
     pallas: Triton on GPU, interpret mode on CPU (slow; it runs the kernel bodies for tests).
     xla:    the optax update, compiled by XLA.
     """
