@@ -4,6 +4,9 @@
 
 You keep your model, your loss and your loop; zerojax supplies the layout (`plan`), the sharded
 state (`init_state`) and one jitted step (`make_train_step`). Nothing else of zerojax is used.
+The model is given as a constructor, so it is built straight into its shards (DeepSpeed's
+`zero.Init`): no device ever holds the whole model, and the loss needs no changes for ZeRO-3
+(each parameter is gathered where it is used).
 """
 import argparse
 import os
@@ -64,8 +67,10 @@ def main(argv=None) -> dict:
     })
     mesh = zerojax.make_mesh(config)
 
-    model = TinyLM(256, 64, rngs=nnx.Rngs(0))
-    params, loss_fn = zerojax.from_nnx(model, loss)
+    def make_model() -> TinyLM:
+        return TinyLM(256, 64, rngs=nnx.Rngs(0))
+
+    params, loss_fn = zerojax.from_nnx(make_model, loss)  # nothing built yet: shapes only
 
     plan = zerojax.plan(config, mesh, params)
     print(plan.report().table())
@@ -79,7 +84,8 @@ def main(argv=None) -> dict:
         losses.append(float(metrics["loss"]))
         if i % 10 == 0:
             print(f"step {i}: loss {losses[-1]:.4f} grad_norm {float(metrics['grad_norm']):.3f}")
-    zerojax.to_nnx(model, state.master)  # fp32 master weights back into the module
+    model = zerojax.to_nnx(make_model, state.master)  # fp32 master weights into a module
+    print(f"trained module: {type(model).__name__}, head kernel {model.head.kernel[...].shape}")
     print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}")
     return {"first": losses[0], "last": losses[-1]}
 

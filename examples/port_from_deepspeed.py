@@ -53,8 +53,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "ds_config.json"))
     args = parser.parse_args(argv)
 
-    model = MLP(32, 256, 8, rngs=nnx.Rngs(0))
-    params, loss_fn = zerojax.from_nnx(model, cross_entropy)
+    # DeepSpeed builds big models under `deepspeed.zero.Init()`; here a constructor does the same:
+    # the engine runs it straight into the ZeRO shards of the config's stage.
+    def make_model() -> MLP:
+        return MLP(32, 256, 8, rngs=nnx.Rngs(0))
+
+    params, loss_fn = zerojax.from_nnx(make_model, cross_entropy)
     engine = zerojax.initialize(args.config, params=params, loss_fn=loss_fn)
     rows = engine.train_batch_size()
     print(f"ZeRO stage {engine.zero_optimization_stage()}, batch {rows} = micro "
@@ -67,7 +71,8 @@ def main(argv=None) -> dict:
         if (step + 1) % engine.config.steps_per_print == 0:
             print(f"step {engine.global_steps}: loss {losses[-1]:.4f}, lr {engine.get_lr()[0]:.2e}")
     val = float(engine.eval_batch(make_data(256, 32, 8, seed=10_000)))
-    zerojax.to_nnx(model, engine.params)  # trained weights back into the NNX module
+    model = zerojax.to_nnx(make_model, engine.params)  # trained weights in an NNX module
+    print(f"trained module: {type(model).__name__}, fc1 kernel {model.fc1.kernel[...].shape}")
     print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}, validation loss {val:.4f}")
     return {"first": losses[0], "last": losses[-1], "val": val}
 

@@ -26,8 +26,10 @@ def losses(stdout: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize("stage", ["1", "3"])
 def test_flax_loop_learns(stage: str) -> None:
-    first, last = losses(run_example("flax_loop.py", "--stage", stage, "--steps", "15"))
+    stdout = run_example("flax_loop.py", "--stage", stage, "--steps", "15")
+    first, last = losses(stdout)
     assert last < first - 1.0
+    assert "trained module: TinyLM, head kernel (64, 256)" in stdout  # built from a constructor
 
 
 def test_port_from_deepspeed_learns_with_unmodified_config() -> None:
@@ -37,3 +39,4 @@ def test_port_from_deepspeed_learns_with_unmodified_config() -> None:
     assert "ZeRO stage 2, batch 64 = micro 4 x accumulation 2 x data 8" in stdout
     first, last = losses(stdout)
     assert last < 0.75 * first
+    assert "trained module: MLP, fc1 kernel (32, 256)" in stdout

@@ -168,6 +168,9 @@ def compiled_hlo(bf16_adam: Any) -> dict[int, str]:
 
 LEAF_SHAPES = {tuple(x.shape) for x in jax.tree.leaves(mlp_params(0, divisible=True))}
 MIN_LEAF = min(numel(s) for s in LEAF_SHAPES)
+# What the loss uses at once: the stacked leaves' layers, every other leaf whole.
+USED_SHAPES = {s for k, v in mlp_params(0, divisible=True).items() if k != "layers" for s in [v.shape]} | {
+    v.shape[1:] for v in mlp_params(0, divisible=True)["layers"].values()}
 
 
 def _big_all_reduces(hlo: str) -> list[tuple[int, ...]]:
@@ -191,8 +194,9 @@ def test_sharded_stages_reduce_scatter_and_never_all_reduce_gradients(stage: int
     big = _big_all_reduces(hlo)
     assert not [s for s in big if s in LEAF_SHAPES], f"gradient-sized all-reduce: {big}"
     assert not [s for s in big if numel(s) >= MIN_LEAF], f"large all-reduce: {big}"
-    # Every leaf comes back whole: parameters after the update (1, 2) or before the forward (3).
-    assert LEAF_SHAPES <= set(collective_shapes(hlo, "all-gather"))
+    # Every leaf comes back whole: parameters after the update (1, 2) or before the forward (3), where
+    # a scanned stack is gathered one layer at a time.
+    assert (LEAF_SHAPES if stage < 3 else USED_SHAPES) <= set(collective_shapes(hlo, "all-gather"))
 
 
 def test_stage1_reduces_once_stage2_every_micro_step(compiled_hlo: dict[int, str]) -> None:
@@ -207,11 +211,13 @@ def test_stage1_reduces_once_stage2_every_micro_step(compiled_hlo: dict[int, str
 def test_stage3_gathers_parameters_for_the_forward(compiled_hlo: dict[int, str], bf16_adam: Any) -> None:
     """Stage 3 all-gathers parameters to use them; stages 1 and 2 all-gather once, after the update.
 
-    With a plain loss every leaf is gathered whole (XLA hoists these loop-invariant gathers out of
-    the micro-step loop). With a layer-by-layer gathering loss, only one layer's slice of the stacked
-    parameters is gathered at a time, inside the scan over layers.
+    With a plain loss (gathered where it is used) and with a layer-by-layer gathering loss alike,
+    only one layer's slice of the stacked parameters is gathered at a time, inside the scan over
+    layers.
     """
-    assert LEAF_SHAPES <= set(collective_shapes(compiled_hlo[3], "all-gather"))
+    plain = set(collective_shapes(compiled_hlo[3], "all-gather"))
+    assert USED_SHAPES <= plain
+    assert not {x.shape for x in mlp_params(0, divisible=True)["layers"].values()} & plain
     for stage in (1, 2):
         assert computations_with(compiled_hlo[stage], "all-gather") == {"ENTRY"}
 
@@ -257,3 +263,26 @@ def test_stage3_gpt_temp_memory_is_a_small_fraction_of_gradients() -> None:
     loops = while_bodies(hlo)
     assert computations_with(hlo, "all-gather") & loops
     assert computations_with(hlo, "reduce-scatter") & loops
+
+
+def test_persistence_threshold_compares_one_layer_of_a_stack() -> None:
+    """A (4, 16, 32) stack of 512-element layers under a 600 threshold: whole layers are small
+    (kept replicated) when the leading axis stacks layers, while the 2048-element array counts
+    whole otherwise."""
+    parts = STAGE_PARTITIONS[3]
+    assert leaf_layout((4, 16, 32), N, parts, 600).param == Shard(2)
+    assert leaf_layout((4, 16, 32), N, parts, 600, layer_axes=1).param == REPLICATED
+    assert leaf_layout((4, 16, 32), N, parts, 500, layer_axes=1).param == Shard(2)
+
+
+def test_plan_takes_layer_axes_as_a_tree_prefix() -> None:
+    cfg = zerojax.load_config({"train_batch_size": 8, "optimizer": {"type": "AdamW"}, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 600}})
+    params = {"layers": {"w": jax.ShapeDtypeStruct((4, 16, 32), np.float32)},
+              "head": jax.ShapeDtypeStruct((16, 64), np.float32)}
+    mesh = data_mesh()
+    p = zerojax.plan(cfg, mesh, params, layer_axes={"layers": 1, "head": 0})
+    assert p.layouts["layers"]["w"].param == REPLICATED and p.layouts["head"].param == Shard(1)
+    assert zerojax.plan(cfg, mesh, params).layouts["layers"]["w"].param == Shard(2)
+    with pytest.raises(ValueError, match="layer_axes"):
+        zerojax.plan(cfg, mesh, params, layer_axes={"nope": 1})

@@ -138,8 +138,9 @@ def zeros_like_local(shape: tuple[int, ...], dtype: Any, placement: Placement, n
 def gathers_params(loss_fn: Any) -> Any:
     """Mark a loss function that calls `gather` itself, layer by layer (see `ParamShard`).
 
-    Unmarked loss functions receive whole parameters: under ZeRO-3 the step gathers every
-    parameter before calling them, which is correct but holds the whole model at once.
+    An expert option: unmarked loss functions are evaluated with each sharded parameter gathered
+    where it is used (`zerojax.gather_at_use`), which already keeps one layer of a scanned stack
+    whole at a time. A marked loss places its gathers itself.
     """
     loss_fn.__zerojax_gathers__ = True
     return loss_fn

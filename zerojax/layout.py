@@ -15,14 +15,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
-from zerojax.config import BatchSize, Config, check_supported
+from zerojax.config import BatchSize, Config, as_config, check_supported
 from zerojax.errors import ConfigError
 from zerojax.mesh import DATA, STAGE, data_size
 from zerojax.offload import HOST_KINDS, Memory, memory_plan
-from zerojax.optim import has_betas, make_optimizer
+from zerojax.optim import ClientOptimizer, ScheduleFn, update_rule
 from zerojax.pallas.backend import platform_of, resolve as resolve_kernels
+from zerojax.pallas.selfcheck import settle as settle_kernels
 from zerojax.precision import Policy, ScalerConfig, policy as make_policy, scaler_config
-from zerojax.schedules import Schedule, make_schedule
+from zerojax.schedules import Schedule
+from zerojax.sharded_init import abstract_params
 
 PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer"
 STAGE_PARTITIONS: dict[int, frozenset[str]] = {
@@ -64,10 +66,12 @@ def choose_dim(shape: tuple[int, ...], n: int) -> int | None:
 
 
 def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
-                persistence_threshold: int) -> LeafLayout:
+                persistence_threshold: int, layer_axes: int = 0) -> LeafLayout:
+    """`layer_axes` leading dimensions stack layers (a scanned stack): the persistence threshold
+    is compared with one layer's slice, which is what the loss holds whole at a time."""
     dim = choose_dim(shape, n)
     sharded: Placement = REPLICATED if dim is None else Shard(dim)
-    keep_param_whole = math.prod(shape) < persistence_threshold
+    keep_param_whole = math.prod(shape[layer_axes:]) < persistence_threshold
     param = sharded if PARAMETERS in partitions and not keep_param_whole else REPLICATED
     grad = sharded if GRADIENTS in partitions else PARTIAL
     update = sharded if OPTIMIZER in partitions else REPLICATED
@@ -252,15 +256,27 @@ class Plan:
         return memory_report(self)
 
 
-def plan(config: Config, mesh: Mesh, params: Any, *, lead: str | None = None) -> Plan:
+def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = None, layer_axes: Any = None,
+         optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 
-    `params` may be real arrays or `jax.ShapeDtypeStruct`s; only shapes are read. Every config
+    `params` may be real arrays, `jax.ShapeDtypeStruct`s or an unbuilt `init_params(...)`; only
+    shapes are read. Every config
     check that needs the mesh (batch triad, features not built yet) runs here, before any compile.
     `lead` names a mesh axis that every leaf's dimension 0 is split over on top of the ZeRO layout
     (the pipeline's `[stage, width]` parameter rows; ZeRO then shards a later dimension).
+    `layer_axes`: how many leading axes of each leaf stack layers (an int, or a pytree prefix of
+    ints such as `{"layers": 1}`; `zerojax.find_layer_axes(loss_fn, params, batch)` reads it off
+    the loss), so `stage3_param_persistence_threshold` compares with one layer's slice.
+    `optimizer` / `lr_scheduler` are DeepSpeed's client optimizer and scheduler (see
+    `zerojax.optim.update_rule`); the config's optimizer section is used without them.
+    `config` is a Config, a dict or a config file path.
     """
+    config = as_config(config)
     check_supported(config)
+    params = abstract_params(params)
+    tx, schedule, opt = update_rule(config, optimizer, lr_scheduler)
+    config = dataclasses.replace(config, optimizer=opt)  # records "client" for an optimizer from code
     if STAGE in mesh.shape and mesh.shape[STAGE] > 1 and lead != STAGE:
         raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
                           f"zerojax.initialize(config, model=zerojax.PipelineModule(...)); for a model "
@@ -278,7 +294,8 @@ def plan(config: Config, mesh: Mesh, params: Any, *, lead: str | None = None) ->
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"plan: parameter leaves must be arrays, got {type(x).__name__}")
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
-    layouts = jax.tree.map(lambda x: leaf_layout(x.shape, n, partitions, threshold), abstract)
+    axes = _layer_axes_per_leaf(layer_axes, abstract)
+    layouts = jax.tree.map(lambda x, k: leaf_layout(x.shape, n, partitions, threshold, k), abstract, axes)
     if lead is not None:
         for x in jax.tree.leaves(abstract):
             if not x.shape or x.shape[0] != mesh.shape[lead]:
@@ -286,14 +303,23 @@ def plan(config: Config, mesh: Mesh, params: Any, *, lead: str | None = None) ->
                                  f"{lead} axis size {mesh.shape[lead]}, got shape {x.shape}")
         layouts = jax.tree.map(lambda lay: dataclasses.replace(lay, lead=lead), layouts, is_leaf=is_layout)
     pol = make_policy(config)
-    opt = config.optimizer
-    betas = opt.params.betas if has_betas(opt.type) else None
-    schedule = make_schedule(config.scheduler, opt.params.lr, base_betas=betas)
-    tx = make_optimizer(opt, schedule.lr, schedule.beta1, schedule.beta2)
+    # after every config check: the kernels' self-check compiles (once per process and backend)
+    kernels = settle_kernels(config.kernels, kernels, mesh.local_devices[0])
     return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol,
                 scaler=scaler_config(config), schedule=schedule,
                 tx=tx, abstract_params=abstract, layouts=layouts,
                 kernels=kernels, memory=memory_plan(config, mesh, kernels))
+
+
+def _layer_axes_per_leaf(layer_axes: Any, abstract: Any) -> Any:
+    """An int per leaf from None, an int, or a pytree prefix of ints."""
+    if layer_axes is None:
+        layer_axes = 0
+    try:
+        return jax.tree.map(lambda k, sub: jax.tree.map(lambda x: int(k), sub), layer_axes, abstract)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"plan: layer_axes must be an int or a prefix of the parameter tree "
+                         f"(e.g. {{'layers': 1}}): {e}") from None
 
 
 def _device_bytes(abstract: Any, shardings: Any, dtype: Any = None, *, host_only: bool = False) -> int:

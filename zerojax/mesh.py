@@ -1,13 +1,13 @@
 """The device mesh: a `data` axis that ZeRO shards over (and, for pipelines, a `stage` axis)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from zerojax.config import Config
+from zerojax.config import Config, as_config
 from zerojax.errors import ConfigError
 
 DATA = "data"
@@ -29,8 +29,11 @@ def request_cpu_devices(n: int | None) -> None:
         pass  # backends already initialized; make_mesh reports a shortfall
 
 
-def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Mesh from the config's `mesh` section: (`stage`, `data`) axes, `data` by default all devices."""
+def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Mesh from the config's `mesh` section: (`stage`, `data`) axes, `data` by default all devices.
+
+    `config` is a Config, a dict or a config file path (as `initialize` takes it)."""
+    config = as_config(config)
     devices = list(devices if devices is not None else jax.devices())
     stage = config.mesh.stage
     if len(devices) % stage:

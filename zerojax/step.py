@@ -25,15 +25,16 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather, is_gathering, move, to_varying,
+from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, is_gathering, move, to_varying,
                                  unwrap, zeros_like_local)
-from zerojax.config import Config
-from zerojax.layout import LeafLayout, Plan, map_layouts
+from zerojax.config import Config, as_config
+from zerojax.gather_at_use import Prefetch, gather_at_use
+from zerojax.layout import LeafLayout, Plan, is_layout, map_layouts
 from zerojax.mesh import DATA
 from zerojax.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.update import FusedUpdate
-from zerojax.precision import leaf_finite, update_loss_scale
+from zerojax.precision import LossScaleState, leaf_finite, update_loss_scale
 from zerojax.state import TrainState, state_shardings
 
 LossFn = Callable[..., jax.Array]
@@ -82,13 +83,37 @@ def takes_rng(loss_fn: LossFn) -> bool:
         return False
 
 
-def _whole_params_loss(loss_fn: LossFn) -> Callable[[Any, Any, Any], jax.Array]:
-    """`loss(params, batch, rng)`: gathers everything up front for a loss that expects whole
-    parameters, and passes `rng` only to loss functions that take one."""
-    gathered = (lambda params: params) if is_gathering(loss_fn) else gather
+def prefetch_policy(plan: Plan) -> Prefetch | None:
+    """DeepSpeed's stage-3 prefetch settings: `overlap_comm` turns it on (the default at stage 3);
+    `stage3_prefetch_bucket_size` and `stage3_max_live_parameters` bound what is gathered ahead."""
+    zero = plan.config.zero_optimization
+    if not zero.overlap_comm or zero.stage3_prefetch_bucket_size <= 0:
+        return None
+    return Prefetch(bucket=zero.stage3_prefetch_bucket_size, max_live=zero.stage3_max_live_parameters)
+
+
+def _step_loss(loss_fn: LossFn, prefetch: Prefetch | None = None) -> Callable[[Any, Any, Any], jax.Array]:
+    """`loss(params, batch, rng)` over the step's parameter blocks, passing `rng` only to loss
+    functions that take one. A loss marked `gathers_params` gathers its `ParamShard`s itself; any
+    other loss is evaluated with each sharded parameter gathered where it is used
+    (`gather_at_use`), so it never sees the whole model at once."""
+    fn = loss_fn if is_gathering(loss_fn) else gather_at_use(loss_fn, prefetch)
     if takes_rng(loss_fn):
-        return lambda params, batch, rng: loss_fn(gathered(params), batch, rng=rng)
-    return lambda params, batch, rng: loss_fn(gathered(params), batch)
+        return lambda params, batch, rng: fn(params, batch, rng=rng)
+    return lambda params, batch, rng: fn(params, batch)
+
+
+def _checks_vma(plan: Plan, loss_fn: LossFn) -> bool:
+    """shard_map's varying-axes check stays on unless the loss is evaluated by `gather_at_use`.
+
+    That evaluator re-binds the primitives of a jaxpr traced outside `shard_map`, whose types carry
+    no varying axes; it relies on the explicit moves here instead (gradients of replicated inputs
+    are PARTIAL because they are taken inside the map, and every sharded parameter's gradient comes
+    back through the transpose of its own tiled all-gather).
+    """
+    interpreted = any(isinstance(lay.param, Shard) and not _gathered_up_front(lay)
+                      for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+    return is_gathering(loss_fn) or not interpreted
 
 
 def check_batch(plan: Plan, batch: Any) -> None:
@@ -127,7 +152,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     """
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
                        plan.batch.micro_batch_size)
-    loss = _whole_params_loss(loss_fn)
+    loss = _step_loss(loss_fn, prefetch_policy(plan))
     layouts = plan.layouts
 
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
@@ -162,7 +187,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
         return jax.lax.pmean(jnp.mean(values), DATA), grads
 
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(None, DATA), P(), P()),
-                           out_specs=(P(), plan.update_specs))
+                           out_specs=(P(), plan.update_specs), check_vma=_checks_vma(plan, loss_fn))
 
     def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         check_batch(plan, batch)
@@ -225,7 +250,8 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
                   _constrain(bring_in(state.params, plan.memory.params), plan.update_shardings))
     update = _optax_update if plan.kernels == XLA else _fused_update
     grad_norm, finite, overflow, master, opt_state, shards = update(plan, state, grads, inv_scale, old_master)
-    scaler = update_loss_scale(sc, state.scaler, overflow, state.step, ~finite) if sc.check_finite else state.scaler
+    scaler = (update_loss_scale(sc, state.scaler, overflow, state.step, ~finite) if sc.check_finite
+              else _note_non_finite(state.scaler, finite, state.step))
     position = state.step - state.skipped
     params = make_param_gather(plan)(bring_in(shards, plan.memory.optimizer))  # gathered on the device
     new = TrainState(params=params, master=master if pol.mixed else None,
@@ -234,6 +260,15 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
                "loss_scale": scale, "skipped": overflow}
     return new, metrics
+
+
+def _note_non_finite(s: LossScaleState, finite: jax.Array, step: jax.Array) -> LossScaleState:
+    """Without skipping (bf16/fp32 by default), remember the first step whose gradients were not
+    finite and in which leaves, in the scaler's `last_overflow` and `first_bad`: a run that stops on
+    it can then name both, though it reads them only when it fetches metrics (no per-step sync)."""
+    first = ~jnp.any(s.first_bad) & ~jnp.all(finite)
+    return s._replace(first_bad=jnp.where(first, ~finite, s.first_bad),
+                      last_overflow=jnp.where(first, step, s.last_overflow).astype(s.last_overflow.dtype))
 
 
 # (grad norm, per-leaf finite, overflow, master, opt_state, shards to gather)
@@ -298,15 +333,18 @@ def step_key(state: TrainState) -> jax.Array:
     return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
 
 
-def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], Any]:
+def make_train_step(config: Config | Any, plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], Any]:
     """A jitted `step(state, batch) -> (state, metrics)`; `step.lower(state, batch)` shows the HLO.
 
     `loss_fn(params, batch) -> scalar` is the mean loss over the rows it is given (a parameter
-    named `rng` receives a PRNG key). Loss functions marked with `zerojax.gathers_params` receive
-    ZeRO-3 parameters as `ParamShard`s and gather them layer by layer; others receive whole
-    parameters. metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped.
+    named `rng` receives a PRNG key). Under ZeRO-3 the loss is evaluated with each sharded
+    parameter all-gathered where it is used (`zerojax.gather_at_use`); loss functions marked with
+    `zerojax.gathers_params` receive `ParamShard`s and gather them themselves.
+    metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped.
+    `config` (a Config, a dict or a file path) must be the one the plan was made from: the step
+    follows the plan, so a different config would otherwise be ignored without a word.
     """
-    del config  # the plan was derived from it
+    as_config(config, plan.config, "make_train_step")
     grad_fn = make_grad_fn(plan, loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -318,18 +356,21 @@ def make_train_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Tr
                    donate_argnums=0)
 
 
-def make_eval_step(config: Config, plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Array]:
+def make_eval_step(config: Config | Any, plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Array]:
     """A jitted `eval_step(params, batch) -> mean loss`; rows split over `data` (any multiple of dp).
 
     A loss function that takes `rng` gets `rng=None` here: evaluation is deterministic.
+    `config` (a Config, a dict or a file path) must be the one the plan was made from.
     """
-    loss = _whole_params_loss(loss_fn)
+    as_config(config, plan.config, "make_eval_step")
+    loss = _step_loss(loss_fn, prefetch_policy(plan))
 
     def local(params: Any, batch: Any) -> jax.Array:
         value = loss(_wrap_params(plan, params, for_grad=False), batch, None)
         return jax.lax.pmean(value.astype(jnp.float32), DATA)
 
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(DATA)), out_specs=P())
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(DATA)), out_specs=P(),
+                           check_vma=_checks_vma(plan, loss_fn))
 
     def eval_step(params: Any, batch: Any) -> jax.Array:
         check_eval_batch(plan, batch)

@@ -3,8 +3,8 @@
 The blocks are stacked (one leading layer axis per parameter) and applied with `lax.scan` over a
 rematerialized body. The body calls `zerojax.gather` on its own layer's parameters, so under ZeRO-3
 only one layer is ever whole on a device and each layer's gradient is reduce-scattered inside the
-backward scan (REFERENCE.md §3: temp memory ~0.1x the gradients, instead of 1.5x when gathered at
-the top). Outside ZeRO-3 `gather` is the identity.
+backward scan, rather than the whole model gathered at the top (docs/zero.md has the measured
+temp memory). Outside ZeRO-3 `gather` is the identity.
 
 Parameters are kept as a plain nested dict (`nnx.to_pure_dict`), the form optax, orbax and the
 plan work with; `apply` merges each layer back into the NNX `Block` to run it.

@@ -24,7 +24,7 @@ different stages are never mixed. `activation_checkpoint_interval` k additionall
 each run of k layers inside that recomputation.
 
 Gradients: shard_map's autodiff is not used (jax.vjp runs inside the body), and the trap of
-REFERENCE.md §3 is avoided explicitly: the row is cast to data-varying before it is
+shard_map's implicit psum is avoided explicitly: the row is cast to data-varying before it is
 differentiated, so its gradient is this device's contribution (PARTIAL over `data`), never an
 implicit psum. ZeRO-0/1 add it to a whole-row accumulator reduced once after the last tick
 (all-reduce, or reduce-scatter into the update placement); ZeRO-2/3 reduce-scatter it inside the

@@ -99,6 +99,9 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     if module.num_stages is not None and module.num_stages != stages:
         raise ConfigError(f"mesh.stage: the mesh has {stages} stages but PipelineModule(num_stages="
                           f"{module.num_stages}); make them equal (or leave num_stages=None)")
+    if config.optimizer is None:
+        raise ConfigError('optimizer: a pipeline trains with the config\'s optimizer section, and this config '
+                          'has none; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
     if not is_elementwise(config.optimizer.type):  # on a flat stage row it would see one tensor
         raise ConfigError(f"optimizer.type: {config.optimizer.type} computes a trust ratio per parameter "
                           f"tensor, but a pipeline stores each stage's parameters as one flat row; use "

@@ -1,0 +1,38 @@
+"""Writing a benchmark's table into its own marked section of a docs page, leaving the rest alone."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable
+
+
+def write_section(path: str, section: str, begin: str, end: str) -> None:
+    """Replace the part of `path` between the `begin` and `end` markers with `section` (which
+    carries both markers), or append it when the page has none yet."""
+    text = open(path).read() if os.path.exists(path) else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def run_section(argv: list[str] | None, parse_args: Callable[[list[str] | None], Any],
+                measure: Callable[[Any], Any], render: Callable[[Any, Any, float], str],
+                begin: str, end: str, name: str) -> int:
+    """A section benchmark's `main`: measure on 8 CPU devices, print the table, and (unless
+    `--no-write`) put it into its section of `args.out`."""
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    results = measure(args)
+    text = render(args, results, time.perf_counter() - t0)
+    print(text)
+    if not args.no_write:
+        write_section(args.out, text, begin, end)
+        print(f"wrote the {name} section of {args.out}", file=sys.stderr)
+    return 0
