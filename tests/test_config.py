@@ -38,7 +38,7 @@ def explain_row(config: Config, key: str, dp: int | None = None) -> tuple[str, s
 
 
 # ---------------------------------------------------------------------------------------------
-# Batch triad (REFERENCE.md §1).
+# Batch triad (DeepSpeed's runtime/config.py, _batch_assertion and _set_batch_related_parameters).
 
 @pytest.mark.parametrize("dp", DP_SIZES)
 def test_triad_all_three_consistent(dp: int) -> None:
@@ -130,9 +130,10 @@ def test_triad_auto_means_derive() -> None:
     assert config.batch(8) == BatchSize(32, 4, 1)
     assert explain_row(config, "train_batch_size", 8) == ("32", "derived ('auto', data-parallel size 8)")
     assert explain_row(config, "train_micro_batch_size_per_gpu", 8) == ("4", "file")
-    with pytest.raises(ConfigError, match=(r"^train_batch_size: 'auto' has nothing to be derived from; write "
-                                           r"train_micro_batch_size_per_gpu .* or train_batch_size as a "
-                                           r"number")):
+    with pytest.raises(ConfigError, match=(r"can only be filled from the Trainer's arguments.*\n"
+                                           r"  train_micro_batch_size_per_gpu=8   \(the Trainer's "
+                                           r"per_device_train_batch_size\)\ncommand line: --set "
+                                           r"train_micro_batch_size_per_gpu=8; Python: ")):
         load_config(dict.fromkeys(cfg.BATCH_KEYS, "auto"))
 
 
@@ -146,8 +147,15 @@ def optimizer(type_: str, **params: Any) -> cfg.OptimizerConfig:
 def test_adam_means_adamw() -> None:
     opt = optimizer("Adam", lr=1e-3)
     assert opt.type == "adam" and opt.params.adam_w_mode is True
-    config = load_config(with_batch())  # no optimizer section: DeepSpeed's default Adam
-    assert config.optimizer.type == "adam" and config.optimizer.params.adam_w_mode is True
+    opt = load_config(with_batch(optimizer={"type": "Adam"})).optimizer
+    assert opt.type == "adam" and opt.params.adam_w_mode is True and opt.params.lr == 1e-3
+
+
+def test_no_optimizer_section_means_the_optimizer_from_code() -> None:
+    """DeepSpeed has no default optimizer: without a section it uses the one passed to initialize."""
+    config = load_config(with_batch())
+    assert config.optimizer is None
+    assert explain_row(config, "optimizer") == ("null", "default")
 
 
 @pytest.mark.parametrize("given, expected", [(0, False), (1, True), (False, False), (True, True)])
@@ -270,10 +278,11 @@ BAD_CONFIGS = [
      r'^optimizer: expected \{"type": "AdamW", "params": \{\.\.\.\}\}, got "adam"$'),
     ("section-given-a-value", with_batch(zero_optimization=2),
      r"^zero_optimization: expected a section \(mapping of keys\), got 2$"),
-    ("offload-param-without-stage-3",
-     with_batch(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
-     r"^zero_optimization\.offload_param\.device: parameter offload needs stage 3 \(stage is 2\); set "
-     r"zero_optimization\.stage=3 or remove offload_param$"),
+    ("adam-max-grad-norm", with_batch(optimizer=_adam(max_grad_norm=1.0)),
+     r"^optimizer\.params\.max_grad_norm: not a parameter of DeepSpeed's Adam .*top-level gradient_clipping"),
+    ("nvme-refused-at-load",
+     with_batch(zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}),
+     r"^zero_optimization\.offload_param\.device: nvme is not supported .*; use cpu"),
     ("offload-without-zero", with_batch(zero_optimization={"offload_optimizer": {"device": "cpu"}}),
      r"^zero_optimization\.offload_optimizer\.device: offload needs ZeRO stage 1, 2 or 3 \(stage is 0\); "
      r"set zero_optimization\.stage or remove offload_optimizer$"),
@@ -291,10 +300,11 @@ BAD_CONFIGS = [
      with_batch(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 0.01}}),
      r"^scheduler\.params\.cycle_min_lr: larger than cycle_max_lr; swap them$"),
     ("auto-in-optimizer-params", with_batch(optimizer=_adam(lr="auto")),
-     r"^optimizer\.params\.lr: 'auto' is a Hugging Face Trainer placeholder .*; write the number$"),
+     r"^\"auto\" is a Hugging Face Trainer placeholder.*\n  optimizer\.params\.lr=5e-5   \(the "
+     r"Trainer's learning_rate\)\n"),
     ("auto-in-scheduler-params",
      with_batch(scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}),
-     r"^scheduler\.params\.warmup_max_lr: 'auto' is a Hugging Face Trainer placeholder .*; write the number$"),
+     r"^\"auto\" is a Hugging Face Trainer placeholder.*\n  scheduler\.params\.warmup_max_lr=5e-5"),
     ("adamw-without-w-mode", with_batch(optimizer={"type": "AdamW", "params": {"adam_w_mode": False}}),
      r"^optimizer\.params\.adam_w_mode: false contradicts type AdamW; use type Adam"),
     ("amsgrad", with_batch(optimizer=_adam(amsgrad=True)),
@@ -547,13 +557,14 @@ def test_explain_shows_file_default_and_derived_sources(tmp_path: Path) -> None:
     assert len(keys) == len(set(keys)) and "zero_optimization.offload_optimizer.device" in keys
 
 
-def test_auto_means_the_default_outside_the_triad() -> None:
-    config = load_config(with_batch(gradient_clipping="auto", fp16={"enabled": "auto"},
+def test_auto_means_the_default_outside_the_keys_the_trainer_fills() -> None:
+    config = load_config(with_batch(gradient_clipping="auto",
                                     zero_optimization={"overlap_comm": "auto", "stage": 3},
                                     data_types={"grad_accum_dtype": "auto"}))
-    assert config.gradient_clipping == 1.0 and config.fp16.enabled is False
+    assert config.gradient_clipping == 1.0
     assert config.data_types.grad_accum_dtype is None
-    assert config.sources["gradient_clipping"] == "default ('auto')"
+    assert config.sources["gradient_clipping"] == "derived ('auto': the Trainer's max_grad_norm default, 1.0)"
+    assert config.sources["data_types.grad_accum_dtype"] == "default ('auto')"
     assert config.zero_optimization.overlap_comm is True  # default: derived from the stage
     assert config.sources["zero_optimization.overlap_comm"] == "derived (true for stage 3)"
 
@@ -636,12 +647,16 @@ def test_every_schema_field_has_a_default_and_a_doc() -> None:
 # ---------------------------------------------------------------------------------------------
 # Features that parse but are not built yet.
 
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_nvme_offload_is_refused_by_load_config(key: str) -> None:
+    """Refused when the file is read, not first when the plan is built."""
+    with pytest.raises(ConfigError, match=(rf"^zero_optimization\.{key}\.device: nvme is not supported "
+                                           rf"\(DeepSpeed's ZeRO-Infinity .*\); use cpu \(host memory, "
+                                           rf"docs/offload\.md\) or none$")):
+        load_config(with_batch(zero_optimization={"stage": 3, key: {"device": "nvme", "nvme_path": "/nvme"}}))
+
+
 @pytest.mark.parametrize("overrides, pattern", [
-    (["zero_optimization.stage=1", "zero_optimization.offload_optimizer.device=nvme"],
-     r"^zero_optimization\.offload_optimizer\.device: nvme is not supported; use cpu \(host memory, "
-     r"docs/offload\.md\) or none$"),
-    (["zero_optimization.stage=3", "zero_optimization.offload_param.device=nvme"],
-     r"^zero_optimization\.offload_param\.device: nvme is not supported; use cpu"),
     (["zero_optimization.stage=2", "zero_optimization.offload_optimizer.device=cpu",
       "zero_optimization.offload_optimizer.ratio=0.5"],
      r"^zero_optimization\.offload_optimizer\.ratio: 0\.5 \(partial offload\) is not supported; use 1\.0$"),
@@ -672,3 +687,193 @@ def test_supported_configs_pass() -> None:
         assert unsupported_features(config) == []
         check_supported(config)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Real DeepSpeed configs, as projects write them (tests/fixtures/ds_configs).
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "ds_configs"
+
+
+def load_warned(src: Any, overrides: list[str] | None = None, **kw: Any) -> tuple[Config, list[str]]:
+    """The config and the warning lines loading it printed."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = load_config(src, overrides or (), **kw)
+    return config, [str(w.message) for w in caught if issubclass(w.category, cfg.ConfigWarning)]
+
+
+def test_deepspeed_field_names_load_like_their_aliases() -> None:
+    """DeepSpeed's ZeRO model accepts `prefetch_bucket_size` as well as `stage3_prefetch_bucket_size`."""
+    config, _ = load_warned(FIXTURES / "deepspeed_examples_zero3.json")
+    zero = config.zero_optimization
+    assert zero.stage3_prefetch_bucket_size == 50_000_000
+    assert zero.stage3_param_persistence_threshold == 100_000
+    assert zero.stage3_max_live_parameters == zero.stage3_max_reuse_distance == 1_000_000_000
+    assert zero.stage3_gather_16bit_weights_on_model_save is True
+    assert zero.sub_group_size == 0  # valid in DeepSpeed (ge=0)
+    assert config.sources["zero_optimization.stage3_prefetch_bucket_size"] == "file"
+    via_alias = load_config(with_batch(zero_optimization={"stage": 3, "stage3_max_live_parameters": 7}))
+    via_name = load_config(with_batch(zero_optimization={"stage": 3, "max_live_parameters": 7}))
+    assert via_alias.zero_optimization == via_name.zero_optimization
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.max_reuse_distance: given twice"):
+        load_config(with_batch(zero_optimization={"stage3_max_reuse_distance": 1, "max_reuse_distance": 1}))
+    # an override by either name lands on the same key
+    assert load_config(with_batch(), ["zero_optimization.param_persistence_threshold=0"]) \
+        .zero_optimization.stage3_param_persistence_threshold == 0
+
+
+def test_deepspeed_only_sections_load_with_one_warning_each() -> None:
+    config, warned = load_warned(FIXTURES / "deepspeed_examples_zero3.json")
+    foreign = ["compile", "tensor_parallel", "aio", "seq_parallel_communication_data_type",
+               "zero_optimization.model_persistence_threshold",
+               "zero_optimization.use_multi_rank_bucket_allreduce", "zero_optimization.memory_efficient_linear"]
+    assert sorted(w.split(":")[0] for w in warned) == sorted(foreign)
+    for line in warned:
+        assert re.match(r"^[\w.]+: DeepSpeed's .+: not built in zerojax; effect: .+; alternative: .+$", line), line
+        assert "\n" not in line
+    assert explain_row(config, "compile") == ("-", "ignored (DeepSpeed-only key, not built)")
+    assert "_comment" not in config.explain()
+
+
+@pytest.mark.parametrize("raw, pattern", [
+    ({"tensor_parallel": {"autotp_size": 2}},
+     r"^tensor_parallel: DeepSpeed's AutoTP tensor parallelism is not built in zerojax, and autotp_size: 2 "
+     r"splits every layer over 2 devices.*alternative: ZeRO-3 or mesh\.stage"),
+    ({"tensor_parallel": {"tp": {"tp_size": 4}}}, r"^tensor_parallel: .*tp_size: 4 splits every layer"),
+    ({"amp": {"enabled": True, "opt_level": "O1"}}, r"^amp: DeepSpeed's NVIDIA Apex AMP .*enabled: it would "
+                                                    r"train in Apex's mixed precision; alternative: bf16"),
+    ({"data_efficiency": {"enabled": True, "data_sampling": {"enabled": True}}},
+     r"^data_efficiency: .*changes which tokens each step trains on"),
+    ({"sequence_parallel_size": 2}, r"^sequence_parallel_size: DeepSpeed's Ulysses sequence parallelism"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+     r"^bf16\.bf16_master_weights_and_grads: .*zerojax keeps fp32 master weights"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.05}}},
+     r"^zero_optimization\.zenflow: DeepSpeed's ZenFlow"),
+])
+def test_deepspeed_only_keys_that_would_change_the_result_are_refused(raw: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(with_batch(**raw))
+
+
+def test_deepspeed_only_keys_turned_off_load() -> None:
+    config, warned = load_warned(with_batch(amp={"enabled": False}, tensor_parallel={"autotp_size": 1},
+                                            data_efficiency={"enabled": False}, sequence_parallel_size=1,
+                                            autotuning={"enabled": False}))
+    assert len(warned) == 5
+
+
+def test_comment_keys_are_ignored_at_every_level() -> None:
+    config, warned = load_warned(with_batch(
+        _comment="ZeRO-2 for 8 GPUs", _read_the_docs="https://www.deepspeed.ai/docs/config-json/",
+        zero_optimization={"stage": 2, "_comment": "buckets tuned for A100"},
+        optimizer={"_comment": "from the paper", "type": "AdamW", "params": {"lr": 1e-4, "_note": "peak"}}))
+    assert warned == [] and config.zero_optimization.stage == 2 and config.optimizer.params.lr == 1e-4
+
+
+@pytest.mark.parametrize("key, pattern", [
+    ("tensor_paralel", r"did you mean 'tensor_parallel'\?$"),
+    ("tensorbord", r"did you mean 'tensorboard'\?$"),
+    ("compiled", r"did you mean 'compile'\?$"),
+    ("tensor_sharding", r"^unknown key 'tensor_sharding'; valid keys: "),
+])
+def test_suggestions_point_at_the_key_meant(key: str, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern) as e:
+        load_config(with_batch(**{key: {}}))
+    if key.startswith("tensor_") and key != "tensor_paralel":
+        assert "did you mean 'tensorboard'" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"did you mean 'max_live_parameters'\?$"):
+        load_config(with_batch(zero_optimization={"max_live_parameter": 1}))
+
+
+def test_offload_param_below_stage_3_warns_and_is_ignored_as_deepspeed_does() -> None:
+    config, warned = load_warned(FIXTURES / "accelerate_zero2_offload.json")
+    assert warned == ["zero_optimization.offload_param: ignored at stage 2, as DeepSpeed ignores it (parameter "
+                      "offload is a stage-3 feature); effect: none, parameters stay on the device; set "
+                      "zero_optimization.stage=3 to offload them"]
+    assert config.zero_optimization.offload_param.device == "none"
+    assert config.zero_optimization.offload_optimizer.device == "cpu"
+    assert explain_row(config, "zero_optimization.offload_param")[1].startswith("ignored (stage 2")
+    # cpu_offload_param, DeepSpeed's deprecated spelling, means offload_param.device=cpu
+    old = load_config(with_batch(zero_optimization={"stage": 3, "cpu_offload_param": True}))
+    assert old.zero_optimization.offload_param.device == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face "auto": filled as the Trainer fills it, or named in one error.
+
+def test_trainer_auto_values_are_filled_from_the_hidden_size() -> None:
+    """LLaMA-Factory's ds_z3_config.json: the Trainer derives the buckets from the model's hidden size."""
+    path = FIXTURES / "llama_factory_ds_z3_config.json"
+    config = load_config(path, ["fp16.enabled=false", "bf16.enabled=true", "train_micro_batch_size_per_gpu=4"],
+                         hidden_size=4096)
+    zero = config.zero_optimization
+    assert zero.reduce_bucket_size == 4096 * 4096
+    assert zero.stage3_prefetch_bucket_size == int(0.9 * 4096 * 4096)
+    assert zero.stage3_param_persistence_threshold == 40960
+    assert config.gradient_clipping == 1.0 and config.bf16.enabled and not config.fp16.enabled
+    assert config.batch(8) == BatchSize(32, 4, 1)
+    assert explain_row(config, "zero_optimization.stage3_prefetch_bucket_size") == (
+        "15099494", "derived ('auto': 0.9 * hidden^2, hidden size 4096 given as hidden_size)")
+    assert explain_row(config, "zero_optimization.stage3_param_persistence_threshold")[1].startswith(
+        "derived ('auto': 10 * hidden")
+    assert explain_row(config, "gradient_clipping")[1] == ("derived ('auto': the Trainer's max_grad_norm "
+                                                           "default, 1.0)")
+    assert explain_row(config, "bf16.enabled") == ("true", "override")
+    # without hidden_size, the embedded GPT's width (model.d_model) is the model's hidden size
+    gpt = load_config(path, ["fp16.enabled=false", "bf16.enabled=false", "train_micro_batch_size_per_gpu=4",
+                             "model.d_model=256"])
+    assert gpt.zero_optimization.reduce_bucket_size == 256 * 256
+    assert explain_row(gpt, "zero_optimization.reduce_bucket_size")[1] == (
+        "derived ('auto': hidden^2, hidden size 256 from model.d_model)")
+    # overrides on a loaded Config re-derive the filled values
+    again = load_config(gpt, ["model.d_model=64"])
+    assert again.zero_optimization.reduce_bucket_size == 64 * 64
+
+
+def test_every_auto_only_the_trainer_can_fill_is_named_in_one_error() -> None:
+    """transformers' ds_config_zero2.json as the docs write it: fp16, the optimizer and the schedule
+    come from TrainingArguments; fp16 "auto" must not quietly become fp32."""
+    with pytest.raises(ConfigError) as e:
+        load_config(FIXTURES / "transformers_zero2_auto.json")
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith('"auto" is a Hugging Face Trainer placeholder, and 8 of them can only be filled')
+    assert lines[-1].startswith("command line: --set train_micro_batch_size_per_gpu=8 fp16.enabled=true ")
+    assert [line.split()[0].split("=")[0] for line in lines[1:-1]] == [
+        "train_micro_batch_size_per_gpu", "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+        "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps"]
+    # set them as the error says, and the file loads; left "auto", the schedule's peak follows the
+    # optimizer's lr, as the Trainer writes learning_rate into both
+    sets = [line.split()[0] for line in lines[1:-1] if "warmup_max_lr" not in line]
+    config = load_config(FIXTURES / "transformers_zero2_auto.json", sets, hidden_size=1024)
+    assert config.fp16.enabled is True and config.optimizer.params.lr == 5e-5
+    assert config.optimizer.params.betas == (0.9, 0.999)
+    assert config.scheduler.params.warmup_max_lr == 5e-5 and config.scheduler.params.warmup_min_lr == 0.0
+    assert explain_row(config, "scheduler.params.warmup_max_lr")[1] == (
+        "derived ('auto': optimizer.params.lr, the Trainer's learning_rate)")
+    assert config.zero_optimization.reduce_bucket_size == 1024 * 1024
+
+
+@pytest.mark.parametrize("section", ["fp16", "bf16", "bfloat16"])
+def test_precision_auto_is_never_fp32_in_silence(section: str) -> None:
+    key = "bf16" if section == "bfloat16" else section
+    with pytest.raises(ConfigError, match=rf"\n  {key}\.enabled=true   \(the Trainer's --{key}\)\n"):
+        load_config(with_batch(**{section: {"enabled": "auto"}}))
+
+
+def test_config_explain_command_shows_the_auto_fills(capsys: pytest.CaptureFixture) -> None:
+    """`zerojax config explain` on LLaMA-Factory's file, with the Trainer-only values set on the line."""
+    from zerojax.cli import main
+    path = FIXTURES / "llama_factory_ds_z3_config.json"
+    assert main(["config", "explain", str(path), "--set", "fp16.enabled=false", "bf16.enabled=true",
+                 "train_micro_batch_size_per_gpu=2", "model.d_model=512"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert rows["zero_optimization.reduce_bucket_size"].split()[1] == str(512 * 512)
+    assert "derived ('auto': hidden^2, hidden size 512 from model.d_model)" in rows[
+        "zero_optimization.reduce_bucket_size"]
+    assert "derived ('auto': 10 * hidden" in rows["zero_optimization.stage3_param_persistence_threshold"]
+    assert "derived ('auto': the Trainer's max_grad_norm default, 1.0)" in rows["gradient_clipping"]
+    assert rows["bf16.enabled"].split()[1:] == ["true", "override"]

@@ -61,3 +61,59 @@ def test_optimizer_tables_cover_every_type_and_mark_required_scheduler_params() 
     assert "| `adam_w_mode` | bool (or 0/1) | `true` |" in text
     assert '| `device` | one of "none", "cpu", "nvme" | `"none"` |' in text
     assert "none \\| cpu" in text  # a `|` inside a cell is escaped
+
+
+# ---------------------------------------------------------------------------------------------
+# Every key has a status: honoured, no effect by design (and why), or refused.
+
+def test_every_schema_key_has_a_status_and_the_reference_prints_it() -> None:
+    from zerojax.key_status import KEY_STATUS, KINDS, NO_EFFECT
+    paths = set(cfg._schema_paths())
+    assert sorted(paths - set(KEY_STATUS)) == [], "keys without a status in zerojax/key_status.py"
+    assert sorted(set(KEY_STATUS) - paths) == [], "statuses of keys the schema no longer has"
+    for path, status in KEY_STATUS.items():
+        assert status.startswith(KINDS), (path, status)
+        if status.startswith(NO_EFFECT):
+            assert re.match(rf"^{NO_EFFECT}: \S", status), f"{path}: say why it has no effect"
+    rows = 0
+    for heading, body in _sections(render_reference()).items():
+        if "| key | type | default | status | description |" not in body:
+            continue
+        for line in body.splitlines():
+            if line.startswith("| `"):
+                cells = re.split(r"(?<!\\)\|", line)[1:-1]
+                assert len(cells) == 5 and cells[3].strip().startswith(KINDS), (heading, line)
+                rows += 1
+    assert rows >= len(paths) - 10  # every key printed (params shared by several types count once here)
+
+
+def test_a_key_without_a_status_fails_the_reference(monkeypatch) -> None:
+    """The walk fails on any key without a status: a new schema key must be classified."""
+    import pytest
+    from zerojax import key_status
+    table = dict(key_status.KEY_STATUS)
+    del table["zero_optimization.stage3_max_live_parameters"]
+    monkeypatch.setattr("zerojax.config_docs.KEY_STATUS", table)
+    with pytest.raises(KeyError, match="stage3_max_live_parameters"):
+        render_reference()
+
+
+def test_refused_statuses_are_refused() -> None:
+    """A sample value for each key marked refused is rejected by load_config or by plan's check."""
+    import pytest
+    from zerojax.key_status import KEY_STATUS, REFUSED
+    samples = {
+        "optimizer.params.amsgrad": {"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},
+        "optimizer.params.max_grad_norm": {"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 1.0}}},
+        "fp16.fp16_master_weights_and_grads": {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+        "zero_optimization.zero_hpz_partition_size": {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+        "zero_optimization.zero_quantized_weights": {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+        "zero_optimization.zero_quantized_gradients": {"zero_optimization": {"stage": 3,
+                                                                             "zero_quantized_gradients": True}},
+        "zero_optimization.mics_shard_size": {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+        "wandb.enabled": {"wandb": {"enabled": True}},
+    }
+    assert sorted(samples) == sorted(k for k, v in KEY_STATUS.items() if v.startswith(REFUSED))
+    for key, raw in samples.items():
+        with pytest.raises(cfg.ConfigError):
+            cfg.check_supported(cfg.load_config({"train_batch_size": 8, **raw}))

@@ -100,3 +100,28 @@ def test_custom_mesh_sets_data_parallel_size() -> None:
     assert engine.plan.data_size == 4
     shards = {s.data.shape for x in jax.tree.leaves(engine.state.master) for s in x.addressable_shards}
     assert (16, 16) in shards  # the (16, 64) kernel split 4 ways along its last dim
+
+
+def test_to_nnx_from_a_constructor_runs_with_its_non_parameter_state() -> None:
+    """An abstract module filled with parameters still needs real RNG keys and batch statistics."""
+    class Net(nnx.Module):
+        def __init__(self) -> None:
+            rngs = nnx.Rngs(0)
+            self.fc = nnx.Linear(4, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.drop(self.bn(self.fc(x)))
+
+    ref = Net()
+    params = jax.tree.map(lambda x: x + 1.0, nnx.to_pure_dict(nnx.state(ref, nnx.Param)))
+    model = zerojax.to_nnx(Net, params)
+    zerojax.to_nnx(ref, params)
+    x = jnp.arange(8.0).reshape(2, 4)
+    model.train()
+    ref.train()
+    np.testing.assert_allclose(model(x), ref(x), rtol=1e-6)   # dropout keys and statistics are real
+    model.eval()
+    ref.eval()
+    np.testing.assert_allclose(model(x), ref(x), rtol=1e-6)

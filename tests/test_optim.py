@@ -423,3 +423,182 @@ def test_sharded_matches_unsharded(section: dict) -> None:
     assert_tree_close(sharded, leaves64(want), rtol=1e-5, atol=1e-6)
     for k, arr in sharded.items():
         assert arr.sharding.is_equivalent_to(shardings[k], arr.ndim), k
+
+
+# ---------------------------------------------------------------------------------------------
+# No optimizer section: the optimizer passed in code trains, as DeepSpeed's client optimizer does.
+
+def _client_setup():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    import helpers
+    return helpers
+
+
+# accelerate / transformers write no optimizer section: the Trainer passes its own optimizer.
+NO_OPTIMIZER = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": 2, "_comment": "optimizer comes from the training script"}}
+
+
+def test_no_optimizer_section_and_no_optimizer_is_one_clear_error() -> None:
+    import zerojax
+    h = _client_setup()
+    with pytest.raises(ConfigError, match=(r"^optimizer: the config has no optimizer section and no optimizer "
+                                           r"was passed in code\. DeepSpeed .*optimizer=optax\.adamw\(3e-4\)")):
+        zerojax.initialize(NO_OPTIMIZER, params=h.mlp_params(0), loss_fn=h.mse_loss, mesh=h.data_mesh())
+    with pytest.raises(ConfigError, match=r"^optimizer: the config has no optimizer section"):
+        zerojax.plan(load_config(NO_OPTIMIZER), h.data_mesh(), h.mlp_params(0))
+
+
+def _reference(tx: optax.GradientTransformation, params: Any, batches: list, loss_fn: Any) -> Any:
+    """Single-device training with `tx` (fp32, no clipping): the parameters after each step."""
+    state, out = tx.init(params), []
+    params = jax.tree.map(jnp.asarray, params)
+    for b in batches:
+        grads = jax.grad(loss_fn)(params, b)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        out.append(params)
+    return params
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_user_optax_optimizer_trains_and_owns_the_optimizer_state(stage: int) -> None:
+    import zerojax
+    h = _client_setup()
+    raw = {**NO_OPTIMIZER, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    tx = optax.chain(optax.clip_by_global_norm(10.0), optax.adamw(3e-3, b1=0.8, weight_decay=0.05))
+    batches = [h.make_batch(16, s) for s in range(3)]
+    engine = zerojax.initialize(raw, params=h.mlp_params(0), loss_fn=h.layerwise_loss, mesh=h.data_mesh(),
+                                optimizer=tx)
+    for b in batches:
+        engine.train_batch(b)
+    # the optimizer state is the user's: optax's own structure, partitioned as the stage says
+    want_state = tx.init(jax.tree.map(jnp.asarray, h.mlp_params(0)))
+    assert jax.tree.structure(engine.state.opt_state) == jax.tree.structure(want_state)
+    assert engine.plan.config.optimizer.type == "client" and engine.config.optimizer is None
+    mu = engine.state.opt_state[1][0].mu["layers"]["w"]
+    assert mu.sharding.spec != P() or stage == 0  # partitioned over data, not replicated
+    # and it trains exactly as the same optax optimizer on one device
+    want = _reference(tx, h.mlp_params(0), batches, h.mse_loss)
+    h.assert_tree_close(h.to_numpy(engine.params), h.to_numpy(want), rtol=2e-5, atol=2e-6)
+    assert np.isnan(engine.get_lr()[0])  # a built transformation keeps its lr to itself
+
+
+def test_user_optimizer_factory_follows_lr_scheduler_and_the_config_scheduler() -> None:
+    import functools
+    import zerojax
+    h = _client_setup()
+    factory = functools.partial(optax.adamw, weight_decay=0.01)
+    sched = optax.linear_schedule(1e-2, 1e-3, 3)
+    batches = [h.make_batch(16, s) for s in range(3)]
+    engine = zerojax.initialize(NO_OPTIMIZER, params=h.mlp_params(0), loss_fn=h.mse_loss, mesh=h.data_mesh(),
+                                optimizer=factory, lr_scheduler=sched)
+    lrs = [float(engine.train_batch(b)["lr"]) for b in batches]
+    np.testing.assert_allclose(lrs, [float(sched(i)) for i in range(3)], rtol=1e-6)
+    want = _reference(factory(sched), h.mlp_params(0), batches, h.mse_loss)
+    h.assert_tree_close(h.to_numpy(engine.params), h.to_numpy(want), rtol=2e-5, atol=2e-6)
+    # DeepSpeed drives a client optimizer with the config's scheduler section too
+    with_section = {**NO_OPTIMIZER, "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2, "total_num_steps": 10,
+        "warmup_type": "linear"}}}
+    engine = zerojax.initialize(with_section, params=h.mlp_params(0), loss_fn=h.mse_loss, mesh=h.data_mesh(),
+                                optimizer=optax.adamw)
+    lrs = [float(engine.train_batch(b)["lr"]) for b in batches]
+    from zerojax.schedules import make_schedule
+    want_lrs = make_schedule(load_config(with_section).scheduler, 1.0).lr
+    np.testing.assert_allclose(lrs, [float(want_lrs(i)) for i in range(3)], rtol=1e-6)
+    assert lrs[2] > 0
+
+
+@pytest.mark.parametrize("kwargs, raw, pattern", [
+    ({"optimizer": optax.adamw(1e-3), "lr_scheduler": optax.constant_schedule(1e-3)}, {},
+     r"^optimizer: a built optax transformation cannot be driven by the lr_scheduler=; pass a factory"),
+    ({"optimizer": optax.sgd(1e-3)}, {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1}}},
+     r"^optimizer: a built optax transformation cannot be driven by the scheduler section \(WarmupLR\)"),
+    ({"optimizer": optax.adamw}, {}, r"^optimizer: a factory needs a learning rate: pass lr_scheduler="),
+    ({"optimizer": optax.adamw}, {"scheduler": {"type": "WarmupLR"}},
+     r"^scheduler\.params\.warmup_max_lr: required when the optimizer is passed in code"),
+    ({"optimizer": optax.adamw}, {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9}}},
+     r"^scheduler\.type: WarmupCosineLR scales the optimizer's lr"),
+    ({"lr_scheduler": optax.constant_schedule(1e-3)}, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+     r"^lr_scheduler: given without optimizer="),
+])
+def test_user_optimizer_mistakes_are_clear_errors(kwargs: dict, raw: dict, pattern: str) -> None:
+    import zerojax
+    h = _client_setup()
+    with pytest.raises(ConfigError, match=pattern):
+        zerojax.plan(load_config({**NO_OPTIMIZER, **raw}), h.data_mesh(), h.mlp_params(0), **kwargs)
+
+
+def test_user_optimizer_checkpoint_resumes_exactly(tmp_path) -> None:
+    import zerojax
+    h = _client_setup()
+    tx = optax.adamw(3e-3, weight_decay=0.05)
+    batches = [h.make_batch(16, s) for s in range(4)]
+
+    def engine() -> Any:
+        return zerojax.initialize(NO_OPTIMIZER, params=h.mlp_params(0), loss_fn=h.mse_loss, mesh=h.data_mesh(),
+                                  optimizer=tx)
+    straight = engine()
+    for b in batches:
+        straight.train_batch(b)
+    first = engine()
+    for b in batches[:2]:
+        first.train_batch(b)
+    first.save_checkpoint(str(tmp_path), async_save=False)
+    resumed = engine()
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.global_steps == 2
+    for b in batches[2:]:
+        resumed.train_batch(b)
+    h.assert_tree_close(h.to_numpy(resumed.state.opt_state), h.to_numpy(straight.state.opt_state), rtol=0, atol=0)
+    h.assert_tree_close(h.to_numpy(resumed.params), h.to_numpy(straight.params), rtol=0, atol=0)
+
+
+def test_library_path_takes_the_optimizer_at_plan() -> None:
+    """plan(optimizer=...) builds the update rule that init_state and make_train_step share."""
+    import zerojax
+    h = _client_setup()
+    config = load_config(NO_OPTIMIZER)
+    tx = optax.sgd(0.05, momentum=0.9)
+    p = zerojax.plan(config, h.data_mesh(), h.mlp_params(0), optimizer=tx)
+    state = zerojax.init_state(config, p, h.mlp_params(0))
+    step = zerojax.make_train_step(config, p, h.mse_loss)
+    batches = [h.make_batch(16, s) for s in range(2)]
+    for b in batches:
+        state, _ = step(state, b)
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(tx.init(h.mlp_params(0)))
+    want = _reference(tx, h.mlp_params(0), batches, h.mse_loss)
+    h.assert_tree_close(h.to_numpy(state.params), h.to_numpy(want), rtol=2e-5, atol=2e-6)
+
+
+FIXTURES = __import__("pathlib").Path(__file__).resolve().parent / "fixtures" / "ds_configs"
+
+
+@pytest.mark.parametrize("name, sets, optimizer", [
+    ("deepspeed_examples_zero3.json", [], None),
+    ("accelerate_zero2_offload.json", [], "adamw"),
+    ("llama_factory_ds_z3_config.json", ["fp16.enabled=false", "bf16.enabled=true",
+                                         "train_micro_batch_size_per_gpu=2"], "adamw"),
+    ("transformers_zero2_auto.json", ["train_micro_batch_size_per_gpu=2", "fp16.enabled=false",
+                                      "optimizer.params.lr=1e-3", "optimizer.params.betas=[0.9,0.999]",
+                                      "optimizer.params.eps=1e-8", "optimizer.params.weight_decay=0.0",
+                                      "scheduler.params.warmup_num_steps=2"], None),
+])
+def test_real_project_configs_train(name: str, sets: list[str], optimizer: str | None) -> None:
+    """Each file as its project writes it; the Trainer-only "auto"s set on the side, the optimizer
+    passed in code where the file has none, as the Trainer passes its own."""
+    import warnings
+    import zerojax
+    h = _client_setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zerojax.config.ConfigWarning)
+        config = load_config(FIXTURES / name, sets, hidden_size=32)
+    tx = optax.adamw(1e-3) if optimizer else None
+    engine = zerojax.initialize(config, params=h.mlp_params(0), loss_fn=h.layerwise_loss, mesh=h.data_mesh(),
+                                optimizer=tx)
+    rows = engine.train_batch_size()
+    losses = [float(engine.train_batch(h.make_batch(rows, s))["loss"]) for s in range(2)]
+    assert all(np.isfinite(losses)) and engine.global_steps == 2

@@ -1,7 +1,7 @@
 """fp16 and DeepSpeed's dynamic loss scaler (zerojax/precision.py) and overflow skipping in the step.
 
 The scaler is checked step by step against `DeepSpeedScaler`, a plain-Python transcription of the
-rules in REFERENCE.md (DeepSpeed's `DynamicLossScaler.update_scale`); the step is checked by forcing
+rules of DeepSpeed's `DynamicLossScaler.update_scale` (deepspeed/runtime/fp16/loss_scaler.py); the step is checked by forcing
 overflows with non-finite inputs: those steps are skipped and the run then equals one that never saw
 them.
 """

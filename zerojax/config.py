@@ -17,15 +17,27 @@ import os
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from zerojax.errors import ConfigError
 
-__all__ = ["Config", "ConfigError", "BatchSize", "load_config", "resolve_batch", "unsupported_features"]
+__all__ = ["Config", "ConfigError", "ConfigWarning", "BatchSize", "load_config", "resolve_batch", "unsupported_features"]
 
 _MISSING = dataclasses.MISSING
+
+
+class ConfigWarning(UserWarning):
+    """A key that loads but means nothing here (DeepSpeed ignores it too, or it is not built)."""
+
+
+def _warn(sources: dict[str, str], path: str, message: str, label: str) -> None:
+    """One warning line per ignored key, and its source label for `config explain`."""
+    sources[path] = label
+    warnings.warn(f"{path}: {message}", ConfigWarning, stacklevel=4)
+
 # DeepSpeed's batch triad: two of them fix the third for a given data-parallel size.
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -127,6 +139,8 @@ class OptimizerConfig:
 # LR schedulers (DeepSpeed "scheduler": {"type", "params"}).
 
 _WARMUP_TYPES = ("log", "linear")
+_WARMUP_STEPS_DOC = ("Warmup length in optimizer steps; 1 means 2 (DeepSpeed clamps it to >= 2); 0 is "
+                     "rejected, as DeepSpeed rejects it.")
 
 
 @dataclass(frozen=True)
@@ -136,7 +150,7 @@ class WarmupLRParams:
     warmup_max_lr: Optional[float] = option(
         None, "Learning rate after warmup (default: optimizer lr; 0.001 for WarmupDecayLR, as in DeepSpeed).",
         ge=0)
-    warmup_num_steps: int = option(1000, "Warmup length in optimizer steps (clamped to >= 2).", gt=0)
+    warmup_num_steps: int = option(1000, _WARMUP_STEPS_DOC, gt=0)
     warmup_type: str = option("log", "Warmup curve.", choices=_WARMUP_TYPES)
     last_batch_iteration: int = option(-1, "Position to start from (-1: a new run).", ge=-1)
 
@@ -152,7 +166,7 @@ class WarmupCosineLRParams:
     """WarmupCosineLR: ratios of the optimizer lr; warmup then cosine decay."""
     total_num_steps: Optional[int] = option(None, "Required: length of the whole schedule.", gt=0)
     warmup_min_ratio: float = option(0.0, "lr ratio at the start of warmup.", ge=0)
-    warmup_num_steps: int = option(1000, "Warmup length in optimizer steps (clamped to >= 2).", gt=0)
+    warmup_num_steps: int = option(1000, _WARMUP_STEPS_DOC, gt=0)
     cos_min_ratio: float = option(1e-4, "lr ratio at the end of the cosine.", ge=0)
     warmup_type: str = option("log", "Warmup curve.", choices=_WARMUP_TYPES)
     last_batch_iteration: int = option(-1, "Position to start from (-1: a new run).", ge=-1)
@@ -269,24 +283,34 @@ class ZeroConfig:
                            "3: + parameters.", choices=(0, 1, 2, 3))
     contiguous_gradients: bool = option(True, _BUCKET_DOC)
     reduce_scatter: bool = option(True, "Reduce gradients with reduce-scatter (always, for stages 2-3).")
-    reduce_bucket_size: int = option(500_000_000, _BUCKET_DOC, gt=0)
+    reduce_bucket_size: int = option(500_000_000, _BUCKET_DOC, ge=0)
     allgather_partitions: bool = option(True, _BUCKET_DOC)
-    allgather_bucket_size: int = option(500_000_000, _BUCKET_DOC, gt=0)
-    overlap_comm: Optional[bool] = option(None, "Default: true for stage 3. XLA overlaps on its own.")
+    allgather_bucket_size: int = option(500_000_000, _BUCKET_DOC, ge=0)
+    overlap_comm: Optional[bool] = option(
+        None, "Default: true for stage 3. Stage 3: a scanned stack of layers gathers layer i+1 while "
+              "layer i computes (forward and backward); otherwise XLA overlaps on its own.")
     load_from_fp32_weights: bool = option(True, "Restore master weights from the fp32 copy.")
     elastic_checkpoint: bool = option(False, "Accepted; every checkpoint restores onto any mesh.")
     offload_optimizer: OffloadOptimizerConfig = section(OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = section(OffloadParamConfig)
     cpu_offload: Optional[bool] = option(None, "Deprecated: true means offload_optimizer.device=cpu.")
-    sub_group_size: int = option(1_000_000_000, _BUCKET_DOC, gt=0)
+    cpu_offload_param: Optional[bool] = option(None, "Deprecated: true means offload_param.device=cpu.")
+    cpu_offload_use_pin_memory: Optional[bool] = option(
+        None, "Deprecated: true means pin_memory in offload_param / offload_optimizer.")
+    sub_group_size: int = option(1_000_000_000, _BUCKET_DOC, ge=0)
     stage3_param_persistence_threshold: int = option(
-        100_000, "Stage 3: parameters with fewer elements stay replicated.", ge=0)
-    stage3_prefetch_bucket_size: int = option(50_000_000, _BUCKET_DOC, ge=0)
-    stage3_max_live_parameters: int = option(1_000_000_000, _BUCKET_DOC, ge=0)
-    stage3_max_reuse_distance: int = option(1_000_000_000, _BUCKET_DOC, ge=0)
+        100_000, "Stage 3: parameters with fewer elements stay replicated.", ge=0,
+        aliases=("param_persistence_threshold",))
+    stage3_prefetch_bucket_size: int = option(
+        50_000_000, "Stage 3 with overlap_comm: a layer is gathered ahead only if its whole size (elements) "
+                    "fits; 0 turns prefetching off.", ge=0, aliases=("prefetch_bucket_size",))
+    stage3_max_live_parameters: int = option(
+        1_000_000_000, "Stage 3: prefetching (two layers whole at once) only when two layers' elements fit; "
+                       "otherwise one layer is gathered at a time.", ge=0, aliases=("max_live_parameters",))
+    stage3_max_reuse_distance: int = option(1_000_000_000, _BUCKET_DOC, ge=0, aliases=("max_reuse_distance",))
     stage3_gather_16bit_weights_on_model_save: bool = option(
         False, "Accepted; saved parameters are always whole.",
-        aliases=("stage3_gather_fp16_weights_on_model_save",))
+        aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
     round_robin_gradients: bool = option(False, _BUCKET_DOC)
     ignore_unused_parameters: bool = option(True, "Unused parameters get zero gradients.")
     zero_hpz_partition_size: int = option(1, "ZeRO++ hierarchical partitioning (only 1 supported).", gt=0)
@@ -378,7 +402,8 @@ class CheckpointConfig:
     tag_validation: str = option("Warn", "Ignore | Warn | Fail.", choices=("Ignore", "Warn", "Fail"))
     load_universal: bool = option(False, "Accepted; every checkpoint is universal.")
     use_node_local_storage: bool = option(False, "Accepted, unused.")
-    async_save: bool = option(True, "Write checkpoints in the background.")
+    async_save: bool = option(False, "Write checkpoints in the background (a save returns before it is "
+                                     "durable; finished at exit).")
     max_to_keep: Optional[int] = option(None, "Keep at most this many checkpoints (None: all).", gt=0)
     keep_every_n_steps: Optional[int] = option(None, "Also keep every checkpoint at a multiple of this step.",
                                                gt=0)
@@ -415,8 +440,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Training text: bytes of Python's standard library source, or a file."""
-    source: str = option("stdlib", "stdlib | file.", choices=("stdlib", "file"))
-    path: Optional[str] = option(None, "Text file for source=file.")
+    source: str = option("stdlib", "stdlib | file (default: file when data.path is given).",
+                         choices=("stdlib", "file"))
+    path: Optional[str] = option(None, "Text file to train on (implies source: file).")
     max_bytes: int = option(4_000_000, "Read at most this many bytes of corpus.", gt=0)
     val_fraction: float = option(0.05, "Fraction held out for validation.", gt=0, le=0.5)
     seed: int = option(0, "Seed of the batch order.")
@@ -435,6 +461,14 @@ class RunConfig:
         None, "Where checkpoints go (default: <output_dir>/checkpoints of this run).")
     save_every: Optional[int] = option(None, "Steps between checkpoints (a final one is always saved; "
                                              "null: only the final one).", gt=0)
+    non_finite: str = option("stop", "A non-finite loss or gradient norm in a bf16/fp32 run. stop: the run "
+                                     "stops when the metrics are next fetched (print steps, saves), naming the "
+                                     "step and the first non-finite gradients, saves nothing past it and exits 1. "
+                                     "skip_step: the step is skipped as fp16 skips overflows (sets "
+                                     "bf16.check_grad_overflow); the run stops only if the parameters themselves "
+                                     "turn non-finite.", choices=("stop", "skip_step"))
+    signal_save_seconds: int = option(120, "On SIGINT, SIGTERM or SIGUSR1: at most this many seconds to save a "
+                                           "checkpoint before the run exits (130, 143, 138).", gt=0)
 
 
 @dataclass(frozen=True)
@@ -454,6 +488,10 @@ class DistributedConfig:
     initialization_timeout: int = option(300, "Seconds to wait for every process to join.", gt=0)
     check_consistency: bool = option(False, "Debug: check at start-up that every process holds the same "
                                             "config and model structure (two small all-gathers).")
+    hang_timeout: Optional[float] = option(
+        300.0, "Seconds without progress (a step, save or evaluation finishing) after which train.py dumps "
+               "every process's Python stack and fails (the first step, which compiles, gets 3x; "
+               "ZEROJAX_HANG_TIMEOUT or zerojax launch --hang-timeout override it; null or 0: off).", ge=0)
 
 
 @dataclass(frozen=True)
@@ -463,7 +501,10 @@ class Config:
                                              gt=0)
     train_micro_batch_size_per_gpu: Optional[int] = option(None, "Rows per data shard per micro-step.", gt=0)
     gradient_accumulation_steps: Optional[int] = option(None, "Micro-steps per optimizer step.", gt=0)
-    optimizer: OptimizerConfig = section(OptimizerConfig)
+    optimizer: Optional[OptimizerConfig] = option(
+        None, "No optimizer section: the optimizer passed in code (initialize(optimizer=...) or "
+              "plan(optimizer=...)), as DeepSpeed uses the one passed to deepspeed.initialize; with neither, "
+              "an error.")
     scheduler: Optional[SchedulerConfig] = option(None, "No scheduler: constant optimizer lr.")
     gradient_clipping: float = option(1.0, "Clip the global L2 gradient norm to this (0 disables).", ge=0)
     fp16: FP16Config = section(FP16Config)
@@ -526,6 +567,9 @@ class Config:
                 auto = "'auto', " if src == "derived ('auto')" else ""
                 src = f"derived ({auto}data-parallel size {dp_size})"
             lines.append(f"{key.ljust(width)}  {json.dumps(value):<24} {src}")
+        for key, src in self.sources.items():  # keys that loaded with a warning and do nothing
+            if src.startswith("ignored"):
+                lines.append(f"{key.ljust(width)}  {'-':<24} {src}")
         return "\n".join(lines)
 
 
@@ -592,11 +636,12 @@ def _positive_size(dp_size: Any) -> int:
 # Loading.
 
 def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
-                overrides: Sequence[str] = ()) -> Config:
+                overrides: Sequence[str] = (), *, hidden_size: int | None = None) -> Config:
     """Load a config from a dict, a JSON/hjson/YAML file, or pass a Config through.
 
     `overrides` are `dotted.key=value` strings (value parsed as YAML) applied on top, as the CLI's
-    `--set` does. Everything is checked here; nothing touches JAX devices.
+    `--set` does. `hidden_size` is the model's width, for the Hugging Face "auto" values the Trainer
+    derives from it (default: model.d_model). Everything is checked here; nothing touches JAX devices.
     """
     origin: dict[str, str] = {}
     if isinstance(src, Config):
@@ -616,10 +661,33 @@ def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
             del origin[stale]  # the override replaced the whole section
         origin[path] = "override"
     sources: dict[str, str] = {}
+    fills = _fill_auto(raw, hidden_size)
     config = _build(Config, raw, "", sources, origin)
+    sources.update(fills)
     config = _derive(config, sources)
     _check(config, sources)
     return dataclasses.replace(config, sources=sources)
+
+
+# The optimizer type a plan records when the optimizer came from code (`plan(..., optimizer=)`).
+CLIENT_OPTIMIZER = "client"
+
+
+def as_config(config: "Config | Mapping[str, Any] | str | os.PathLike[str]", plan_config: Config | None = None,
+              where: str = "config") -> Config:
+    """What the public functions take as `config` (a Config, a dict or a file path, as `initialize`
+    does), loaded; given the config a plan was made from, the two must agree key for key."""
+    config = load_config(config)
+    if plan_config is not None and getattr(plan_config.optimizer, "type", None) == CLIENT_OPTIMIZER:
+        # the plan records an optimizer passed in code where the config has its section (or none)
+        plan_config = dataclasses.replace(plan_config, optimizer=config.optimizer)
+    if plan_config is not None and config != plan_config:
+        mine, theirs = dict(_flatten(config.to_dict())), dict(_flatten(plan_config.to_dict()))
+        keys = [k for k in {**theirs, **mine} if mine.get(k) != theirs.get(k)]
+        shown = ", ".join(f"{k} {_show(mine.get(k))} (plan: {_show(theirs.get(k))})" for k in keys[:4])
+        raise ConfigError(f"{where}: the config differs from the one the plan was made from in "
+                          f"{len(keys)} key(s): {shown}; pass plan.config, or make the plan from this config")
+    return config
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -647,6 +715,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def _parse_text(text: str, suffix: str) -> Any:
+    """By extension: YAML, hjson, or JSON (then hjson: DeepSpeed configs often carry comments and
+    trailing commas). Any other extension (.txt, .cfg, none) is JSON, else YAML, else hjson: a YAML
+    file read as hjson would fail with a misleading message about keys or braces."""
     if suffix in (".yaml", ".yml"):
         return _load_yaml(text)
     if suffix == ".hjson":
@@ -654,7 +725,22 @@ def _parse_text(text: str, suffix: str) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_Pairs.of)
     except json.JSONDecodeError:
-        return _load_hjson(text)  # DeepSpeed configs often carry comments / trailing commas
+        if suffix == ".json":
+            return _load_hjson(text)
+    try:
+        data = _load_yaml(text)
+    except Exception as yaml_error:
+        try:
+            data = _load_hjson(text)
+        except Exception:
+            data = None
+        if isinstance(data, dict):
+            return data
+        raise ConfigError(f"cannot parse it as JSON, YAML or hjson (YAML says: {yaml_error}); "
+                          f"name the file .yaml, .json or .hjson to choose its format") from None
+    if isinstance(data, dict):
+        return data
+    return _load_hjson(text)  # e.g. an hjson mapping without braces reads as one YAML string
 
 
 class _Pairs(dict):
@@ -793,7 +879,7 @@ def _given_values(obj: Any, prefix: str, sources: Mapping[str, str],
             out[f.name] = _given_values(value, path, sources, origin)
         else:
             label = sources.get(path, "default")
-            if "('auto')" in label:
+            if "'auto'" in label:
                 out[f.name] = "auto"
             elif label.startswith("default"):
                 if value != _field_default(f):
@@ -821,9 +907,328 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face "auto". The Trainer fills these keys from its TrainingArguments and the model's
+# config before DeepSpeed reads the file; zerojax fills what it can derive the same way and names
+# every other one in a single error.
+
+# zero_optimization keys the Trainer derives from the model's hidden size.
+_HIDDEN_FILLS: dict[str, tuple[str, Callable[[int], int]]] = {
+    "reduce_bucket_size": ("hidden^2", lambda h: h * h),
+    "stage3_prefetch_bucket_size": ("0.9 * hidden^2", lambda h: int(0.9 * h * h)),
+    "stage3_param_persistence_threshold": ("10 * hidden", lambda h: 10 * h),
+}
+# Keys only the Trainer's arguments can fill: (the argument it reads, an example value).
+_TRAINER_ONLY: dict[str, tuple[str, str]] = {
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", "8"),
+    "fp16.enabled": ("--fp16", "true"),
+    "bf16.enabled": ("--bf16", "true"),
+    "optimizer.params.lr": ("learning_rate", "5e-5"),
+    "optimizer.params.betas": ("adam_beta1, adam_beta2", "[0.9,0.999]"),
+    "optimizer.params.eps": ("adam_epsilon", "1e-8"),
+    "optimizer.params.weight_decay": ("weight_decay", "0.0"),
+    "scheduler.params.warmup_max_lr": ("learning_rate", "5e-5"),
+    "scheduler.params.warmup_num_steps": ("warmup_steps", "100"),
+    "scheduler.params.total_num_steps": ("max_steps", "1000"),
+}
+# The Trainer's TrainingArguments default for max_grad_norm.
+_TRAINER_MAX_GRAD_NORM = 1.0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fill_auto(raw: dict[str, Any], hidden_size: int | None) -> dict[str, str]:
+    """Replace the Trainer's "auto" placeholders that zerojax can derive, in place; returns the
+    source label of each filled key. Every "auto" only the Trainer could fill is one error."""
+    fills: dict[str, str] = {}
+    pending: list[str] = []
+    tb, mb = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
+    if (_is_auto(tb) or _is_auto(mb)) and not (_number(tb) or _number(mb)):
+        pending.append("train_micro_batch_size_per_gpu")
+    if _is_auto(raw.get("gradient_clipping")):
+        raw["gradient_clipping"] = _TRAINER_MAX_GRAD_NORM
+        fills["gradient_clipping"] = "derived ('auto': the Trainer's max_grad_norm default, 1.0)"
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, dict):
+        fields = {f.name: f for f in schema_fields(ZeroConfig)}
+        for key in list(zero):
+            name = next((n for n, f in fields.items() if key == n or key in f.metadata.get("aliases", ())), key)
+            if name in _HIDDEN_FILLS and _is_auto(zero[key]):
+                formula, fn = _HIDDEN_FILLS[name]
+                h, whence = _hidden_size(raw, hidden_size)
+                zero[key] = fn(h)
+                fills[f"zero_optimization.{name}"] = f"derived ('auto': {formula}, hidden size {h} {whence})"
+    for section in ("fp16", "bf16", "bfloat16"):
+        if isinstance(raw.get(section), dict) and _is_auto(raw[section].get("enabled")):
+            pending.append("bf16.enabled" if section == "bfloat16" else f"{section}.enabled")
+    opt = raw.get("optimizer")
+    opt_params = opt.get("params") if isinstance(opt, dict) else None
+    if isinstance(opt_params, dict):
+        pending += [f"optimizer.params.{k}" for k, v in opt_params.items() if _is_auto(v)]
+    sched = raw.get("scheduler")
+    params = sched.get("params") if isinstance(sched, dict) else None
+    if isinstance(params, dict):
+        lr = opt_params.get("lr") if isinstance(opt_params, dict) else None
+        run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
+        for key, value in list(params.items()):
+            if not _is_auto(value):
+                continue
+            if key == "warmup_min_lr":
+                params[key] = 0.0
+                fills[f"scheduler.params.{key}"] = "derived ('auto': 0, as the Trainer writes it)"
+            elif key == "warmup_max_lr" and _number(lr):
+                params[key] = lr
+                fills[f"scheduler.params.{key}"] = "derived ('auto': optimizer.params.lr, the Trainer's " \
+                                                   "learning_rate)"
+            elif key == "total_num_steps" and _number(run.get("steps")):
+                params[key] = run["steps"]
+                fills[f"scheduler.params.{key}"] = "derived ('auto': run.steps, the Trainer's max_steps)"
+            else:
+                pending.append(f"scheduler.params.{key}")
+    if pending:
+        raise ConfigError(_auto_error(pending))
+    return fills
+
+
+def _hidden_size(raw: Mapping[str, Any], hidden_size: int | None) -> tuple[int, str]:
+    """The hidden size the Trainer would read from the model's config, and where it came from."""
+    if hidden_size is not None:
+        if not _number(hidden_size) or hidden_size <= 0 or int(hidden_size) != hidden_size:
+            raise ConfigError(f"hidden_size: {hidden_size!r} must be a positive integer (the model's width)")
+        return int(hidden_size), "given as hidden_size"
+    model = raw.get("model")
+    if isinstance(model, Mapping) and _number(model.get("d_model")):
+        return int(model["d_model"]), "from model.d_model"
+    return ModelConfig().d_model, "from model.d_model, the embedded GPT's default"
+
+
+def _auto_error(pending: list[str]) -> str:
+    sets = [f"{key}={_TRAINER_ONLY.get(key, ('', '<value>'))[1]}" for key in pending]
+    lines = [f'"auto" is a Hugging Face Trainer placeholder, and {len(pending)} of them can only be filled '
+             f"from the Trainer's arguments; set each one:"]
+    for key, kv in zip(pending, sets):
+        arg = _TRAINER_ONLY.get(key, ("", ""))[0]
+        lines.append(f"  {kv}" + (f"   (the Trainer's {arg})" if arg else ""))
+    lines.append(f"command line: --set {' '.join(sets)}; Python: load_config(path, {json.dumps(sets)})")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed keys zerojax does not build. Each is a real DeepSpeed key, not a typo: it loads with one
+# warning line when it cannot change the result, and is refused, with the reason, when it would.
+
+class Foreign(typing.NamedTuple):
+    """A DeepSpeed key without a zerojax implementation."""
+    what: str                    # what it does in DeepSpeed
+    effect: str                  # why leaving it out does not change the result here
+    alternative: str             # what to use in zerojax instead
+    refuse: Callable[[Any], str | None] | None = None  # the reason to refuse this value, if any
+    refused_when: str = ""       # the values `refuse` refuses, for the reference
+
+
+def _enabled(value: Any) -> bool:
+    """A section's `enabled` (or the value itself) is on; "auto" counts as off (the Trainer's default)."""
+    if isinstance(value, Mapping):
+        value = value.get("enabled", False)
+    return value is True or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
+
+
+def _refuse_if_enabled(why: str) -> Callable[[Any], str | None]:
+    return lambda value: why if _enabled(value) else None
+
+
+def _find(value: Any, names: Sequence[str]) -> list[tuple[str, Any]]:
+    """(name, value) of every key in `names` anywhere inside a nested section."""
+    out: list[tuple[str, Any]] = []
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if k in names:
+                out.append((k, v))
+            out += _find(v, names)
+    return out
+
+
+def _refuse_tensor_parallel(value: Any) -> str | None:
+    for name, size in _find(value, ("autotp_size", "tp_size")):
+        if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 1:
+            return (f"{name}: {size} splits every layer over {size} devices, a different program; zerojax "
+                    f"shards model state with ZeRO-3 (zero_optimization.stage: 3) and layers with pipeline "
+                    f"stages (mesh.stage)")
+    return None
+
+
+def _refuse_above_one(why: str) -> Callable[[Any], str | None]:
+    return lambda value: why if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and value > 1 else None
+
+
+_NO_EFFECT = "none: it changes how fast or where DeepSpeed runs, not what it computes"
+FOREIGN_KEYS: dict[str, Foreign] = {
+    # top level
+    "compile": Foreign("torch.compile of the model", "none: the whole step is always compiled by XLA "
+                       "under jax.jit", "nothing to do"),
+    "tensor_parallel": Foreign("AutoTP tensor parallelism", "none at tp size 1", "ZeRO-3 or mesh.stage",
+                               _refuse_tensor_parallel, refused_when="autotp_size or tp_size above 1"),
+    "autotuning": Foreign("the autotuner, which launches trial runs to pick batch size and ZeRO knobs",
+                          "none on this run", "choose train_micro_batch_size_per_gpu and the stage yourself"),
+    "data_efficiency": Foreign("curriculum learning and data routing", "none while disabled",
+                               "order or filter the batches you pass to train_batch",
+                               _refuse_if_enabled("enabled: it changes which tokens each step trains on"), refused_when="enabled"),
+    "curriculum_learning": Foreign("legacy curriculum learning", "none while disabled",
+                                   "order or filter the batches you pass to train_batch",
+                                   _refuse_if_enabled("enabled: it changes which tokens each step trains on"), refused_when="enabled"),
+    "aio": Foreign("async I/O for NVMe offload", "none: NVMe offload is refused anyway",
+                   "zero_optimization.offload_*.device: cpu"),
+    "seq_parallel_communication_data_type": Foreign("the dtype of sequence-parallel collectives",
+                                                    "none: there is no sequence parallelism", "nothing to do"),
+    "sequence_parallel_size": Foreign("Ulysses sequence parallelism", "none at size 1", "nothing to do",
+                                      _refuse_above_one("it splits every sequence over several devices"), refused_when="above 1"),
+    "disable_allgather": Foreign("broadcasts instead of all-gathers in ZeRO-1/2", _NO_EFFECT,
+                                 "nothing to do: XLA picks the collectives"),
+    "comms_config": Foreign("the communication logger's settings object", _NO_EFFECT, "comms_logger"),
+    "monitor_config": Foreign("the monitors' settings object", "none", "tensorboard / csv_monitor"),
+    "comet": Foreign("the Comet ML monitor", "none: monitors only record", "tensorboard or csv_monitor"),
+    "sparse_gradients": Foreign("sparse all-reduce of embedding gradients", _NO_EFFECT, "nothing to do"),
+    "graph_harvesting": Foreign("CUDA graph capture", _NO_EFFECT, "nothing to do: XLA compiles the step"),
+    "timers": Foreign("throughput timers", "none", "wall_clock_breakdown"),
+    "nebula": Foreign("the Nebula asynchronous checkpoint service", "none on training",
+                      "checkpoint.async_save"),
+    "datastates": Foreign("the DataStates asynchronous checkpoint engine", "none on training",
+                          "checkpoint.async_save"),
+    "eigenvalue": Foreign("Hessian eigenvalue estimation (for MoQ)", "none on the update", "nothing to do"),
+    "hybrid_engine": Foreign("the RLHF inference/training hybrid engine", "none on training steps",
+                             "nothing to do"),
+    "weight_quantization": Foreign("post-training weight quantization for inference", "none on training",
+                                   "nothing to do"),
+    "dataloader_drop_last": Foreign("DeepSpeed's own data loader", "none: zerojax takes whole batches from "
+                                    "you", "drop the last partial batch in your loader"),
+    "use_data_before_expert_parallel_": Foreign("an expert-parallel data layout switch",
+                                                "none without experts", "nothing to do"),
+    "amp": Foreign("NVIDIA Apex AMP mixed precision", "none while disabled", "bf16.enabled or fp16.enabled",
+                   _refuse_if_enabled("enabled: it would train in Apex's mixed precision"), refused_when="enabled"),
+    "torch_autocast": Foreign("torch.autocast mixed precision", "none while disabled",
+                              "bf16.enabled or fp16.enabled",
+                              _refuse_if_enabled("enabled: it would compute in lower precision"), refused_when="enabled"),
+    "sparse_attention": Foreign("DeepSpeed's sparse attention kernels", "none: the model defines attention",
+                                "write the attention you want in the model",
+                                lambda v: "it replaces the model's attention" if v else None, refused_when="given"),
+    "progressive_layer_drop": Foreign("progressive layer dropping", "none while disabled", "nothing to do",
+                                      _refuse_if_enabled("enabled: it skips layers during training"), refused_when="enabled"),
+    "compression_training": Foreign("quantization-aware training and pruning", "none while empty",
+                                    "nothing to do", lambda v: "it changes the model's weights during "
+                                                               "training" if _find(v, ("enabled",)) and any(
+                                        e is True for _, e in _find(v, ("enabled",))) else None, refused_when="any part enabled"),
+    "quantize_training": Foreign("MoQ quantization during training", "none while disabled", "nothing to do",
+                                 _refuse_if_enabled("enabled: it quantizes the weights"), refused_when="enabled"),
+    "elasticity": Foreign("elastic training (batch size chosen for the GPU count)", "none while disabled",
+                          "set the batch triad for your mesh",
+                          _refuse_if_enabled("enabled: it chooses a different batch size"), refused_when="enabled"),
+    "expert_parallel": Foreign("automatic expert parallelism", "none while disabled", "nothing to do",
+                               _refuse_if_enabled("enabled: it shards experts over devices"), refused_when="enabled"),
+    # zero_optimization
+    "zero_optimization.use_multi_rank_bucket_allreduce": Foreign("one all-reduce for several ranks' "
+                                                                 "buckets", _NO_EFFECT, "nothing to do"),
+    "zero_optimization.legacy_stage1": Foreign("the old ZeRO-1 implementation", "none: same maths",
+                                               "nothing to do"),
+    "zero_optimization.stage3_model_persistence_threshold": Foreign(
+        "a cap on unpartitioned parameter elements", "none on the result (memory only)",
+        "zero_optimization.stage3_param_persistence_threshold"),
+    "zero_optimization.model_persistence_threshold": Foreign(
+        "a cap on unpartitioned parameter elements", "none on the result (memory only)",
+        "zero_optimization.stage3_param_persistence_threshold"),
+    "zero_optimization.stage3_module_granularity_threshold": Foreign(
+        "fetching fine-grained modules as one unit", _NO_EFFECT, "nothing to do"),
+    "zero_optimization.module_granularity_threshold": Foreign(
+        "fetching fine-grained modules as one unit", _NO_EFFECT, "nothing to do"),
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": Foreign(
+        "all-reduce instead of all-gather to fetch parameters", _NO_EFFECT, "nothing to do"),
+    "zero_optimization.use_all_reduce_for_fetch_params": Foreign(
+        "all-reduce instead of all-gather to fetch parameters", _NO_EFFECT, "nothing to do"),
+    "zero_optimization.stage3_allgather_sequential": Foreign("unbucketed parameter all-gathers", _NO_EFFECT,
+                                                             "nothing to do"),
+    "zero_optimization.allgather_sequential": Foreign("unbucketed parameter all-gathers", _NO_EFFECT,
+                                                      "nothing to do"),
+    "zero_optimization.stage3_partition_stream_chunk_size": Foreign(
+        "chunked partitioning at zero.Init", "none on the result (memory only)", "nothing to do"),
+    "zero_optimization.partition_stream_chunk_size": Foreign(
+        "chunked partitioning at zero.Init", "none on the result (memory only)", "nothing to do"),
+    "zero_optimization.memory_efficient_linear": Foreign("a memory-saving linear layer for stage 3",
+                                                         "none on the result", "nothing to do"),
+    "zero_optimization.pipeline_loading_checkpoint": Foreign("loading a checkpoint into a pipeline at "
+                                                             "stage 3", "none", "nothing to do"),
+    "zero_optimization.override_module_apply": Foreign("a torch module hook for stage 3", "none",
+                                                       "nothing to do"),
+    "zero_optimization.log_trace_cache_warnings": Foreign("trace-cache logging", "none", "nothing to do"),
+    "zero_optimization.enable_sanity_checks": Foreign("internal ZeRO-3 checks", "none", "nothing to do"),
+    "zero_optimization.leaf_module": Foreign("modules fetched as one unit at stage 3", _NO_EFFECT,
+                                             "nothing to do"),
+    "zero_optimization.mics_hierarchical_params_gather": Foreign("MiCS's hierarchical all-gather",
+                                                                 _NO_EFFECT, "nothing to do"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": Foreign("Muon buffers outside NVMe",
+                                                                     "none", "nothing to do"),
+    "zero_optimization.zero_quantized_nontrainable_weights": Foreign(
+        "frozen weights stored quantized", "none while false", "nothing to do",
+        _refuse_if_enabled("true: frozen weights would be stored quantized"), refused_when="true"),
+    "zero_optimization.zeropp_loco_param": Foreign("LoCo error feedback for ZeRO++ quantized gradients",
+                                                   "none without zero_quantized_gradients", "nothing to do"),
+    "zero_optimization.zenflow": Foreign("ZenFlow's stale, asynchronous optimizer updates",
+                                         "none while absent", "nothing to do",
+                                         lambda v: "it applies updates late, which changes the result"
+                                         if v else None, refused_when="given"),
+    "zero_optimization.offload_optimizer.pipeline_read": Foreign("NVMe read pipelining", "none", "nothing to do"),
+    "zero_optimization.offload_optimizer.pipeline_write": Foreign("NVMe write pipelining", "none", "nothing to do"),
+    "zero_optimization.offload_optimizer.pipeline": Foreign("NVMe pipelining", "none", "nothing to do"),
+    "zero_optimization.offload_optimizer.super_offload": Foreign("SuperOffload's CPU optimizer pipeline",
+                                                                 _NO_EFFECT, "compute: host"),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": Foreign("CPU cores for the host Adam",
+                                                                      _NO_EFFECT, "nothing to do"),
+    # checkpoint
+    "checkpoint.parallel_write": Foreign("parallel checkpoint writing by pipeline stage", _NO_EFFECT,
+                                         "nothing to do: orbax writes shards in parallel"),
+    "checkpoint.writer": Foreign("DeepSpeed's fast checkpoint writer", _NO_EFFECT,
+                                 "checkpoint.async_save"),
+    # bf16
+    "bf16.bf16_master_weights_and_grads": Foreign(
+        "bf16 master weights and gradients", "none while false", "nothing to do",
+        _refuse_if_enabled("true: master weights would be bf16; zerojax keeps fp32 master weights"), refused_when="true"),
+    "bf16.bf16_optimizer_states": Foreign(
+        "bf16 optimizer state", "none while false", "nothing to do",
+        _refuse_if_enabled("true: optimizer state would be bf16; zerojax keeps it in fp32"), refused_when="true"),
+}
+
+
+def _foreign(path: str, value: Any, sources: dict[str, str]) -> bool:
+    """Accept a DeepSpeed-only key with one warning, or refuse it; False when `path` is not one."""
+    known = FOREIGN_KEYS.get(path)
+    if known is None:
+        return False
+    reason = known.refuse(value) if known.refuse is not None else None
+    if reason is not None:
+        raise ConfigError(f"{path}: DeepSpeed's {known.what} is not built in zerojax, and {reason}; "
+                          f"alternative: {known.alternative}; remove the key or turn it off")
+    _warn(sources, path, f"DeepSpeed's {known.what}: not built in zerojax; effect: {known.effect}; "
+                         f"alternative: {known.alternative}", "ignored (DeepSpeed-only key, not built)")
+    return True
+
+
+_SUGGEST_CUTOFF = 0.75
+
+
+def _foreign_here(prefix: str) -> list[str]:
+    """The DeepSpeed-only keys that live directly in section `prefix`, for suggestions."""
+    depth = prefix.count(".") + 1 if prefix else 0
+    return [p.rsplit(".", 1)[-1] for p in FOREIGN_KEYS
+            if p.count(".") == depth and (not prefix or p.startswith(prefix + "."))]
+
+
 def _did_you_mean(key: str, valid: Sequence[str], noun: str = "keys", where: str | None = None) -> str:
     """The nearest valid key; else, for a key that lives in another section, where it goes."""
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    # 0.75: a slip of a letter or two, a missing word; not a different key sharing a prefix
+    # (tensor_parallel is not tensorboard).
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=_SUGGEST_CUTOFF)
     if not close:
         lowered = {v.lower(): v for v in valid}
         close = [lowered[key.lower()]] if key.lower() in lowered else []
@@ -904,9 +1309,17 @@ def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Ma
     for key, value in raw.items():
         if not isinstance(key, str):
             raise ConfigError(f"{where}: key {key!r} must be a string")
+        if key.startswith("_"):
+            continue  # "_comment", "_read_the_docs": comments, as real configs write them
         name = alias_of.get(key, key)
         if name not in fields:
-            hint = _did_you_mean(key, list(fields) + list(alias_of), where=prefix)
+            if _foreign(_join(prefix, key), value, sources):
+                continue
+            if prefix == "optimizer.params" and key == "max_grad_norm":
+                raise ConfigError("optimizer.params.max_grad_norm: not a parameter of DeepSpeed's "
+                                  f"{cls.__doc__.split()[0]} optimizer; clip gradients with the top-level "
+                                  "gradient_clipping (e.g. \"gradient_clipping\": 1.0)")
+            hint = _did_you_mean(key, list(fields) + list(alias_of) + _foreign_here(prefix), where=prefix)
             if prefix in ("optimizer.params", "scheduler.params"):
                 hint += f" ({cls.__doc__.splitlines()[0]})"
             raise ConfigError(f"unknown key '{_join(prefix, key)}'{hint}")
@@ -943,6 +1356,7 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
     example = "AdamW" if name == "optimizer" else "WarmupLR"
     if not isinstance(raw, Mapping):
         raise ConfigError(f'{name}: expected {{"type": "{example}", "params": {{...}}}}, got {_show(raw)}')
+    raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("_"))}
     extra = set(raw) - {"type", "params"}
     if extra:
         key = sorted(map(str, extra))[0]
@@ -1062,14 +1476,14 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
 def _derive(config: Config, sources: dict[str, str]) -> Config:
     """Fill values DeepSpeed derives from other keys, and mark them 'derived'."""
     opt = config.optimizer
-    if isinstance(opt.params, AdamParams) and opt.params.weight_decay is None:
+    if opt is not None and isinstance(opt.params, AdamParams) and opt.params.weight_decay is None:
         torch_adamw = opt.params.torch_adam and (opt.type == "adamw" or opt.params.adam_w_mode)
         wd = 0.01 if torch_adamw else 0.0
         why = ("torch_adam: torch.optim.AdamW default" if torch_adamw else
                "torch_adam: torch.optim.Adam default" if opt.params.torch_adam else "FusedAdam default")
         opt = dataclasses.replace(opt, params=dataclasses.replace(opt.params, weight_decay=wd))
         sources["optimizer.params.weight_decay"] = f"derived ({why})"
-    if opt.type == "adamw" and isinstance(opt.params, AdamParams):
+    if opt is not None and opt.type == "adamw" and isinstance(opt.params, AdamParams):
         if sources.get("optimizer.params.adam_w_mode") and not opt.params.adam_w_mode:
             raise ConfigError("optimizer.params.adam_w_mode: false contradicts type AdamW; "
                               "use type Adam for L2-style weight decay")
@@ -1078,7 +1492,8 @@ def _derive(config: Config, sources: dict[str, str]) -> Config:
     sched = config.scheduler
     if sched is not None:
         p = sched.params
-        if type(p) is WarmupLRParams and p.warmup_max_lr is None:  # WarmupDecayLR keeps 0.001
+        if type(p) is WarmupLRParams and p.warmup_max_lr is None and config.optimizer is not None:
+            # WarmupDecayLR keeps 0.001; with the optimizer from code there is no lr to default to
             p = dataclasses.replace(p, warmup_max_lr=config.optimizer.params.lr)
             sources["scheduler.params.warmup_max_lr"] = "derived (optimizer.params.lr)"
         if isinstance(p, OneCycleParams):
@@ -1101,6 +1516,19 @@ def _derive(config: Config, sources: dict[str, str]) -> Config:
         zero = dataclasses.replace(zero, offload_optimizer=dataclasses.replace(zero.offload_optimizer,
                                                                                device="cpu"))
         sources["zero_optimization.offload_optimizer.device"] = "derived (cpu_offload: true)"
+    if zero.cpu_offload_param:
+        if zero.offload_param.device not in ("none", "cpu"):
+            raise ConfigError("zero_optimization.cpu_offload_param: true contradicts offload_param.device="
+                              f"{zero.offload_param.device}; keep only offload_param")
+        zero = dataclasses.replace(zero, offload_param=dataclasses.replace(zero.offload_param, device="cpu"))
+        sources["zero_optimization.offload_param.device"] = "derived (cpu_offload_param: true)"
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        # DeepSpeed reads offload_param only in stage 3; stages 0-2 keep parameters on the device.
+        _warn(sources, "zero_optimization.offload_param",
+              f"ignored at stage {zero.stage}, as DeepSpeed ignores it (parameter offload is a stage-3 "
+              f"feature); effect: none, parameters stay on the device; set zero_optimization.stage=3 to "
+              f"offload them", f"ignored (stage {zero.stage}; DeepSpeed reads it at stage 3 only)")
+        zero = dataclasses.replace(zero, offload_param=OffloadParamConfig())
     config = dataclasses.replace(config, zero_optimization=zero)
 
     if config.model.d_ff is None:
@@ -1111,6 +1539,29 @@ def _derive(config: Config, sources: dict[str, str]) -> Config:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run,
                                                                      log_every=config.steps_per_print))
         sources["run.log_every"] = "derived (steps_per_print)"
+    return _derive_non_finite(_derive_data_source(config, sources), sources)
+
+
+def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
+    """`run.non_finite: skip_step` is bf16's skip-on-overflow, for bf16 and fp32 alike."""
+    if config.run.non_finite != "skip_step" or config.bf16.check_grad_overflow:
+        return config
+    sources["bf16.check_grad_overflow"] = "derived (run.non_finite: skip_step)"
+    return dataclasses.replace(config, bf16=dataclasses.replace(config.bf16, check_grad_overflow=True))
+
+
+def _derive_data_source(config: Config, sources: dict[str, str]) -> Config:
+    """A `data.path` means "train on this file": it implies `data.source: file` unless the source is
+    written; a written `stdlib` next to a path would silently ignore the file, so that is an error."""
+    data = config.data
+    if data.path is None:
+        return config
+    if "data.source" not in sources:
+        sources["data.source"] = "derived (data.path is given)"
+        return dataclasses.replace(config, data=dataclasses.replace(data, source="file"))
+    if data.source != "file":
+        raise ConfigError(f"data.path: {data.path} is given but data.source is '{data.source}', which "
+                          f"ignores it; set data.source: file to train on the file, or remove data.path")
     return config
 
 
@@ -1119,6 +1570,12 @@ def _check(config: Config, sources: Mapping[str, str] | None = None) -> None:
     if config.fp16.enabled and config.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled: both true; choose one precision")
     _check_batch_keys(config, sources or {})
+    if config.optimizer is not None:
+        _check_optimizer(config)
+    _check_sections(config)
+
+
+def _check_optimizer(config: Config) -> None:
     opt = config.optimizer
     if config.zero_optimization.stage > 0 and opt.type not in ZERO_TESTED_OPTIMIZERS \
             and not config.zero_allow_untested_optimizer:
@@ -1140,13 +1597,16 @@ def _check(config: Config, sources: Mapping[str, str] | None = None) -> None:
         raise ConfigError("optimizer.params.nesterov: needs momentum > 0 and dampening 0 (as in torch)")
     if isinstance(opt.params, LambParams) and opt.params.min_coeff > opt.params.max_coeff:
         raise ConfigError("optimizer.params.min_coeff: larger than max_coeff; swap them")
+
+
+def _check_sections(config: Config) -> None:
     zero = config.zero_optimization
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
                           "(stage is 0); set zero_optimization.stage or remove offload_optimizer")
-    if zero.offload_param.device != "none" and zero.stage != 3:
-        raise ConfigError(f"zero_optimization.offload_param.device: parameter offload needs stage 3 "
-                          f"(stage is {zero.stage}); set zero_optimization.stage=3 or remove offload_param")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(zero, key).device == "nvme":
+            raise ConfigError(_NVME_REFUSED.format(key=key))
     pipe = config.pipeline
     if pipe.chunks > 1 and pipe.schedule != "interleaved":
         raise ConfigError(f"pipeline.chunks: {pipe.chunks} chunks per stage need pipeline.schedule: "
@@ -1182,6 +1642,10 @@ def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
     raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu")
 
 
+_NVME_REFUSED = ("zero_optimization.{key}.device: nvme is not supported (DeepSpeed's ZeRO-Infinity NVMe "
+                 "swapping is not built in zerojax); use cpu (host memory, docs/offload.md) or none")
+
+
 def unsupported_features(config: Config) -> list[str]:
     """Keys that parse and validate but whose feature is not built yet: using them is an error."""
     out = []
@@ -1190,8 +1654,7 @@ def unsupported_features(config: Config) -> list[str]:
         out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
     for key in ("offload_optimizer", "offload_param"):
         if getattr(zero, key).device == "nvme":
-            out.append(f"zero_optimization.{key}.device: nvme is not supported; use cpu (host memory, "
-                       f"docs/offload.md) or none")
+            out.append(_NVME_REFUSED.format(key=key))
     if zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.ratio < 1.0:
         out.append(f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
                    f"offload) is not supported; use 1.0")

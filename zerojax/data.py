@@ -7,14 +7,19 @@ resumes at any position by index alone.
 from __future__ import annotations
 
 import os
+import queue
 import sysconfig
+import threading
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from types import TracebackType
+from typing import Generic, Iterator, NamedTuple, TypeVar
 
 import numpy as np
 
 from zerojax.config import DataConfig
 from zerojax.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def stdlib_root() -> Path:
@@ -54,14 +59,24 @@ class Split(NamedTuple):
     val: np.ndarray
 
 
-def split_corpus(tokens: np.ndarray, val_fraction: float, seq_len: int) -> Split:
-    """The last `val_fraction` of the bytes is validation; both parts must hold a window."""
+def split_corpus(tokens: np.ndarray, val_fraction: float, seq_len: int, max_bytes: int | None = None) -> Split:
+    """The last `val_fraction` of the bytes is validation; both parts must hold a window.
+
+    `max_bytes` is the limit the corpus was read with: raising it helps only when it cut the
+    corpus short; a text that is itself too short needs a longer text (or a shorter window).
+    """
     cut = int(len(tokens) * (1 - val_fraction))
     train, val = tokens[:cut], tokens[cut:]
     for name, part in (("train", train), ("validation", val)):
         if len(part) <= seq_len + 1:
+            if max_bytes is None or len(tokens) >= max_bytes:
+                fix = "raise data.max_bytes or lower model.seq_len"
+            else:
+                fix = (f"the corpus itself has only {len(tokens)} bytes (data.max_bytes={max_bytes} is not what "
+                       f"limits it): use a longer text, lower model.seq_len"
+                       + (" or raise data.val_fraction" if name == "validation" else ""))
             raise ConfigError(f"data: the {name} split has {len(part)} bytes, fewer than model.seq_len + 2 "
-                              f"= {seq_len + 2}; raise data.max_bytes or lower model.seq_len")
+                              f"= {seq_len + 2}; {fix}")
     return Split(train, val)
 
 
@@ -98,3 +113,93 @@ class Batches:
         out = self.batch(self.position, self.local)
         self.position += 1
         return out
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+class _End(NamedTuple):
+    pass
+
+
+class Prefetch(Generic[T]):
+    """`source`'s items built up to `depth` ahead in a background thread, handed out in order.
+
+    The training loop dispatches a step and comes back for the next batch while the device still
+    runs it (`Engine.train_batch` returns without waiting for its step); the next batches are then
+    already built, so host and device overlap. `position` counts the items handed out from
+    `start` on, never those merely built ahead: it is what a checkpoint saves, so a resumed run
+    continues with exactly the batch that was next (the source must not be touched elsewhere while
+    the thread runs). An exception in the thread is raised here, from `next`, at the item where it
+    happened; `close()` (or leaving the `with` block) stops the thread, and a daemon thread never
+    holds up interpreter exit. `depth=0` builds each item on the caller's thread, with no thread.
+    """
+
+    def __init__(self, source: Iterator[T], depth: int = 2, start: int = 0, name: str = "zerojax-prefetch"):
+        if depth < 0:
+            raise ValueError(f"Prefetch: depth must be >= 0, got {depth}")
+        self.source, self.depth, self.position = source, depth, start
+        self._stop = threading.Event()
+        self._queue: queue.Queue[T | _Failed | _End] = queue.Queue(maxsize=max(depth, 1))
+        self._done = False
+        self._thread: threading.Thread | None = None
+        if depth:
+            self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
+            self._thread.start()
+
+    def _produce(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item: T | _Failed | _End = next(self.source)
+            except StopIteration:
+                item = _End()
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                item = _Failed(e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, (_End, _Failed)):
+                return
+
+    def __iter__(self) -> Iterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        if self._thread is None:
+            item = next(self.source)
+        else:
+            while True:
+                try:
+                    item = self._queue.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if not self._thread.is_alive() and self._queue.empty():
+                        raise RuntimeError("Prefetch: the producer thread ended without a result") from None
+            if isinstance(item, _End):
+                self._done = True
+                raise StopIteration
+            if isinstance(item, _Failed):
+                self._done = True
+                self.close()
+                raise item.error
+        self.position += 1
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the item it is building, then exits); idempotent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
+
+    def __enter__(self) -> "Prefetch[T]":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -9,18 +9,22 @@ step.py. Porting code keeps its shape:
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import Config, load_config
-from zerojax.distributed import check_consistency, global_array
-from zerojax.errors import LossScaleError
+from zerojax.distributed import InFlight, check_consistency, global_array
+from zerojax.errors import ConfigError, LossScaleError
 from zerojax.layout import MemoryReport, Plan, plan as make_plan
 from zerojax.mesh import make_mesh
+from zerojax.optim import ClientOptimizer, ScheduleFn
+from zerojax.precision import LossScaleState, update_loss_scale
 from zerojax.state import TrainState, init_state
 from zerojax.step import LossFn, check_batch, check_eval_batch, make_eval_step, make_train_step
 
@@ -31,8 +35,10 @@ if TYPE_CHECKING:
 class Engine:
     """Training state plus compiled train/eval steps for one config, mesh and model."""
 
-    def __init__(self, config: Config, params: Any, loss_fn: LossFn, mesh: Mesh):
-        plan = make_plan(config, mesh, params)
+    def __init__(self, config: Config | Mapping[str, Any] | str, params: Any, loss_fn: LossFn, mesh: Mesh, *,
+                 optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None):
+        config = load_config(config)  # a Config, a dict or a file path, as `initialize` takes it
+        plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler)
         self._start(config, mesh, loss_fn, plan, params, make_train_step(config, plan, loss_fn),
                     make_eval_step(config, plan, loss_fn))
 
@@ -45,6 +51,8 @@ class Engine:
         self.state: TrainState = init_state(config, plan, params)
         self._train_step, self._eval_step = train_step, eval_step
         self._pending: PendingSave | None = None
+        self._in_flight = InFlight()  # multi-process: no process runs steps ahead of its devices
+        self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
         self.loaded_extra: dict[str, Any] = {}
 
     # -- training ---------------------------------------------------------------------------
@@ -69,12 +77,47 @@ class Engine:
 
     def train_batch(self, batch: Any) -> dict[str, jax.Array]:
         """One optimizer step on a global batch (leading dimension train_batch_size; in a
-        multi-process run, host data may hold only this process's rows)."""
+        multi-process run, host data may hold only this process's rows).
+
+        Returns once the step is dispatched and the previous one has finished, so the host builds
+        and sends the next batch while this step runs (`dispatch_ahead`). With dynamic fp16 an
+        overflow at the minimum loss scale still raises `LossScaleError` from the call of the very
+        step that overflowed, as DeepSpeed does.
+        """
         batch = self._checked(batch, check_batch, self.plan.batch.train_batch_size)
+        risk = self._stuck_risk() if self.dispatch_ahead else None  # read before the step donates the state
         self.state, metrics = self._train_step(self.state, batch)
-        if self.plan.scaler.dynamic and bool(self.state.scaler.stuck):  # one flag per step, as DeepSpeed
+        self._in_flight.add(metrics)
+        if not self.dispatch_ahead:
+            jax.block_until_ready(metrics)
+        # Only a step whose input scale already sits at the minimum with its hysteresis spent can set
+        # `stuck` (precision.update_loss_scale), so the host waits for this step's flag only then;
+        # otherwise it waits for the previous step alone (`risk` is its output). Healthy runs stay one
+        # step ahead; a run at the minimum scale waits each step, and stops on the step that got stuck.
+        if self.plan.scaler.dynamic and (risk is None or bool(risk)) and bool(self.state.scaler.stuck):
+            # Should the caller catch this and train on, every later step is skipped (`stuck` is
+            # sticky and forces the overflow path in step._overflow): nothing is applied, and the
+            # next call raises again.
             raise LossScaleError(loss_scale_message(self.plan, self.state))
         return metrics
+
+    #: False: `train_batch` waits for its own step before returning (one host sync per step, the
+    #: behaviour before dispatch-ahead); for timing comparisons and debugging.
+    dispatch_ahead: bool = True
+
+    def _stuck_risk(self) -> jax.Array | None:
+        """Whether the next step could set the loss scaler's `stuck` flag (an overflow on it would),
+        as a device array computed from the current state, dispatched without waiting."""
+        if not self.plan.scaler.dynamic:
+            return None
+        if getattr(self, "_risk_fn", None) is None:
+            cfg = self.plan.scaler
+
+            def risk(scaler: LossScaleState, step: jax.Array) -> jax.Array:
+                return update_loss_scale(cfg, scaler, jnp.asarray(True), step, ~scaler.first_bad).stuck
+
+            self._risk_fn = jax.jit(risk)
+        return self._risk_fn(self.state.scaler, self.state.step)
 
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
@@ -112,9 +155,11 @@ class Engine:
                         extra: Mapping[str, Any] | None = None, async_save: bool | None = None) -> str:
         """Save everything needed to continue bit for bit; returns the tag (`global_step{N}` by default).
 
-        Asynchronous by default (`checkpoint.async_save`): training continues while it is written,
-        and the tag becomes `latest` only once complete. `extra` holds more JSON state (the trainer
-        keeps its data position there).
+        As in DeepSpeed, the save is complete and verifiable when this returns. `async_save=True`
+        (or `checkpoint.async_save: true`) opts in to writing in the background while training goes
+        on; the tag becomes `latest` only once complete, and a pending save is finished by the next
+        save or load, `wait_for_checkpoint()`, deleting the engine, or interpreter exit. `extra`
+        holds more JSON state (the trainer keeps its data position there). Relative paths are fine.
         """
         from zerojax import checkpoint  # orbax is imported only when checkpoints are used
         cfg = self.config.checkpoint
@@ -127,10 +172,20 @@ class Engine:
         return self._pending.tag
 
     def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous save has completed (call before exiting)."""
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        """Block until an asynchronous save has completed (raises if it failed)."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            pending.wait()
+
+    def __del__(self) -> None:
+        """`del engine` (or losing the last reference) finishes a pending save rather than dropping it."""
+        pending = getattr(self, "_pending", None)
+        if pending is None or pending.done() and pending._error is None:
+            return
+        try:
+            self.wait_for_checkpoint()
+        except Exception as e:  # noqa: BLE001 - nothing can be raised from a finalizer; say it instead
+            print(f"zerojax: {e}: {e.__cause__!r}", file=sys.stderr)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -178,23 +233,38 @@ def loss_scale_message(plan: Plan, state: TrainState) -> str:
 
 
 def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, loss_fn: LossFn | None = None,
-               mesh: Mesh | None = None, *, model: Any = None) -> Engine:
+               mesh: Mesh | None = None, *, model: Any = None, optimizer: ClientOptimizer | None = None,
+               lr_scheduler: ScheduleFn | None = None, hidden_size: int | None = None) -> Engine:
     """DeepSpeed's `initialize`, returning the engine alone.
 
     `config` is a Config, a dict or a JSON/hjson/YAML path (DeepSpeed keys mean what they mean in
     DeepSpeed). `mesh` defaults to the config's `mesh` section (all devices on one `data` axis, or
     `stage` x `data`). For a Flax NNX model use `zerojax.from_nnx(model, loss)` to get `params` and
-    `loss_fn`. For pipeline parallelism pass `model=zerojax.PipelineModule(...)` (the loss is the
+    `loss_fn`; `params` may be unbuilt (`zerojax.init_params(fn, ...)`, or `from_nnx` given a
+    constructor such as `lambda: Model(...)`), and are then built straight into the plan's shards. For pipeline parallelism pass `model=zerojax.PipelineModule(...)` (the loss is the
     module's; `params`, if given, are initial logical parameters shaped like `model.init()`).
+
+    `optimizer` / `lr_scheduler` are DeepSpeed's: with no optimizer section in the config, the
+    optimizer passed here trains (an optax transformation, or a factory such as `optax.adamw` driven by
+    `lr_scheduler`, an optax schedule, or by the config's scheduler section). `hidden_size` is the
+    model's width, for the Hugging Face "auto" values derived from it.
     """
     if model is not None:
         from zerojax.pipeline.engine import PipelineEngine  # the pipeline builds on this module
         if loss_fn is not None:
             raise TypeError("initialize: with model= the loss is the PipelineModule's loss_fn; drop loss_fn=")
-        config = load_config(config)
-        return PipelineEngine(config, model, mesh if mesh is not None else make_mesh(config), params)
+        config = load_config(config, hidden_size=hidden_size)
+        if optimizer is not None or lr_scheduler is not None:
+            raise TypeError("initialize: with model= (pipelines) the optimizer comes from the config's "
+                            "optimizer section; drop optimizer= / lr_scheduler=")
+        mesh = mesh if mesh is not None else make_mesh(config)
+        if config.optimizer is None:
+            raise ConfigError("optimizer: the pipeline engine needs the config's optimizer section; add one "
+                              'such as "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
+        return PipelineEngine(config, model, mesh, params)
     if params is None or loss_fn is None:
         raise TypeError("initialize: pass params= and loss_fn= (for a Flax NNX model: "
                         "params, loss_fn = zerojax.from_nnx(model, loss)), or model=PipelineModule(...)")
-    config = load_config(config)
-    return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config))
+    config = load_config(config, hidden_size=hidden_size)
+    return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config), optimizer=optimizer,
+                  lr_scheduler=lr_scheduler)

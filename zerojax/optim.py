@@ -18,17 +18,18 @@ used by the latest update are in `state.hyperparams`.
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.config import (AdagradParams, LambParams, LionParams, OptimizerConfig,
+from zerojax.config import (CLIENT_OPTIMIZER, AdagradParams, Config, LambParams, LionParams, OptimizerConfig,
                             SGDParams)
 from zerojax.errors import ConfigError
+from zerojax.schedules import Schedule, make_schedule
 
-__all__ = ["make_optimizer", "has_betas", "is_elementwise", "bias_corrections", "PER_TENSOR_OPTIMIZERS", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
+__all__ = ["make_optimizer", "update_rule", "CLIENT", "has_betas", "is_elementwise", "bias_corrections", "PER_TENSOR_OPTIMIZERS", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
            "TorchMomentumState", "scale_by_moments", "scale_by_clamped_trust_ratio",
            "scale_by_adagrad", "torch_momentum"]
 
@@ -47,8 +48,9 @@ PER_TENSOR_OPTIMIZERS = frozenset({"lamb"})
 
 
 def is_elementwise(optimizer_type: str) -> bool:
-    """Whether the update is elementwise per parameter shard (every optimizer but LAMB)."""
-    return optimizer_type.lower() not in PER_TENSOR_OPTIMIZERS
+    """Whether the update is elementwise per parameter shard (every optimizer but LAMB; an optimizer
+    passed in code is not known to be)."""
+    return optimizer_type.lower() not in PER_TENSOR_OPTIMIZERS | {CLIENT}
 
 
 def has_betas(optimizer_type: str) -> bool:
@@ -209,7 +211,7 @@ def adam_settings(config: OptimizerConfig) -> AdamSettings | None:
     DeepSpeed: type AdamW forces decoupled decay; type Adam follows adam_w_mode (default true).
     """
     kind, p = config.type.lower(), config.params
-    if kind not in ("adam", "adamw"):
+    if kind not in ("adam", "adamw") or p is None:
         return None
     return AdamSettings(decoupled=kind == "adamw" or bool(p.adam_w_mode), weight_decay=p.weight_decay or 0.0,
                         eps=p.eps, bias_correction=p.bias_correction)
@@ -299,3 +301,98 @@ def make_optimizer(config: OptimizerConfig, lr: ScheduleFn, beta1: ScheduleFn | 
         return wrap(learning_rate=lr)
     b1, b2 = config.params.betas
     return wrap(learning_rate=lr, b1=b1 if beta1 is None else beta1, b2=b2 if beta2 is None else beta2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The update rule of a run: the config's optimizer section, or the optimizer passed in code.
+
+# The optimizer type a plan records when the optimizer came from code (DeepSpeed's client optimizer).
+CLIENT = CLIENT_OPTIMIZER
+ClientOptimizer = Union[optax.GradientTransformation, Callable[..., optax.GradientTransformation]]
+
+_NO_OPTIMIZER = (
+    "optimizer: the config has no optimizer section and no optimizer was passed in code. DeepSpeed then "
+    "trains with the optimizer given to deepspeed.initialize; pass one the same way: "
+    "zerojax.initialize(config, params=..., loss_fn=..., optimizer=optax.adamw(3e-4)) (or "
+    "zerojax.plan(config, mesh, params, optimizer=...)), or add a section such as "
+    '"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
+
+
+def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
+                lr_scheduler: ScheduleFn | None = None
+                ) -> tuple[optax.GradientTransformation, Schedule, OptimizerConfig]:
+    """The transformation, its schedule and the optimizer config a plan records.
+
+    Without `optimizer` the config's section builds DeepSpeed's optimizer. With it, as DeepSpeed's
+    client optimizer, `optimizer` is an optax transformation (its lr is its own business), or a factory
+    taking `learning_rate` (`optax.adamw`, `functools.partial(optax.adamw, weight_decay=0.1)`) driven
+    by `lr_scheduler` (an optax schedule of the update count) or by the config's scheduler section.
+    """
+    section = config.optimizer
+    if optimizer is None:
+        if lr_scheduler is not None:
+            raise ConfigError("lr_scheduler: given without optimizer=; the config's optimizer section is "
+                              "driven by its scheduler section, so pass optimizer= too or write a scheduler "
+                              "section")
+        if section is None:
+            raise ConfigError(_NO_OPTIMIZER)
+        betas = section.params.betas if has_betas(section.type) else None
+        schedule = make_schedule(config.scheduler, section.params.lr, base_betas=betas)
+        return make_optimizer(section, schedule.lr, schedule.beta1, schedule.beta2), schedule, section
+    if section is not None:
+        log.warning("optimizer: the config's %s section is not used: the optimizer passed in code is, as "
+                    "DeepSpeed uses its client optimizer", section.type)
+    schedule = _client_schedule(config, lr_scheduler)
+    client = OptimizerConfig(type=CLIENT, params=None)
+    if isinstance(optimizer, optax.GradientTransformation):
+        if schedule is not None:
+            where = "lr_scheduler=" if lr_scheduler is not None else f"scheduler section ({config.scheduler.type})"
+            raise ConfigError(f"optimizer: a built optax transformation cannot be driven by the {where}; "
+                              f"pass a factory that takes learning_rate instead (optimizer=optax.adamw, or "
+                              f"functools.partial(optax.adamw, weight_decay=0.1)), or build the schedule "
+                              f"into the transformation and drop the scheduler")
+        return optimizer, Schedule(lr=_unknown_lr), client
+    if not callable(optimizer):
+        raise TypeError(f"optimizer: expected an optax GradientTransformation or a factory taking "
+                        f"learning_rate, got {type(optimizer).__name__}")
+    if schedule is None:
+        raise ConfigError("optimizer: a factory needs a learning rate: pass lr_scheduler= (an optax schedule, "
+                          "e.g. optax.constant_schedule(3e-4)) or write a scheduler section, or pass the "
+                          "transformation itself (optimizer=optax.adamw(3e-4))")
+    tx = optax.inject_hyperparams(optimizer, hyperparam_dtype=jnp.float32)(learning_rate=schedule.lr)
+    return tx, schedule, client
+
+
+def _unknown_lr(count: jax.Array | int) -> jax.Array:
+    """A built transformation keeps its lr to itself: reported as NaN."""
+    del count
+    return jnp.full((), jnp.nan, jnp.float32)
+
+
+def _client_schedule(config: Config, lr_scheduler: ScheduleFn | None) -> Schedule | None:
+    """The schedule for an optimizer passed in code: lr_scheduler=, else the config's section."""
+    sched = config.scheduler
+    if lr_scheduler is not None:
+        if sched is not None:
+            log.warning("lr_scheduler: not used: the config's %s section drives the lr, as DeepSpeed prefers "
+                        "its configured scheduler", sched.type)
+        else:
+            return Schedule(lr=lambda count: jnp.asarray(lr_scheduler(count), jnp.float32))
+    if sched is None:
+        return None
+    p = sched.params
+    if sched.type == "WarmupCosineLR":
+        raise ConfigError("scheduler.type: WarmupCosineLR scales the optimizer's lr, and an optimizer passed "
+                          "in code has none zerojax can read; pass lr_scheduler= (e.g. "
+                          "optax.warmup_cosine_decay_schedule) or use WarmupDecayLR")
+    if getattr(p, "warmup_max_lr", 0.0) is None:
+        raise ConfigError("scheduler.params.warmup_max_lr: required when the optimizer is passed in code "
+                          "(there is no optimizer.params.lr to default to); write the peak lr")
+    if p.last_batch_iteration != -1:
+        raise ConfigError("scheduler.params.last_batch_iteration: resuming a schedule reads the optimizer's "
+                          "own lr, which an optimizer passed in code keeps to itself; use -1 and restore a "
+                          "checkpoint instead")
+    if sched.type == "OneCycle" and p.cycle_momentum:
+        raise ConfigError("scheduler.params.cycle_momentum: OneCycle cycles the optimizer's beta1, which an "
+                          "optimizer passed in code keeps to itself; set cycle_momentum: false")
+    return make_schedule(sched, float("nan"), base_betas=None)

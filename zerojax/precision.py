@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.config import Config
+from zerojax.errors import ConfigError
 
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -34,8 +35,22 @@ class Policy(NamedTuple):
 
 
 def policy(config: Config) -> Policy:
+    """The dtypes of a config, with DeepSpeed's rule for the gradient accumulator.
+
+    `data_types.grad_accum_dtype` defaults to the model dtype (DeepSpeed's engine since 0.17.6;
+    before, bf16 without ZeRO accumulated in fp32). Without ZeRO (stage 0) DeepSpeed accepts no other
+    accumulator dtype (its optimizer sanity check raises "unsupported mix"); with ZeRO a different
+    one is a separate accumulator, which zerojax keeps too.
+    """
     param = _DTYPES[config.compute_dtype]
     accum = _DTYPES[config.data_types.grad_accum_dtype] if config.data_types.grad_accum_dtype else param
+    if config.zero_optimization.stage == 0 and jnp.dtype(accum) != jnp.dtype(param):
+        raise ConfigError(
+            f"data_types.grad_accum_dtype: '{config.data_types.grad_accum_dtype}' differs from the model "
+            f"dtype {config.compute_dtype} at zero_optimization.stage 0; without ZeRO DeepSpeed accumulates "
+            f"gradients in the model dtype and rejects other mixes; remove the key to accumulate in "
+            f"{config.compute_dtype}, or use zero_optimization.stage 1 or higher for a separate "
+            f"{config.data_types.grad_accum_dtype} accumulator")
     comm = _DTYPES[config.communication_data_type] if config.communication_data_type else None
     return Policy(param=jnp.dtype(param), master=jnp.dtype(jnp.float32), accum=jnp.dtype(accum),
                   comm=None if comm is None else jnp.dtype(comm))

@@ -1,15 +1,16 @@
 """The train state as an explicit pytree, and its creation in the plan's layout."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from zerojax.config import Config
+from zerojax.config import Config, as_config
 from zerojax.layout import Plan
 from zerojax.offload import to_device
 from zerojax.precision import LossScaleState, init_loss_scale
+from zerojax.sharded_init import ParamsInit, abstract_params, build
 
 
 class TrainState(NamedTuple):
@@ -84,21 +85,34 @@ def check_params(plan: Plan, params: Any) -> None:
         raise ValueError(f"init_state: parameter shapes differ from the plan's:\n{lines}")
 
 
-def init_state(config: Config, plan: Plan, params: Any, rng: jax.Array | int | None = None) -> TrainState:
-    """Place `params` (any placement, any float dtype) into a fresh train state of the plan.
+def init_state(config: Config | Any, plan: Plan, params: Any, rng: jax.Array | int | None = None) -> TrainState:
+    """Place `params` (any placement, any float dtype) into a fresh train state of the plan; an
+    unbuilt `zerojax.init_params(...)` is built there, straight into the plan's shards.
 
-    `config` must be the one the plan was made from; it is taken for symmetry with
-    `make_train_step` and checked. `rng` (a key or a seed; default `run.seed`) is the base key
-    of loss functions that take one.
+    `config` (a Config, a dict or a file path) must be the one the plan was made from: its
+    `run.seed` is the default `rng` (a key or a seed), the base key of loss functions that take one.
     """
+    config = as_config(config)
     if config.zero_optimization.stage != plan.stage:
         raise ValueError(f"init_state: config has ZeRO stage {config.zero_optimization.stage} but the "
                          f"plan was made for stage {plan.stage}; pass the plan's config")
-    check_params(plan, params)
+    as_config(config, plan.config, "init_state")
+    check_params(plan, abstract_params(params))
+    fn, args = _init_fn(plan, params, _key_data(config.run.seed if rng is None else rng))
+    return fn(*args)
+
+
+def _init_fn(plan: Plan, params: Any, key: jax.Array) -> tuple[Callable[..., TrainState], tuple[Any, ...]]:
+    """The jitted state constructor and its arguments (`.lower(*args)` shows its memory).
+
+    An unbuilt `ParamsInit` runs inside it, each parameter constrained to its update placement
+    (sharded from stage 1 on) as it is made, so it is computed shard by shard."""
     pol = plan.policy
-    key = _key_data(config.run.seed if rng is None else rng)
+    pending = params if isinstance(params, ParamsInit) else None
 
     def init(params: Any, key: jax.Array) -> TrainState:
+        if pending is not None:
+            params = build(pending, plan.update_shardings)
         params = to_device(params)  # computed on the device, whatever memory they come from
         master = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(pol.master), s),
                               params, plan.update_shardings)
@@ -108,7 +122,8 @@ def init_state(config: Config, plan: Plan, params: Any, rng: jax.Array | int | N
                           opt_state=plan.tx.init(master), step=zero, skipped=zero,
                           scaler=init_loss_scale(plan.scaler, plan.n_leaves), rng=key)
 
-    return jax.jit(init, out_shardings=state_shardings(plan))(params, key)
+    jitted = jax.jit(init, out_shardings=state_shardings(plan))
+    return jitted, (None if pending is not None else params, key)
 
 
 def _key_data(rng: jax.Array | int) -> jax.Array:

@@ -1,0 +1,197 @@
+"""What each config key does here: honoured, accepted with no effect by design, or refused.
+
+DeepSpeed gives every key a meaning; a key that loads must either have it here, have none by design
+(and say why), or be refused. `docs/config.md` prints the status next to each key, and a test walks
+the schema and fails on a key without one, so a new key cannot arrive unclassified.
+"""
+from __future__ import annotations
+
+HONOURED = "honoured"
+NO_EFFECT = "no effect by design"
+REFUSED = "refused"
+KINDS = (HONOURED, NO_EFFECT, REFUSED)
+
+_BUCKETS = f"{NO_EFFECT}: XLA schedules, fuses and overlaps the collectives itself"
+_UNUSED_ACT = f"{NO_EFFECT}: the model's own remat decides what is saved (`model.remat`)"
+_NVME = f"{NO_EFFECT}: NVMe offload is refused"
+_SECTION = HONOURED + " (see its keys)"
+_LOG = f"{HONOURED} (the run's metrics writer)"
+_GPT = f"{HONOURED} (the embedded GPT that train.py and the CLI train)"
+_RUN = f"{HONOURED} (train.py and `zerojax train`)"
+
+# Dotted key -> status. The first word group is one of KINDS; what follows says how or why.
+KEY_STATUS: dict[str, str] = {
+    "train_batch_size": HONOURED,
+    "train_micro_batch_size_per_gpu": HONOURED,
+    "gradient_accumulation_steps": HONOURED,
+    "optimizer": HONOURED + " (none: the optimizer passed in code)",
+    "optimizer.type": HONOURED + "; 1-bit optimizers refused",
+    "optimizer.params": _SECTION,
+    "scheduler": HONOURED,
+    "scheduler.type": HONOURED,
+    "scheduler.params": _SECTION,
+    "gradient_clipping": HONOURED,
+    "fp16": _SECTION,
+    "bf16": _SECTION,
+    "zero_optimization": _SECTION,
+    "zero_allow_untested_optimizer": HONOURED,
+    "zero_force_ds_cpu_optimizer": f"{NO_EFFECT}: the offloaded update is always the configured optimizer",
+    "activation_checkpointing": _SECTION,
+    "data_types": _SECTION,
+    "communication_data_type": HONOURED,
+    "prescale_gradients": f"{NO_EFFECT}: gradients are averaged exactly either way",
+    "gradient_predivide_factor": f"{NO_EFFECT}: gradients are averaged exactly either way",
+    "steps_per_print": HONOURED,
+    "wall_clock_breakdown": HONOURED,
+    "memory_breakdown": f"{NO_EFFECT}: the start-up table prints per-device bytes of every role",
+    "dump_state": HONOURED,
+    "tensorboard": _SECTION,
+    "csv_monitor": _SECTION,
+    "wandb": _SECTION,
+    "flops_profiler": _SECTION,
+    "comms_logger": _SECTION,
+    "pipeline": _SECTION,
+    "checkpoint": _SECTION,
+    "kernels": HONOURED,
+    "mesh": _SECTION,
+    "model": _SECTION,
+    "data": _SECTION,
+    "run": _SECTION,
+    "distributed": _SECTION,
+    # optimizer params (every type)
+    "optimizer.params.lr": HONOURED,
+    "optimizer.params.betas": HONOURED,
+    "optimizer.params.eps": HONOURED,
+    "optimizer.params.weight_decay": HONOURED,
+    "optimizer.params.adam_w_mode": HONOURED,
+    "optimizer.params.torch_adam": HONOURED + " (the weight_decay default it implies)",
+    "optimizer.params.fused": f"{NO_EFFECT}: an implementation selector; XLA fuses the update either way",
+    "optimizer.params.bias_correction": HONOURED,
+    "optimizer.params.amsgrad": f"{REFUSED} when true (DeepSpeed's fused Adam refuses it too)",
+    "optimizer.params.max_coeff": HONOURED,
+    "optimizer.params.min_coeff": HONOURED,
+    "optimizer.params.max_grad_norm": f"{REFUSED} when not 0 (use gradient_clipping)",
+    "optimizer.params.initial_accumulator_value": HONOURED,
+    "optimizer.params.momentum": HONOURED,
+    "optimizer.params.dampening": HONOURED,
+    "optimizer.params.nesterov": HONOURED,
+    # scheduler params (every type)
+    **{f"scheduler.params.{k}": HONOURED for k in (
+        "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration",
+        "total_num_steps", "warmup_min_ratio", "cos_min_ratio", "cycle_min_lr", "cycle_max_lr",
+        "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size", "cycle_first_stair_count",
+        "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom",
+        "decay_mom_rate", "lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+        "lr_range_test_staircase")},
+    # fp16 / bf16
+    "fp16.enabled": HONOURED,
+    "fp16.auto_cast": f"{NO_EFFECT}: the model decides its input dtypes (it is handed fp16 parameters)",
+    "fp16.loss_scale": HONOURED,
+    "fp16.initial_scale_power": HONOURED,
+    "fp16.loss_scale_window": HONOURED,
+    "fp16.hysteresis": HONOURED,
+    "fp16.consecutive_hysteresis": HONOURED,
+    "fp16.min_loss_scale": HONOURED,
+    "fp16.fp16_master_weights_and_grads": f"{REFUSED} when true (master weights stay fp32)",
+    "bf16.enabled": HONOURED,
+    "bf16.check_grad_overflow": HONOURED,
+    "bf16.immediate_grad_update": f"{NO_EFFECT}: gradients are applied once, at the accumulation boundary",
+    # zero_optimization
+    "zero_optimization.stage": HONOURED,
+    "zero_optimization.contiguous_gradients": _BUCKETS,
+    "zero_optimization.reduce_scatter": f"{NO_EFFECT}: stages 2-3 always reduce-scatter gradients",
+    "zero_optimization.reduce_bucket_size": _BUCKETS,
+    "zero_optimization.allgather_partitions": _BUCKETS,
+    "zero_optimization.allgather_bucket_size": _BUCKETS,
+    "zero_optimization.overlap_comm": HONOURED + " (stage 3: scanned layers prefetch the next layer's gather)",
+    "zero_optimization.load_from_fp32_weights": f"{NO_EFFECT}: checkpoints always hold the fp32 master copy",
+    "zero_optimization.elastic_checkpoint": f"{NO_EFFECT}: every checkpoint restores onto any mesh",
+    "zero_optimization.offload_optimizer": _SECTION,
+    "zero_optimization.offload_param": HONOURED + " at stage 3; ignored with a warning below it, as in DeepSpeed",
+    "zero_optimization.cpu_offload": HONOURED + " (offload_optimizer.device: cpu)",
+    "zero_optimization.cpu_offload_param": HONOURED + " (offload_param.device: cpu)",
+    "zero_optimization.cpu_offload_use_pin_memory": f"{NO_EFFECT}: pin_memory defaults to true",
+    "zero_optimization.sub_group_size": _BUCKETS,
+    "zero_optimization.stage3_param_persistence_threshold": HONOURED,
+    "zero_optimization.stage3_prefetch_bucket_size": HONOURED + " (a layer is prefetched only if it fits; 0: off)",
+    "zero_optimization.stage3_max_live_parameters": HONOURED + " (prefetch only when two layers fit)",
+    "zero_optimization.stage3_max_reuse_distance": _BUCKETS,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save":
+        f"{NO_EFFECT}: saved and exported parameters are always whole",
+    "zero_optimization.round_robin_gradients": _BUCKETS,
+    "zero_optimization.ignore_unused_parameters": f"{NO_EFFECT}: unused parameters get zero gradients either way",
+    "zero_optimization.zero_hpz_partition_size": f"{REFUSED} above 1 (ZeRO++)",
+    "zero_optimization.zero_quantized_weights": f"{REFUSED} when true (ZeRO++)",
+    "zero_optimization.zero_quantized_gradients": f"{REFUSED} when true (ZeRO++)",
+    "zero_optimization.mics_shard_size": f"{REFUSED} above 0 (MiCS)",
+    "zero_optimization.offload_optimizer.device": HONOURED + " (none, cpu); nvme refused",
+    "zero_optimization.offload_optimizer.nvme_path": _NVME,
+    "zero_optimization.offload_optimizer.pin_memory": HONOURED,
+    "zero_optimization.offload_optimizer.buffer_count": _NVME,
+    "zero_optimization.offload_optimizer.fast_init": _NVME,
+    "zero_optimization.offload_optimizer.ratio": HONOURED + " at 1.0; below it refused (partial offload)",
+    "zero_optimization.offload_optimizer.compute": HONOURED,
+    "zero_optimization.offload_param.device": HONOURED + " (none, cpu); nvme refused",
+    "zero_optimization.offload_param.nvme_path": _NVME,
+    "zero_optimization.offload_param.pin_memory": HONOURED,
+    "zero_optimization.offload_param.buffer_count": _NVME,
+    "zero_optimization.offload_param.buffer_size": _NVME,
+    "zero_optimization.offload_param.max_in_cpu": _NVME,
+    # activation checkpointing
+    "activation_checkpointing.partition_activations": _UNUSED_ACT,
+    "activation_checkpointing.cpu_checkpointing": _UNUSED_ACT,
+    "activation_checkpointing.contiguous_memory_optimization": _UNUSED_ACT,
+    "activation_checkpointing.number_checkpoints": _UNUSED_ACT,
+    "activation_checkpointing.synchronize_checkpoint_boundary": _UNUSED_ACT,
+    "activation_checkpointing.profile": _UNUSED_ACT,
+    "data_types.grad_accum_dtype": HONOURED,
+    # monitors
+    **{f"{m}.{k}": _LOG for m in ("tensorboard", "csv_monitor") for k in ("enabled", "output_path", "job_name")},
+    "wandb.enabled": f"{REFUSED} when true (no network access)",
+    "wandb.group": f"{NO_EFFECT}: wandb is refused",
+    "wandb.team": f"{NO_EFFECT}: wandb is refused",
+    "wandb.project": f"{NO_EFFECT}: wandb is refused",
+    "flops_profiler.enabled": HONOURED,
+    "flops_profiler.profile_step": HONOURED,
+    "flops_profiler.recompute_fwd_factor": f"{NO_EFFECT}: FLOPs come from the compiled step, recomputation included",
+    "flops_profiler.module_depth": f"{NO_EFFECT}: the profile is one total of the compiled step",
+    "flops_profiler.top_modules": f"{NO_EFFECT}: the profile is one total of the compiled step",
+    "flops_profiler.detailed": f"{NO_EFFECT}: the profile is one total of the compiled step",
+    "flops_profiler.output_file": f"{NO_EFFECT}: the profile is printed in the run's log",
+    "comms_logger.enabled": f"{NO_EFFECT}: collectives are compiled into the step; see docs/benchmarks.md",
+    "comms_logger.verbose": f"{NO_EFFECT}: collectives are compiled into the step",
+    "comms_logger.prof_all": f"{NO_EFFECT}: collectives are compiled into the step",
+    "comms_logger.debug": f"{NO_EFFECT}: collectives are compiled into the step",
+    # pipeline
+    "pipeline.stages": f"{NO_EFFECT}: mesh.stage sets the stage count",
+    "pipeline.partition": HONOURED,
+    "pipeline.seed_layers": f"{NO_EFFECT}: each stage's layers come from one seeded initialization",
+    "pipeline.activation_checkpoint_interval": HONOURED,
+    "pipeline.pipe_partitioned": f"{NO_EFFECT}: activations between stages move as whole arrays",
+    "pipeline.grad_partitioned": f"{NO_EFFECT}: activation gradients between stages move as whole arrays",
+    "pipeline.schedule": HONOURED,
+    "pipeline.chunks": HONOURED,
+    # checkpoint
+    "checkpoint.tag_validation": f"{NO_EFFECT}: all processes write one tag together (a collective save)",
+    "checkpoint.load_universal": f"{NO_EFFECT}: every checkpoint is universal",
+    "checkpoint.use_node_local_storage": f"{NO_EFFECT}: each process writes its own shards wherever the path is",
+    "checkpoint.async_save": HONOURED,
+    "checkpoint.max_to_keep": HONOURED,
+    "checkpoint.keep_every_n_steps": HONOURED,
+    # zerojax's own sections
+    "mesh.data": HONOURED,
+    "mesh.stage": HONOURED,
+    "mesh.cpu_devices": HONOURED,
+    **{f"model.{k}": _GPT for k in ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
+                                    "remat", "init_std")},
+    **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed")},
+    **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",
+                                  "checkpoint_dir", "save_every", "non_finite", "signal_save_seconds")},
+    **{f"distributed.{k}": HONOURED for k in ("coordinator_address", "num_processes", "process_id", "join",
+                                              "initialization_timeout", "check_consistency", "hang_timeout")},
+}
+
+
+def status(path: str) -> str:
+    """The status of a dotted key; KeyError for a key without one."""
+    return KEY_STATUS[path]
