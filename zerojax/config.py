@@ -425,16 +425,30 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The embedded byte-level GPT (used by train.py)."""
-    name: str = option("gpt", "Model family.", choices=("gpt",))
+    """The model train.py builds: the embedded byte-level GPT, or a Llama-family model."""
+    name: str = option("gpt", "Model family: gpt (learned positions, LayerNorm, GELU; GPT-2's shape) or llama "
+                              "(RMSNorm, rotary positions, SwiGLU, grouped-query attention).",
+                       choices=("gpt", "llama"))
     vocab_size: int = option(256, "Vocabulary (256: bytes).", gt=0)
     seq_len: int = option(128, "Context length in tokens.", gt=0)
     d_model: int = option(128, "Width.", gt=0)
     n_layers: int = option(4, "Transformer blocks (stacked and scanned).", gt=0)
     n_heads: int = option(4, "Attention heads; must divide d_model.", gt=0)
-    d_ff: Optional[int] = option(None, "MLP width (default: 4 * d_model).", gt=0)
+    d_ff: Optional[int] = option(None, "MLP width (default: 4 * d_model for gpt; for llama 8/3 * d_model "
+                                       "rounded up to a multiple of 64).", gt=0)
     remat: bool = option(True, "Rematerialize each block in the backward pass.")
     init_std: float = option(0.02, "Std of the normal initializer.", gt=0)
+    n_kv_heads: Optional[int] = option(None, "llama: key/value heads of grouped-query attention; must divide "
+                                             "n_heads (default: n_heads, plain multi-head attention).", gt=0)
+    rope_theta: float = option(10000.0, "llama: base of the rotary position embedding frequencies.", gt=0)
+    norm_eps: Optional[float] = option(None, "Epsilon of the norms (default: 1e-6 for gpt, 1e-5 for llama; "
+                                             "GPT-2 uses 1e-5).", gt=0)
+    tie_embeddings: bool = option(False, "llama: the LM head is the transposed token embedding (no head "
+                                         "parameter).")
+    hf_checkpoint: Optional[str] = option(
+        None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
+              "not; Llama-family or GPT-2) to start from: its weights are read straight into the plan's "
+              "shards, and model keys not given are taken from its config.json.")
 
 
 @dataclass(frozen=True)
@@ -1531,15 +1545,45 @@ def _derive(config: Config, sources: dict[str, str]) -> Config:
         zero = dataclasses.replace(zero, offload_param=OffloadParamConfig())
     config = dataclasses.replace(config, zero_optimization=zero)
 
-    if config.model.d_ff is None:
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model,
-                                                                       d_ff=4 * config.model.d_model))
-        sources["model.d_ff"] = "derived (4 * d_model)"
+    config = _derive_model(config, sources)
     if config.run.log_every is None:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run,
                                                                      log_every=config.steps_per_print))
         sources["run.log_every"] = "derived (steps_per_print)"
     return _derive_non_finite(_derive_data_source(config, sources), sources)
+
+
+def _derive_model(config: Config, sources: dict[str, str]) -> Config:
+    """Model keys not given: from `model.hf_checkpoint`'s config.json, then each family's defaults."""
+    m = config.model
+    if m.hf_checkpoint is not None:
+        from zerojax.hf import model_keys  # reads config.json only
+        found, where = model_keys(m.hf_checkpoint, m.seq_len if "model.seq_len" in sources else None)
+        changes = {}
+        for key, value in found.items():
+            path = f"model.{key}"
+            if path in sources and getattr(m, key) != value:
+                raise ConfigError(f"{path}: {getattr(m, key)} given, but the checkpoint model.hf_checkpoint "
+                                  f"names has {value} ({where}); remove {path} from the config to take the "
+                                  f"checkpoint's value, or choose a checkpoint of that size")
+            if path not in sources:
+                changes[key] = value
+                sources[path] = f"derived (model.hf_checkpoint {where})"
+        m = dataclasses.replace(m, **changes)
+    if m.d_ff is None:
+        if m.name == "llama":
+            d_ff, why = -(-8 * m.d_model // 3 // 64) * 64, "8/3 * d_model rounded up to a multiple of 64"
+        else:
+            d_ff, why = 4 * m.d_model, "4 * d_model"
+        m = dataclasses.replace(m, d_ff=d_ff)
+        sources["model.d_ff"] = f"derived ({why})"
+    if m.n_kv_heads is None:
+        m = dataclasses.replace(m, n_kv_heads=m.n_heads)
+        sources["model.n_kv_heads"] = "derived (n_heads)"
+    if m.norm_eps is None:
+        m = dataclasses.replace(m, norm_eps=1e-5 if m.name == "llama" else 1e-6)
+        sources["model.norm_eps"] = f"derived ({m.name}'s default)"
+    return dataclasses.replace(config, model=m)
 
 
 def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
@@ -1623,6 +1667,15 @@ def _check_sections(config: Config) -> None:
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads: {m.n_heads} does not divide model.d_model {m.d_model}; "
                           f"choose a divisor such as {next(h for h in (8, 4, 2, 1) if m.d_model % h == 0)}")
+    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} does not divide model.n_heads {m.n_heads}; "
+                          f"each key/value head serves a whole group of query heads, so choose a divisor")
+    if m.name == "gpt" and m.n_kv_heads not in (None, m.n_heads):
+        raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} differs from n_heads, but the gpt model has "
+                          f"plain multi-head attention; remove it, or set model.name: llama")
+    if m.name == "gpt" and m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings: the gpt model keeps its own LM head; remove it, or set "
+                          "model.name: llama")
     if config.data.source == "file" and not config.data.path:
         raise ConfigError("data.path: required when data.source is 'file'; give a text file")
 

@@ -97,7 +97,7 @@ def _say(text: str) -> None:
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
-    """Train the embedded GPT as the config says; returns a summary (also written to summary.json).
+    """Train the model the config names (`model.name`: the embedded GPT or a Llama) as it says; returns a summary (also written to summary.json).
 
     `resume` is None for a fresh run; "latest", a checkpoint tag, or the path of a run, checkpoint or
     tag folder to continue a run under `run.output_dir` exactly where its checkpoint left off (state,
@@ -117,10 +117,23 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     mesh = make_mesh(config)
     model_cfg = config.model
     pipeline = None
+    params: Any = None
+    loss_fn: Any = None
+    if config.mesh.stage > 1 and (model_cfg.name != "gpt" or model_cfg.hf_checkpoint):
+        what = "model.hf_checkpoint" if model_cfg.hf_checkpoint else f"model.name: {model_cfg.name}"
+        raise ConfigError(f"mesh.stage: {config.mesh.stage} pipeline stages, but train.py pipelines only the "
+                          f"embedded GPT trained from scratch ({what} given); set mesh.stage: 1 (ZeRO-3 shards "
+                          f"the model over the data axis instead)")
     if config.mesh.stage > 1:  # the GPT as pipeline layers, cut into mesh.stage stages
         from zerojax.pipeline.step import make_pipeline_plan
         pipeline = make_pipeline_plan(config, mesh, gpt.pipeline_module(model_cfg, config.pipeline.partition))
         layout = pipeline.plan
+    elif model_cfg.name == "llama":
+        # The public path a user's NNX model takes: from_nnx(constructor, loss), built into its shards.
+        from zerojax.models import llama
+        from zerojax.sharded_init import abstract_params
+        params, loss_fn = llama.build(model_cfg, config.run.seed)
+        layout = make_plan(config, mesh, abstract_params(params))
     else:
         layout = make_plan(config, mesh, gpt.abstract_params(model_cfg))  # validates before data or compile
     rows = layout.batch.train_batch_size
@@ -160,10 +173,15 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         from zerojax.pipeline.engine import PipelineEngine  # each stage initializes its own layers
         engine: Engine = PipelineEngine(config, pipeline.module, mesh, pipeline=pipeline)
     else:
-        # Initialize straight into the sharded master layout: no device ever holds the whole model.
-        params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
-                         out_shardings=layout.update_shardings)()
-        engine = Engine(config, params, gpt.make_loss_fn(model_cfg), mesh)
+        if model_cfg.hf_checkpoint:  # each device reads only its own slices of the checkpoint's tensors
+            from zerojax.hf import load_params
+            beat(f"reading {model_cfg.hf_checkpoint}", allowance=FIRST_STEP_ALLOWANCE)
+            params = load_params(model_cfg.hf_checkpoint, model_cfg, layout.update_shardings)
+        elif params is None:
+            # Initialize straight into the sharded master layout: no device ever holds the whole model.
+            params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
+                             out_shardings=layout.update_shardings)()
+        engine = Engine(config, params, loss_fn or gpt.make_loss_fn(model_cfg), mesh)
         del params
     if resume:
         beat(f"loading checkpoint {resume_tag or 'latest'} from {ckpt_dir}", allowance=FIRST_STEP_ALLOWANCE)

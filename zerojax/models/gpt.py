@@ -23,6 +23,11 @@ from zerojax.collectives import gather, gathers_params
 from zerojax.config import ModelConfig
 
 
+def norm_eps(cfg: ModelConfig) -> float:
+    """The LayerNorm epsilon (`model.norm_eps`; 1e-6 unless set, GPT-2 checkpoints use 1e-5)."""
+    return cfg.norm_eps if cfg.norm_eps is not None else 1e-6
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block: causal self-attention and a GELU MLP."""
 
@@ -31,10 +36,11 @@ class Block(nnx.Module):
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         self.n_heads = cfg.n_heads
-        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        eps = norm_eps(cfg)
+        self.ln1 = nnx.LayerNorm(d, epsilon=eps, rngs=rngs)
         self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, rngs=rngs)
         self.proj = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, epsilon=eps, rngs=rngs)
         self.fc = nnx.Linear(d, f, kernel_init=init, rngs=rngs)
         self.out = nnx.Linear(f, d, kernel_init=out_init, rngs=rngs)
 
@@ -72,7 +78,7 @@ class GPT(nnx.Module):
             return Block(cfg, rngs=rngs)
 
         self.blocks = stacked(rngs)
-        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(d, epsilon=norm_eps(cfg), rngs=rngs)
         self.head = nnx.Linear(d, cfg.vocab_size, use_bias=False,
                                kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
 
@@ -123,7 +129,7 @@ def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Ar
     if cfg.remat:
         body = jax.checkpoint(body)
     x, _ = jax.lax.scan(body, x, params["blocks"])
-    x = _layer_norm(top["ln_f"], x)
+    x = _layer_norm(top["ln_f"], x, norm_eps(cfg))
     return jnp.einsum("btd,dv->btv", x, top["head"]["kernel"], preferred_element_type=jnp.float32)
 
 
@@ -157,12 +163,13 @@ class Head(nnx.Module):
     """Final layer norm and LM head: the last pipeline layer, giving float32 logits."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=norm_eps(cfg), rngs=rngs)
+        self.eps = norm_eps(cfg)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
                                kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = _layer_norm({"scale": self.ln_f.scale[...], "bias": self.ln_f.bias[...]}, x)
+        x = _layer_norm({"scale": self.ln_f.scale[...], "bias": self.ln_f.bias[...]}, x, self.eps)
         return jnp.einsum("btd,dv->btv", x, self.head.kernel[...], preferred_element_type=jnp.float32)
 
 
