@@ -1,4 +1,4 @@
-"""`zerojax train | launch | export | config explain`: the command line over load_config and the trainer."""
+"""`zerojax train | launch | export | import-hf | config explain`: the command line over load_config and the trainer."""
 from __future__ import annotations
 
 import argparse
@@ -28,12 +28,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="start N processes of a script joined through jax.distributed "
                         "(zerojax launch -n 2 train.py --config ...; see zerojax launch --help)")
 
-    export = sub.add_parser("export", help="write a checkpoint's parameters to one safetensors file")
+    export = sub.add_parser("export", help="write a checkpoint's parameters to one safetensors file (or, with "
+                                           "--format hf, a folder Hugging Face transformers loads)")
     export.add_argument("checkpoint_dir")
-    export.add_argument("--out", required=True, help="output .safetensors file")
+    export.add_argument("--out", required=True, help="output .safetensors file (--format hf: output folder)")
     export.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     export.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     export.add_argument("--force", action="store_true", help="replace --out if it already exists")
+    export.add_argument("--format", default="safetensors", choices=("safetensors", "hf"),
+                        help="safetensors: zerojax's parameter names in one file; hf: config.json + "
+                             "model.safetensors with transformers' names (llama and gpt models)")
+
+    import_hf = sub.add_parser("import-hf", help="check a local Hugging Face transformers checkpoint folder and "
+                                                 "print the model keys that train from it")
+    import_hf.add_argument("directory", help="folder with config.json and model.safetensors (or its index)")
 
     config = sub.add_parser("config", help="inspect a config")
     config_sub = config.add_subparsers(dest="action", required=True)
@@ -54,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "import-hf":
+            return _import_hf(args)
         return _explain(args)
     except (ConfigError, FileExistsError, FileNotFoundError) as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
@@ -92,9 +102,20 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        from zerojax.hf import export_checkpoint
+        path = export_checkpoint(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force)
+        print(f"wrote {path} (config.json, model.safetensors)")
+        return 0
     from zerojax.checkpoint import export_safetensors
     path = export_safetensors(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {path}")
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from zerojax.hf import describe
+    print(describe(args.directory))
     return 0
 
 
