@@ -16,7 +16,8 @@ _UNUSED_ACT = f"{NO_EFFECT}: the model's own remat decides what is saved (`model
 _NVME = f"{NO_EFFECT}: NVMe offload is refused"
 _SECTION = HONOURED + " (see its keys)"
 _LOG = f"{HONOURED} (the run's metrics writer)"
-_GPT = f"{HONOURED} (the embedded GPT that train.py and the CLI train)"
+_GPT = f"{HONOURED} (the model that train.py and the CLI train: the embedded GPT or the Llama)"
+_LLAMA = f"{HONOURED} (the Llama model, `model.name: llama`; the GPT refuses a non-default value)"
 _RUN = f"{HONOURED} (train.py and `zerojax train`)"
 
 # Dotted key -> status. The first word group is one of KINDS; what follows says how or why.
@@ -183,7 +184,11 @@ KEY_STATUS: dict[str, str] = {
     "mesh.stage": HONOURED,
     "mesh.cpu_devices": HONOURED,
     **{f"model.{k}": _GPT for k in ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
-                                    "remat", "init_std")},
+                                    "remat", "init_std", "norm_eps")},
+    **{f"model.{k}": _LLAMA for k in ("n_kv_heads", "tie_embeddings")},
+    "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",
+    "model.hf_checkpoint": f"{HONOURED} (train.py and `zerojax train`: the run starts from the checkpoint's "
+                           f"weights, read into the plan's shards)",
     **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed")},
     **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",
                                   "checkpoint_dir", "save_every", "non_finite", "signal_save_seconds")},
