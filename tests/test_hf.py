@@ -211,6 +211,12 @@ def test_import_hf_command_and_training_from_a_checkpoint(tmp_path: Path) -> Non
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     proc = run("train.py", "--config", str(tmp_path / "c.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # UTF-8 text has bytes past the fixture's 128 tokens: refused, not trained on as NaN
+    (tmp_path / "utf8.txt").write_text("café = 'crème brûlée'\n" * 400, encoding="utf-8")
+    cfg["data"] = {"path": str(tmp_path / "utf8.txt")}
+    (tmp_path / "bytes.json").write_text(json.dumps({**cfg, "run": {**cfg["run"], "output_dir": str(tmp_path / "b")}}))
+    refused = run("train.py", "--config", str(tmp_path / "bytes.json"))
+    assert refused.returncode == 2 and "model.vocab_size: 128, but the corpus holds byte value" in refused.stderr
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert np.isfinite(records[0]["loss"]) and records[0]["loss"] < 10.0  # not the NaN of out-of-range tokens
     proc = run("-m", "zerojax.cli", "export", str(tmp_path / "run" / "checkpoints"), "--format", "hf",

@@ -165,6 +165,11 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     out, ckpt_dir = Path(out_name), Path(ckpt_name)
     split = split_corpus(read_corpus(config.data), config.data.val_fraction, model_cfg.seq_len,
                          config.data.max_bytes)
+    top = int(max(split.train.max(initial=0), split.val.max(initial=0)))
+    if top >= model_cfg.vocab_size:  # an embedding lookup past the table gives NaN, not an error
+        raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size}, but the corpus holds byte value {top} "
+                          f"(train.py's tokens are bytes); use a vocabulary of at least {top + 1}, or text "
+                          f"whose bytes are below {model_cfg.vocab_size} (data.path)")
     mine = local_rows(layout.batch_sharding, rows)  # this process builds only its own rows
     train_batches = Batches(split.train, rows, model_cfg.seq_len, config.data.seed, local=mine)
     val_batches = Batches(split.val, rows, model_cfg.seq_len, config.data.seed + 1, local=mine)
