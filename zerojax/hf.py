@@ -78,7 +78,7 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
     where = f"{root / 'config.json'}"
     kind = hf.get("model_type")
 
-    def need(key: str, *names: str) -> Any:
+    def need(*names: str) -> Any:
         for name in names:
             if hf.get(name) is not None:
                 return hf[name]
@@ -89,33 +89,33 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
             raise HFError(f"model.hf_checkpoint: {where} has {key}: {json.dumps(hf[key])}; {why}")
 
     if kind == "llama":
-        d, heads = int(need("hidden_size", "hidden_size")), int(need("num_attention_heads", "num_attention_heads"))
+        d, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         refuse("hidden_act", "silu", "the llama model's MLP is SwiGLU (silu)")
         refuse("attention_bias", False, "the llama model has no attention biases")
         refuse("mlp_bias", False, "the llama model has no MLP biases")
         refuse("head_dim", d // heads, f"the llama model's head width is hidden_size / num_attention_heads "
                                        f"= {d // heads}")
         refuse("pretraining_tp", (1,), "tensor-parallel pretraining slices are not supported; use 1")
-        keys = {"name": "llama", "vocab_size": int(need("vocab_size", "vocab_size")), "d_model": d,
-                "n_layers": int(need("num_hidden_layers", "num_hidden_layers")), "n_heads": heads,
+        keys = {"name": "llama", "vocab_size": int(need("vocab_size")), "d_model": d,
+                "n_layers": int(need("num_hidden_layers")), "n_heads": heads,
                 "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
-                "d_ff": int(need("intermediate_size", "intermediate_size")),
+                "d_ff": int(need("intermediate_size")),
                 "rope_theta": _rope_theta(hf, where), "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
     elif kind == "gpt2":
-        d = int(need("n_embd", "n_embd", "hidden_size"))
+        d = int(need("n_embd", "hidden_size"))
         refuse("activation_function", ("gelu_new", "gelu_pytorch_tanh"),
                "the gpt model's MLP uses the tanh-approximated GELU (gelu_new)")
         refuse("scale_attn_by_inverse_layer_idx", False, "the gpt model does not scale attention by layer index")
         refuse("scale_attn_weights", True, "the gpt model scales attention scores by 1/sqrt(head width)")
         refuse("add_cross_attention", False, "cross-attention is not part of a causal LM")
-        positions = int(need("n_positions", "n_positions", "max_position_embeddings"))
+        positions = int(need("n_positions", "max_position_embeddings"))
         if seq_len is not None and seq_len > positions:
             raise HFError(f"model.seq_len: {seq_len} is longer than the {positions} learned positions of the "
                           f"GPT-2 checkpoint ({where}: n_positions); set model.seq_len <= {positions}")
-        keys = {"name": "gpt", "vocab_size": int(need("vocab_size", "vocab_size")), "d_model": d,
-                "n_layers": int(need("n_layer", "n_layer", "num_hidden_layers")),
-                "n_heads": int(need("n_head", "n_head", "num_attention_heads")),
+        keys = {"name": "gpt", "vocab_size": int(need("vocab_size")), "d_model": d,
+                "n_layers": int(need("n_layer", "num_hidden_layers")),
+                "n_heads": int(need("n_head", "num_attention_heads")),
                 "d_ff": int(hf.get("n_inner") or 4 * d), "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5))}
         if seq_len is None:
             keys["seq_len"] = positions
