@@ -5,6 +5,7 @@ layer inputs in host memory; bad values fail at load time."""
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -152,7 +153,8 @@ def test_policy_changes_what_the_gpt_keeps() -> None:
 
 
 def _host_puts(jaxpr: Any) -> int:
-    return str(jaxpr).count("MemorySpace.Host")
+    """Values placed in host memory (typed `<host>`) in a jaxpr."""
+    return str(jaxpr).count("<host>")
 
 
 def test_cpu_checkpointing_offloads_the_kept_layer_inputs() -> None:
@@ -162,13 +164,15 @@ def test_cpu_checkpointing_offloads_the_kept_layer_inputs() -> None:
     params, loss_fn, make_batch = plain_scan()
     batch = make_batch(ROWS, 0)
     counts = {}
-    for cpu in (False, True):
-        cfg = config(0, "nothing", cpu)
+    # stage 3 with overlap_comm: the prefetching scan keeps its per-layer input carries on the host
+    for stage, cpu in itertools.product((0, 3), (False, True)):
+        cfg = config(stage, "nothing", cpu)
         plan = zerojax.plan(cfg, data_mesh(), params)
         state = zerojax.init_state(cfg, plan, params)
         step = zerojax.make_train_step(cfg, plan, loss_fn)
-        counts[cpu] = _host_puts(jax.make_jaxpr(step)(state, batch))
-    assert counts[False] == 0 and counts[True] >= 1, counts
+        counts[stage, cpu] = _host_puts(jax.make_jaxpr(step)(state, batch))
+    assert counts[0, False] == counts[3, False] == 0 and counts[0, True] >= 1, counts
+    assert counts[3, True] > counts[0, True], counts
 
     ac = config(0, "dots", True).activation_checkpointing
     loss = gpt.make_loss_fn(CFG, ac)
@@ -196,6 +200,8 @@ def test_resolve_and_config_errors() -> None:
         ac(policy="everything", cpu_checkpointing=True)
     with pytest.raises(zerojax.ConfigError, match="activation_checkpointing.cpu_checkpointing"):
         ac(cpu_checkpointing="yes")
+    with pytest.raises(zerojax.ConfigError, match="activation_checkpointing.policy: not applied to pipeline"):
+        zerojax.load_config({"train_batch_size": 8, "mesh": {"stage": 2}, "activation_checkpointing": {"policy": "dots"}})
 
 
 def test_loss_without_a_policy_is_left_alone() -> None:
@@ -203,3 +209,28 @@ def test_loss_without_a_policy_is_left_alone() -> None:
     assert remat.for_loss(config(0), loss_fn) is loss_fn
     wrapped = remat.for_loss(config(0, "dots"), loss_fn)
     assert wrapped is not loss_fn and wrapped.__wrapped__ is loss_fn
+
+
+def test_loss_taking_rng_keeps_its_key_and_values() -> None:
+    """A loss with an `rng` parameter (dropout inside the scan) draws the same masks when checkpointed."""
+    params, _, make_batch = plain_scan()
+    from benchmarks.user_models import _block
+
+    def loss_fn(params: dict, batch: dict, rng: jax.Array) -> jax.Array:
+        h = batch["x"] @ params["w_in"]
+
+        def body(h: jax.Array, xs: Any) -> tuple[jax.Array, None]:
+            p, i = xs
+            keep = jax.random.bernoulli(jax.random.fold_in(rng, i), 0.8, h.shape)
+            return _block(jnp.where(keep, h / 0.8, 0.0), p), None
+
+        h, _ = jax.lax.scan(body, h, (params["layers"], jnp.arange(3)))
+        return jnp.mean(((h @ params["w_out"]) - batch["y"]) ** 2)
+
+    results = []
+    for policy in (None, "dots"):
+        engine = zerojax.initialize(config(0, policy), params=params, loss_fn=loss_fn, mesh=data_mesh())
+        losses = [float(engine.train_batch(make_batch(ROWS, i))["loss"]) for i in range(2)]
+        results.append((losses, to_numpy(engine.params)))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
+    assert_tree_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6, what="dropout loss, dots vs none")

@@ -448,7 +448,8 @@ class ModelConfig:
     n_layers: int = option(4, "Transformer blocks (stacked and scanned).", gt=0)
     n_heads: int = option(4, "Attention heads; must divide d_model.", gt=0)
     d_ff: Optional[int] = option(None, "MLP width (default: 4 * d_model).", gt=0)
-    remat: bool = option(True, "Rematerialize each block in the backward pass.")
+    remat: bool = option(True, "Rematerialize each block in the backward pass (keeping its input only); "
+                                "activation_checkpointing.policy or cpu_checkpointing, when set, decide instead.")
     init_std: float = option(0.02, "Std of the normal initializer.", gt=0)
 
 
@@ -1621,6 +1622,11 @@ def _check_sections(config: Config) -> None:
         raise ConfigError("activation_checkpointing.cpu_checkpointing: policy 'everything' keeps every "
                           "intermediate on the device and recomputes nothing, so there is nothing to offload; "
                           "choose policy nothing, dots_no_batch or dots, or set cpu_checkpointing: false")
+    if config.mesh.stage > 1 and (ac.policy is not None or ac.cpu_checkpointing):
+        key = "policy" if ac.policy is not None else "cpu_checkpointing"
+        raise ConfigError(f"activation_checkpointing.{key}: not applied to pipeline stages (mesh.stage is "
+                          f"{config.mesh.stage}); remove it and use pipeline.activation_checkpoint_interval, "
+                          "which rematerializes runs of layers inside each stage")
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
                           "(stage is 0); set zero_optimization.stage or remove offload_optimizer")

@@ -90,7 +90,8 @@ def prefetch_policy(plan: Plan) -> Prefetch | None:
     zero = plan.config.zero_optimization
     if not zero.overlap_comm or zero.stage3_prefetch_bucket_size <= 0:
         return None
-    return Prefetch(bucket=zero.stage3_prefetch_bucket_size, max_live=zero.stage3_max_live_parameters)
+    return Prefetch(bucket=zero.stage3_prefetch_bucket_size, max_live=zero.stage3_max_live_parameters,
+                    offload_carries=plan.config.activation_checkpointing.cpu_checkpointing)
 
 
 def _step_loss(loss_fn: LossFn, prefetch: Prefetch | None = None) -> Callable[[Any, Any, Any], jax.Array]:
