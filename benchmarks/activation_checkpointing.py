@@ -42,6 +42,11 @@ SETTINGS: list[tuple[str, Any]] = [
     ("nothing + cpu_checkpointing", {"policy": "nothing", "cpu_checkpointing": True}),
 ]
 STAGES = ("0", "3", "3+prefetch")
+NOTES = ("*everything* compiles to the step without checkpointing (the same temp). The scanned MLP's "
+         "matmuls have no batch dimensions, so *dots_no_batch* keeps what *dots* keeps; the GPT's attention "
+         "einsums (`bqhd,bkhd->bhqk`) have batch dimensions, which *dots_no_batch* recomputes. Under "
+         "`overlap_comm` prefetching the stack's backward pass is the prefetching scan's own, which keeps each "
+         "layer's input carry whatever the policy (docs/zero.md, \"Activation checkpointing\").")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -157,12 +162,13 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
               ("mlp", "3+prefetch"): "scanned MLP, ZeRO-3 (overlap_comm true: prefetch)"}
     for key, rows in results.items():
         base = rows["none (no checkpointing)"]["temp"]
-        out += [f"### {titles[key]}", "", "| setting | temp MiB | / none | step s | compile s |", "|---|---|---|---|---|"]
+        out += [f"### {titles[key]}", "", "| setting | temp MiB | / none | step s | compile s |",
+                "|---|---|---|---|---|"]
         for label, r in rows.items():
             out.append(f"| {label} | {r['temp'] / 2**20:.2f} | {r['temp'] / base:.2f} | {r['step_s']:.3f} | "
                        f"{r['compile_s']:.1f} |")
         out.append("")
-    out.append(END)
+    out += [NOTES, "", END]
     return "\n".join(out)
 
 

@@ -201,7 +201,8 @@ def test_resolve_and_config_errors() -> None:
     with pytest.raises(zerojax.ConfigError, match="activation_checkpointing.cpu_checkpointing"):
         ac(cpu_checkpointing="yes")
     with pytest.raises(zerojax.ConfigError, match="activation_checkpointing.policy: not applied to pipeline"):
-        zerojax.load_config({"train_batch_size": 8, "mesh": {"stage": 2}, "activation_checkpointing": {"policy": "dots"}})
+        zerojax.load_config({"train_batch_size": 8, "mesh": {"stage": 2},
+                             "activation_checkpointing": {"policy": "dots"}})
 
 
 def test_loss_without_a_policy_is_left_alone() -> None:
