@@ -235,3 +235,20 @@ def test_loss_taking_rng_keeps_its_key_and_values() -> None:
         results.append((losses, to_numpy(engine.params)))
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
     assert_tree_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6, what="dropout loss, dots vs none")
+
+
+def test_checkpoint_helper_wraps_one_layer_with_the_configured_policy() -> None:
+    """`remat.checkpoint(fn, config)`: DeepSpeed's checkpoint(fn, ...) for a loss that places its own remat."""
+    def layer(h: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.tanh(jnp.tanh(h @ w) @ w.T)
+
+    h = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(8, 16)), jnp.float32)
+    grad = lambda f: jax.grad(lambda h, w: f(h, w).sum(), argnums=(0, 1))  # noqa: E731
+    want = grad(layer)(h, w)
+    for policy, cpu in (("nothing", False), ("dots", True)):
+        wrapped = remat.checkpoint(layer, config(0, policy, cpu))
+        eqn = jax.make_jaxpr(wrapped)(h, w).jaxpr.eqns[0]
+        assert eqn.params["policy"] == remat.Remat(policy, cpu).policy
+        assert_tree_close(to_numpy(grad(wrapped)(h, w)), to_numpy(want), rtol=1e-6, atol=1e-7, what=policy)
+    assert remat.checkpoint(layer, config(0, "everything")) is layer

@@ -87,11 +87,6 @@ class Remat:
         return {"nothing": cp.nothing_saveable, "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
                 "dots": cp.dots_saveable, "everything": cp.everything_saveable}[self.save]
 
-    def describe(self) -> str:
-        kept = {"nothing": "layer inputs", "dots_no_batch": "layer inputs and matmul outputs without batch "
-                "dimensions", "dots": "layer inputs and matmul outputs", "everything": "everything"}[self.save]
-        return f"activation checkpointing: keeps {kept}" + (f", offloaded to {HOST}" if self.offload else "")
-
     def wrap(self, layer: Callable[..., Any], *, prevent_cse: bool = True) -> Callable[..., Any]:
         """`layer(x, *rest)` checkpointed with this policy; its first argument is named LAYER_INPUT."""
         if self.save == "everything" and not self.offload:
