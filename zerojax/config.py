@@ -59,6 +59,11 @@ def section(cls: type) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# Activation checkpointing policies (zerojax/remat.py).
+POLICY_CHOICES = ("nothing", "dots_no_batch", "dots", "everything")
+
+
+# ---------------------------------------------------------------------------------------------
 # Optimizers (DeepSpeed "optimizer": {"type", "params"}); one params class per type.
 
 @dataclass(frozen=True)
@@ -321,13 +326,23 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class ActivationCheckpointingConfig:
-    """Activation checkpointing (rematerialization); the embedded GPT follows `model.remat`."""
-    partition_activations: bool = option(False, "Accepted; XLA places saved activations.")
-    cpu_checkpointing: bool = option(False, "Accepted, unused.")
-    contiguous_memory_optimization: bool = option(False, "Accepted, unused.")
-    number_checkpoints: Optional[int] = option(None, "Accepted, unused.")
-    synchronize_checkpoint_boundary: bool = option(False, "Accepted, unused.")
-    profile: bool = option(False, "Accepted, unused.")
+    """Activation checkpointing (rematerialization) of each scanned layer: what its backward pass keeps."""
+    partition_activations: bool = option(
+        False, "Accepted; activations are already split over the data axis (each device holds its own rows).")
+    cpu_checkpointing: bool = option(
+        False, "Keep what the policy saves (at least each layer's input) in host memory (pinned_host) "
+               "instead of device memory; implies policy nothing when policy is null.")
+    contiguous_memory_optimization: bool = option(False, "Accepted; XLA allocates buffers at compile time.")
+    number_checkpoints: Optional[int] = option(
+        None, "Accepted; it sized DeepSpeed's contiguous buffers, which XLA does not need.")
+    synchronize_checkpoint_boundary: bool = option(False, "Accepted; the step is one compiled program.")
+    profile: bool = option(False, "Accepted; see the compiled step's memory analysis and timings instead.")
+    policy: Optional[str] = option(
+        None, "zerojax: what each checkpointed layer keeps for its backward pass. nothing: its input only "
+              "(DeepSpeed's checkpoint); dots_no_batch: also matmul outputs without batch dimensions; dots: "
+              "also every matmul output; everything: all (no recomputation). null: the model decides "
+              "(model.remat for the embedded GPT; a user's loss as written). Applies to the embedded GPT's "
+              "blocks and to every lax.scan body of a user's loss.", choices=POLICY_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -436,7 +451,8 @@ class ModelConfig:
     n_heads: int = option(4, "Attention heads; must divide d_model.", gt=0)
     d_ff: Optional[int] = option(None, "MLP width (default: 4 * d_model for gpt; for llama 8/3 * d_model "
                                        "rounded up to a multiple of 64).", gt=0)
-    remat: bool = option(True, "Rematerialize each block in the backward pass.")
+    remat: bool = option(True, "Rematerialize each block in the backward pass (keeping its input only); "
+                                "activation_checkpointing.policy or cpu_checkpointing, when set, decide instead.")
     init_std: float = option(0.02, "Std of the normal initializer.", gt=0)
     n_kv_heads: Optional[int] = option(None, "llama: key/value heads of grouped-query attention; must divide "
                                              "n_heads (default: n_heads, plain multi-head attention).", gt=0)
@@ -1645,6 +1661,16 @@ def _check_optimizer(config: Config) -> None:
 
 def _check_sections(config: Config) -> None:
     zero = config.zero_optimization
+    ac = config.activation_checkpointing
+    if ac.cpu_checkpointing and ac.policy == "everything":
+        raise ConfigError("activation_checkpointing.cpu_checkpointing: policy 'everything' keeps every "
+                          "intermediate on the device and recomputes nothing, so there is nothing to offload; "
+                          "choose policy nothing, dots_no_batch or dots, or set cpu_checkpointing: false")
+    if config.mesh.stage > 1 and (ac.policy is not None or ac.cpu_checkpointing):
+        key = "policy" if ac.policy is not None else "cpu_checkpointing"
+        raise ConfigError(f"activation_checkpointing.{key}: not applied to pipeline stages (mesh.stage is "
+                          f"{config.mesh.stage}); remove it and use pipeline.activation_checkpoint_interval, "
+                          "which rematerializes runs of layers inside each stage")
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
                           "(stage is 0); set zero_optimization.stage or remove offload_optimizer")

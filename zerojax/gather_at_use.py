@@ -325,6 +325,9 @@ class Prefetch(NamedTuple):
     gathered ahead when its gathered size fits the bucket and two layers fit the live limit."""
     bucket: int
     max_live: int
+    # activation_checkpointing.cpu_checkpointing: the per-layer input carries the backward pass
+    # replays from are kept in host memory (pinned_host) between the forward and backward scans.
+    offload_carries: bool = False
 
 
 def _stacked_operand(x: Any) -> bool:
@@ -411,13 +414,19 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
         last, ys, _ = forward(cs, carry0, stacks, other_xs)
         return last, ys
 
+    offload = region.prefetch.offload_carries
+
     def fwd(cs: list[Any], carry0: list[Any], stacks: list[Any], other_xs: list[Any]) -> tuple[Any, Any]:
         last, ys, carries = forward(cs, carry0, stacks, other_xs)
+        if offload:
+            carries = jax.device_put(carries, jax.memory.Space.Host)
         return (last, ys), (cs, stacks, other_xs, carries)
 
     def bwd(res: Any, ct: Any) -> tuple[Any, Any, Any, Any]:
         """Layers L-1..1 in a reversed scan that gathers the layer below ahead; layer 0 after it."""
         cs, stacks, other_xs, carries = res
+        if offload:
+            carries = jax.device_put(carries, jax.memory.Space.Device)
         ct_last, ct_ys = ct
 
         def layer_vjp(d_carry: Any, current: Any, other: Any, carry: Any, ct_y: Any) -> tuple[Any, ...]:

@@ -12,7 +12,6 @@ REFUSED = "refused"
 KINDS = (HONOURED, NO_EFFECT, REFUSED)
 
 _BUCKETS = f"{NO_EFFECT}: XLA schedules, fuses and overlaps the collectives itself"
-_UNUSED_ACT = f"{NO_EFFECT}: the model's own remat decides what is saved (`model.remat`)"
 _NVME = f"{NO_EFFECT}: NVMe offload is refused"
 _SECTION = HONOURED + " (see its keys)"
 _LOG = f"{HONOURED} (the run's metrics writer)"
@@ -139,12 +138,23 @@ KEY_STATUS: dict[str, str] = {
     "zero_optimization.offload_param.buffer_size": _NVME,
     "zero_optimization.offload_param.max_in_cpu": _NVME,
     # activation checkpointing
-    "activation_checkpointing.partition_activations": _UNUSED_ACT,
-    "activation_checkpointing.cpu_checkpointing": _UNUSED_ACT,
-    "activation_checkpointing.contiguous_memory_optimization": _UNUSED_ACT,
-    "activation_checkpointing.number_checkpoints": _UNUSED_ACT,
-    "activation_checkpointing.synchronize_checkpoint_boundary": _UNUSED_ACT,
-    "activation_checkpointing.profile": _UNUSED_ACT,
+    "activation_checkpointing.partition_activations":
+        f"{NO_EFFECT}: DeepSpeed splits the activations that tensor-parallel ranks hold in copies; here every "
+        "activation is already only the device's own rows of the data axis, and there is no tensor-parallel axis",
+    "activation_checkpointing.cpu_checkpointing":
+        HONOURED + " (what each checkpointed layer keeps goes to pinned_host memory; the CPU backend runs the "
+        "same program with host and device one RAM); refused with pipeline stages",
+    "activation_checkpointing.contiguous_memory_optimization":
+        f"{NO_EFFECT}: XLA assigns every buffer at compile time, so kept activations do not fragment memory",
+    "activation_checkpointing.number_checkpoints":
+        f"{NO_EFFECT}: it only sizes DeepSpeed's contiguous buffers (contiguous_memory_optimization)",
+    "activation_checkpointing.synchronize_checkpoint_boundary":
+        f"{NO_EFFECT}: the step is one compiled program with no per-checkpoint device sync to insert",
+    "activation_checkpointing.profile":
+        f"{NO_EFFECT}: checkpointed layers are not separate calls to time; the benchmark reports temp memory "
+        "and step time per policy",
+    "activation_checkpointing.policy": HONOURED + " (zerojax key: the embedded GPT's blocks and every lax.scan "
+        "body of a user's loss); refused with pipeline stages (use pipeline.activation_checkpoint_interval)",
     "data_types.grad_accum_dtype": HONOURED,
     # monitors
     **{f"{m}.{k}": _LOG for m in ("tensorboard", "csv_monitor") for k in ("enabled", "output_path", "job_name")},

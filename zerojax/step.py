@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from zerojax import remat
 from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, is_gathering, move, to_varying,
                                  unwrap, zeros_like_local)
 from zerojax.config import Config, as_config
@@ -89,7 +90,8 @@ def prefetch_policy(plan: Plan) -> Prefetch | None:
     zero = plan.config.zero_optimization
     if not zero.overlap_comm or zero.stage3_prefetch_bucket_size <= 0:
         return None
-    return Prefetch(bucket=zero.stage3_prefetch_bucket_size, max_live=zero.stage3_max_live_parameters)
+    return Prefetch(bucket=zero.stage3_prefetch_bucket_size, max_live=zero.stage3_max_live_parameters,
+                    offload_carries=plan.config.activation_checkpointing.cpu_checkpointing)
 
 
 def _step_loss(loss_fn: LossFn, prefetch: Prefetch | None = None) -> Callable[[Any, Any, Any], jax.Array]:
@@ -152,6 +154,8 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     """
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
                        plan.batch.micro_batch_size)
+    if not is_gathering(loss_fn):  # a loss that gathers its own shards places its own remat too
+        loss_fn = remat.for_loss(plan.config, loss_fn)
     loss = _step_loss(loss_fn, prefetch_policy(plan))
     layouts = plan.layouts
 

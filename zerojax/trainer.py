@@ -186,7 +186,8 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
             # Initialize straight into the sharded master layout: no device ever holds the whole model.
             params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
                              out_shardings=layout.update_shardings)()
-        engine = Engine(config, params, loss_fn or gpt.make_loss_fn(model_cfg), mesh)
+        loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
+        engine = Engine(config, params, loss_fn, mesh)
         del params
     if resume:
         beat(f"loading checkpoint {resume_tag or 'latest'} from {ckpt_dir}", allowance=FIRST_STEP_ALLOWANCE)

@@ -12,7 +12,7 @@ plan work with; `apply` merges each layer back into the NNX `Block` to run it.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,8 @@ import optax
 from flax import nnx
 
 from zerojax.collectives import gather, gathers_params
-from zerojax.config import ModelConfig
+from zerojax.config import ActivationCheckpointingConfig, ModelConfig
+from zerojax.remat import resolve as resolve_remat
 
 
 def norm_eps(cfg: ModelConfig) -> float:
@@ -117,8 +118,13 @@ def _layer_norm(p: dict[str, jax.Array], x: jax.Array, eps: float = 1e-6) -> jax
     return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
 
 
-def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
-    """Logits (float32) for `tokens` [batch, time]; params may hold ZeRO-3 `ParamShard`s."""
+def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array,
+          checkpointing: Optional[ActivationCheckpointingConfig] = None) -> jax.Array:
+    """Logits (float32) for `tokens` [batch, time]; params may hold ZeRO-3 `ParamShard`s.
+
+    `checkpointing` (the config's `activation_checkpointing`) picks what each block keeps for the
+    backward pass (`zerojax.remat`); without it, or with its policy null, `cfg.remat` decides.
+    """
     top = gather({k: v for k, v in params.items() if k != "blocks"})
     t = tokens.shape[1]
     x = jnp.take(top["embed"]["embedding"], tokens, axis=0) + top["pos"][:t]
@@ -126,20 +132,24 @@ def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Ar
     def body(x: jax.Array, layer: dict[str, Any]) -> tuple[jax.Array, None]:
         return _block(cfg, gather(layer))(x), None
 
-    if cfg.remat:
-        body = jax.checkpoint(body)
+    remat = resolve_remat(checkpointing or ActivationCheckpointingConfig(), model_remat=cfg.remat)
+    if remat is not None:
+        body = remat.wrap(body)
     x, _ = jax.lax.scan(body, x, params["blocks"])
     x = _layer_norm(top["ln_f"], x, norm_eps(cfg))
     return jnp.einsum("btd,dv->btv", x, top["head"]["kernel"], preferred_element_type=jnp.float32)
 
 
-def make_loss_fn(cfg: ModelConfig) -> Any:
-    """Mean next-byte cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32."""
+def make_loss_fn(cfg: ModelConfig, checkpointing: Optional[ActivationCheckpointingConfig] = None) -> Any:
+    """Mean next-byte cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32.
+
+    `checkpointing`: the config's `activation_checkpointing` section (train.py passes it); the loss
+    places its own gathers and remat, so the step does not rewrite it."""
 
     @gathers_params
     def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
         tokens = batch["tokens"]
-        logits = apply(cfg, params, tokens[:, :-1])
+        logits = apply(cfg, params, tokens[:, :-1], checkpointing)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     return loss_fn
