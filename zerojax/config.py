@@ -439,13 +439,29 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training text: bytes of Python's standard library source, or a file."""
-    source: str = option("stdlib", "stdlib | file (default: file when data.path is given).",
-                         choices=("stdlib", "file"))
-    path: Optional[str] = option(None, "Text file to train on (implies source: file).")
-    max_bytes: int = option(4_000_000, "Read at most this many bytes of corpus.", gt=0)
-    val_fraction: float = option(0.05, "Fraction held out for validation.", gt=0, le=0.5)
+    """Training data: the embedded corpus (Python's standard library source), a text or JSONL file, or a token file."""
+    source: str = option("stdlib", "stdlib: the embedded corpus, as bytes. file: a text file (bytes, or tokens "
+                                   "with data.tokenizer). jsonl: one JSON document a line, tokenized with "
+                                   "data.tokenizer. tokens: a flat array of token ids (nanoGPT/Megatron .bin), "
+                                   "memory-mapped. Default with data.path: jsonl for *.jsonl, tokens for *.bin, "
+                                   "else file.", choices=("stdlib", "file", "jsonl", "tokens"))
+    path: Optional[str] = option(None, "The file to train on (implies data.source, see there).")
+    max_bytes: int = option(4_000_000, "Read at most this many bytes of a text corpus (stdlib, file, jsonl).",
+                            gt=0)
+    val_fraction: float = option(0.05, "Fraction held out for validation (the end of the token stream).",
+                                 gt=0, le=0.5)
     seed: int = option(0, "Seed of the batch order.")
+    dtype: str = option("uint16", "Element type of a data.source: tokens file (uint16 for vocabularies up to "
+                                  "65536, else uint32).", choices=("uint16", "uint32"))
+    tokenizer: Optional[str] = option(None, "A Hugging Face `tokenizers` tokenizer.json that tokenizes text "
+                                            "and JSONL files (needs `pip install zerojax[tokenizers]`).")
+    text_key: str = option("text", "The field of each JSONL line that holds the document's text.")
+    eos_id: Optional[int] = option(None, "Token id that ends each document: appended after every tokenized "
+                                         "document, and where the loss stops (default: the tokenizer's "
+                                         "end-of-text token; none for a tokens file: give it to mask its "
+                                         "document boundaries).", ge=0)
+    mask_boundaries: bool = option(True, "Packed windows: no loss for predicting a document's first token "
+                                         "from the previous document's end (needs an eos_id).")
 
 
 @dataclass(frozen=True)
@@ -1551,17 +1567,21 @@ def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
 
 
 def _derive_data_source(config: Config, sources: dict[str, str]) -> Config:
-    """A `data.path` means "train on this file": it implies `data.source: file` unless the source is
-    written; a written `stdlib` next to a path would silently ignore the file, so that is an error."""
+    """A `data.path` means "train on this file": it implies `data.source` (jsonl for *.jsonl, tokens for
+    *.bin, else file) unless the source is written; a written `stdlib` next to a path would silently
+    ignore the file, so that is an error."""
     data = config.data
     if data.path is None:
         return config
     if "data.source" not in sources:
-        sources["data.source"] = "derived (data.path is given)"
-        return dataclasses.replace(config, data=dataclasses.replace(data, source="file"))
-    if data.source != "file":
+        suffix = Path(data.path).suffix.lower()
+        source = {".jsonl": "jsonl", ".bin": "tokens"}.get(suffix, "file")
+        sources["data.source"] = f"derived (data.path is given{f', {suffix}' if source != 'file' else ''})"
+        return dataclasses.replace(config, data=dataclasses.replace(data, source=source))
+    if data.source == "stdlib":
         raise ConfigError(f"data.path: {data.path} is given but data.source is '{data.source}', which "
-                          f"ignores it; set data.source: file to train on the file, or remove data.path")
+                          f"ignores it; set data.source: file (or jsonl, tokens) to train on the file, or "
+                          f"remove data.path")
     return config
 
 
@@ -1623,8 +1643,16 @@ def _check_sections(config: Config) -> None:
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads: {m.n_heads} does not divide model.d_model {m.d_model}; "
                           f"choose a divisor such as {next(h for h in (8, 4, 2, 1) if m.d_model % h == 0)}")
-    if config.data.source == "file" and not config.data.path:
-        raise ConfigError("data.path: required when data.source is 'file'; give a text file")
+    data = config.data
+    if data.source != "stdlib" and not data.path:
+        kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file"}[data.source]
+        raise ConfigError(f"data.path: required when data.source is '{data.source}'; give {kind}")
+    if data.source == "jsonl" and not data.tokenizer:
+        raise ConfigError("data.tokenizer: data.source: jsonl needs a tokenizer; give the path of a "
+                          "tokenizer.json (Hugging Face `tokenizers` format)")
+    if data.source == "tokens" and data.tokenizer:
+        raise ConfigError("data.tokenizer: a data.source: tokens file is already tokenized; remove "
+                          "data.tokenizer (the model's vocab_size must cover its ids)")
 
 
 def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:

@@ -127,14 +127,25 @@ def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Ar
     return jnp.einsum("btd,dv->btv", x, top["head"]["kernel"], preferred_element_type=jnp.float32)
 
 
+def masked_mean(losses: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+    """The mean of per-token `losses` over the predictions `batch["loss_mask"]` keeps (all without one)."""
+    mask = batch.get("loss_mask") if isinstance(batch, dict) else None
+    if mask is None:
+        return losses.mean()
+    mask = mask.astype(losses.dtype)
+    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
 def make_loss_fn(cfg: ModelConfig) -> Any:
-    """Mean next-byte cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32."""
+    """Mean next-token cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32, and an optional
+    `batch["loss_mask"]` [rows, seq_len] weights each prediction (0: not counted, e.g. across a
+    document boundary)."""
 
     @gathers_params
     def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
         tokens = batch["tokens"]
         logits = apply(cfg, params, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]), batch)
 
     return loss_fn
 
@@ -167,8 +178,8 @@ class Head(nnx.Module):
 
 
 def pipeline_loss(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-byte cross-entropy of the Head's logits."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+    """Mean next-token cross-entropy of the Head's logits (weighted by `loss_mask` where given)."""
+    return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]), batch)
 
 
 def pipeline_layers(cfg: ModelConfig) -> list[Any]:
