@@ -129,10 +129,29 @@ ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
 
 
 @dataclass(frozen=True)
+class ParamGroup:
+    """One parameter group (DeepSpeed/torch param groups by name): its lr multiplier and weight decay."""
+    match: tuple[str, ...] = ()
+    lr_scale: float = 1.0
+    weight_decay: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
-    """Optimizer: {"type": ..., "params": {...}} as in DeepSpeed."""
+    """Optimizer: {"type": ..., "params": {...}} as in DeepSpeed, with zerojax's parameter groups."""
     type: str = option("adam", "One of " + ", ".join(sorted(OPTIMIZER_PARAMS)) + " (case-insensitive).")
     params: Any = option(factory=AdamParams, doc="Keys depend on type; see the tables below.")
+    no_decay: tuple[str, ...] = option((), "Parameters without weight decay, by name pattern (zerojax key): a "
+                                           "word matches a part of the dotted name (`bias`; `norm` also "
+                                           "matches `ln`, `ln1`, `ln_f`; `embed` also matches `pos`, `wte`, "
+                                           "`wpe`), a pattern with `*` matches the whole name "
+                                           "(`blocks.*.bias`). [bias, norm, embed] is Hugging Face's and "
+                                           "Megatron's choice; empty: everything decays, as in DeepSpeed.")
+    param_groups: tuple[ParamGroup, ...] = option((), "Parameter groups, first match wins (zerojax key): a "
+                                                      "list of {match: pattern or list, lr_scale: 1.0, "
+                                                      "weight_decay: null}; lr_scale multiplies the "
+                                                      "scheduled lr, a weight_decay replaces params."
+                                                      "weight_decay (and no_decay) for the group.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1274,7 +1293,8 @@ def _schema_paths() -> tuple[str, ...]:
             nested = _dataclass_of(hints[f.name])
             if nested is not None:
                 queue.append((nested, path))
-    paths += ["optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params"]
+    paths += ["optimizer.type", "optimizer.params", "optimizer.no_decay", "optimizer.param_groups",
+              "scheduler.type", "scheduler.params"]
     return tuple(paths)
 
 
@@ -1373,10 +1393,11 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
     if not isinstance(raw, Mapping):
         raise ConfigError(f'{name}: expected {{"type": "{example}", "params": {{...}}}}, got {_show(raw)}')
     raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("_"))}
-    extra = set(raw) - {"type", "params"}
+    allowed = ["type", "params"] + (["no_decay", "param_groups"] if name == "optimizer" else [])
+    extra = set(raw) - set(allowed)
     if extra:
         key = sorted(map(str, extra))[0]
-        raise ConfigError(f"unknown key '{name}.{key}'{_did_you_mean(key, ['type', 'params'])}")
+        raise ConfigError(f"unknown key '{name}.{key}'{_did_you_mean(key, allowed)}")
     if "type" not in raw or not isinstance(raw["type"], str):
         raise ConfigError(f'{name}.type: required, a string such as "{example}"')
     given_type = raw["type"]
@@ -1398,7 +1419,12 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
         params_cls = OPTIMIZER_PARAMS[canon]
         built = _build(params_cls, params, "optimizer.params", sources, origin)
         sources["optimizer.type"] = _origin_of("optimizer.type", origin)
-        return OptimizerConfig(type=canon, params=built)
+        groups = {}
+        for key in ("no_decay", "param_groups"):
+            if raw.get(key) is not None:
+                groups[key] = _parse_group_key(key, raw[key])
+                sources[f"optimizer.{key}"] = _origin_of(f"optimizer.{key}", origin)
+        return OptimizerConfig(type=canon, params=built, **groups)
     canon_map = {k.lower(): k for k in SCHEDULER_PARAMS}
     canon = canon_map.get(given_type.lower())
     if canon is None:
@@ -1410,6 +1436,43 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
             raise ConfigError(f"scheduler.params.{req}: required by {canon}; add it")
     sources["scheduler.type"] = _origin_of("scheduler.type", origin)
     return SchedulerConfig(type=canon, params=built)
+
+
+def _patterns(value: Any, path: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(p, str) and p for p in items):
+        raise ConfigError(f"{path}: expected a name pattern or a list of them (e.g. [bias, norm, embed]), "
+                          f"got {_show(value)}")
+    return tuple(items)
+
+
+def _parse_group_key(key: str, value: Any) -> Any:
+    """optimizer.no_decay (patterns) and optimizer.param_groups (a list of groups), checked."""
+    if key == "no_decay":
+        return () if value == [] else _patterns(value, "optimizer.no_decay")
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"optimizer.param_groups: expected a list of groups such as "
+                          f'[{{"match": "embed", "lr_scale": 0.1}}], got {_show(value)}')
+    groups = []
+    for i, g in enumerate(value):
+        path = f"optimizer.param_groups[{i}]"
+        if not isinstance(g, Mapping):
+            raise ConfigError(f"{path}: expected a mapping with match, lr_scale and/or weight_decay, got {_show(g)}")
+        unknown = sorted(set(map(str, g)) - {"match", "lr_scale", "weight_decay"})
+        if unknown:
+            raise ConfigError(f"{path}.{unknown[0]}: unknown key; a group has match, lr_scale and weight_decay")
+        if "match" not in g:
+            raise ConfigError(f"{path}.match: required: the name pattern(s) of the group's parameters")
+        lr_scale = _coerce(g.get("lr_scale", 1.0), float, f"{path}.lr_scale", {})
+        wd = g.get("weight_decay")
+        wd = None if wd is None else _coerce(wd, float, f"{path}.weight_decay", {})
+        if lr_scale < 0 or (wd is not None and wd < 0):
+            raise ConfigError(f"{path}: lr_scale and weight_decay must be >= 0")
+        if lr_scale == 1.0 and wd is None:
+            raise ConfigError(f"{path}: sets neither lr_scale nor weight_decay, so it changes nothing; "
+                              f"give one or remove the group")
+        groups.append(ParamGroup(_patterns(g["match"], f"{path}.match"), lr_scale, wd))
+    return tuple(groups)
 
 
 def _dataclass_of(tp: Any) -> type | None:
@@ -1707,7 +1770,11 @@ def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         out = {}
         if isinstance(obj, (OptimizerConfig, SchedulerConfig)):
-            return {"type": obj.type, "params": _to_plain(obj.params)}
+            out = {"type": obj.type, "params": _to_plain(obj.params)}
+            for key in ("no_decay", "param_groups"):  # written only when set: DeepSpeed has neither
+                if getattr(obj, key, ()):
+                    out[key] = _to_plain(getattr(obj, key))
+            return out
         for f in schema_fields(type(obj)):
             out[f.name] = _to_plain(getattr(obj, f.name))
         return out

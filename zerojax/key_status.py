@@ -27,6 +27,8 @@ KEY_STATUS: dict[str, str] = {
     "optimizer": HONOURED + " (none: the optimizer passed in code)",
     "optimizer.type": HONOURED + "; 1-bit optimizers refused",
     "optimizer.params": _SECTION,
+    "optimizer.no_decay": HONOURED + " (zerojax key; not with pipelines or the fused Pallas update)",
+    "optimizer.param_groups": HONOURED + " (zerojax key; not with pipelines or the fused Pallas update)",
     "scheduler": HONOURED,
     "scheduler.type": HONOURED,
     "scheduler.params": _SECTION,
