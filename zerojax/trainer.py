@@ -300,7 +300,23 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     losses = f"loss {first:.4f} -> {last:.4f}" if first is not None else "no steps run"
     _say(f"done: {summary['steps']} steps, {losses}, validation loss "
          f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}")
+    _print_sample(config, engine)
     return summary
+
+
+def _print_sample(config: Config, engine: Engine) -> None:
+    """A few generated tokens, so a finished run shows what it learned (`run.sample_tokens`, 0: off).
+    The run is complete and saved by now: a failure here is reported, not raised."""
+    if not config.run.sample_tokens or not is_primary():
+        return
+    from zerojax.sample import end_of_run_sample
+    try:
+        text = end_of_run_sample(config, engine.params)
+    except Exception as e:  # noqa: BLE001 - the run itself succeeded
+        print(f"sample: not generated ({type(e).__name__}: {e})", flush=True)
+        return
+    if text is not None:
+        print(f"sample ({config.run.sample_tokens} tokens; more with zerojax sample --run DIR):\n{text}", flush=True)
 
 
 def _refuse_existing_checkpoints(ckpt_dir: Path) -> None:
