@@ -1,5 +1,6 @@
 """Your own data: token files, JSONL/text through a tokenizer.json, packing, the grain loader and resume."""
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,8 @@ def test_loader_resumes_from_its_state_and_counts_only_taken_batches(tmp_path) -
     source = PackedBatches(ids, rows=8, seq_len=16, seed=5, eos_id=7)
     with Loader(source, depth=3) as whole:
         want = [next(whole) for _ in range(10)]
+        assert any(t.name.startswith("grain-") for t in threading.enumerate())  # built in the background
+    assert not [t for t in threading.enumerate() if t.name.startswith("grain-") and t.is_alive()]
     with Loader(source, depth=3) as first:
         for _ in range(4):
             next(first)

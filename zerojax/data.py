@@ -475,9 +475,13 @@ class Loader:
         return next(self._it)
 
     def close(self) -> None:
+        """Stop the background thread: the batch it is building finishes, no thread outlives this."""
+        executor = getattr(self._it, "_executor", None)  # grain's prefetch pool (closing does not wait)
         close = getattr(self._it, "close", None)
         if close is not None:
             close()
+        if executor is not None:
+            executor.shutdown(wait=True)
 
     def __enter__(self) -> "Loader":
         return self
