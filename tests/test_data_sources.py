@@ -179,3 +179,23 @@ def test_training_on_jsonl_resumes_with_the_same_batches(tmp_path, monkeypatch) 
     full = [json.loads(r) for r in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows if r["step"] > 3] == [r["loss"] for r in full if r["step"] > 3]
     assert resumed["val_loss"] == whole["val_loss"]
+
+
+def test_loss_skips_masked_predictions() -> None:
+    """The GPT's loss is the mean over the predictions loss_mask keeps, not over all of them."""
+    import jax
+    import optax
+    from zerojax.config import ModelConfig
+    from zerojax.models import gpt
+    cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    params = gpt.init_params(cfg, 0)
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 9)).astype(np.int32)
+    tokens[0, 3] = 63
+    mask = (tokens[:, :-1] != 63).astype(np.float32)
+    per_token = np.asarray(optax.softmax_cross_entropy_with_integer_labels(
+        gpt.apply(cfg, params, tokens[:, :-1]), tokens[:, 1:]))
+    loss = gpt.make_loss_fn(cfg)
+    got = float(jax.jit(loss)(params, {"tokens": tokens, "loss_mask": mask}))
+    np.testing.assert_allclose(got, per_token[mask > 0].mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(loss(params, {"tokens": tokens})), per_token.mean(), rtol=1e-6)
+    assert abs(per_token[mask > 0].mean() - per_token.mean()) > 1e-4  # the masked term mattered
