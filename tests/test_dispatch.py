@@ -97,7 +97,7 @@ SMALL = ["run.steps=4", "run.log_every=2", "steps_per_print=2", "model.d_model=3
 
 
 def batch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "zerojax-batches"]
+    return [t for t in threading.enumerate() if t.name.startswith("grain-") and t.is_alive()]
 
 
 def test_trainer_prefetch_thread_ends_and_its_errors_reach_the_caller(tmp_path, monkeypatch) -> None:

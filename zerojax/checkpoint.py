@@ -807,6 +807,25 @@ def _exported_arrays(tag_dir: Path, meta: Mapping[str, Any], rows: Mapping[str, 
         yield table[entry["row"], start:start + math.prod(entry["shape"])].reshape(entry["shape"])
 
 
+def read_params(directory: PathLike, tag: str | None = None) -> tuple[dict[str, Any], str]:
+    """A checkpoint's parameters (fp32 master where there is one) as nested dicts of numpy arrays,
+    read without a plan or a mesh after verifying the tag; also the tag folder. For inspection and
+    generation on one host (`zerojax sample`)."""
+    tag_dir = _resolve(absolute(directory), tag)
+    meta = _read_meta(tag_dir)
+    _verified(tag_dir, meta)
+    rows = meta.get("extra", {}).get(PIPELINE_ROWS)
+    names = rows["leaves"] if rows else meta["params"]
+    params: dict[str, Any] = {}
+    for name, array in zip(names, _exported_arrays(tag_dir, meta, rows)):
+        *parents, leaf = name.split(".")
+        node = params
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = np.asarray(array)
+    return params, str(tag_dir)
+
+
 def load_exported(path: PathLike) -> dict[str, Any]:
     """The params pytree (nested dicts of numpy arrays) from an exported safetensors file."""
     from safetensors import safe_open

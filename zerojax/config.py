@@ -134,10 +134,29 @@ ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
 
 
 @dataclass(frozen=True)
+class ParamGroup:
+    """One parameter group (DeepSpeed/torch param groups by name): its lr multiplier and weight decay."""
+    match: tuple[str, ...] = ()
+    lr_scale: float = 1.0
+    weight_decay: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
-    """Optimizer: {"type": ..., "params": {...}} as in DeepSpeed."""
+    """Optimizer: {"type": ..., "params": {...}} as in DeepSpeed, with zerojax's parameter groups."""
     type: str = option("adam", "One of " + ", ".join(sorted(OPTIMIZER_PARAMS)) + " (case-insensitive).")
     params: Any = option(factory=AdamParams, doc="Keys depend on type; see the tables below.")
+    no_decay: tuple[str, ...] = option((), "Parameters without weight decay, by name pattern (zerojax key): a "
+                                           "word matches a part of the dotted name (`bias`; `norm` also "
+                                           "matches `ln`, `ln1`, `ln_f`; `embed` also matches `pos`, `wte`, "
+                                           "`wpe`), a pattern with `*` matches the whole name "
+                                           "(`blocks.*.bias`). [bias, norm, embed] is Hugging Face's and "
+                                           "Megatron's choice; empty: everything decays, as in DeepSpeed.")
+    param_groups: tuple[ParamGroup, ...] = option((), "Parameter groups, first match wins (zerojax key): a "
+                                                      "list of {match: pattern or list, lr_scale: 1.0, "
+                                                      "weight_decay: null}; lr_scale multiplies the "
+                                                      "scheduled lr, a weight_decay replaces params."
+                                                      "weight_decay (and no_decay) for the group.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,13 +488,29 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training text: bytes of Python's standard library source, or a file."""
-    source: str = option("stdlib", "stdlib | file (default: file when data.path is given).",
-                         choices=("stdlib", "file"))
-    path: Optional[str] = option(None, "Text file to train on (implies source: file).")
-    max_bytes: int = option(4_000_000, "Read at most this many bytes of corpus.", gt=0)
-    val_fraction: float = option(0.05, "Fraction held out for validation.", gt=0, le=0.5)
+    """Training data: the embedded corpus (Python's standard library source), a text or JSONL file, or a token file."""
+    source: str = option("stdlib", "stdlib: the embedded corpus, as bytes. file: a text file (bytes, or tokens "
+                                   "with data.tokenizer). jsonl: one JSON document a line, tokenized with "
+                                   "data.tokenizer. tokens: a flat array of token ids (nanoGPT/Megatron .bin), "
+                                   "memory-mapped. Default with data.path: jsonl for *.jsonl, tokens for *.bin, "
+                                   "else file.", choices=("stdlib", "file", "jsonl", "tokens"))
+    path: Optional[str] = option(None, "The file to train on (implies data.source, see there).")
+    max_bytes: int = option(4_000_000, "Read at most this many bytes of a text corpus (stdlib, file, jsonl).",
+                            gt=0)
+    val_fraction: float = option(0.05, "Fraction held out for validation (the end of the token stream).",
+                                 gt=0, le=0.5)
     seed: int = option(0, "Seed of the batch order.")
+    dtype: str = option("uint16", "Element type of a data.source: tokens file (uint16 for vocabularies up to "
+                                  "65536, else uint32).", choices=("uint16", "uint32"))
+    tokenizer: Optional[str] = option(None, "A Hugging Face `tokenizers` tokenizer.json that tokenizes text "
+                                            "and JSONL files (needs `pip install zerojax[tokenizers]`).")
+    text_key: str = option("text", "The field of each JSONL line that holds the document's text.")
+    eos_id: Optional[int] = option(None, "Token id that ends each document: appended after every tokenized "
+                                         "document, and where the loss stops (default: the tokenizer's "
+                                         "end-of-text token; none for a tokens file: give it to mask its "
+                                         "document boundaries).", ge=0)
+    mask_boundaries: bool = option(True, "Packed windows: no loss for predicting a document's first token "
+                                         "from the previous document's end (needs an eos_id).")
 
 
 @dataclass(frozen=True)
@@ -499,6 +534,9 @@ class RunConfig:
                                      "turn non-finite.", choices=("stop", "skip_step"))
     signal_save_seconds: int = option(120, "On SIGINT, SIGTERM or SIGUSR1: at most this many seconds to save a "
                                            "checkpoint before the run exits (130, 143, 138).", gt=0)
+    sample_tokens: int = option(48, "Tokens of text generated from the trained model and printed at the end of "
+                                    "the run (one process, the embedded GPT); 0: none. `zerojax sample` makes "
+                                    "more.", ge=0)
 
 
 @dataclass(frozen=True)
@@ -1288,7 +1326,8 @@ def _schema_paths() -> tuple[str, ...]:
             nested = _dataclass_of(hints[f.name])
             if nested is not None:
                 queue.append((nested, path))
-    paths += ["optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params"]
+    paths += ["optimizer.type", "optimizer.params", "optimizer.no_decay", "optimizer.param_groups",
+              "scheduler.type", "scheduler.params"]
     return tuple(paths)
 
 
@@ -1387,10 +1426,11 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
     if not isinstance(raw, Mapping):
         raise ConfigError(f'{name}: expected {{"type": "{example}", "params": {{...}}}}, got {_show(raw)}')
     raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("_"))}
-    extra = set(raw) - {"type", "params"}
+    allowed = ["type", "params"] + (["no_decay", "param_groups"] if name == "optimizer" else [])
+    extra = set(raw) - set(allowed)
     if extra:
         key = sorted(map(str, extra))[0]
-        raise ConfigError(f"unknown key '{name}.{key}'{_did_you_mean(key, ['type', 'params'])}")
+        raise ConfigError(f"unknown key '{name}.{key}'{_did_you_mean(key, allowed)}")
     if "type" not in raw or not isinstance(raw["type"], str):
         raise ConfigError(f'{name}.type: required, a string such as "{example}"')
     given_type = raw["type"]
@@ -1412,7 +1452,12 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
         params_cls = OPTIMIZER_PARAMS[canon]
         built = _build(params_cls, params, "optimizer.params", sources, origin)
         sources["optimizer.type"] = _origin_of("optimizer.type", origin)
-        return OptimizerConfig(type=canon, params=built)
+        groups = {}
+        for key in ("no_decay", "param_groups"):
+            if raw.get(key) is not None:
+                groups[key] = _parse_group_key(key, raw[key])
+                sources[f"optimizer.{key}"] = _origin_of(f"optimizer.{key}", origin)
+        return OptimizerConfig(type=canon, params=built, **groups)
     canon_map = {k.lower(): k for k in SCHEDULER_PARAMS}
     canon = canon_map.get(given_type.lower())
     if canon is None:
@@ -1424,6 +1469,43 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
             raise ConfigError(f"scheduler.params.{req}: required by {canon}; add it")
     sources["scheduler.type"] = _origin_of("scheduler.type", origin)
     return SchedulerConfig(type=canon, params=built)
+
+
+def _patterns(value: Any, path: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(p, str) and p for p in items):
+        raise ConfigError(f"{path}: expected a name pattern or a list of them (e.g. [bias, norm, embed]), "
+                          f"got {_show(value)}")
+    return tuple(items)
+
+
+def _parse_group_key(key: str, value: Any) -> Any:
+    """optimizer.no_decay (patterns) and optimizer.param_groups (a list of groups), checked."""
+    if key == "no_decay":
+        return () if value == [] else _patterns(value, "optimizer.no_decay")
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"optimizer.param_groups: expected a list of groups such as "
+                          f'[{{"match": "embed", "lr_scale": 0.1}}], got {_show(value)}')
+    groups = []
+    for i, g in enumerate(value):
+        path = f"optimizer.param_groups[{i}]"
+        if not isinstance(g, Mapping):
+            raise ConfigError(f"{path}: expected a mapping with match, lr_scale and/or weight_decay, got {_show(g)}")
+        unknown = sorted(set(map(str, g)) - {"match", "lr_scale", "weight_decay"})
+        if unknown:
+            raise ConfigError(f"{path}.{unknown[0]}: unknown key; a group has match, lr_scale and weight_decay")
+        if "match" not in g:
+            raise ConfigError(f"{path}.match: required: the name pattern(s) of the group's parameters")
+        lr_scale = _coerce(g.get("lr_scale", 1.0), float, f"{path}.lr_scale", {})
+        wd = g.get("weight_decay")
+        wd = None if wd is None else _coerce(wd, float, f"{path}.weight_decay", {})
+        if lr_scale < 0 or (wd is not None and wd < 0):
+            raise ConfigError(f"{path}: lr_scale and weight_decay must be >= 0")
+        if lr_scale == 1.0 and wd is None:
+            raise ConfigError(f"{path}: sets neither lr_scale nor weight_decay, so it changes nothing; "
+                              f"give one or remove the group")
+        groups.append(ParamGroup(_patterns(g["match"], f"{path}.match"), lr_scale, wd))
+    return tuple(groups)
 
 
 def _dataclass_of(tp: Any) -> type | None:
@@ -1611,17 +1693,21 @@ def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
 
 
 def _derive_data_source(config: Config, sources: dict[str, str]) -> Config:
-    """A `data.path` means "train on this file": it implies `data.source: file` unless the source is
-    written; a written `stdlib` next to a path would silently ignore the file, so that is an error."""
+    """A `data.path` means "train on this file": it implies `data.source` (jsonl for *.jsonl, tokens for
+    *.bin, else file) unless the source is written; a written `stdlib` next to a path would silently
+    ignore the file, so that is an error."""
     data = config.data
     if data.path is None:
         return config
     if "data.source" not in sources:
-        sources["data.source"] = "derived (data.path is given)"
-        return dataclasses.replace(config, data=dataclasses.replace(data, source="file"))
-    if data.source != "file":
+        suffix = Path(data.path).suffix.lower()
+        source = {".jsonl": "jsonl", ".bin": "tokens"}.get(suffix, "file")
+        sources["data.source"] = f"derived (data.path is given{f', {suffix}' if source != 'file' else ''})"
+        return dataclasses.replace(config, data=dataclasses.replace(data, source=source))
+    if data.source == "stdlib":
         raise ConfigError(f"data.path: {data.path} is given but data.source is '{data.source}', which "
-                          f"ignores it; set data.source: file to train on the file, or remove data.path")
+                          f"ignores it; set data.source: file (or jsonl, tokens) to train on the file, or "
+                          f"remove data.path")
     return config
 
 
@@ -1702,8 +1788,16 @@ def _check_sections(config: Config) -> None:
     if m.name == "gpt" and m.tie_embeddings:
         raise ConfigError("model.tie_embeddings: the gpt model keeps its own LM head; remove it, or set "
                           "model.name: llama")
-    if config.data.source == "file" and not config.data.path:
-        raise ConfigError("data.path: required when data.source is 'file'; give a text file")
+    data = config.data
+    if data.source != "stdlib" and not data.path:
+        kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file"}[data.source]
+        raise ConfigError(f"data.path: required when data.source is '{data.source}'; give {kind}")
+    if data.source == "jsonl" and not data.tokenizer:
+        raise ConfigError("data.tokenizer: data.source: jsonl needs a tokenizer; give the path of a "
+                          "tokenizer.json (Hugging Face `tokenizers` format)")
+    if data.source == "tokens" and data.tokenizer:
+        raise ConfigError("data.tokenizer: a data.source: tokens file is already tokenized; remove "
+                          "data.tokenizer (the model's vocab_size must cover its ids)")
 
 
 def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
@@ -1758,7 +1852,11 @@ def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         out = {}
         if isinstance(obj, (OptimizerConfig, SchedulerConfig)):
-            return {"type": obj.type, "params": _to_plain(obj.params)}
+            out = {"type": obj.type, "params": _to_plain(obj.params)}
+            for key in ("no_decay", "param_groups"):  # written only when set: DeepSpeed has neither
+                if getattr(obj, key, ()):
+                    out[key] = _to_plain(getattr(obj, key))
+            return out
         for f in schema_fields(type(obj)):
             out[f.name] = _to_plain(getattr(obj, f.name))
         return out

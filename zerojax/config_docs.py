@@ -317,7 +317,13 @@ def _type_text(tp: Any, meta: Mapping[str, Any], nullable: bool = True) -> str:
 
 def _base_type(tp: Any) -> str:
     if typing.get_origin(tp) is tuple:
-        return "[" + ", ".join(_base_type(a) for a in typing.get_args(tp)) + "]"
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:  # a list of any length
+            item = args[0]
+            if dataclasses.is_dataclass(item):
+                return "list of {" + ", ".join(f.name for f in dataclasses.fields(item)) + "}"
+            return "list of " + _base_type(item)
+        return "[" + ", ".join(_base_type(a) for a in args) + "]"
     return {bool: "bool", int: "int", float: "float", str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 

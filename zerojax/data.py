@@ -1,18 +1,31 @@
-"""The embedded corpus and deterministic, resumable batches of byte windows.
+"""Training data: the embedded corpus, text, JSONL and token files, as deterministic, resumable batches.
 
 The default corpus is the source of Python's standard library, read in sorted path order, so every
 machine has the same bytes with nothing downloaded. Batch `k` depends only on (seed, k), so a run
 resumes at any position by index alone.
+
+Your own data comes as a flat token file (the nanoGPT/Megatron `.bin`: uint16 or uint32 ids end to
+end, memory-mapped, never read whole), or as text/JSONL tokenized at start-up with a `tokenizers`
+tokenizer.json. Documents are packed: concatenated with an end-of-document id and cut into windows
+of seq_len + 1 tokens, visited in an order that grain shuffles afresh each epoch; the loss skips the
+prediction across a document boundary (`loss_mask`). Attention still sees the previous document
+inside a window, as in GPT-2/nanoGPT packing.
+
+`Loader` runs any of these through grain: a MapDataset of batch indices whose iterator builds the
+batches in a background thread and whose state (`{"next_index": k}`) is what a checkpoint saves.
+Every process builds only its rows of the same global batch `k`, so that one small state serves
+all processes of a run.
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sysconfig
 import threading
 from pathlib import Path
 from types import TracebackType
-from typing import Generic, Iterator, NamedTuple, TypeVar
+from typing import Any, Generic, Iterator, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -198,6 +211,283 @@ class Prefetch(Generic[T]):
             self._thread.join(timeout=10.0)
 
     def __enter__(self) -> "Prefetch[T]":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenized sources: token files, and text/JSONL through a tokenizer.json.
+
+#: End-of-document tokens looked up in a tokenizer when `data.eos_id` is not given, in this order.
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "[SEP]")
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class Corpus(NamedTuple):
+    """A token stream and how to cut it: `packed` streams are tokenized documents (windows end to
+    end, shuffled per epoch, boundary-masked at `eos_id`); byte streams take random windows."""
+    tokens: np.ndarray
+    eos_id: int | None
+    packed: bool
+
+
+def _need_file(path: str | None, key: str, what: str) -> Path:
+    p = Path(path or "")
+    if not p.is_file():
+        raise ConfigError(f"{key}: {p} is not a file; give the path of {what}")
+    return p
+
+
+def load_tokenizer(path: str, vocab_size: int) -> Any:
+    """A `tokenizers` Tokenizer from tokenizer.json whose ids all fit the model's embedding."""
+    file = _need_file(path, "data.tokenizer", "a tokenizer.json (Hugging Face `tokenizers` format)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError("data.tokenizer: needs the `tokenizers` package; pip install 'zerojax[tokenizers]'") from None
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - the library raises its own untyped errors
+        raise ConfigError(f"data.tokenizer: {file} is not a tokenizer.json `tokenizers` can read ({e})") from None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise ConfigError(f"data.tokenizer: {file} has {size} tokens but model.vocab_size is {vocab_size}; "
+                          f"set model.vocab_size: {size} (or more), or use a smaller tokenizer")
+    return tok
+
+
+def _eos(cfg: DataConfig, tok: Any, vocab_size: int) -> int:
+    if cfg.eos_id is not None:
+        eos = cfg.eos_id
+    else:
+        found = [tok.token_to_id(t) for t in EOS_TOKENS if tok.token_to_id(t) is not None]
+        if not found:
+            raise ConfigError(f"data.eos_id: the tokenizer {cfg.tokenizer} has none of the end-of-document "
+                              f"tokens {', '.join(EOS_TOKENS)}; set data.eos_id to the id that separates "
+                              f"documents")
+        eos = found[0]
+    if eos >= vocab_size:
+        raise ConfigError(f"data.eos_id: {eos} is not below model.vocab_size {vocab_size}; give an id the "
+                          f"model has, or raise model.vocab_size")
+    return eos
+
+
+def _documents(cfg: DataConfig, path: Path) -> Iterator[str]:
+    """The texts of a JSONL file (`data.text_key` of each line) or of a text file (one document),
+    up to `data.max_bytes` bytes of text."""
+    if cfg.source == "file":
+        with open(path, "rb") as f:
+            yield f.read(cfg.max_bytes).decode("utf-8", errors="replace")
+        return
+    total = 0
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"data.path: {path} line {n} is not JSON ({e.msg}); give one JSON object "
+                                  f"a line") from None
+            text = doc.get(cfg.text_key) if isinstance(doc, dict) else None
+            if not isinstance(text, str):
+                keys = ", ".join(doc) if isinstance(doc, dict) else type(doc).__name__
+                raise ConfigError(f"data.text_key: line {n} of {path} has no text field '{cfg.text_key}' "
+                                  f"(it has: {keys}); set data.text_key to the field that holds the text")
+            yield text
+            total += len(text)
+            if total >= cfg.max_bytes:
+                return
+
+
+def tokenize_documents(texts: Iterator[str], tok: Any, eos_id: int, batch: int = 1024) -> np.ndarray:
+    """Documents' ids end to end, each followed by `eos_id`, as int32."""
+    parts: list[np.ndarray] = []
+    chunk: list[str] = []
+
+    def flush() -> None:
+        for enc in tok.encode_batch(chunk, add_special_tokens=False):
+            parts.append(np.asarray(enc.ids + [eos_id], dtype=np.int32))
+        chunk.clear()
+
+    for text in texts:
+        chunk.append(text)
+        if len(chunk) >= batch:
+            flush()
+    if chunk:
+        flush()
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def read_token_file(cfg: DataConfig, vocab_size: int) -> np.ndarray:
+    """The memory-mapped ids of a `data.source: tokens` file, checked against the model's vocabulary
+    (one pass in chunks: memory stays flat whatever the file's size)."""
+    path = _need_file(cfg.path, "data.path", f"a flat {cfg.dtype} token file (data.source: tokens)")
+    dtype = np.dtype(_DTYPES[cfg.dtype])
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ConfigError(f"data.dtype: {path} has {size} bytes, not a whole number of {cfg.dtype} ids; "
+                          f"set data.dtype to the type the file was written with")
+    if size == 0:
+        raise ConfigError(f"data.path: {path} is empty; give a token file with ids in it")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    step = 1 << 24
+    top = max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
+    if top >= vocab_size:
+        raise ConfigError(f"model.vocab_size: {path} holds token id {top}, which the model's {vocab_size} "
+                          f"embeddings do not cover; set model.vocab_size: {top + 1} (or the tokenizer's size)")
+    if cfg.eos_id is not None and cfg.eos_id >= vocab_size:
+        raise ConfigError(f"data.eos_id: {cfg.eos_id} is not below model.vocab_size {vocab_size}")
+    return tokens
+
+
+def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
+    """The token stream `cfg` names, with every check that needs only the files (before compiling)."""
+    if cfg.source == "tokens":
+        return Corpus(read_token_file(cfg, vocab_size), cfg.eos_id, True)
+    if cfg.tokenizer is None:  # bytes: a vocabulary below 256 is fine for text whose bytes it covers
+        data = read_corpus(cfg)
+        top = int(data.max(initial=0))
+        if top >= vocab_size:  # an embedding lookup past the table gives NaN, not an error
+            raise ConfigError(f"model.vocab_size: {vocab_size}, but the corpus holds byte value {top} "
+                              f"(without data.tokenizer the tokens are bytes); use a vocabulary of at least "
+                              f"{top + 1}, text whose bytes are below {vocab_size} (data.path), or give "
+                              f"data.tokenizer")
+        return Corpus(data, None, False)
+    path = _need_file(cfg.path, "data.path", "a JSONL file" if cfg.source == "jsonl" else "a text file")
+    tok = load_tokenizer(cfg.tokenizer, vocab_size)
+    eos = _eos(cfg, tok, vocab_size)
+    tokens = tokenize_documents(_documents(cfg, path), tok, eos)
+    return Corpus(tokens, eos, True)
+
+
+class PackedBatches:
+    """Global batches of `rows` windows of `seq_len + 1` tokens cut end to end from `tokens`.
+
+    Window i is tokens[i*seq_len : (i+1)*seq_len + 1] (each token is a target once per epoch); the
+    windows are visited in an order grain's MapDataset shuffles afresh every epoch, so batch `k`
+    depends only on (seed, k): the same interface as `Batches`, so the loader, the evaluation and
+    the resume logic take either. With an `eos_id`, `loss_mask` is 0 where the input is that id:
+    the first token of a document is never predicted from the end of the previous one.
+    """
+
+    def __init__(self, tokens: np.ndarray, rows: int, seq_len: int, seed: int, eos_id: int | None = None,
+                 position: int = 0, local: np.ndarray | None = None, mask_boundaries: bool = True):
+        import grain
+        self.tokens, self.rows, self.seq_len, self.seed = tokens, rows, seq_len, seed
+        self.eos_id = eos_id if mask_boundaries else None
+        self.position, self.local = position, local
+        self.windows = (len(tokens) - 1) // seq_len
+        if self.windows < 1:
+            raise ValueError(f"PackedBatches: {len(tokens)} tokens hold no window of {seq_len + 1}")
+        self.order = grain.MapDataset.range(self.windows).shuffle(seed=seed).repeat(None).batch(rows)
+
+    def batch(self, index: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Global batch `index`, or only its `rows` (one process's share)."""
+        picked = np.asarray(self.order[index], dtype=np.int64)
+        if rows is not None:
+            picked = picked[rows]
+        windows = np.asarray(self.tokens[picked[:, None] * self.seq_len + np.arange(self.seq_len + 1)],
+                             dtype=np.int32)
+        out = {"tokens": windows}
+        if self.eos_id is not None:
+            out["loss_mask"] = (windows[:, :-1] != self.eos_id).astype(np.float32)
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        out = self.batch(self.position, self.local)
+        self.position += 1
+        return out
+
+
+BatchSource = Batches | PackedBatches
+
+
+def make_batches(cfg: DataConfig, rows: int, seq_len: int, vocab_size: int,
+                 local: np.ndarray | None = None) -> tuple[BatchSource, BatchSource]:
+    """Train and validation batch sources for a run (this process building its `local` rows).
+
+    Raises ConfigError, before anything is compiled, for a missing file, a tokenizer or token ids
+    beyond the model's vocabulary, or a corpus that does not hold one training batch.
+    """
+    corpus = load_corpus(cfg, vocab_size)
+    if not corpus.packed:
+        split = split_corpus(corpus.tokens, cfg.val_fraction, seq_len, cfg.max_bytes)
+        return (Batches(split.train, rows, seq_len, cfg.seed, local=local),
+                Batches(split.val, rows, seq_len, cfg.seed + 1, local=local))
+    tokens = corpus.tokens
+    cut = int(len(tokens) * (1 - cfg.val_fraction))
+    train, val = tokens[:cut], tokens[cut:]
+    have = (len(train) - 1) // seq_len
+    if have < rows:
+        raise ConfigError(f"data.path: {cfg.path} gives {len(tokens)} tokens, {len(train)} for training: "
+                          f"{max(have, 0)} window(s) of model.seq_len + 1 = {seq_len + 1}, fewer than one batch "
+                          f"of {rows} rows; use more data, lower model.seq_len or the batch size")
+    if (len(val) - 1) // seq_len < 1:
+        raise ConfigError(f"data.val_fraction: the validation part of {cfg.path} has {len(val)} tokens, "
+                          f"fewer than one window of {seq_len + 1}; raise data.val_fraction or use more data")
+    kw = dict(eos_id=corpus.eos_id, local=local, mask_boundaries=cfg.mask_boundaries)
+    return (PackedBatches(train, rows, seq_len, cfg.seed, **kw),
+            PackedBatches(val, rows, seq_len, cfg.seed + 1, **kw))
+
+
+# ---------------------------------------------------------------------------------------------
+# The grain pipeline.
+
+class Loader:
+    """`source`'s batches through grain, built up to `depth` ahead in a background thread.
+
+    A grain MapDataset maps batch index k to `source.batch(k, source.local)`; its iterator prefetches
+    in order, raises a batch's error at that batch, and its state counts the batches handed out
+    (never those merely built ahead), so `state()` is what a checkpoint saves and `Loader(source,
+    state=...)` continues with exactly the batch that was next. `depth=0` builds each batch on the
+    caller's thread. `close()` (or leaving the `with` block) stops the thread.
+    """
+
+    def __init__(self, source: BatchSource, depth: int = 2, state: dict[str, Any] | None = None,
+                 start: int | None = None):
+        import grain
+        if depth < 0:
+            raise ValueError(f"Loader: depth must be >= 0, got {depth}")
+        self.source = source
+        dataset = grain.MapDataset.range(1 << 62).map(lambda k: source.batch(k, source.local))
+        options = grain.ReadOptions(num_threads=1 if depth else 0, prefetch_buffer_size=depth)
+        self._it = iter(dataset.to_iter_dataset(options))
+        if state is None:
+            state = {"next_index": source.position if start is None else start}
+        self._it.set_state(dict(state))
+
+    def state(self) -> dict[str, Any]:
+        """The iterator's checkpointable state (JSON): where the next batch comes from."""
+        return dict(self._it.get_state())
+
+    @property
+    def position(self) -> int:
+        """Batches handed out from the start of the run: the next batch's index."""
+        return int(self.state()["next_index"])
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._it)
+
+    def close(self) -> None:
+        """Stop the background thread: the batch it is building finishes, no thread outlives this."""
+        executor = getattr(self._it, "_executor", None)  # grain's prefetch pool (closing does not wait)
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def __enter__(self) -> "Loader":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,

@@ -27,6 +27,8 @@ KEY_STATUS: dict[str, str] = {
     "optimizer": HONOURED + " (none: the optimizer passed in code)",
     "optimizer.type": HONOURED + "; 1-bit optimizers refused",
     "optimizer.params": _SECTION,
+    "optimizer.no_decay": HONOURED + " (zerojax key; not with pipelines or the fused Pallas update)",
+    "optimizer.param_groups": HONOURED + " (zerojax key; not with pipelines or the fused Pallas update)",
     "scheduler": HONOURED,
     "scheduler.type": HONOURED,
     "scheduler.params": _SECTION,
@@ -199,9 +201,11 @@ KEY_STATUS: dict[str, str] = {
     "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",
     "model.hf_checkpoint": f"{HONOURED} (train.py and `zerojax train`: the run starts from the checkpoint's "
                            f"weights, read into the plan's shards)",
-    **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed")},
+    **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed", "dtype", "tokenizer",
+                                   "text_key", "eos_id", "mask_boundaries")},
     **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",
-                                  "checkpoint_dir", "save_every", "non_finite", "signal_save_seconds")},
+                                  "checkpoint_dir", "save_every", "non_finite", "signal_save_seconds",
+                                  "sample_tokens")},
     **{f"distributed.{k}": HONOURED for k in ("coordinator_address", "num_processes", "process_id", "join",
                                               "initialization_timeout", "check_consistency", "hang_timeout")},
 }

@@ -19,8 +19,8 @@ from zerojax.config import BatchSize, Config, as_config, check_supported
 from zerojax.errors import ConfigError
 from zerojax.mesh import DATA, STAGE, data_size
 from zerojax.offload import HOST_KINDS, Memory, memory_plan
-from zerojax.optim import ClientOptimizer, ScheduleFn, update_rule
-from zerojax.pallas.backend import platform_of, resolve as resolve_kernels
+from zerojax.optim import ClientOptimizer, ScheduleFn, param_groups, update_rule
+from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.pallas.selfcheck import settle as settle_kernels
 from zerojax.precision import Policy, ScalerConfig, policy as make_policy, scaler_config
 from zerojax.schedules import Schedule
@@ -282,6 +282,17 @@ def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = No
                           f"zerojax.initialize(config, model=zerojax.PipelineModule(...)); for a model "
                           f"given as params= and loss_fn= set mesh.stage=1")
     kernels = resolve_kernels(config.kernels, platform_of(mesh), config.optimizer.type)
+    groups = param_groups(config.optimizer)
+    if groups is not None:
+        if lead is not None:
+            raise ConfigError("optimizer.no_decay / optimizer.param_groups: a pipeline's parameters are "
+                              "flat stage rows without names; remove them, or train with mesh.stage: 1")
+        groups.check(params)
+        if kernels != XLA:  # the fused Adam kernel takes one weight decay and one lr for all parameters
+            if config.kernels == "pallas":
+                raise ConfigError("kernels: 'pallas' fuses one weight decay and lr for every parameter; "
+                                  "with optimizer.no_decay or param_groups use kernels: auto or xla")
+            kernels = XLA
     n = data_size(mesh)
     batch = config.batch(n)
     stage = config.zero_optimization.stage

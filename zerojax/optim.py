@@ -17,7 +17,9 @@ used by the latest update are in `state.hyperparams`.
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
+import re
 from typing import Callable, NamedTuple, Union
 
 import jax
@@ -25,11 +27,12 @@ import jax.numpy as jnp
 import optax
 
 from zerojax.config import (CLIENT_OPTIMIZER, AdagradParams, Config, LambParams, LionParams, OptimizerConfig,
-                            SGDParams)
+                            ParamGroup, SGDParams)
 from zerojax.errors import ConfigError
+from zerojax.names import dotted
 from zerojax.schedules import Schedule, make_schedule
 
-__all__ = ["make_optimizer", "update_rule", "CLIENT", "has_betas", "is_elementwise", "bias_corrections", "PER_TENSOR_OPTIMIZERS", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
+__all__ = ["make_optimizer", "param_groups", "Groups", "name_matches", "decay_by_name", "scale_lr_by_name", "update_rule", "CLIENT", "has_betas", "is_elementwise", "bias_corrections", "PER_TENSOR_OPTIMIZERS", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
            "TorchMomentumState", "scale_by_moments", "scale_by_clamped_trust_ratio",
            "scale_by_adagrad", "torch_momentum"]
 
@@ -188,10 +191,120 @@ def torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.G
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _decay(weight_decay: float) -> list[optax.GradientTransformation]:
+def _decay(weight_decay: float, groups: "Groups | None" = None) -> list[optax.GradientTransformation]:
     """`+ wd * p`; placed before the direction it is torch's L2 (into the gradient), after it the
-    decoupled decay of AdamW/Lamb/Lion (the step becomes -lr * (direction + wd * p))."""
+    decoupled decay of AdamW/Lamb/Lion (the step becomes -lr * (direction + wd * p)). With parameter
+    groups each parameter's wd comes from its name."""
+    if groups is not None:
+        return [decay_by_name(weight_decay, groups)]
     return [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+
+
+def _lr_scales(groups: "Groups | None") -> list[optax.GradientTransformation]:
+    return [scale_lr_by_name(groups)] if groups is not None and groups.scales_lr else []
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-decay masks and parameter groups, by parameter name (HF Trainer's no-decay list, Megatron's
+# no-weight-decay-for-biases-and-norms, DeepSpeed/torch param groups with their own lr and decay).
+
+#: What the words of `optimizer.no_decay` also match besides their own text (a part of the name).
+NAME_ALIASES = {"norm": re.compile(r"ln(\d+|_\w+)?"), "embed": re.compile(r"pos|wte|wpe|pos_emb\w*")}
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether a group pattern picks the parameter with dotted `name` (case-insensitive).
+
+    A pattern with `*`, `?` or `[` matches the whole name (fnmatch: `blocks.*.bias`); a word matches
+    when it is part of one of the name's parts (`bias` matches `blocks.qkv.bias`), and `norm` / `embed`
+    also match the usual short names of norms and embeddings (`ln1`, `ln_f`; `pos`, `wte`, `wpe`).
+    """
+    pattern, name = pattern.lower(), name.lower()
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    alias = NAME_ALIASES.get(pattern)
+    return any(pattern in part or (alias is not None and alias.fullmatch(part)) for part in name.split("."))
+
+
+class Groups(NamedTuple):
+    """The config's no-decay patterns and parameter groups, answering per parameter name."""
+    no_decay: tuple[str, ...]
+    param_groups: tuple[ParamGroup, ...]
+
+    def group(self, name: str) -> ParamGroup | None:
+        return next((g for g in self.param_groups if any(name_matches(p, name) for p in g.match)), None)
+
+    def weight_decay(self, name: str, default: float) -> float:
+        """The group's weight_decay, else 0 for a no-decay name, else the optimizer's."""
+        group = self.group(name)
+        if group is not None and group.weight_decay is not None:
+            return group.weight_decay
+        if any(name_matches(p, name) for p in self.no_decay):
+            return 0.0
+        return default
+
+    def lr_scale(self, name: str) -> float:
+        group = self.group(name)
+        return 1.0 if group is None else group.lr_scale
+
+    @property
+    def scales_lr(self) -> bool:
+        return any(g.lr_scale != 1.0 for g in self.param_groups)
+
+    def table(self, params: Any, default: float) -> list[tuple[str, float, float]]:
+        """(name, weight decay, lr scale) of every parameter: what the update will use."""
+        return [(name, self.weight_decay(name, default), self.lr_scale(name)) for name in _names(params)]
+
+    def check(self, params: Any) -> None:
+        """Every pattern must pick at least one parameter: a pattern that matches none is a typo."""
+        names = _names(params)
+        keyed = [(f"optimizer.no_decay", p) for p in self.no_decay]
+        keyed += [(f"optimizer.param_groups[{i}].match", p) for i, g in enumerate(self.param_groups) for p in g.match]
+        for key, pattern in keyed:
+            if not any(name_matches(pattern, n) for n in names):
+                shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+                raise ConfigError(f"{key}: '{pattern}' matches no parameter of the model; its parameters "
+                                  f"are {shown}")
+
+
+def _names(params: Any) -> list[str]:
+    return [dotted(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def param_groups(config: OptimizerConfig | None) -> Groups | None:
+    """The config's groups, or None when it has neither no_decay nor param_groups (one rule for all)."""
+    if config is None or not (getattr(config, "no_decay", ()) or getattr(config, "param_groups", ())):
+        return None
+    return Groups(tuple(config.no_decay), tuple(config.param_groups))
+
+
+def decay_by_name(default: float, groups: Groups) -> optax.GradientTransformation:
+    """`+ wd * p` with each parameter's wd from its name (constants: nothing is stored)."""
+    def update_fn(updates: optax.Updates, state: optax.EmptyState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
+        if params is None:
+            raise ValueError("decay_by_name: the update needs params")
+
+        def one(path: Any, u: jax.Array, p: jax.Array) -> jax.Array:
+            wd = groups.weight_decay(dotted(path), default)
+            return u + wd * p if wd else u
+        return jax.tree_util.tree_map_with_path(one, updates, params), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def scale_lr_by_name(groups: Groups) -> optax.GradientTransformation:
+    """Each parameter's step times its group's lr_scale (after the lr: the lr is scaled, per group)."""
+    def update_fn(updates: optax.Updates, state: optax.EmptyState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
+        del params
+
+        def one(path: Any, u: jax.Array) -> jax.Array:
+            scale = groups.lr_scale(dotted(path))
+            return u if scale == 1.0 else u * jnp.asarray(scale, u.dtype)
+        return jax.tree_util.tree_map_with_path(one, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,69 +330,71 @@ def adam_settings(config: OptimizerConfig) -> AdamSettings | None:
                         eps=p.eps, bias_correction=p.bias_correction)
 
 
-def _adam(s: AdamSettings) -> Factory:
+def _adam(s: AdamSettings, groups: Groups | None = None) -> Factory:
     """FusedAdam: adam_w_mode adds wd*p to the direction (AdamW), otherwise to the gradient (L2)."""
     def factory(learning_rate: jax.Array, b1: jax.Array, b2: jax.Array) -> optax.GradientTransformation:
         moments = scale_by_moments(b1, b2, s.eps, s.bias_correction)
         if s.decoupled:
-            parts = [moments, *_decay(s.weight_decay)]
+            parts = [moments, *_decay(s.weight_decay, groups)]
         else:
-            parts = [*_decay(s.weight_decay), moments]
-        return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+            parts = [*_decay(s.weight_decay, groups), moments]
+        return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate), *_lr_scales(groups))
     return factory
 
 
-def _lamb(p: LambParams) -> Factory:
+def _lamb(p: LambParams, groups: Groups | None = None) -> Factory:
     """FusedLamb: bias-corrected Adam direction + wd*p, times the clamped per-tensor trust ratio."""
     def factory(learning_rate: jax.Array, b1: jax.Array, b2: jax.Array) -> optax.GradientTransformation:
-        return optax.chain(scale_by_moments(b1, b2, p.eps, p.bias_correction), *_decay(p.weight_decay),
+        return optax.chain(scale_by_moments(b1, b2, p.eps, p.bias_correction), *_decay(p.weight_decay, groups),
                            scale_by_clamped_trust_ratio(p.min_coeff, p.max_coeff),
-                           optax.scale_by_learning_rate(learning_rate))
+                           optax.scale_by_learning_rate(learning_rate), *_lr_scales(groups))
     return factory
 
 
-def _lion(p: LionParams) -> Factory:
+def _lion(p: LionParams, groups: Groups | None = None) -> Factory:
     """FusedLion: p = p*(1 - lr*wd) - lr*sign(b1*m + (1-b1)*g); m = b2*m + (1-b2)*g.
 
     At c = b1*m + (1-b1)*g exactly 0 DeepSpeed's CUDA kernel steps by +lr and its CPU kernel by -lr;
     sign(0) = 0 (the paper's rule, optax's) keeps untouched parameters where they are.
     """
     def factory(learning_rate: jax.Array, b1: jax.Array, b2: jax.Array) -> optax.GradientTransformation:
-        return optax.chain(optax.scale_by_lion(b1, b2), *_decay(p.weight_decay),
-                           optax.scale_by_learning_rate(learning_rate))
+        return optax.chain(optax.scale_by_lion(b1, b2), *_decay(p.weight_decay, groups),
+                           optax.scale_by_learning_rate(learning_rate), *_lr_scales(groups))
     return factory
 
 
-def _adagrad(p: AdagradParams) -> Factory:
+def _adagrad(p: AdagradParams, groups: Groups | None = None) -> Factory:
     """torch.optim.Adagrad (lr_decay 0): L2 into the gradient, then g / (sqrt(sum) + eps)."""
     def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
-        return optax.chain(*_decay(p.weight_decay), scale_by_adagrad(p.initial_accumulator_value, p.eps),
-                           optax.scale_by_learning_rate(learning_rate))
+        return optax.chain(*_decay(p.weight_decay, groups), scale_by_adagrad(p.initial_accumulator_value, p.eps),
+                           optax.scale_by_learning_rate(learning_rate), *_lr_scales(groups))
     return factory
 
 
-def _sgd(p: SGDParams) -> Factory:
+def _sgd(p: SGDParams, groups: Groups | None = None) -> Factory:
     """torch.optim.SGD: L2 into the gradient, optional momentum (torch's buffer rules), -lr step."""
     momentum = [torch_momentum(p.momentum, p.dampening, p.nesterov)] if p.momentum else []
 
     def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
-        return optax.chain(*_decay(p.weight_decay), *momentum, optax.scale_by_learning_rate(learning_rate))
+        return optax.chain(*_decay(p.weight_decay, groups), *momentum, optax.scale_by_learning_rate(learning_rate),
+                           *_lr_scales(groups))
     return factory
 
 
 def _factory(config: OptimizerConfig) -> Factory:
     kind, p = config.type.lower(), config.params
     adam = adam_settings(config)
+    groups = param_groups(config)
     if adam is not None:
-        return _adam(adam)
+        return _adam(adam, groups)
     if kind == "lamb":  # load_config has rejected max_grad_norm
-        return _lamb(p)
+        return _lamb(p, groups)
     if kind == "lion":
-        return _lion(p)
+        return _lion(p, groups)
     if kind == "adagrad":
-        return _adagrad(p)
+        return _adagrad(p, groups)
     if kind == "sgd":
-        return _sgd(p)
+        return _sgd(p, groups)
     raise ConfigError(f"optimizer.type: unknown optimizer '{config.type}'")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from zerojax.config import Config
 from zerojax.errors import ConfigError, NonFiniteError
-from zerojax.data import Batches, Prefetch, read_corpus, split_corpus
+from zerojax.data import BatchSource, Loader, make_batches
 from zerojax.distributed import agreed, interrupts_as_preemption, is_primary, local_rows, stop_requested
 from zerojax.engine import Engine
 from zerojax.layout import plan as make_plan
@@ -84,7 +84,7 @@ def startup_table(engine: Engine, batch: Any = None) -> str:
     return "\n".join(lines)
 
 
-def evaluate(engine: Engine, batches: Batches, n: int) -> float | None:
+def evaluate(engine: Engine, batches: BatchSource, n: int) -> float | None:
     if n == 0:
         return None
     return float(np.mean([float(engine.eval_batch(batches.batch(i, batches.local))) for i in range(n)]))
@@ -163,16 +163,10 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     # Process 0 picks the folders (it alone writes run files); every process writes checkpoint shards.
     out_name, ckpt_name, resume_tag = json.loads(agreed(choose_dirs))
     out, ckpt_dir = Path(out_name), Path(ckpt_name)
-    split = split_corpus(read_corpus(config.data), config.data.val_fraction, model_cfg.seq_len,
-                         config.data.max_bytes)
-    top = int(max(split.train.max(initial=0), split.val.max(initial=0)))
-    if top >= model_cfg.vocab_size:  # an embedding lookup past the table gives NaN, not an error
-        raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size}, but the corpus holds byte value {top} "
-                          f"(train.py's tokens are bytes); use a vocabulary of at least {top + 1}, or text "
-                          f"whose bytes are below {model_cfg.vocab_size} (data.path)")
     mine = local_rows(layout.batch_sharding, rows)  # this process builds only its own rows
-    train_batches = Batches(split.train, rows, model_cfg.seq_len, config.data.seed, local=mine)
-    val_batches = Batches(split.val, rows, model_cfg.seq_len, config.data.seed + 1, local=mine)
+    # every data error (missing file, vocabulary, too short) is raised here, before compiling
+    train_batches, val_batches = make_batches(config.data, rows, model_cfg.seq_len, model_cfg.vocab_size, mine)
+    data_state = None
 
     if pipeline is not None:
         from zerojax.pipeline.engine import PipelineEngine  # each stage initializes its own layers
@@ -193,6 +187,7 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         beat(f"loading checkpoint {resume_tag or 'latest'} from {ckpt_dir}", allowance=FIRST_STEP_ALLOWANCE)
         path, _ = engine.load_checkpoint(str(ckpt_dir), resume_tag)
         train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))
+        data_state = engine.loaded_extra.get("data_state")  # the grain iterator's state, where saved
         _say(f"resumed from {path} at step {engine.global_steps}")
     first_step = engine.global_steps + 1
 
@@ -228,7 +223,8 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         check_finite(saving=True)  # a non-finite state is never saved, so `latest` stays the last good one
         beat(f"saving checkpoint global_step{engine.global_steps} (every process writes its shards, then "
              f"they meet in a barrier)")
-        tag = engine.save_checkpoint(str(ckpt_dir), extra={"data_position": ahead.position},
+        tag = engine.save_checkpoint(str(ckpt_dir), extra={"data_position": ahead.position,
+                                                                   "data_state": ahead.state()},
                                      async_save=async_save)
         monitor.print(f"checkpoint {tag} -> {ckpt_dir}")
         saved_at = engine.global_steps
@@ -237,9 +233,9 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     timers, breakdown = monitor.timers, config.wall_clock_breakdown
     step = first_step - 1
     stopped = False  # all processes agreed to stop early (multi-process SIGTERM or Ctrl-C)
-    # The next batches are built in a thread while the step runs; `ahead.position` counts the batches
-    # taken, the data position a checkpoint saves (`train_batches` itself runs ahead).
-    ahead = Prefetch(train_batches, depth=PREFETCH_DEPTH, start=train_batches.position, name="zerojax-batches")
+    # grain builds the next batches in a thread while the step runs; its state counts the batches
+    # taken, the data position a checkpoint saves.
+    ahead = Loader(train_batches, depth=PREFETCH_DEPTH, state=data_state)
     try:
         with ahead, interrupts_as_preemption(), stop_signals() as signals:
             for step in range(first_step, config.run.steps + 1):
@@ -323,7 +319,23 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     losses = f"loss {first:.4f} -> {last:.4f}" if first is not None else "no steps run"
     _say(f"done: {summary['steps']} steps, {losses}, validation loss "
          f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}")
+    _print_sample(config, engine)
     return summary
+
+
+def _print_sample(config: Config, engine: Engine) -> None:
+    """A few generated tokens, so a finished run shows what it learned (`run.sample_tokens`, 0: off).
+    The run is complete and saved by now: a failure here is reported, not raised."""
+    if not config.run.sample_tokens or not is_primary():
+        return
+    from zerojax.sample import end_of_run_sample
+    try:
+        text = end_of_run_sample(config, engine.params)
+    except Exception as e:  # noqa: BLE001 - the run itself succeeded
+        print(f"sample: not generated ({type(e).__name__}: {e})", flush=True)
+        return
+    if text is not None:
+        print(f"sample ({config.run.sample_tokens} tokens; more with zerojax sample --run DIR):\n{text}", flush=True)
 
 
 def _refuse_existing_checkpoints(ckpt_dir: Path) -> None:

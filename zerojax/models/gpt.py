@@ -16,11 +16,11 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from zerojax.collectives import gather, gathers_params
 from zerojax.config import ActivationCheckpointingConfig, ModelConfig
+from zerojax.models.loss import next_token_loss
 from zerojax.remat import resolve as resolve_remat
 
 
@@ -141,7 +141,9 @@ def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array,
 
 
 def make_loss_fn(cfg: ModelConfig, checkpointing: Optional[ActivationCheckpointingConfig] = None) -> Any:
-    """Mean next-byte cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32.
+    """Mean next-token cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32, and an optional
+    `batch["loss_mask"]` [rows, seq_len] weights each prediction (0: not counted, e.g. across a
+    document boundary).
 
     `checkpointing`: the config's `activation_checkpointing` section (train.py passes it); the loss
     places its own gathers and remat, so the step does not rewrite it."""
@@ -150,7 +152,7 @@ def make_loss_fn(cfg: ModelConfig, checkpointing: Optional[ActivationCheckpointi
     def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
         tokens = batch["tokens"]
         logits = apply(cfg, params, tokens[:, :-1], checkpointing)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return next_token_loss(logits, batch)
 
     return loss_fn
 
@@ -184,8 +186,8 @@ class Head(nnx.Module):
 
 
 def pipeline_loss(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-byte cross-entropy of the Head's logits."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+    """Mean next-token cross-entropy of the Head's logits (weighted by `loss_mask` where given)."""
+    return next_token_loss(logits, batch)
 
 
 def pipeline_layers(cfg: ModelConfig) -> list[Any]:

@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from zerojax.config import ModelConfig
+from zerojax.models.loss import next_token_loss
 
 
 def _eps(cfg: ModelConfig) -> float:
@@ -146,10 +146,9 @@ class Llama(nnx.Module):
 
 
 def loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32."""
-    tokens = batch["tokens"]
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    """Mean next-token cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32, and an optional
+    `batch["loss_mask"]` [rows, seq_len] drops predictions (e.g. across a document boundary)."""
+    return next_token_loss(model(batch["tokens"][:, :-1]), batch)
 
 
 def constructor(cfg: ModelConfig, seed: int = 0) -> Callable[[], Llama]:
