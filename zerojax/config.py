@@ -282,7 +282,10 @@ class ZeroConfig:
     stage: int = option(0, "0: replicate all; 1: partition optimizer state; 2: + gradients; "
                            "3: + parameters.", choices=(0, 1, 2, 3))
     contiguous_gradients: bool = option(True, _BUCKET_DOC)
-    reduce_scatter: bool = option(True, "Reduce gradients with reduce-scatter (always, for stages 2-3).")
+    reduce_scatter: bool = option(
+        True, "Stages 1-3 divide gradients by the data-parallel size before the sum (DeepSpeed's reduce-"
+              "scatter path); false: prescale_gradients / gradient_predivide_factor decide, as in its "
+              "all-reduce path. The collective is a reduce-scatter either way.")
     reduce_bucket_size: int = option(500_000_000, _BUCKET_DOC, ge=0)
     allgather_partitions: bool = option(True, _BUCKET_DOC)
     allgather_bucket_size: int = option(500_000_000, _BUCKET_DOC, ge=0)
@@ -516,8 +519,12 @@ class Config:
     data_types: DataTypesConfig = section(DataTypesConfig)
     communication_data_type: Optional[str] = option(
         None, "dtype of gradient collectives (default: the gradient dtype).", choices=("fp32", "fp16", "bf16"))
-    prescale_gradients: bool = option(False, "Accepted; gradients are averaged exactly either way.")
-    gradient_predivide_factor: float = option(1.0, "Accepted; gradients are averaged exactly either way.", gt=0)
+    prescale_gradients: bool = option(
+        False, "Divide gradients by the data-parallel size before their all-reduce instead of after (stage 0, "
+               "or reduce_scatter: false); matters when the sum runs in fp16.")
+    gradient_predivide_factor: float = option(
+        1.0, "Without prescale: divide gradients by this before the all-reduce and multiply by factor/dp "
+             "after (stage 0, or reduce_scatter: false).", gt=0)
     steps_per_print: int = option(10, "Print a metrics line every this many steps.", gt=0)
     wall_clock_breakdown: bool = option(False, "Time data, step and logging separately.")
     memory_breakdown: bool = option(False, "Accepted, unused; see the compiled step's memory analysis.")
@@ -1599,7 +1606,36 @@ def _check_optimizer(config: Config) -> None:
         raise ConfigError("optimizer.params.min_coeff: larger than max_coeff; swap them")
 
 
+def _check_averaging(config: Config) -> None:
+    """DeepSpeed's rules for prescale_gradients / gradient_predivide_factor (see step.grad_average)."""
+    zero = config.zero_optimization
+    keys = [k for k, on in (("prescale_gradients", config.prescale_gradients),
+                            ("gradient_predivide_factor", config.gradient_predivide_factor != 1.0)) if on]
+    if not keys:
+        return
+    key = keys[0]
+    if config.mesh.stage > 1:
+        raise ConfigError(f"{key}: not built for pipeline runs (mesh.stage {config.mesh.stage}), whose "
+                          f"gradients are averaged in the loss; remove it")
+    if zero.stage >= 2 and zero.reduce_scatter:
+        # DeepSpeed's stage_1_and_2.py / stage3.py assert the same with reduce-scatter enabled.
+        raise ConfigError(f"{key}: not supported with ZeRO stage {zero.stage} and reduce_scatter (DeepSpeed "
+                          f"asserts the same: its reduce-scatter divides by the data-parallel size before "
+                          f"the sum); remove it, or set zero_optimization.reduce_scatter: false"
+                          + (" at stage 2" if zero.stage == 3 else ""))
+    if zero.stage == 3:
+        raise ConfigError(f"{key}: not supported at ZeRO stage 3: the gradient reduce-scatter is the "
+                          f"transpose of the parameter gather inside the backward pass, so nothing can "
+                          f"run between a gradient and its sum; remove it, or use stage 2 with "
+                          f"reduce_scatter: false")
+    if zero.stage == 1 and zero.reduce_scatter:
+        warnings.warn(f"{key}: ignored at ZeRO stage 1 with reduce_scatter (DeepSpeed's reduce-scatter path "
+                      f"divides by the data-parallel size before the sum and ignores it too); set "
+                      f"zero_optimization.reduce_scatter: false to use it", ConfigWarning, stacklevel=4)
+
+
 def _check_sections(config: Config) -> None:
+    _check_averaging(config)
     zero = config.zero_optimization
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
