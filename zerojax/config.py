@@ -315,7 +315,9 @@ class ZeroConfig:
         False, "Accepted; saved parameters are always whole.",
         aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
     round_robin_gradients: bool = option(False, _BUCKET_DOC)
-    ignore_unused_parameters: bool = option(True, "Unused parameters get zero gradients.")
+    ignore_unused_parameters: bool = option(
+        True, "Unused parameters get zero gradients; false (DeepSpeed: an error for a parameter without a "
+              "gradient) is refused.")
     zero_hpz_partition_size: int = option(1, "ZeRO++ hierarchical partitioning (only 1 supported).", gt=0)
     zero_quantized_weights: bool = option(False, "ZeRO++ quantized weights (not supported).")
     zero_quantized_gradients: bool = option(False, "ZeRO++ quantized gradients (not supported).")
@@ -364,11 +366,16 @@ class FlopsProfilerConfig:
 
 @dataclass(frozen=True)
 class CommsLoggerConfig:
-    """DeepSpeed's communication logger (accepted; see the benchmark for collective bytes)."""
-    enabled: bool = option(False, "Accepted, unused.")
-    verbose: bool = option(False, "Accepted, unused.")
-    prof_all: bool = option(True, "Accepted, unused.")
-    debug: bool = option(False, "Accepted, unused.")
+    """DeepSpeed's communication logger: the collectives compiled into the train step, read from its
+    HLO (count and bytes per device per step; no per-op latency, as they run inside one program)."""
+    enabled: bool = option(False, "Print the step's collectives at the first print step and totals at "
+                                  "the end of the run.")
+    verbose: bool = option(False, "Also list every collective (kind, dtype, bytes, group, runs per step).")
+    prof_all: bool = option(True, "Report every collective; false: only those named in prof_ops.")
+    debug: bool = option(False, "With verbose: also name the HLO computation each collective sits in.")
+    prof_ops: tuple[str, ...] = option((), "With prof_all false: the collectives to report (all_reduce, "
+                                 "reduce_scatter, all_gather, all_to_all, collective_permute; DeepSpeed's "
+                                 "torch names such as all_gather_into_tensor are accepted).")
 
 
 @dataclass(frozen=True)
@@ -402,7 +409,8 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpointing: DeepSpeed's keys plus retention and async saving."""
-    tag_validation: str = option("Warn", "Ignore | Warn | Fail.", choices=("Ignore", "Warn", "Fail"))
+    tag_validation: str = option("Warn", "A tag passed to save_checkpoint must be the same on every process: "
+                                         "Ignore | Warn | Fail.", choices=("Ignore", "Warn", "Fail"))
     load_universal: bool = option(False, "Accepted; every checkpoint is universal.")
     use_node_local_storage: bool = option(False, "Accepted, unused.")
     async_save: bool = option(False, "Write checkpoints in the background (a save returns before it is "
@@ -526,8 +534,11 @@ class Config:
         1.0, "Without prescale: divide gradients by this before the all-reduce and multiply by factor/dp "
              "after (stage 0, or reduce_scatter: false).", gt=0)
     steps_per_print: int = option(10, "Print a metrics line every this many steps.", gt=0)
-    wall_clock_breakdown: bool = option(False, "Time data, step and logging separately.")
-    memory_breakdown: bool = option(False, "Accepted, unused; see the compiled step's memory analysis.")
+    wall_clock_breakdown: bool = option(
+        False, "Per step at each print: data wait, dispatch, device time (waits for every step) and logging; "
+               "forward, backward and optimizer run inside one compiled program and are not separated.")
+    memory_breakdown: bool = option(False, "Print each device's memory (arrays by role, allocator in-use and "
+                                           "peak where the backend reports them, host RSS) at every print step.")
     dump_state: bool = option(False, "Print the resolved config at start.")
     tensorboard: MonitorConfig = section(MonitorConfig)
     csv_monitor: MonitorConfig = section(MonitorConfig)
@@ -1414,6 +1425,8 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        return "a list of " + _type_name(typing.get_args(tp)[0]) + "s"
     if origin is tuple:
         return "a list of " + str(len(typing.get_args(tp))) + " numbers"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
@@ -1454,6 +1467,10 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
         if not isinstance(value, str):
             raise bad()
         out = value
+    elif origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        if not isinstance(value, (list, tuple)):
+            raise bad()
+        out = tuple(_coerce(v, typing.get_args(tp)[0], f"{path}[{i}]", {}) for i, v in enumerate(value))
     elif origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -1636,6 +1653,11 @@ def _check_averaging(config: Config) -> None:
 
 def _check_sections(config: Config) -> None:
     _check_averaging(config)
+    from zerojax.hlo import OP_NAMES
+    for i, name in enumerate(config.comms_logger.prof_ops):
+        if name not in OP_NAMES:
+            raise ConfigError(f"comms_logger.prof_ops[{i}]: '{name}' is not a collective; use one of "
+                              f"all_reduce, reduce_scatter, all_gather, all_to_all, collective_permute")
     zero = config.zero_optimization
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
@@ -1696,6 +1718,11 @@ def unsupported_features(config: Config) -> list[str]:
                    f"offload) is not supported; use 1.0")
     if zero.zero_quantized_weights or zero.zero_quantized_gradients or zero.zero_hpz_partition_size > 1:
         out.append("zero_optimization.zero_quantized_*/zero_hpz_partition_size: ZeRO++ is not supported")
+    if not zero.ignore_unused_parameters:
+        out.append("zero_optimization.ignore_unused_parameters: false is not supported (DeepSpeed raises for a "
+                   "parameter that received no gradient; JAX differentiates every parameter, giving unused ones "
+                   "zero gradients, so none can be told apart); remove the key, or drop the unused parameters "
+                   "from the model")
     if zero.mics_shard_size > 0:
         out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
     if config.wandb.enabled:
