@@ -191,3 +191,62 @@ def test_scale_sequence_matches_deepspeed_zero2() -> None:
     assert sum(want_skipped) >= 5, "the case must overflow naturally for several steps"
     assert not all(want_skipped), "the case must reach a scale that does not overflow"
     assert scales(True)[0] != want, "the case must tell DeepSpeed's order from 1/dp in the loss"
+
+
+# ------------------------------------------------------------------------------------------------
+# A real DeepSpeed run (tests/fixtures/deepspeed/fp16_overflow.py wrote it): the same sequence.
+
+@jax.custom_jvp
+def torch_tanh(x: jax.Array) -> jax.Array:
+    """tanh whose derivative is computed as torch's tanh_backward computes it: g * (1 - y^2),
+    in fp32 for a half-precision tensor, rounded once. JAX's own rule, (g + g*y) * (1 - y), forms
+    g*(1+y) in fp16 first, which overflows at half the loss scale where y is near 1."""
+    return jnp.tanh(x)
+
+
+@torch_tanh.defjvp
+def _torch_tanh_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (x,), (t,) = primals, tangents
+    y = jnp.tanh(x)
+    y32 = y.astype(jnp.float32)
+    return y, (t.astype(jnp.float32) * (1.0 - y32 * y32)).astype(t.dtype)
+
+
+def _ds_mlp_loss(params: dict, batch: dict, tanh=torch_tanh) -> jax.Array:
+    """The fixture's model: fp16 inputs, a tanh MLP in the parameters' dtype, an fp32 MSE loss."""
+    dt = params["w1"].dtype
+    h = tanh(batch["x"].astype(dt) @ params["w1"] + params["b1"])
+    out = h @ params["w2"] + params["b2"]
+    return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def _replay(name: str, loss_fn) -> tuple[dict, list[dict]]:
+    import json
+    from pathlib import Path
+    case = json.loads((Path(__file__).parent / "fixtures" / "deepspeed" / f"fp16_overflow_{name}.json").read_text())
+    cfg = zerojax.load_config(case["config"])
+    params = {k: np.asarray(v, np.float32) for k, v in case["params"].items()}
+    batches = [{k: np.asarray(v, np.float32) for k, v in b.items()} for b in case["batches"]]
+    _, _, metrics = train_steps(cfg, batches, params=params, loss_fn=loss_fn, mesh=data_mesh(2))
+    return case, metrics
+
+
+@pytest.mark.parametrize("name", ["tanh", "output"])
+def test_scale_sequence_of_a_real_deepspeed_run(name: str) -> None:
+    """DeepSpeed 0.19.8, ZeRO-2, 2 ranks, fp16, initial scale 2^24, hysteresis 2 (its fixture): it
+    overflows for ten steps, recovers at 2^15 and overflows once more there; zerojax, on the same
+    model computing tanh's derivative as torch does, follows it step for step."""
+    case, metrics = _replay(name, _ds_mlp_loss)
+    assert sum(case["skipped"]) >= 10
+    assert [float(m["loss_scale"]) for m in metrics] == case["loss_scale"]
+    assert [bool(m["skipped"]) for m in metrics] == case["skipped"]
+
+
+def test_jax_tanh_derivative_overflows_earlier() -> None:
+    """With jnp.tanh the same run overflows one step more (at 2^15, step 11) than DeepSpeed's: the
+    difference is the derivative's fp16 formula (see torch_tanh), not the reduction."""
+    case, metrics = _replay("tanh", lambda p, b: _ds_mlp_loss(p, b, tanh=jnp.tanh))
+    skipped = [bool(m["skipped"]) for m in metrics]
+    first = next(i for i, (a, b) in enumerate(zip(skipped, case["skipped"])) if a != b)
+    assert first == 10 and skipped[first] and not case["skipped"][first]
+    assert case["loss_scale"][first] == 2.0 ** 15
