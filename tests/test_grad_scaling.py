@@ -9,6 +9,7 @@ zerojax does the same, which puts its loss-scale sequence on DeepSpeed's (test_s
 """
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -199,8 +200,9 @@ def test_scale_sequence_matches_deepspeed_zero2() -> None:
 @jax.custom_jvp
 def torch_tanh(x: jax.Array) -> jax.Array:
     """tanh whose derivative is computed as torch's tanh_backward computes it: g * (1 - y^2),
-    in fp32 for a half-precision tensor, rounded once. JAX's own rule, (g + g*y) * (1 - y), forms
-    g*(1+y) in fp16 first, which overflows at half the loss scale where y is near 1."""
+    in fp32 for a half-precision tensor, rounded once. JAX's own rule forms x = g * (1 - y) in
+    fp16 and returns x + x*y; where y is near -1, 1 - y is 2 and x overflows for |g| > 32752,
+    although the derivative itself is small."""
     return jnp.tanh(x)
 
 
@@ -250,3 +252,14 @@ def test_jax_tanh_derivative_overflows_earlier() -> None:
     first = next(i for i, (a, b) in enumerate(zip(skipped, case["skipped"])) if a != b)
     assert first == 10 and skipped[first] and not case["skipped"][first]
     assert case["loss_scale"][first] == 2.0 ** 15
+
+
+def test_jax_tanh_derivative_is_in_the_program_for_gpu() -> None:
+    """The fp16 intermediate g * (1 - y) is written by JAX's differentiation rule, so the program
+    lowered for GPU holds it too: it is not an artefact of XLA:CPU."""
+    f = jax.grad(lambda x: jnp.sum(jnp.tanh(x).astype(jnp.float32)))
+    text = jax.jit(f).trace(jnp.ones((4,), jnp.float16)).lower(lowering_platforms=("cuda",)).as_text()
+    one_minus_y = re.search(r"(%\d+) = stablehlo.subtract %\w+, %\w+ : tensor<4xf16>", text)
+    assert one_minus_y, text
+    assert re.search(rf"stablehlo.multiply %\w+, {one_minus_y.group(1)} : tensor<4xf16>", text), text
+    assert "f32" not in "".join(l for l in text.splitlines() if "multiply" in l), text
