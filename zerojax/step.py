@@ -4,7 +4,8 @@ The step reads placements from the plan and moves gradients between them with ex
 collectives (collectives.move); it has no notion of "stage". Per optimizer step:
 
 1. `make_grad_fn`, inside `shard_map` over `data`: for each micro-batch (a `lax.scan`), the
-   gradient of the device's rows times the loss scale, moved into the accumulator's placement
+   gradient of the device's rows times the loss scale (the 1/dp of the mean applied around the
+   reduction, as DeepSpeed applies it: `grad_average`), moved into the accumulator's placement
    (stage 2/3: reduce-scattered every micro-step; stage 0/1: kept PARTIAL and reduced once, at the
    boundary); at the boundary, the accumulator moved into the update placement (all-reduce for
    stage 0, reduce-scatter for stage 1, nothing for 2/3);
