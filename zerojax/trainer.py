@@ -343,7 +343,10 @@ def comms_report(text: str, comms: Any, steps: int = 1) -> str:
     verbose, debug) for `steps` steps."""
     from zerojax.hlo import OP_NAMES, comms_report as report
     kinds = None if comms.prof_all else {OP_NAMES[n] for n in comms.prof_ops}
-    return report(text, steps=steps, kinds=kinds, verbose=comms.verbose, debug=comms.debug)
+    try:
+        return report(text, steps=steps, kinds=kinds, verbose=comms.verbose, debug=comms.debug)
+    except ValueError as e:  # an HLO form the parser does not know: say so, never stop the run for it
+        return f"comms logger: cannot read the compiled step's collectives ({e})"
 
 
 def memory_table(engine: Engine) -> str:
@@ -354,6 +357,8 @@ def memory_table(engine: Engine) -> str:
     mib = 2 ** 20
     held: dict[Any, int] = {}
     for x in jax.live_arrays():
+        if x.sharding.memory_kind in HOST_KINDS:  # offloaded state: in host memory, counted by the RSS
+            continue
         for shard in x.addressable_shards:
             held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     lines = ["memory breakdown: " + _measured_line(engine)]
