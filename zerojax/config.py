@@ -366,8 +366,9 @@ class FlopsProfilerConfig:
 
 @dataclass(frozen=True)
 class CommsLoggerConfig:
-    """DeepSpeed's communication logger: the collectives compiled into the train step, read from its
-    HLO (count and bytes per device per step; no per-op latency, as they run inside one program)."""
+    """DeepSpeed's communication logger: the train step's collectives, counted from its compiled HLO.
+
+    Count and bytes per device per step; no per-op latency, as they run inside one program."""
     enabled: bool = option(False, "Print the step's collectives at the first print step and totals at "
                                   "the end of the run.")
     verbose: bool = option(False, "Also list every collective (kind, dtype, bytes, group, runs per step).")

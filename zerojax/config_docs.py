@@ -316,6 +316,8 @@ def _type_text(tp: Any, meta: Mapping[str, Any], nullable: bool = True) -> str:
 
 
 def _base_type(tp: Any) -> str:
+    if typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        return "list of " + _base_type(typing.get_args(tp)[0])
     if typing.get_origin(tp) is tuple:
         return "[" + ", ".join(_base_type(a) for a in typing.get_args(tp)) + "]"
     return {bool: "bool", int: "int", float: "float", str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
