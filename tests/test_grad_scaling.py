@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from helpers import SGD, assert_tree_close, data_mesh, forward, make_batch, make_config, mlp_params, to_numpy, \
+from helpers import assert_tree_close, data_mesh, forward, make_batch, make_config, mlp_params, to_numpy, \
     train_steps
 from zerojax.config import ConfigWarning
 from zerojax.step import grad_average
