@@ -111,6 +111,7 @@ def test_refused_statuses_are_refused() -> None:
         "zero_optimization.zero_quantized_gradients": {"zero_optimization": {"stage": 3,
                                                                              "zero_quantized_gradients": True}},
         "zero_optimization.mics_shard_size": {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+        "zero_optimization.ignore_unused_parameters": {"zero_optimization": {"ignore_unused_parameters": False}},
         "wandb.enabled": {"wandb": {"enabled": True}},
     }
     assert sorted(samples) == sorted(k for k, v in KEY_STATUS.items() if v.startswith(REFUSED))

@@ -164,15 +164,22 @@ def _train_text(cfg: zerojax.Config, params: dict, steps: int) -> tuple[list[flo
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_converges_like_bf16(params: dict, stage: int) -> None:
-    """fp16 with DeepSpeed's default dynamic scaler (2**16 to start) trains the GPT as bf16 does."""
+    """fp16 with DeepSpeed's default dynamic scaler (2**16 to start) trains the GPT as bf16 does.
+
+    Stage 0 sums the 8 devices' fp16 gradients before dividing (DeepSpeed's default all-reduce), so
+    its first steps overflow until the scale settles (2**16 twice with hysteresis 2, then 2**15);
+    the reduce-scatter stages divide first and skip nothing. After its skips, fp16 follows bf16's
+    losses step for step."""
     opt = {"type": "Adam", "params": {"lr": 3e-3}}
     fp16, fp16_skips = _train_text(make_config(stage, train_batch_size=16, optimizer=opt,
                                                fp16={"enabled": True}), params, 12)
     bf16, _ = _train_text(make_config(stage, train_batch_size=16, optimizer=opt, dtype="bf16"), params, 12)
-    assert all(np.isfinite(fp16)) and not any(fp16_skips)
+    k = fp16_skips.index(False) if False in fp16_skips else len(fp16_skips)
+    assert all(np.isfinite(fp16)) and not any(fp16_skips[k:]), fp16_skips  # skips only while settling
+    assert k == (3 if stage == 0 else 0), fp16_skips
     drop = bf16[0] - bf16[-1]
     assert drop > 1.0, bf16
-    assert abs(fp16[-1] - bf16[-1]) < 0.1 * drop, (fp16, bf16)
+    assert abs(fp16[-1] - bf16[-1 - k]) < 0.1 * drop, (fp16, bf16)
 
 
 def test_pipeline_layers_are_the_same_model(params: dict) -> None:

@@ -46,20 +46,35 @@ REPLICATED = _Replicated()
 Placement = Union[_Partial, _Replicated, Shard]
 
 
+def _times(y: jax.Array, factor: float) -> jax.Array:
+    """`y * factor` computed in fp32 and rounded once to y's dtype (how torch applies a Python
+    scalar to a half-precision tensor); exactly `y` when the factor is 1."""
+    if factor == 1.0:
+        return y
+    return (y.astype(jnp.float32) * factor).astype(y.dtype)
+
+
 def move(x: jax.Array, src: Placement, dst: Placement, *, comm_dtype: Any = None,
-         axis: str = DATA) -> jax.Array:
-    """Change `x`'s placement; `comm_dtype` casts the payload of reductions (then casts back)."""
+         axis: str = DATA, pre: float = 1.0, post: float = 1.0) -> jax.Array:
+    """Change `x`'s placement; `comm_dtype` casts the payload of reductions (then casts back).
+
+    A reduction (from PARTIAL) multiplies its payload by `pre` before the sum and by `post` after
+    it, both in the communication dtype: DeepSpeed's gradient averaging around its all-reduce /
+    reduce-scatter (`prescale_gradients`, `gradient_predivide_factor`), where the order decides
+    whether a half-precision sum overflows.
+    """
     if src == dst:
         return x
     if src == PARTIAL:
         dtype = x.dtype
         y = x.astype(comm_dtype) if comm_dtype is not None else x
+        y = _times(y, pre)
         if dst == REPLICATED:
             y = jax.lax.psum(y, axis)  # invariant: every device now holds the sum
         else:
             # invariant: device i holds block i of the sum along dst.dim (a reduce-scatter)
             y = jax.lax.psum_scatter(y, axis, scatter_dimension=dst.dim, tiled=True)
-        return y.astype(dtype)
+        return _times(y, post).astype(dtype)
     if src == REPLICATED and isinstance(dst, Shard):
         n = jax.lax.axis_size(axis)
         size = x.shape[dst.dim] // n

@@ -306,7 +306,10 @@ class ZeroConfig:
     stage: int = option(0, "0: replicate all; 1: partition optimizer state; 2: + gradients; "
                            "3: + parameters.", choices=(0, 1, 2, 3))
     contiguous_gradients: bool = option(True, _BUCKET_DOC)
-    reduce_scatter: bool = option(True, "Reduce gradients with reduce-scatter (always, for stages 2-3).")
+    reduce_scatter: bool = option(
+        True, "Stages 1-3 divide gradients by the data-parallel size before the sum (DeepSpeed's reduce-"
+              "scatter path); false: prescale_gradients / gradient_predivide_factor decide, as in its "
+              "all-reduce path. The collective is a reduce-scatter either way.")
     reduce_bucket_size: int = option(500_000_000, _BUCKET_DOC, ge=0)
     allgather_partitions: bool = option(True, _BUCKET_DOC)
     allgather_bucket_size: int = option(500_000_000, _BUCKET_DOC, ge=0)
@@ -336,7 +339,9 @@ class ZeroConfig:
         False, "Accepted; saved parameters are always whole.",
         aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
     round_robin_gradients: bool = option(False, _BUCKET_DOC)
-    ignore_unused_parameters: bool = option(True, "Unused parameters get zero gradients.")
+    ignore_unused_parameters: bool = option(
+        True, "Unused parameters get zero gradients; false (DeepSpeed: an error for a parameter without a "
+              "gradient) is refused.")
     zero_hpz_partition_size: int = option(1, "ZeRO++ hierarchical partitioning (only 1 supported).", gt=0)
     zero_quantized_weights: bool = option(False, "ZeRO++ quantized weights (not supported).")
     zero_quantized_gradients: bool = option(False, "ZeRO++ quantized gradients (not supported).")
@@ -395,11 +400,17 @@ class FlopsProfilerConfig:
 
 @dataclass(frozen=True)
 class CommsLoggerConfig:
-    """DeepSpeed's communication logger (accepted; see the benchmark for collective bytes)."""
-    enabled: bool = option(False, "Accepted, unused.")
-    verbose: bool = option(False, "Accepted, unused.")
-    prof_all: bool = option(True, "Accepted, unused.")
-    debug: bool = option(False, "Accepted, unused.")
+    """DeepSpeed's communication logger: the train step's collectives, counted from its compiled HLO.
+
+    Count and bytes per device per step; no per-op latency, as they run inside one program."""
+    enabled: bool = option(False, "Print the step's collectives at the first print step and totals at "
+                                  "the end of the run.")
+    verbose: bool = option(False, "Also list every collective (kind, dtype, bytes, group, runs per step).")
+    prof_all: bool = option(True, "Report every collective; false: only those named in prof_ops.")
+    debug: bool = option(False, "With verbose: also name the HLO computation each collective sits in.")
+    prof_ops: tuple[str, ...] = option((), "With prof_all false: the collectives to report (all_reduce, "
+                                 "reduce_scatter, all_gather, all_to_all, collective_permute; DeepSpeed's "
+                                 "torch names such as all_gather_into_tensor are accepted).")
 
 
 @dataclass(frozen=True)
@@ -433,7 +444,8 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpointing: DeepSpeed's keys plus retention and async saving."""
-    tag_validation: str = option("Warn", "Ignore | Warn | Fail.", choices=("Ignore", "Warn", "Fail"))
+    tag_validation: str = option("Warn", "A tag passed to save_checkpoint must be the same on every process: "
+                                         "Ignore | Warn | Fail.", choices=("Ignore", "Warn", "Fail"))
     load_universal: bool = option(False, "Accepted; every checkpoint is universal.")
     use_node_local_storage: bool = option(False, "Accepted, unused.")
     async_save: bool = option(False, "Write checkpoints in the background (a save returns before it is "
@@ -584,11 +596,18 @@ class Config:
     data_types: DataTypesConfig = section(DataTypesConfig)
     communication_data_type: Optional[str] = option(
         None, "dtype of gradient collectives (default: the gradient dtype).", choices=("fp32", "fp16", "bf16"))
-    prescale_gradients: bool = option(False, "Accepted; gradients are averaged exactly either way.")
-    gradient_predivide_factor: float = option(1.0, "Accepted; gradients are averaged exactly either way.", gt=0)
+    prescale_gradients: bool = option(
+        False, "Divide gradients by the data-parallel size before their all-reduce instead of after (stage 0, "
+               "or reduce_scatter: false); matters when the sum runs in fp16.")
+    gradient_predivide_factor: float = option(
+        1.0, "Without prescale: divide gradients by this before the all-reduce and multiply by factor/dp "
+             "after (stage 0, or reduce_scatter: false).", gt=0)
     steps_per_print: int = option(10, "Print a metrics line every this many steps.", gt=0)
-    wall_clock_breakdown: bool = option(False, "Time data, step and logging separately.")
-    memory_breakdown: bool = option(False, "Accepted, unused; see the compiled step's memory analysis.")
+    wall_clock_breakdown: bool = option(
+        False, "Per step at each print: data wait, dispatch, device time (waits for every step) and logging; "
+               "forward, backward and optimizer run inside one compiled program and are not separated.")
+    memory_breakdown: bool = option(False, "Print each device's memory (arrays by role, allocator in-use and "
+                                           "peak where the backend reports them, host RSS) at every print step.")
     dump_state: bool = option(False, "Print the resolved config at start.")
     tensorboard: MonitorConfig = section(MonitorConfig)
     csv_monitor: MonitorConfig = section(MonitorConfig)
@@ -1519,6 +1538,8 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        return "a list of " + _type_name(typing.get_args(tp)[0]) + "s"
     if origin is tuple:
         return "a list of " + str(len(typing.get_args(tp))) + " numbers"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
@@ -1559,6 +1580,10 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
         if not isinstance(value, str):
             raise bad()
         out = value
+    elif origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        if not isinstance(value, (list, tuple)):
+            raise bad()
+        out = tuple(_coerce(v, typing.get_args(tp)[0], f"{path}[{i}]", {}) for i, v in enumerate(value))
     elif origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -1745,7 +1770,41 @@ def _check_optimizer(config: Config) -> None:
         raise ConfigError("optimizer.params.min_coeff: larger than max_coeff; swap them")
 
 
+def _check_averaging(config: Config) -> None:
+    """DeepSpeed's rules for prescale_gradients / gradient_predivide_factor (see step.grad_average)."""
+    zero = config.zero_optimization
+    keys = [k for k, on in (("prescale_gradients", config.prescale_gradients),
+                            ("gradient_predivide_factor", config.gradient_predivide_factor != 1.0)) if on]
+    if not keys:
+        return
+    key = keys[0]
+    if config.mesh.stage > 1:
+        raise ConfigError(f"{key}: not built for pipeline runs (mesh.stage {config.mesh.stage}), whose "
+                          f"gradients are averaged in the loss; remove it")
+    if zero.stage >= 2 and zero.reduce_scatter:
+        # DeepSpeed's stage_1_and_2.py / stage3.py assert the same with reduce-scatter enabled.
+        raise ConfigError(f"{key}: not supported with ZeRO stage {zero.stage} and reduce_scatter (DeepSpeed "
+                          f"asserts the same: its reduce-scatter divides by the data-parallel size before "
+                          f"the sum); remove it, or set zero_optimization.reduce_scatter: false"
+                          + (" at stage 2" if zero.stage == 3 else ""))
+    if zero.stage == 3:
+        raise ConfigError(f"{key}: not supported at ZeRO stage 3: the gradient reduce-scatter is the "
+                          f"transpose of the parameter gather inside the backward pass, so nothing can "
+                          f"run between a gradient and its sum; remove it, or use stage 2 with "
+                          f"reduce_scatter: false")
+    if zero.stage == 1 and zero.reduce_scatter:
+        warnings.warn(f"{key}: ignored at ZeRO stage 1 with reduce_scatter (DeepSpeed's reduce-scatter path "
+                      f"divides by the data-parallel size before the sum and ignores it too); set "
+                      f"zero_optimization.reduce_scatter: false to use it", ConfigWarning, stacklevel=4)
+
+
 def _check_sections(config: Config) -> None:
+    _check_averaging(config)
+    from zerojax.hlo import OP_NAMES
+    for i, name in enumerate(config.comms_logger.prof_ops):
+        if name not in OP_NAMES:
+            raise ConfigError(f"comms_logger.prof_ops[{i}]: '{name}' is not a collective; use one of "
+                              f"all_reduce, reduce_scatter, all_gather, all_to_all, collective_permute")
     zero = config.zero_optimization
     ac = config.activation_checkpointing
     if ac.cpu_checkpointing and ac.policy == "everything":
@@ -1833,6 +1892,11 @@ def unsupported_features(config: Config) -> list[str]:
                    f"offload) is not supported; use 1.0")
     if zero.zero_quantized_weights or zero.zero_quantized_gradients or zero.zero_hpz_partition_size > 1:
         out.append("zero_optimization.zero_quantized_*/zero_hpz_partition_size: ZeRO++ is not supported")
+    if not zero.ignore_unused_parameters:
+        out.append("zero_optimization.ignore_unused_parameters: false is not supported (DeepSpeed raises for a "
+                   "parameter that received no gradient; JAX differentiates every parameter, giving unused ones "
+                   "zero gradients, so none can be told apart); remove the key, or drop the unused parameters "
+                   "from the model")
     if zero.mics_shard_size > 0:
         out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
     if config.wandb.enabled:

@@ -10,6 +10,7 @@ step.py. Porting code keeps its shape:
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -163,6 +164,9 @@ class Engine:
         """
         from zerojax import checkpoint  # orbax is imported only when checkpoints are used
         cfg = self.config.checkpoint
+        if tag is not None and cfg.tag_validation != "Ignore" and jax.process_count() > 1:
+            from zerojax.distributed import broadcast_text
+            validate_tag(tag, broadcast_text(tag), cfg.tag_validation)
         self.wait_for_checkpoint()
         self._pending = checkpoint.save(
             save_dir, tag, self.state, self.plan,
@@ -268,3 +272,16 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
     config = load_config(config, hidden_size=hidden_size)
     return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config), optimizer=optimizer,
                   lr_scheduler=lr_scheduler)
+
+
+def validate_tag(mine: str, process0: str, mode: str) -> None:
+    """DeepSpeed's `checkpoint.tag_validation`: every process must save under the same tag (a
+    process given another tag would write a different checkpoint). Warn logs and goes on; Fail
+    raises; Ignore does not compare."""
+    if mode == "Ignore" or mine == process0:
+        return
+    message = (f"checkpoint.tag_validation: this process saves under tag '{mine}' but process 0 under "
+               f"'{process0}'; pass the same tag on every process (or none: global_step<N>)")
+    if mode == "Fail":
+        raise ValueError(message)
+    warnings.warn(message, UserWarning, stacklevel=3)

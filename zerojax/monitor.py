@@ -21,7 +21,11 @@ EVENTS = {"loss": "Train/Samples/train_loss", "lr": "Train/Samples/lr", "loss_sc
 
 
 class Timers:
-    """Wall-clock totals per phase (DeepSpeed's wall_clock_breakdown), reset at each print."""
+    """Wall-clock totals per phase (DeepSpeed's wall_clock_breakdown), reset at each print.
+
+    The trainer times data wait, dispatch (the host's part of a step), device (waiting for the
+    step's results: the rest of its device time) and logging. Forward, backward and optimizer run
+    inside one compiled program, so they are not timed apart (a jax.profiler trace shows them)."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
@@ -33,8 +37,11 @@ class Timers:
     def stop(self, name: str) -> None:
         self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - self._start.pop(name)
 
+    ORDER = ("data", "dispatch", "device", "log")  # the loop's order; others follow
+
     def summary(self, steps: int) -> str:
-        parts = [f"{k} {1e3 * v / max(steps, 1):.1f} ms" for k, v in self.totals.items()]
+        names = sorted(self.totals, key=lambda k: (self.ORDER.index(k) if k in self.ORDER else len(self.ORDER), k))
+        parts = [f"{k} {1e3 * self.totals[k] / max(steps, 1):.1f} ms" for k in names]
         self.totals.clear()
         return "time per step: " + ", ".join(parts)
 

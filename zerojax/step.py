@@ -4,7 +4,8 @@ The step reads placements from the plan and moves gradients between them with ex
 collectives (collectives.move); it has no notion of "stage". Per optimizer step:
 
 1. `make_grad_fn`, inside `shard_map` over `data`: for each micro-batch (a `lax.scan`), the
-   gradient of the device's rows times the loss scale, moved into the accumulator's placement
+   gradient of the device's rows times the loss scale (the 1/dp of the mean applied around the
+   reduction, as DeepSpeed applies it: `grad_average`), moved into the accumulator's placement
    (stage 2/3: reduce-scattered every micro-step; stage 0/1: kept PARTIAL and reduced once, at the
    boundary); at the boundary, the accumulator moved into the update placement (all-reduce for
    stage 0, reduce-scatter for stage 1, nothing for 2/3);
@@ -18,7 +19,7 @@ Anything that produces gradients in the update placement (the pipeline executor 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +141,47 @@ def check_eval_batch(plan: Plan, batch: Any) -> None:
                              f"data-parallel size {dp}")
 
 
+class GradAverage(NamedTuple):
+    """Where the 1/dp of the data-parallel mean is applied, as DeepSpeed applies it.
+
+    in_loss: divides the scaled loss before differentiation (only when some gradient is reduced
+             inside the backward pass: ZeRO-3's reduce-scatter is the transpose of its gather, so
+             there is no point between the gradient and its sum);
+    pre:     multiplies each device's gradient in the communication dtype before the sum;
+    post:    multiplies the sum.
+    The product is always 1/dp; the split decides where a half-precision gradient or sum overflows.
+    """
+    in_loss: float
+    pre: float
+    post: float
+
+
+def reduced_in_backward(plan: Plan) -> bool:
+    """Some gradient is reduce-scattered inside the backward pass (ZeRO-3 gathered parameters)."""
+    return any(isinstance(_grad_source(lay), Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+
+
+def grad_average(plan: Plan) -> GradAverage:
+    """DeepSpeed's averaging rule for this plan.
+
+    * stage 0 (engine.allreduce_bucket), and stages 1-2 with `reduce_scatter: false`
+      (stage_1_and_2.gradient_reduction_w_predivide): `prescale_gradients` divides by dp before the
+      sum; otherwise the gradient is divided by `gradient_predivide_factor` before and multiplied by
+      factor/dp after (default factor 1: sum, then divide);
+    * stages 1-3 with `reduce_scatter: true` (stage_1_and_2.average_tensor, stage3's reduce path):
+      divided by dp before the sum (config.py refuses prescale/predivide at stages 2-3 there, as
+      DeepSpeed asserts, and warns that stage 1 ignores them);
+    * ZeRO-3 with gathered parameters: in the loss (see GradAverage).
+    """
+    cfg, dp = plan.config, plan.data_size
+    if reduced_in_backward(plan):
+        return GradAverage(1.0 / dp, 1.0, 1.0)
+    if (cfg.zero_optimization.stage >= 1 and cfg.zero_optimization.reduce_scatter) or cfg.prescale_gradients:
+        return GradAverage(1.0, 1.0 / dp, 1.0)
+    f = cfg.gradient_predivide_factor
+    return GradAverage(1.0, 1.0 / f, f / dp)
+
+
 GradFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
@@ -150,7 +192,9 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     Micro-batch i is rows [i*m*dp, (i+1)*m*dp) of the global batch and data shard d gets its d-th
     block of m rows (DeepSpeed's order). The gradient is that of the global mean loss times
     `scale` (`apply_update` divides it out); the returned loss is unscaled. `key` is raw key data;
-    micro-batch i on data shard d draws from `fold_in(fold_in(key, d), i)`.
+    micro-batch i on data shard d draws from `fold_in(fold_in(key, d), i)`. Each device
+    differentiates its own mean loss times scale/gas, as DeepSpeed's ranks do; the 1/dp of the
+    mean is applied around the reduction (`grad_average`).
     """
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
                        plan.batch.micro_batch_size)
@@ -158,6 +202,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
         loss_fn = remat.for_loss(plan.config, loss_fn)
     loss = _step_loss(loss_fn, prefetch_policy(plan))
     layouts = plan.layouts
+    avg = grad_average(plan)
 
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
@@ -166,7 +211,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
 
         def scaled(p: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
             value = loss(p, mb, rng).astype(jnp.float32)
-            return value * (scale / (gas * dp)), value
+            return value * (scale * avg.in_loss / gas), value
 
         def micro(acc: Any, xs: Any) -> tuple[Any, jax.Array]:
             i, mb = xs
@@ -175,7 +220,8 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             # Gradients of host-stored blocks leave the backward pass in host memory.
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
-                lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm),
+                lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm,
+                                    pre=avg.pre, post=avg.post),
                 layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
 
@@ -186,8 +232,8 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
 
         acc0 = map_layouts(zeros, layouts, plan.abstract_params)
         acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
-        grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm),
-                                  layouts, acc)
+        grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm,
+                                                pre=avg.pre, post=avg.post), layouts, acc)
         return jax.lax.pmean(jnp.mean(values), DATA), grads
 
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(None, DATA), P(), P()),

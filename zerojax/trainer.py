@@ -61,22 +61,31 @@ def measured_bytes(tree: Any, host: bool | None = None) -> int:
                if host is None or (x.sharding.memory_kind in HOST_KINDS) == host)
 
 
-def startup_table(engine: Engine, batch: Any = None) -> str:
-    """The plan's bytes per device against the ZeRO formula, what the arrays really hold, and - given
-    a batch - what the compiled step takes on device and on host (this compile is the one the first
-    step then uses)."""
-    report = engine.memory_report()
-    state = engine.state
-    mib = 2 ** 20
+def compile_step(engine: Engine, batch: Any) -> Any:
+    """The train step compiled for `batch` (the compile the first step then uses)."""
+    placed = engine._place(batch, engine.plan.batch.train_batch_size)
+    return engine.train_step_fn.lower(engine.state, placed).compile()
+
+
+def _measured_line(engine: Engine) -> str:
+    state, mib = engine.state, 2 ** 20
     measured = [(name, measured_bytes(tree, False), measured_bytes(tree, True))
                 for name, tree in (("parameters", state.params), ("optimizer state", (state.master, state.opt_state)))]
-    lines = [engine.partition_report()] if hasattr(engine, "partition_report") else []
-    lines += [report.table(), "measured on device 0: " + ", ".join(
+    return "measured on device 0: " + ", ".join(
         f"{name} {dev / mib:.2f} MiB" + (f" + {host / mib:.2f} MiB on host" if host else "")
-        for name, dev, host in measured)]
-    if batch is not None:
-        placed = engine._place(batch, engine.plan.batch.train_batch_size)
-        lines.append(step_memory(engine.train_step_fn.lower(engine.state, placed).compile()).line())
+        for name, dev, host in measured)
+
+
+def startup_table(engine: Engine, batch: Any = None, compiled: Any = None) -> str:
+    """The plan's bytes per device against the ZeRO formula, what the arrays really hold, and - given
+    a batch or the compiled step - what the compiled step takes on device and on host."""
+    report = engine.memory_report()
+    lines = [engine.partition_report()] if hasattr(engine, "partition_report") else []
+    lines += [report.table(), _measured_line(engine)]
+    if compiled is None and batch is not None:
+        compiled = compile_step(engine, batch)
+    if compiled is not None:
+        lines.append(step_memory(compiled).line())
     b = engine.plan.batch
     lines.append(f"batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
                  f"{b.gradient_accumulation_steps} x data {engine.plan.data_size}; mesh {dict(engine.mesh.shape)}; "
@@ -194,7 +203,10 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     if is_primary() and not (out / "config.json").exists():
         (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     beat("compiling the train step", allowance=FIRST_STEP_ALLOWANCE)
-    _say(startup_table(engine, train_batches.batch(train_batches.position, train_batches.local)))
+    compiled = compile_step(engine, train_batches.batch(train_batches.position, train_batches.local))
+    _say(startup_table(engine, compiled=compiled))
+    comms = config.comms_logger
+    comms_text = compiled.as_text() if comms.enabled else None
     if config.dump_state:
         _say(config.explain(engine.plan.data_size))
     _say(f"writing to {out}; checkpoints in {ckpt_dir}")
@@ -245,17 +257,30 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
                 timers.start("data")
                 batch = next(ahead)
                 timers.stop("data")
-                timers.start("step")
+                timers.start("dispatch")
                 metrics = engine.train_batch(batch)
-                if breakdown:
+                timers.stop("dispatch")
+                if breakdown:  # DeepSpeed's timers synchronize too: the device time of this step
+                    timers.start("device")
                     jax.block_until_ready(metrics)
-                timers.stop("step")
+                    timers.stop("device")
                 if config.flops_profiler.enabled and step == config.flops_profiler.profile_step:
                     beat(f"profiling step {step} (compiles it once more)", allowance=FIRST_STEP_ALLOWANCE)
-                    monitor.print(flops_profile(engine, batch))
+                    profile = flops_profile(engine, batch)
+                    if config.flops_profiler.output_file:  # DeepSpeed writes it there instead of stdout
+                        if is_primary():
+                            Path(config.flops_profiler.output_file).write_text(profile + "\n")
+                    else:
+                        monitor.print(profile)
                 timers.start("log")
                 record = monitor.step(step, metrics)
                 timers.stop("log")
+                if step % config.steps_per_print == 0:
+                    if config.memory_breakdown:
+                        monitor.print(memory_table(engine))
+                    if comms_text is not None and step == config.steps_per_print * (
+                            (first_step + config.steps_per_print - 1) // config.steps_per_print):
+                        monitor.print(comms_report(comms_text, comms))  # the first print step
                 if record is not None:
                     first = record["loss"] if first is None else first
                     last = record["loss"]
@@ -302,6 +327,8 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
             if engine.global_steps >= first_step:
                 save()
             if late.received is None:
+                if comms_text is not None and engine.global_steps >= first_step:
+                    monitor.print(comms_report(comms_text, comms, steps=engine.global_steps - first_step + 1))
                 beat("evaluating (compiles the eval step) and waiting for the last checkpoint",
                      f"step {engine.global_steps}", allowance=FIRST_STEP_ALLOWANCE)
                 val_loss = evaluate(engine, val_batches, config.run.eval_batches)
@@ -345,6 +372,41 @@ def _refuse_existing_checkpoints(ckpt_dir: Path) -> None:
         raise ConfigError(f"run.checkpoint_dir: {ckpt_dir} already holds checkpoints (latest "
                           f"{latest_tag(ckpt_dir)}); pass --resume to continue that run, or choose "
                           f"another run.checkpoint_dir")
+
+
+def comms_report(text: str, comms: Any, steps: int = 1) -> str:
+    """The comms logger's summary of the compiled step (`comms_logger` settings: prof_all/prof_ops,
+    verbose, debug) for `steps` steps."""
+    from zerojax.hlo import OP_NAMES, comms_report as report
+    kinds = None if comms.prof_all else {OP_NAMES[n] for n in comms.prof_ops}
+    try:
+        return report(text, steps=steps, kinds=kinds, verbose=comms.verbose, debug=comms.debug)
+    except ValueError as e:  # an HLO form the parser does not know: say so, never stop the run for it
+        return f"comms logger: cannot read the compiled step's collectives ({e})"
+
+
+def memory_table(engine: Engine) -> str:
+    """DeepSpeed's memory_breakdown line at a print step: per device, the bytes its live arrays
+    hold and - where the backend reports them (GPU) - the allocator's in-use and peak bytes; then
+    the host process's resident memory."""
+    import resource
+    mib = 2 ** 20
+    held: dict[Any, int] = {}
+    for x in jax.live_arrays():
+        if x.sharding.memory_kind in HOST_KINDS:  # offloaded state: in host memory, counted by the RSS
+            continue
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    lines = ["memory breakdown: " + _measured_line(engine)]
+    for device in jax.local_devices():
+        stats = device.memory_stats() or {}
+        extra = "".join(f", {label} {stats[key] / mib:.2f} MiB" for key, label in (
+            ("bytes_in_use", "allocator in use"), ("peak_bytes_in_use", "peak"), ("bytes_limit", "limit"))
+            if key in stats)
+        lines.append(f"  {device}: live arrays {held.get(device, 0) / mib:.2f} MiB{extra}")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    lines.append(f"  host process: peak resident {rss:.1f} MiB")
+    return "\n".join(lines)
 
 
 def flops_profile(engine: Engine, batch: Any) -> str:
