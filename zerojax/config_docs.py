@@ -316,8 +316,6 @@ def _type_text(tp: Any, meta: Mapping[str, Any], nullable: bool = True) -> str:
 
 
 def _base_type(tp: Any) -> str:
-    if typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
-        return "list of " + _base_type(typing.get_args(tp)[0])
     if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:  # a list of any length

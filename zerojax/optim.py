@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from typing import Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -258,7 +258,7 @@ class Groups(NamedTuple):
     def check(self, params: Any) -> None:
         """Every pattern must pick at least one parameter: a pattern that matches none is a typo."""
         names = _names(params)
-        keyed = [(f"optimizer.no_decay", p) for p in self.no_decay]
+        keyed = [("optimizer.no_decay", p) for p in self.no_decay]
         keyed += [(f"optimizer.param_groups[{i}].match", p) for i, g in enumerate(self.param_groups) for p in g.match]
         for key, pattern in keyed:
             if not any(name_matches(pattern, n) for n in names):
