@@ -1,0 +1,209 @@
+"""Collective traffic per device, read from HLO text.
+
+`collectives(hlo_text)` finds every all-reduce / reduce-scatter / all-gather / all-to-all /
+collective-permute (and their async `-start` forms; `-done` moves nothing new), works out how many
+times each one runs per execution (ops inside a `while` body run trip-count times, nested loops
+multiply), and counts the bytes each device sends the way the ZeRO paper counts volume, for a
+group of N devices:
+
+    all-reduce of S bytes            2 S (N-1)/N   (reduce-scatter + all-gather)
+    reduce-scatter, S_in = N S_out   S_in (N-1)/N
+    all-gather,     S_out            S_out (N-1)/N
+    all-to-all of S bytes            S (N-1)/N
+    collective-permute of S bytes    S
+
+Trip counts come from the `known_trip_count` XLA attaches to optimized while loops, or, in HLO
+from before optimization, from the loop condition `counter < constant` (the form `lax.scan` and
+`fori_loop` lower to). A loop whose count cannot be found is an error, not a silent guess.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+from typing import Iterable
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e3m4": 1,
+    "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "s1": 0.125, "u1": 0.125,
+}
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+_SHAPE = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\]")
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(")
+_COLLECTIVE = re.compile(r"=\s*(?P<type>.+?)\s(?P<op>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
+_CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_WHILE = re.compile(r"\swhile\(")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_EMPTY = re.compile(r"replica_groups=\{\}")
+_NUM_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_CONST = re.compile(r"%([\w.\-]+)\s*=\s*s(?:32|64)\[\]\s*constant\((-?\d+)\)")
+_COMPARE = re.compile(r"compare\(%([\w.\-]+),\s*%([\w.\-]+)\),\s*direction=(LT|LE|GT|GE)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str            # one of KINDS
+    computation: str     # HLO computation it sits in
+    dtypes: tuple        # element types of its result
+    result_bytes: float  # bytes of the (per-device) result, all tuple elements
+    result_elems: int
+    group: int           # devices per replica group (N)
+    count: int           # executions per run of the module (trip counts multiplied)
+    line: str
+
+    @property
+    def bytes_per_device(self) -> float:
+        """Bytes one device sends per run, ZeRO-paper accounting (see module doc)."""
+        return self.count * _volume(self.kind, self.result_bytes, self.group)
+
+    @property
+    def elems_per_device(self) -> float:
+        return self.count * _volume(self.kind, self.result_elems, self.group)
+
+
+def _volume(kind: str, size: float, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * size * (n - 1) / n
+    if kind == "reduce-scatter":
+        return size * n * (n - 1) / n  # input is N times the result
+    if kind in ("all-gather", "all-to-all"):
+        return size * (n - 1) / n
+    return size  # collective-permute
+
+
+def _shapes(type_str: str) -> list[tuple[str, int]]:
+    out = []
+    for dtype, dims in _SHAPE.findall(type_str):
+        out.append((dtype, math.prod(int(d) for d in dims.split(",") if d) if dims else 1))
+    return out
+
+
+def _group_size(line: str, num_partitions: int) -> int:
+    m = _GROUPS_LIST.search(line)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    m = _GROUPS_IOTA.search(line)
+    if m:
+        return int(m.group(2))
+    m = _GROUPS_MESH.search(line)
+    if m:
+        sizes = {k.strip().strip("'"): int(v) for k, v in
+                 (item.split("=") for item in m.group(1).split(",") if "=" in item)}
+        axes = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
+        return math.prod(sizes[a] for a in axes)
+    if _GROUPS_EMPTY.search(line) or "replica_groups" not in line:
+        return num_partitions
+    raise ValueError(f"cannot read replica groups of: {line[:200]}")
+
+
+def _split_computations(text: str) -> tuple[dict[str, list[str]], str]:
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            m = _COMP_HEADER.match(line)
+            if m:
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+                continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is not None:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+    m = _TRIP.search(line)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%([\w.\-]+)", line).group(1)
+    body = "\n".join(comps[cond])
+    consts = {name: int(v) for name, v in _CONST.findall(body)}
+    root = [l for l in comps[cond] if l.lstrip().startswith("ROOT")]
+    cmp = _COMPARE.search(root[0]) if root else None
+    if cmp and cmp.group(3) == "LT" and cmp.group(2) in consts:
+        return consts[cmp.group(2)]  # counter from 0 (lax.scan / fori_loop(0, n))
+    raise ValueError(f"cannot find the trip count of while loop: {line[:200]}")
+
+
+def collectives(text: str) -> list[Collective]:
+    """Every collective in an HLO module's text, with its executions per run of the module."""
+    comps, entry = _split_computations(text)
+    m = _NUM_PARTITIONS.search(text)
+    num_partitions = int(m.group(1)) if m else 1
+    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            factor = _trip_count(line, comps) if _WHILE.search(line) else 1
+            for role, callee in _CALLEE.findall(line):
+                edges[name].append((callee, factor if role in ("body", "condition") else 1))
+            for group in _BRANCHES.findall(line):
+                for callee in re.findall(r"%([\w.\-]+)", group):
+                    edges[name].append((callee, 1))  # every branch counted: an upper bound
+    # Executions per computation: propagate from ENTRY in topological order.
+    order, seen = [], set()
+
+    def visit(c: str) -> None:
+        if c in seen:
+            return
+        seen.add(c)
+        for callee, _ in edges.get(c, ()):
+            visit(callee)
+        order.append(c)
+
+    visit(entry)
+    runs: dict[str, int] = defaultdict(int)
+    runs[entry] = 1
+    for c in reversed(order):
+        for callee, factor in edges.get(c, ()):
+            runs[callee] += runs[c] * factor
+    found = []
+    for name, lines in comps.items():
+        if not runs.get(name):
+            continue
+        for line in lines:
+            m = _COLLECTIVE.search(line)
+            if not m:
+                continue
+            shapes = _shapes(m.group("type"))
+            if m.group("start") and m.group("op") in ("all-gather", "collective-permute"):
+                # async start returns (operands..., results..., [contexts]): keep the results
+                arrays = [s for s in shapes]
+                shapes = arrays[len(arrays) // 2:] if m.group("op") == "all-gather" else arrays[1:2]
+            found.append(Collective(
+                kind=m.group("op"), computation=name, dtypes=tuple(sorted({d for d, _ in shapes})),
+                result_bytes=sum(DTYPE_BYTES[d] * n for d, n in shapes),
+                result_elems=sum(n for _, n in shapes),
+                group=_group_size(line, num_partitions), count=runs[name], line=line.strip()))
+    return found
+
+
+def summarize(found: Iterable[Collective]) -> dict:
+    """Totals per kind and per dtype (bytes per device per run)."""
+    found = list(found)
+    by_kind: dict[str, float] = defaultdict(float)
+    by_dtype: dict[str, float] = defaultdict(float)
+    for c in found:
+        by_kind[c.kind] += c.bytes_per_device
+        for d in c.dtypes:
+            by_dtype[d] += c.bytes_per_device / len(c.dtypes)
+    return {"bytes": sum(c.bytes_per_device for c in found),
+            "elems": sum(c.elems_per_device for c in found),
+            "by_kind": dict(by_kind), "by_dtype": dict(by_dtype),
+            "ops": sum(c.count for c in found)}
