@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
 from zerojax.config import BatchSize, Config, as_config, check_supported
@@ -256,7 +256,7 @@ class Plan:
         return memory_report(self)
 
 
-def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = None, layer_axes: Any = None,
+def plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None, layer_axes: Any = None,
          optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 
@@ -271,6 +271,9 @@ def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = No
     `optimizer` / `lr_scheduler` are DeepSpeed's client optimizer and scheduler (see
     `zerojax.optim.update_rule`); the config's optimizer section is used without them.
     `config` is a Config, a dict or a config file path.
+    `mesh` may be a `jax.sharding.AbstractMesh` (sizes and axis names, no devices): the plan then
+    serves byte counting only (`Plan.report()`, `zerojax.estimate`) for a cluster that need not
+    exist here - the XLA update is assumed and offload memory kinds are not checked against a backend.
     """
     config = as_config(config)
     check_supported(config)
@@ -281,7 +284,8 @@ def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = No
         raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
                           f"zerojax.initialize(config, model=zerojax.PipelineModule(...)); for a model "
                           f"given as params= and loss_fn= set mesh.stage=1")
-    kernels = resolve_kernels(config.kernels, platform_of(mesh), config.optimizer.type)
+    abstract_mesh = isinstance(mesh, AbstractMesh)
+    kernels = "xla" if abstract_mesh else resolve_kernels(config.kernels, platform_of(mesh), config.optimizer.type)
     n = data_size(mesh)
     batch = config.batch(n)
     stage = config.zero_optimization.stage
@@ -304,7 +308,8 @@ def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = No
         layouts = jax.tree.map(lambda lay: dataclasses.replace(lay, lead=lead), layouts, is_leaf=is_layout)
     pol = make_policy(config)
     # after every config check: the kernels' self-check compiles (once per process and backend)
-    kernels = settle_kernels(config.kernels, kernels, mesh.local_devices[0])
+    if not abstract_mesh:
+        kernels = settle_kernels(config.kernels, kernels, mesh.local_devices[0])
     return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol,
                 scaler=scaler_config(config), schedule=schedule,
                 tx=tx, abstract_params=abstract, layouts=layouts,
