@@ -584,7 +584,10 @@ def step_time_lines(config: Config, model: ModelShape, req: Request) -> list[str
             source = f"compiled on {n} local {jax.devices()[0].platform} devices"
         else:
             flops, hbm, comm = analytic_costs(cfg, model, stage, req.devices)
-            source = "analytic (6 FLOPs/parameter/token, ZeRO volumes)"
+            b = cfg.batch(req.devices)
+            tokens = b.micro_batch_size * b.gradient_accumulation_steps * cfg.model.seq_len
+            source = (f"analytic: {8 if cfg.model.remat else 6} FLOPs/parameter/token x {tokens} tokens per device "
+                      f"(micro-batch x accumulation x model.seq_len), ZeRO volumes")
         t = step_time(flops, hbm, comm, dev, req.devices, req.devices_per_host, source)
         lines.append(f"  stage {stage}: {t.seconds * 1e3:9.2f} ms (compute {t.compute_s * 1e3:.2f}, memory "
                      f"{t.memory_s * 1e3:.2f}, comm {t.comm_s * 1e3:.2f} ms {t.link}; overlap bound "
