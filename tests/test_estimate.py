@@ -125,6 +125,17 @@ def test_plan_exact_on_an_abstract_mesh_equals_the_real_plan() -> None:
         assert est.report._replace(memory="") == real._replace(memory=""), choice  # bytes; not where updates run
 
 
+def test_hierarchical_abstract_mesh_counts_the_same_bytes() -> None:
+    cfg = load_config(TINY)
+    model = E.hf_model({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 2, "n_head": 12,
+                        "n_positions": 1024})
+    assert tuple(E.abstract_mesh(64, 8).axis_names) == ("data_outer", "data_inner")
+    for choice in E.CHOICES:
+        split = E.plan_exact(cfg, model, 64, 8, choice)
+        flat = E.plan_exact(cfg, model, 64, 64, choice)
+        assert split.device_bytes == flat.device_bytes and split.host_bytes == flat.host_bytes // 8, choice
+
+
 def test_plan_exact_scales_with_devices_the_paper_way() -> None:
     """Leaves that divide N: stage 3 holds (P + G + 12) Ψ / N bytes per device, stage 1 P Ψ + G Ψ + 12 Ψ / N
     (plus the optimizer's replicated counters)."""

@@ -282,8 +282,13 @@ def variant(config: Config, choice: Choice) -> Config:
     return load_config(config, choice.overrides() + free)
 
 
-def abstract_mesh(devices: int) -> jax.sharding.AbstractMesh:
-    from zerojax.mesh import DATA
+def abstract_mesh(devices: int, devices_per_host: int | None = None) -> jax.sharding.AbstractMesh:
+    """An abstract mesh of `devices`: a hierarchical data axis (hosts x devices per host, as
+    `mesh.data_outer` builds) when the devices span several hosts evenly, one flat axis otherwise.
+    Byte counts are the same either way (a shard is split over both axes)."""
+    from zerojax.mesh import DATA, HIERARCHICAL
+    if devices_per_host and devices > devices_per_host and devices % devices_per_host == 0:
+        return jax.sharding.AbstractMesh((devices // devices_per_host, devices_per_host), HIERARCHICAL)
     return jax.sharding.AbstractMesh((devices,), (DATA,))
 
 
@@ -291,7 +296,8 @@ def plan_exact(config: Config, model: ModelShape, devices: int, devices_per_host
                choice: Choice) -> MemoryEstimate:
     """The plan's own per-device bytes (`Plan.report()`) on an abstract mesh of `devices`."""
     from zerojax.layout import plan
-    p = plan(variant(config, choice), abstract_mesh(devices), model.abstract_params, layer_axes=model.layer_axes)
+    p = plan(variant(config, choice), abstract_mesh(devices, devices_per_host), model.abstract_params,
+             layer_axes=model.layer_axes)
     rep = p.report()
     return MemoryEstimate(choice, "plan-exact", rep.device, rep.host * min(devices_per_host, devices),
                           report=rep)

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
 from zerojax.config import BatchSize, Config, as_config, check_supported
 from zerojax.errors import ConfigError
-from zerojax.mesh import DATA, STAGE, data_size
+from zerojax.mesh import DATA, STAGE, DataAxis, data_axes, data_size
 from zerojax.offload import HOST_KINDS, Memory, memory_plan
 from zerojax.optim import ClientOptimizer, ScheduleFn, update_rule
 from zerojax.pallas.backend import platform_of, resolve as resolve_kernels
@@ -78,14 +78,15 @@ def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
     return LeafLayout(param=param, grad=grad, update=update)
 
 
-def spec(placement: Placement, ndim: int, lead: str | None = None) -> P:
+def spec(placement: Placement, ndim: int, lead: str | None = None, data: DataAxis = DATA) -> P:
     """PartitionSpec of a reduced placement (PARTIAL buffers are full-size per device); `lead`
-    names a mesh axis that dimension 0 is split over besides."""
+    names a mesh axis that dimension 0 is split over besides; `data` is the mesh's data axis
+    (a pair of axes on a hierarchical mesh: a shard is split over both)."""
     if lead is None and not isinstance(placement, Shard):
         return P()
     axes: list[str | None] = [None] * ndim
     if isinstance(placement, Shard):
-        axes[placement.dim] = DATA
+        axes[placement.dim] = data
     if lead is not None:
         axes[0] = lead
     return P(*axes)
@@ -180,7 +181,9 @@ class Plan:
         return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(self.abstract_params)]
 
     def _shardings(self, role: str) -> Any:
-        return map_layouts(lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.lead)),
+        data = data_axes(self.mesh)
+        return map_layouts(lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.lead,
+                                                                        data)),
                            self.layouts, self.abstract_params)
 
     @property
@@ -250,7 +253,7 @@ class Plan:
     @property
     def batch_sharding(self) -> NamedSharding:
         """How a global batch is placed: rows split over the data axis."""
-        return NamedSharding(self.mesh, P(DATA))
+        return NamedSharding(self.mesh, P(data_axes(self.mesh)))
 
     def report(self) -> MemoryReport:
         return memory_report(self)
