@@ -228,7 +228,7 @@ def counts_model(total_params: int, largest_layer_params: int) -> ModelShape:
     params = {"layers": {"kernel": _sds(k, largest_layer_params)}}
     if rest:
         params["rest"] = {"kernel": _sds(rest)}
-    return ModelShape(f"{total_params:,} parameters (largest layer {largest_layer_params:,})", params,
+    return ModelShape("a model given by its parameter counts", params,
                       {"layers": 1, "rest": 0} if rest else {"layers": 1}, exact_shapes=False)
 
 
@@ -548,7 +548,8 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
     lines += ["",
               "plan-exact: zerojax's plan on an abstract mesh of that size, every leaf's shard in its dtype and memory "
               "kind (Plan.report()).",
-              f"DeepSpeed: estimate_zero2_model_states_mem_needs (stages 1, 2) and estimate_zero3_model_states_mem_needs "
+              f"DeepSpeed: estimate_zero2_model_states_mem_needs (stages 1, 2) and "
+              f"estimate_zero3_model_states_mem_needs "
               f"(stage 3, zero_init={int(req.zero_init)}), additional_buffer_factor={req.additional_buffer_factor}; "
               f"no estimator for stage 0."]
     activations = req.activations
@@ -579,7 +580,8 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
 
 def step_time_lines(config: Config, model: ModelShape, req: Request) -> list[str]:
     dev = req.device
-    lines = [f"step time on {dev.name} x {req.devices} (peak {dev.flops / 1e12:.0f} TFLOP/s, HBM {dev.hbm / 1e12:.2f} TB/s, "
+    lines = [f"step time on {dev.name} x {req.devices} (peak {dev.flops / 1e12:.0f} TFLOP/s, "
+             f"HBM {dev.hbm / 1e12:.2f} TB/s, "
              f"links {dev.intra / 1e9:.0f} GB/s within / {dev.inter / 1e9:.0f} GB/s between hosts):"]
     for stage in range(4):
         cfg = variant(config, Choice(stage))

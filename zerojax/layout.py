@@ -259,7 +259,8 @@ class Plan:
         return memory_report(self)
 
 
-def plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None, layer_axes: Any = None,
+def plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None,
+         layer_axes: Any = None,
          optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 

@@ -128,7 +128,7 @@ def hierarchical_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
                           f"devices") from None
     grid = np.asarray(grid, dtype=object).reshape(outer, inner)
     if sorted(d.id for d in grid.flat) != sorted(d.id for d in devices):
-        raise ConfigError(f"mesh.data_outer x mesh.data_inner: the mesh does not hold every device once")
+        raise ConfigError("mesh.data_outer x mesh.data_inner: the mesh does not hold every device once")
     return Mesh(grid, HIERARCHICAL)
 
 
