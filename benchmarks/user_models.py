@@ -15,7 +15,7 @@ Each builder returns (params, loss_fn, make_batch(rows, seed)); the tests train 
 For each shape, at stages 0-3 (fp32 AdamW, 8 virtual CPU devices) and for the FSDP baseline, the
 benchmark reports the compiled step's temp bytes over the full fp32 gradients (4Ψ), its per-device
 peak bytes (stage 0 over each), collective elements per device over 3Ψ (counted from the compiled
-HLO with benchmarks/hlo.py, ZeRO-paper accounting) and the median step time over the FSDP step's,
+HLO with zerojax/hlo.py, ZeRO-paper accounting) and the median step time over the FSDP step's,
 all in one run; it writes the section between the `user-models` markers of docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def measure(args: argparse.Namespace) -> dict:
     import zerojax
-    from benchmarks import hlo
+    from zerojax import hlo
 
     lr = 1e-3
     sizes = {"nnx_scan": (args.scan_width, args.scan_layers), "lax_scan": (args.scan_width, args.scan_layers),

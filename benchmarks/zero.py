@@ -8,7 +8,7 @@ each ZeRO stage plus the FSDP baseline (benchmarks/fsdp_baseline.py), measures
 * model-state bytes per device, summed over the real state arrays' first addressable shard
   (gradients: zero arrays materialized in the plan's gradient-accumulator shardings), against
   the plan's ZeRO formula (`Plan.report()`, this run's dtypes, K = 12);
-* collective bytes per device per step, parsed from HLO text (benchmarks/hlo.py): once from the
+* collective bytes per device per step, parsed from HLO text (zerojax/hlo.py): once from the
   compiled executable, and once from the module right after SPMD partitioning (the collectives
   the program asks for, before the backend rewrites them: XLA:CPU widens bf16 collectives to
   f32); against the ideal 2Ψ (stages 0-2) or 3Ψ (stage 3, FSDP) in the policy's dtypes;
@@ -56,7 +56,7 @@ import zerojax.layout  # noqa: E402
 import zerojax.mesh  # noqa: E402
 import zerojax.state  # noqa: E402
 import zerojax.step  # noqa: E402
-from benchmarks import hlo  # noqa: E402
+from zerojax import hlo  # noqa: E402
 from benchmarks.fsdp_baseline import make_fsdp  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from benchmarks.hlo import collectives as hlo_collectives
+from zerojax.hlo import collectives as hlo_collectives
 from benchmarks.user_models import SHAPES
 from helpers import assert_relative_close, assert_tree_close, data_mesh, to_numpy, while_bodies
 from zerojax.collectives import ParamShard, Shard

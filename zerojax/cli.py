@@ -44,6 +44,36 @@ def _parser() -> argparse.ArgumentParser:
                                                  "print the model keys that train from it")
     import_hf.add_argument("directory", help="folder with config.json and model.safetensors (or its index)")
 
+    est = sub.add_parser("estimate", help="model-state memory per device and host for every ZeRO stage and offload "
+                                          "choice, a recommended layout, and a step-time estimate (docs/estimate.md)")
+    est.add_argument("--config", required=True, action="append", help="config file (its optimizer, precision, "
+                                                                      "batch and model)")
+    est.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
+    est.add_argument("--model", default=None, help="an embedded model by name (default: the config's model)")
+    est.add_argument("--hf-config", default=None, metavar="PATH", help="a Hugging Face config.json (Llama family "
+                                                                       "or GPT-2)")
+    est.add_argument("--params", type=int, default=None, metavar="N", help="total parameters (with --largest-layer)")
+    est.add_argument("--largest-layer", type=int, default=None, metavar="N",
+                     help="parameters of the largest layer (DeepSpeed's largest_layer_params)")
+    est.add_argument("--devices", type=int, default=None, help="data-parallel devices in all (default: the "
+                                                                 "config's mesh.data, or the local device count)")
+    est.add_argument("--devices-per-host", type=int, default=None, help="devices per host (default: --devices)")
+    est.add_argument("--device", default=None, help="preset for memory and step time: "
+                                                    "h100, a100 or tpu-v5p")
+    est.add_argument("--device-memory", default=None, metavar="SIZE", help="memory per device, e.g. 80GiB or 80GB "
+                                                                           "(default: the preset's)")
+    est.add_argument("--host-memory", default=None, metavar="SIZE", help="memory per host the offloaded state may use")
+    est.add_argument("--activations", default=None, metavar="SIZE", help="activation memory per device to add")
+    est.add_argument("--peak-flops", type=float, default=None, help="override the preset's peak FLOP/s")
+    est.add_argument("--hbm-bandwidth", type=float, default=None, help="override the preset's HBM bytes/s")
+    est.add_argument("--link-bandwidth", type=float, default=None, help="override the preset's per-device bytes/s "
+                                                                        "within a host")
+    est.add_argument("--inter-host-bandwidth", type=float, default=None, help="override the preset's per-device "
+                                                                              "bytes/s between hosts")
+    est.add_argument("--no-zero-init", action="store_true", help="DeepSpeed's stage-3 estimate without zero_init")
+    est.add_argument("--buffer-factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor")
+    est.add_argument("--no-step-time", action="store_true", help="skip compiling the step for the time estimate")
+
     config = sub.add_parser("config", help="inspect a config")
     config_sub = config.add_subparsers(dest="action", required=True)
     explain = config_sub.add_parser("explain", help="print every resolved value and where it came from")
@@ -79,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _import_hf(args)
         if args.command in ("plot", "sample"):
             return _plot(args) if args.command == "plot" else _sample(args)
+        if args.command == "estimate":
+            return _estimate(args)
         return _explain(args)
     except (ConfigError, FileExistsError, FileNotFoundError) as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
@@ -145,6 +177,16 @@ def _sample(args: argparse.Namespace) -> int:
     config, params, where = load_run(args.run, args.tag)
     print(f"# {where}", file=sys.stderr)
     print(sample_text(config, params, args.prompt, args.tokens, temperature=args.temperature, seed=args.seed))
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    config = load_config(_one_config(args.config), args.set)
+    from zerojax.mesh import request_cpu_devices
+    request_cpu_devices(config.mesh.cpu_devices)
+    from zerojax.estimate import build_request, choose_model, report
+    model = choose_model(config, args.model, args.hf_config, args.params, args.largest_layer)
+    print(report(config, model, build_request(config, args)))
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Union
 import jax
 import jax.numpy as jnp
 
-from zerojax.mesh import DATA
+from zerojax.mesh import DataAxis, data_axis
 
 
 class _Partial:
@@ -55,16 +55,18 @@ def _times(y: jax.Array, factor: float) -> jax.Array:
 
 
 def move(x: jax.Array, src: Placement, dst: Placement, *, comm_dtype: Any = None,
-         axis: str = DATA, pre: float = 1.0, post: float = 1.0) -> jax.Array:
+         axis: DataAxis | None = None, pre: float = 1.0, post: float = 1.0) -> jax.Array:
     """Change `x`'s placement; `comm_dtype` casts the payload of reductions (then casts back).
 
-    A reduction (from PARTIAL) multiplies its payload by `pre` before the sum and by `post` after
-    it, both in the communication dtype: DeepSpeed's gradient averaging around its all-reduce /
-    reduce-scatter (`prescale_gradients`, `gradient_predivide_factor`), where the order decides
-    whether a half-precision sum overflows.
+    `axis`: the mesh's data axis by default (`zerojax.mesh.data_axis`). A reduction (from PARTIAL)
+    multiplies its payload by `pre` before the sum and by `post` after it, both in the communication
+    dtype: DeepSpeed's gradient averaging around its all-reduce / reduce-scatter
+    (`prescale_gradients`, `gradient_predivide_factor`), where the order decides whether a
+    half-precision sum overflows.
     """
     if src == dst:
         return x
+    axis = data_axis() if axis is None else axis
     if src == PARTIAL:
         dtype = x.dtype
         y = x.astype(comm_dtype) if comm_dtype is not None else x
@@ -113,13 +115,15 @@ def _is_shard(x: Any) -> bool:
     return isinstance(x, ParamShard)
 
 
-def gather(tree: Any, axis: str = DATA) -> Any:
+def gather(tree: Any, axis: DataAxis | None = None) -> Any:
     """All-gather every `ParamShard` in `tree` into a whole array; other leaves pass through.
 
     Outside a ZeRO-3 step the tree holds no `ParamShard`, so models can call this unconditionally.
     Its transpose is a reduce-scatter: gradients of gathered parameters come back reduced and
     sharded, which is exactly the ZeRO-3 gradient placement.
     """
+    axis = data_axis() if axis is None else axis
+
     def one(x: Any) -> Any:
         if not _is_shard(x):
             return x
@@ -134,13 +138,13 @@ def unwrap(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.value if _is_shard(x) else x, tree, is_leaf=_is_shard)
 
 
-def to_varying(x: jax.Array, axis: str = DATA) -> jax.Array:
+def to_varying(x: jax.Array, axis: DataAxis | None = None) -> jax.Array:
     """Mark a replicated input as per-device, so its gradient stays PARTIAL.
 
     Without this, shard_map's autodiff sums the gradient of a replicated input over the axis by
     itself, and a reduction of our own would count it N times.
     """
-    return jax.lax.pcast(x, axis, to="varying")
+    return jax.lax.pcast(x, data_axis() if axis is None else axis, to="varying")
 
 
 def zeros_like_local(shape: tuple[int, ...], dtype: Any, placement: Placement, n: int) -> jax.Array:

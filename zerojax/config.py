@@ -460,10 +460,17 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh: a `data` axis (ZeRO shards over it) and a `stage` axis (pipeline)."""
+    """Device mesh: a `data` axis (ZeRO shards over it; optionally data_outer x data_inner) and a `stage`
+    axis (pipeline)."""
     data: Optional[int] = option(None, "Data-parallel size (default: all devices / stage).", gt=0)
     stage: int = option(1, "Pipeline stages (more than 1 needs a PipelineModule: "
                            "initialize(config, model=...)).", gt=0)
+    data_outer: Optional[int] = option(None, "Split the data axis into data_outer (across hosts or slices: slow "
+                                             "links) x data_inner (within one: fast links); ZeRO shards over "
+                                             "both. With several processes or slices it must equal their "
+                                             "number. null: one flat data axis.", gt=0)
+    data_inner: Optional[int] = option(None, "Devices per data_outer group (default: data-parallel devices / "
+                                             "data_outer); setting it alone also splits the data axis.", gt=0)
     cpu_devices: Optional[int] = option(8, "On a CPU-only machine, this many virtual devices for the job, "
                                            "split evenly over the processes of a multi-process run (set "
                                            "before JAX starts; null leaves JAX's default).", gt=0)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from zerojax.collectives import ParamShard
-from zerojax.mesh import DATA
+from zerojax.mesh import data_axis
 
 # Primitives that commute with slicing a stacked leading axis (used to carry a parameter's
 # cast into a scan body instead of casting the whole stack first).
@@ -113,7 +113,7 @@ def _gather_leaf(leaf: Deferred) -> Any:
     x = leaf.shard
     if leaf.on_host:
         x = jax.device_put(x, jax.memory.Space.Device)
-    return jax.lax.all_gather(x, DATA, axis=leaf.dim, tiled=True)
+    return jax.lax.all_gather(x, data_axis(), axis=leaf.dim, tiled=True)
 
 
 def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
@@ -355,7 +355,7 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
     if not stacked or p["reverse"] or length < 2:
         return None
     leaves = list({id(l): l for j in stacked for l in xs[j].leaves()}.values())
-    n = jax.lax.axis_size(DATA)
+    n = jax.lax.axis_size(data_axis())
     layer = sum(math.prod(l.shard.shape[1:]) * n for l in leaves)
     if layer > region.prefetch.bucket or 2 * layer > region.prefetch.max_live:
         return None
@@ -374,7 +374,7 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
             x = jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)
             if l.on_host:
                 x = jax.device_put(x, jax.memory.Space.Device)
-            out.append(jax.lax.all_gather(x, DATA, axis=l.dim - 1, tiled=True))
+            out.append(jax.lax.all_gather(x, data_axis(), axis=l.dim - 1, tiled=True))
         return out
 
     def layer_fn(cs: list[Any], carry: list[Any], other: list[Any], gathered: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -432,7 +432,7 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
         def layer_vjp(d_carry: Any, current: Any, other: Any, carry: Any, ct_y: Any) -> tuple[Any, ...]:
             _, vjp = jax.vjp(layer_fn, cs, carry, other, current)
             g_cs, g_carry, g_other, g_layer = vjp((d_carry, ct_y))
-            shards = [jax.lax.psum_scatter(g, DATA, scatter_dimension=l.dim - 1, tiled=True)
+            shards = [jax.lax.psum_scatter(g, data_axis(), scatter_dimension=l.dim - 1, tiled=True)
                       for l, g in zip(leaves, g_layer)]
             return g_cs, g_carry, g_other, shards
 
@@ -533,7 +533,7 @@ def gather_at_use(loss_fn: Callable[..., Any], prefetch: "Prefetch | None" = Non
                 return jax.ShapeDtypeStruct(x.shape, x.dtype)
             v = x.value
             dim = v.ndim + x.dim
-            shape = tuple(s * jax.lax.axis_size(DATA) if i == dim else s for i, s in enumerate(v.shape))
+            shape = tuple(s * jax.lax.axis_size(data_axis()) if i == dim else s for i, s in enumerate(v.shape))
             return jax.ShapeDtypeStruct(shape, v.dtype)
 
         def flat_loss(*flat: Any) -> Any:

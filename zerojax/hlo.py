@@ -142,17 +142,19 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
     raise ValueError(f"cannot find the trip count of while loop: {line[:200]}")
 
 
-def collectives(text: str) -> list[Collective]:
-    """Every collective in an HLO module's text, with its executions per run of the module."""
-    comps, entry = _split_computations(text)
-    m = _NUM_PARTITIONS.search(text)
-    num_partitions = int(m.group(1)) if m else 1
+def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int], set[str]]:
+    """Executions of every computation per run of the module (while bodies trip-count times,
+    nested loops multiplied), and the computations that run inside one kernel (fusion bodies,
+    reducers: called through `calls=` of a fusion or `to_apply=`)."""
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    inner: set[str] = set()
     for name, lines in comps.items():
         for line in lines:
             factor = _trip_count(line, comps) if _WHILE.search(line) else 1
             for role, callee in _CALLEE.findall(line):
                 edges[name].append((callee, factor if role in ("body", "condition") else 1))
+                if role == "to_apply" or (role == "calls" and " fusion(" in line):
+                    inner.add(callee)
             for group in _BRANCHES.findall(line):
                 for callee in re.findall(r"%([\w.\-]+)", group):
                     edges[name].append((callee, 1))  # every branch counted: an upper bound
@@ -173,6 +175,15 @@ def collectives(text: str) -> list[Collective]:
     for c in reversed(order):
         for callee, factor in edges.get(c, ()):
             runs[callee] += runs[c] * factor
+    return runs, inner
+
+
+def collectives(text: str) -> list[Collective]:
+    """Every collective in an HLO module's text, with its executions per run of the module."""
+    comps, entry = _split_computations(text)
+    m = _NUM_PARTITIONS.search(text)
+    num_partitions = int(m.group(1)) if m else 1
+    runs, _ = _executions(comps, entry)
     found = []
     for name, lines in comps.items():
         if not runs.get(name):
@@ -259,3 +270,79 @@ def comms_report(text: str, *, steps: int = 1, kinds: Iterable[str] | None = Non
             lines.append(f"  - {c.kind} {'/'.join(c.dtypes)} {_size(c.result_bytes)} result, group {c.group}, "
                          f"{c.count}x per step{where}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Work per run: matmul FLOPs and memory traffic, loops counted trip-count times.
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s([a-z][\w\-]*)\(([^)]*)\)(.*)$")
+_LHS_CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
+               "after-all", "partition-id", "replica-id", "iota", "opt-barrier"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Per-device work of one run of a module.
+
+    flops: 2 x multiply-adds of every dot (and cuBLAS gemm custom call), loops trip-count times;
+           elementwise work is not counted (matmuls dominate a transformer step).
+    bytes: operands read + results written by every kernel-level instruction (a fusion counts its
+           own operands and result, not its body's), loops trip-count times: HBM traffic when no
+           operand stays in cache.
+    """
+    flops: float
+    bytes: float
+    dots: int
+
+
+def _dims(type_str: str) -> list[int]:
+    m = _SHAPE.search(type_str)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _type_bytes(type_str: str) -> float:
+    return sum(DTYPE_BYTES[d] * n for d, n in _shapes(type_str))
+
+
+def work(text: str) -> Work:
+    """FLOPs and memory bytes per run of an HLO module (compiled text, one device's program).
+
+    XLA's `cost_analysis()` counts a while body once whatever its trip count, so a scanned layer
+    stack reads as one layer; this walks the same call graph as `collectives` instead.
+    """
+    comps, entry = _split_computations(text)
+    runs, inner = _executions(comps, entry)
+    flops = nbytes = 0.0
+    dots = 0
+    for name, lines in comps.items():
+        n = runs.get(name, 0)
+        if not n:
+            continue
+        types: dict[str, str] = {}
+        parsed = []
+        for line in lines:
+            m = _INSTR.match(line)
+            if m:
+                types[m.group(1)] = m.group(2)
+                parsed.append(m)
+        for m in parsed:
+            result, op, args, rest = m.group(2), m.group(3), m.group(4), m.group(5)
+            operands = [types.get(a, "") for a in re.findall(r"%([\w.\-]+)", args)]
+            contract = None
+            if op == "dot":
+                c = _LHS_CONTRACT.search(rest)
+                contract = [int(x) for x in c.group(1).split(",") if x] if c else []
+            elif op == "custom-call" and re.search(r'custom_call_target="__cublas\$(lt\$matmul|gemm)', rest):
+                c = _GEMM_CONTRACT.search(rest)
+                contract = [int(x.strip().strip('"')) for x in c.group(1).split(",") if x.strip()] if c else []
+                result = result.split(",")[0]  # (out, workspace)
+            if contract is not None and operands and operands[0]:
+                lhs = _dims(operands[0])
+                k = math.prod(lhs[d] for d in contract if d < len(lhs))
+                flops += n * 2 * math.prod(_dims(result)) * k
+                dots += 1
+            if name not in inner and op not in _NO_TRAFFIC and not op.endswith("-done"):
+                nbytes += n * (_type_bytes(result) + sum(_type_bytes(t) for t in operands))
+    return Work(flops, nbytes, dots)

@@ -199,6 +199,8 @@ KEY_STATUS: dict[str, str] = {
     # zerojax's own sections
     "mesh.data": HONOURED,
     "mesh.stage": HONOURED,
+    "mesh.data_outer": HONOURED,
+    "mesh.data_inner": HONOURED,
     "mesh.cpu_devices": HONOURED,
     **{f"model.{k}": _GPT for k in ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                                     "remat", "init_std", "norm_eps")},

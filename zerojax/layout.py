@@ -12,12 +12,12 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
 from zerojax.config import BatchSize, Config, as_config, check_supported
 from zerojax.errors import ConfigError
-from zerojax.mesh import DATA, STAGE, data_size
+from zerojax.mesh import DATA, STAGE, DataAxis, data_axes, data_size
 from zerojax.offload import HOST_KINDS, Memory, memory_plan
 from zerojax.optim import ClientOptimizer, ScheduleFn, param_groups, update_rule
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
@@ -78,14 +78,15 @@ def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
     return LeafLayout(param=param, grad=grad, update=update)
 
 
-def spec(placement: Placement, ndim: int, lead: str | None = None) -> P:
+def spec(placement: Placement, ndim: int, lead: str | None = None, data: DataAxis = DATA) -> P:
     """PartitionSpec of a reduced placement (PARTIAL buffers are full-size per device); `lead`
-    names a mesh axis that dimension 0 is split over besides."""
+    names a mesh axis that dimension 0 is split over besides; `data` is the mesh's data axis
+    (a pair of axes on a hierarchical mesh: a shard is split over both)."""
     if lead is None and not isinstance(placement, Shard):
         return P()
     axes: list[str | None] = [None] * ndim
     if isinstance(placement, Shard):
-        axes[placement.dim] = DATA
+        axes[placement.dim] = data
     if lead is not None:
         axes[0] = lead
     return P(*axes)
@@ -180,7 +181,9 @@ class Plan:
         return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(self.abstract_params)]
 
     def _shardings(self, role: str) -> Any:
-        return map_layouts(lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.lead)),
+        data = data_axes(self.mesh)
+        return map_layouts(lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.lead,
+                                                                        data)),
                            self.layouts, self.abstract_params)
 
     @property
@@ -250,13 +253,14 @@ class Plan:
     @property
     def batch_sharding(self) -> NamedSharding:
         """How a global batch is placed: rows split over the data axis."""
-        return NamedSharding(self.mesh, P(DATA))
+        return NamedSharding(self.mesh, P(data_axes(self.mesh)))
 
     def report(self) -> MemoryReport:
         return memory_report(self)
 
 
-def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = None, layer_axes: Any = None,
+def plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None,
+         layer_axes: Any = None,
          optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 
@@ -271,6 +275,9 @@ def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = No
     `optimizer` / `lr_scheduler` are DeepSpeed's client optimizer and scheduler (see
     `zerojax.optim.update_rule`); the config's optimizer section is used without them.
     `config` is a Config, a dict or a config file path.
+    `mesh` may be a `jax.sharding.AbstractMesh` (sizes and axis names, no devices): the plan then
+    serves byte counting only (`Plan.report()`, `zerojax.estimate`) for a cluster that need not
+    exist here - the XLA update is assumed and offload memory kinds are not checked against a backend.
     """
     config = as_config(config)
     check_supported(config)
@@ -281,7 +288,8 @@ def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = No
         raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
                           f"zerojax.initialize(config, model=zerojax.PipelineModule(...)); for a model "
                           f"given as params= and loss_fn= set mesh.stage=1")
-    kernels = resolve_kernels(config.kernels, platform_of(mesh), config.optimizer.type)
+    abstract_mesh = isinstance(mesh, AbstractMesh)
+    kernels = "xla" if abstract_mesh else resolve_kernels(config.kernels, platform_of(mesh), config.optimizer.type)
     groups = param_groups(config.optimizer)
     if groups is not None:
         if lead is not None:
@@ -315,7 +323,8 @@ def plan(config: Config | Any, mesh: Mesh, params: Any, *, lead: str | None = No
         layouts = jax.tree.map(lambda lay: dataclasses.replace(lay, lead=lead), layouts, is_leaf=is_layout)
     pol = make_policy(config)
     # after every config check: the kernels' self-check compiles (once per process and backend)
-    kernels = settle_kernels(config.kernels, kernels, mesh.local_devices[0])
+    if not abstract_mesh:
+        kernels = settle_kernels(config.kernels, kernels, mesh.local_devices[0])
     return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol,
                 scaler=scaler_config(config), schedule=schedule,
                 tx=tx, abstract_params=abstract, layouts=layouts,

@@ -110,6 +110,8 @@ def memory_plan(config: Config, mesh: Mesh, kernels: str = "xla") -> Memory:
     params = _kind(param_cfg.pin_memory) if param_cfg.device == "cpu" else None
     if optimizer is None and params is None:
         return Memory()
+    if isinstance(mesh, jax.sharding.AbstractMesh):  # byte counting only: no backend to ask
+        return Memory(params=params, optimizer=optimizer, update="host" if opt_cfg.compute == "host" else "device")
     available = _available_kinds(mesh)
     platform = mesh.devices.flat[0].platform
     for key, kind in (("offload_optimizer", optimizer), ("offload_param", params)):

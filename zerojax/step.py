@@ -32,7 +32,7 @@ from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, is_gath
 from zerojax.config import Config, as_config
 from zerojax.gather_at_use import Prefetch, gather_at_use
 from zerojax.layout import LeafLayout, Plan, is_layout, map_layouts
-from zerojax.mesh import DATA
+from zerojax.mesh import data_axes, data_axis
 from zerojax.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.update import FusedUpdate
@@ -69,7 +69,7 @@ def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
         if _gathered_up_front(lay):
             # A per-device (varying) gather outside the differentiated function: the gradient is
             # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
-            return jax.lax.all_gather(bring_in(x, stored), DATA, axis=0, tiled=True)
+            return jax.lax.all_gather(bring_in(x, stored), data_axis(), axis=0, tiled=True)
         if isinstance(lay.param, Shard):
             return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None)
         x = bring_in(x, stored)
@@ -207,7 +207,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
         wrapped = _wrap_params(plan, params, for_grad=True)
-        shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(DATA))
+        shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axis()))
 
         def scaled(p: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
             value = loss(p, mb, rng).astype(jnp.float32)
@@ -234,9 +234,9 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
         acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
         grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm,
                                                 pre=avg.pre, post=avg.post), layouts, acc)
-        return jax.lax.pmean(jnp.mean(values), DATA), grads
+        return jax.lax.pmean(jnp.mean(values), data_axis()), grads
 
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(None, DATA), P(), P()),
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(None, data_axes(plan.mesh)), P(), P()),
                            out_specs=(P(), plan.update_specs), check_vma=_checks_vma(plan, loss_fn))
 
     def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
@@ -417,9 +417,9 @@ def make_eval_step(config: Config | Any, plan: Plan, loss_fn: LossFn) -> Callabl
 
     def local(params: Any, batch: Any) -> jax.Array:
         value = loss(_wrap_params(plan, params, for_grad=False), batch, None)
-        return jax.lax.pmean(value.astype(jnp.float32), DATA)
+        return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(DATA)), out_specs=P(),
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(data_axes(plan.mesh))), out_specs=P(),
                            check_vma=_checks_vma(plan, loss_fn))
 
     def eval_step(params: Any, batch: Any) -> jax.Array:

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives import Shard
 from zerojax.layout import Plan, is_layout
-from zerojax.mesh import DATA
+from zerojax.mesh import data_axis
 from zerojax.optim import ScaleByMomentsState, adam_settings, bias_corrections
 from zerojax.pallas.adam import AdamScalars, adam_update_pallas
 from zerojax.pallas.backend import XLA
@@ -88,7 +88,7 @@ class FusedUpdate:
             per_leaf = jnp.stack([jnp.stack(sumsq), jnp.stack(bad)])          # (2, leaves)
             own = jnp.asarray(sharded)
             # invariant: sharded leaves' partial sums add up over `data`; replicated ones are whole.
-            summed = jax.lax.psum(jnp.where(own, per_leaf, 0.0), DATA)
+            summed = jax.lax.psum(jnp.where(own, per_leaf, 0.0), data_axis())
             return jnp.where(own, summed, per_leaf)
 
         per_leaf = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(self._specs, P()),

@@ -1,0 +1,290 @@
+"""`zerojax estimate`: DeepSpeed's estimator formulas, plan-exact bytes against the compiled step,
+Hugging Face parameter counts, the recommendation, HLO work counting and the step-time model."""
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zerojax import estimate as E
+from zerojax import hlo
+from zerojax.cli import main
+from zerojax.config import load_config
+from zerojax.errors import ConfigError
+from zerojax.layout import plan
+from zerojax.mesh import make_mesh
+from zerojax.models import gpt
+from zerojax.precision import policy
+from zerojax.state import abstract_state
+from zerojax.step import make_train_step
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage3_param_persistence_threshold": 0},
+        "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 8, "vocab_size": 64}}
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's formulas.
+
+def test_deepspeed_formulas_equal_deepspeed_outputs() -> None:
+    """Every case recorded from DeepSpeed's own functions (tests/fixtures/make_deepspeed_estimates.py)."""
+    ref = json.loads((FIXTURES / "deepspeed_estimates.json").read_text())
+    assert len(ref["zero2"]) == 100 and len(ref["zero3"]) == 400
+    for r in ref["zero2"]:
+        assert E.deepspeed_zero2(r["total_params"], r["num_gpus_per_node"], r["num_nodes"], r["cpu_offload"],
+                                 r["additional_buffer_factor"]) == (r["cpu_mem"], r["gpu_mem"]), r
+    for r in ref["zero3"]:
+        got = E.deepspeed_zero3(r["total_params"], r["largest_layer_params"], r["num_gpus_per_node"], r["num_nodes"],
+                                r["cpu_offload"], r["cpu_offload_params"], r["zero_init"],
+                                r["additional_buffer_factor"])
+        assert got == (r["cpu_mem"], r["gpu_mem"], r["largest_layer_memory"]), r
+
+
+def test_deepspeed_formulas_by_hand() -> None:
+    total, largest, per_node, nodes = 10**9, 5 * 10**7, 8, 2
+    # ZeRO-2, no offload: 2 bytes/param of fp16 params + 18 bytes/param over 16 GPUs; CPU 4 per GPU x 1.5.
+    assert E.deepspeed_zero2(total, per_node, nodes, cpu_offload=False) == (48 * 10**9, 2 * 10**9 + 1_125_000_000)
+    # ZeRO-2, offload: 2 bytes/param on the GPU; CPU max(4 x 16 GPUs, 16) = 64 bytes/param x 1.5.
+    assert E.deepspeed_zero2(total, per_node, nodes, cpu_offload=True) == (96 * 10**9, 2 * 10**9)
+    # ZeRO-3, params and optimizer offloaded, zero_init: largest layer x 4 on the GPU, 18/2 nodes x 1.5 on the CPU.
+    assert E.deepspeed_zero3(total, largest, per_node, nodes) == (13_500_000_000, 2 * 10**8, 2 * 10**8)
+    # ZeRO-3 on the GPU: largest layer x 4 + 18 bytes/param over 16 GPUs; CPU: largest layer x 4 x 8 GPUs x 1.5.
+    assert E.deepspeed_zero3(total, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False) == (
+        2_400_000_000, 2 * 10**8 + 1_125_000_000, 2 * 10**8)
+    # ZeRO-3, optimizer offloaded, no zero_init: CPU max(4 x 8, 16 / 2) = 32 bytes/param x 1.5.
+    assert E.deepspeed_zero3(total, largest, per_node, nodes, cpu_offload_params=False, zero_init=False) == (
+        48 * 10**9, 2 * 10**8 + 125_000_000, 2 * 10**8)
+
+
+def test_deepspeed_estimate_rows_use_nodes_and_gpus_per_node() -> None:
+    model = E.counts_model(10**9, 5 * 10**7)
+    e = E.deepspeed_estimate(model, 16, 8, E.Choice(3, "cpu optimizer"))
+    assert (e.host_bytes, e.device_bytes) == E.deepspeed_zero3(10**9, 5 * 10**7, 8, 2, True, False)[:2]
+    assert E.deepspeed_estimate(model, 16, 8, E.Choice(0)) is None
+    assert E.deepspeed_estimate(model, 16, 8, E.Choice(1)).device_bytes == E.deepspeed_zero2(10**9, 8, 2, False)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models.
+
+def test_hugging_face_parameter_counts() -> None:
+    """The published parameter counts of GPT-2 (124,439,808), Llama-2-7B and Llama-3-8B (grouped-query)."""
+    gpt2 = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12,
+            "n_positions": 1024}
+    assert E.hf_model(gpt2).total_params == 124_439_808
+    llama2 = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}
+    m = E.hf_model(llama2)
+    assert m.total_params == 6_738_415_616
+    assert m.largest_layer_params == 32000 * 4096  # the embedding (and the untied head)
+    llama3 = dict(llama2, vocab_size=128256, intermediate_size=14336, num_key_value_heads=8)
+    assert E.hf_model(llama3).total_params == 8_030_261_248
+    tied = E.hf_model(dict(llama2, tie_word_embeddings=True))
+    assert tied.total_params == 6_738_415_616 - 32000 * 4096
+
+
+def test_hf_config_file_errors(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
+    with pytest.raises(ConfigError, match="config.json: needs one of hidden_size"):
+        E.hf_model(path)
+    with pytest.raises(ConfigError, match="no such file"):
+        E.hf_model(tmp_path / "missing.json")
+
+
+def test_embedded_model_counts_match_real_parameters() -> None:
+    cfg = load_config(TINY)
+    params = gpt.init_params(cfg.model, 0)
+    m = E.embedded_model(cfg)
+    assert m.total_params == sum(x.size for x in jax.tree.leaves(params))
+    d, v = cfg.model.d_model, cfg.model.vocab_size
+    assert m.largest_layer_params == max(v * d, d * 4 * d + 4 * d)  # embedding / head vs the MLP's fc
+
+
+def test_counts_model_keeps_both_counts() -> None:
+    m = E.counts_model(1_000_003, 999)
+    assert (m.total_params, m.largest_layer_params) == (1_000_003, 999)
+    with pytest.raises(ConfigError, match="largest layer"):
+        E.counts_model(10, 11)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan-exact.
+
+def test_plan_exact_on_an_abstract_mesh_equals_the_real_plan() -> None:
+    cfg = load_config(TINY)
+    model = E.embedded_model(cfg)
+    for choice in E.CHOICES:
+        est = E.plan_exact(cfg, model, 8, 8, choice)
+        real = plan(E.variant(cfg, choice), make_mesh(cfg), model.abstract_params).report()
+        assert est.report._replace(memory="") == real._replace(memory=""), choice  # bytes; not where updates run
+
+
+def test_hierarchical_abstract_mesh_counts_the_same_bytes() -> None:
+    cfg = load_config(TINY)
+    model = E.hf_model({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 2, "n_head": 12,
+                        "n_positions": 1024})
+    assert tuple(E.abstract_mesh(64, 8).axis_names) == ("data_outer", "data_inner")
+    for choice in E.CHOICES:
+        split = E.plan_exact(cfg, model, 64, 8, choice)
+        flat = E.plan_exact(cfg, model, 64, 64, choice)
+        assert split.device_bytes == flat.device_bytes and split.host_bytes == flat.host_bytes // 8, choice
+
+
+def test_plan_exact_scales_with_devices_the_paper_way() -> None:
+    """Leaves that divide N: stage 3 holds (P + G + 12) Ψ / N bytes per device, stage 1 P Ψ + G Ψ + 12 Ψ / N
+    (plus the optimizer's replicated counters)."""
+    cfg = load_config(TINY)
+    pol = policy(cfg)
+    psi = 2 ** 20 * 3
+    model = E.counts_model(psi, 2 ** 20)
+    p = plan(cfg, make_mesh(cfg), model.abstract_params)
+    counters = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(p.abstract_opt_state) if x.size <= 1)
+    assert 0 < counters <= 64
+    for n in (16, 64, 512):
+        s3 = E.plan_exact(cfg, model, n, 8, E.Choice(3))
+        assert s3.device_bytes == (pol.param.itemsize + pol.accum.itemsize + 12) * psi // n + counters
+        s1 = E.plan_exact(cfg, model, n, 8, E.Choice(1))
+        assert s1.device_bytes == (pol.param.itemsize + pol.accum.itemsize) * psi + 12 * psi // n + counters
+        # parameter offload: parameters, fp32 master and Adam moments on the host, 8 devices per host.
+        off = E.plan_exact(cfg, model, n, 8, E.Choice(3, "cpu params"))
+        assert off.host_bytes == 8 * (pol.param.itemsize + 12) * psi // n
+        assert off.device_bytes == pol.accum.itemsize * psi // n + counters
+
+
+def _compiled_state_bytes(cfg) -> int:
+    """Per-device argument bytes of the compiled step, less this device's rows of the batch."""
+    p = plan(cfg, make_mesh(cfg), gpt.abstract_params(cfg.model))
+    rows = p.batch.micro_batch_size * p.data_size
+    batch = {"tokens": jax.ShapeDtypeStruct((rows, cfg.model.seq_len + 1), np.int32, sharding=p.batch_sharding)}
+    mem = make_train_step(cfg, p, gpt.make_loss_fn(cfg.model)).lower(abstract_state(p), batch).compile() \
+        .memory_analysis()
+    per_device_batch = p.batch.micro_batch_size * (cfg.model.seq_len + 1) * 4
+    return mem.argument_size_in_bytes + mem.host_argument_size_in_bytes - per_device_batch
+
+
+@pytest.mark.parametrize("choice", [E.Choice(0), E.Choice(2, "cpu optimizer"), E.Choice(3, "cpu params")],
+                         ids=lambda c: c.label)
+def test_plan_exact_matches_the_compiled_step(choice) -> None:
+    """Parameters, master copy and optimizer state the step takes as arguments, within 2%
+    (the rest: step counters, loss scale and PRNG key)."""
+    cfg = E.variant(load_config(TINY), choice)
+    est = E.plan_exact(cfg, E.embedded_model(cfg), 8, 8, choice).report
+    measured = _compiled_state_bytes(cfg)
+    assert abs(measured - (est.params + est.optimizer)) <= 0.02 * measured, (measured, est)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recommendation and the command.
+
+def test_recommend_takes_the_cheapest_that_fits() -> None:
+    cfg = load_config(TINY)
+    model = E.counts_model(10**9, 10**8)
+    exact = [E.plan_exact(cfg, model, 64, 8, c) for c in E.CHOICES]
+    by = {e.choice: e for e in exact}
+    # Just above stage 2's need: stages 0 and 1 need more, so stage 2 wins.
+    assert E.recommend(exact, by[E.Choice(2)].device_bytes + 1).choice == E.Choice(2)
+    assert by[E.Choice(1)].device_bytes > by[E.Choice(2)].device_bytes + 1
+    # Activations count against the device too.
+    assert E.recommend(exact, by[E.Choice(2)].device_bytes + 1, activations=2).choice == E.Choice(3)
+    # Only parameter offload fits; a host limit below its host share leaves nothing.
+    tight = by[E.Choice(3, "cpu params")].device_bytes
+    assert E.recommend(exact, tight).choice == E.Choice(3, "cpu params")
+    assert E.recommend(exact, tight, host_memory=by[E.Choice(3, "cpu params")].host_bytes - 1) is None
+    assert E.recommend(exact, tight - 1) is None
+
+
+def test_parse_bytes() -> None:
+    assert E.parse_bytes("80GB") == 80e9
+    assert E.parse_bytes("80GiB") == E.parse_bytes("80G") == 80 * 2**30
+    assert E.parse_bytes("1024") == 1024
+    with pytest.raises(ConfigError, match="--device-memory"):
+        E.parse_bytes("eighty")
+
+
+def test_cli_estimate_prints_both_modes_and_a_recommendation(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(TINY))
+    llama = tmp_path / "config.json"
+    llama.write_text(json.dumps({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                                 "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32}))
+    rc = main(["estimate", "--config", str(cfg), "--hf-config", str(llama), "--devices", "64",
+               "--devices-per-host", "8", "--device-memory", "16GiB", "--no-step-time"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    model = E.hf_model(llama)
+    exact = {c: E.plan_exact(load_config(TINY), model, 64, 8, c) for c in E.CHOICES}
+    s3 = [l for l in out.splitlines() if l.startswith("stage 3, offload none")][0].split()
+    assert float(s3[4]) == round(exact[E.Choice(3)].device_bytes / 2**30, 2)
+    ds = E.deepspeed_zero3(model.total_params, model.largest_layer_params, 8, 8, False, False)
+    assert float(s3[6]) == round(ds[1] / 2**30, 2) and float(s3[7]) == round(ds[0] / 2**30, 2)
+    best = E.recommend(list(exact.values()), 16 * 2**30)
+    assert f"recommendation: {best.choice.label}" in out
+    assert "model states only" in out
+
+
+def test_cli_estimate_errors(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(TINY))
+    assert main(["estimate", "--config", str(cfg), "--params", "100", "--no-step-time"]) == 2
+    assert "--params and --largest-layer go together" in capsys.readouterr().err
+    assert main(["estimate", "--config", str(cfg), "--device", "b200", "--no-step-time"]) == 2
+    assert "presets are h100, a100, tpu-v5p" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Work and step time.
+
+def test_hlo_work_counts_loop_bodies_trip_count_times() -> None:
+    w = jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0].sum()
+
+    def single(w, x):
+        return jnp.tanh(x @ w[0]).sum()
+
+    one = jax.jit(single).lower(w, x).compile()
+    dots = hlo.work(one.as_text()).flops
+    assert dots == 2 * 32 * 64 * 64
+    # XLA's count adds the elementwise tanh and sum: within 1% here
+    assert dots <= one.cost_analysis()["flops"] <= 1.01 * dots
+    loop = hlo.work(jax.jit(jax.grad(scanned)).lower(w, x).compile().as_text())
+    # forward dot, and dX and dW in the backward pass, for each of the 4 layers
+    assert loop.flops == 4 * 3 * 2 * 32 * 64 * 64
+
+
+def test_compiled_costs_of_the_embedded_gpt() -> None:
+    """Matmul FLOPs by hand: each block's forward F = 2 tok (3d² + d² + 4d² + 4d²) + 4 tok T d,
+    backward 2F, remat recomputes F less the MLP's output projection (its output is not needed);
+    the head 2 tok d V forward and twice that backward. Gradients all-reduced in fp32: 2·4·Ψ·(N-1)/N."""
+    cfg = load_config(dict(TINY, bf16={"enabled": False}, train_micro_batch_size_per_gpu=2,
+                           model=dict(TINY["model"], n_layers=2)))
+    flops, nbytes, comm, n = E.compiled_costs(cfg)
+    m = cfg.model
+    d, t, layers, v, tok = m.d_model, m.seq_len, m.n_layers, m.vocab_size, 2 * m.seq_len
+    f = 2 * tok * 12 * d * d + 4 * tok * t * d
+    assert flops == layers * (4 * f - 2 * tok * 4 * d * d) + 3 * 2 * tok * d * v
+    psi = E.embedded_model(cfg).total_params
+    assert n == 8
+    assert 2 * 4 * psi * 7 / 8 <= comm <= 1.001 * 2 * 4 * psi * 7 / 8
+    assert nbytes > 4 * psi  # at least every parameter read once
+
+
+def test_step_time_arithmetic() -> None:
+    dev = E.DeviceSpec("test", flops=1e12, hbm=1e11, intra=1e10, inter=1e9, memory=1e9)
+    t = E.step_time(2e12, 1e11, 1e9, dev, devices=16, devices_per_host=8, source="x")
+    assert (t.compute_s, t.memory_s, t.comm_s, t.link) == (2.0, 1.0, 1.0, "between hosts")
+    assert t.seconds == 3.0 and t.bound == 2.0
+    inside = E.step_time(2e12, 1e11, 1e9, dev, devices=8, devices_per_host=8, source="x")
+    assert inside.comm_s == 0.1 and inside.link == "within a host"
+    assert E.scale_comm(7.0, 8, 64) == pytest.approx(7.0 * (63 / 64) / (7 / 8))
+    pol = policy(load_config(TINY))
+    assert math.isclose(E.analytic_costs(load_config(TINY), E.counts_model(1000, 100), 0, 8)[2],
+                        1000 * 7 / 8 * 2 * pol.accum.itemsize)  # stage 0: one all-reduce in the accumulation dtype
