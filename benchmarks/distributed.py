@@ -87,7 +87,7 @@ def offload_rows(args: argparse.Namespace) -> list[dict]:
                 continue
             cfg = zerojax.load_config(config_dict(args, stage, offload))
             engine = zerojax.initialize(cfg, params=gpt.init_params(cfg.model, 0), loss_fn=gpt.make_loss_fn(cfg.model))
-            batch = engine._place(tokens(engine.train_batch_size(), args.seq_len, 0), engine.train_batch_size())
+            batch = engine.place_batch(tokens(engine.train_batch_size(), args.seq_len, 0), engine.train_batch_size())
             t = time.perf_counter()
             compiled = engine.train_step_fn.lower(engine.state, batch).compile()
             rep = engine.memory_report()

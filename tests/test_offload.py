@@ -81,12 +81,12 @@ def test_offloaded_run_equals_the_plain_run(case: str) -> None:
     assert {x.sharding.memory_kind for x in scalars} == {"device"}  # counters stay on the device
 
     # The compiled step takes exactly the plan's host bytes in host memory (S(5) in its layout).
-    batch = off._place(make_batch(32, 0), 32)
+    batch = off.place_batch(make_batch(32, 0), 32)
     compiled = off.train_step_fn.lower(off.state, batch).compile()
     used = step_memory(compiled)
     report = off.memory_report()
     assert report.host > 0 and used.host_arguments == report.host and used.host_outputs == report.host
-    assert step_memory(plain.train_step_fn.lower(plain.state, plain._place(make_batch(32, 0), 32)).compile()
+    assert step_memory(plain.train_step_fn.lower(plain.state, plain.place_batch(make_batch(32, 0), 32)).compile()
                        ).host_arguments == 0
     assert "host MiB" in report.table() and off.plan.memory.describe() in report.table()
 
@@ -164,7 +164,7 @@ def test_parameters_come_in_layer_by_layer_on_gpu() -> None:
     """Lowered for CUDA (on CPU, JAX drops placement annotations), each stacked layer's shard is moved to
     the device inside the scanned body, one layer at a time - never the whole stack before the forward."""
     e = engine(config(3, "bf16", {"device": "cpu"}, {"device": "cpu"}))
-    traced = e.train_step_fn.trace(e.state, e._place(make_batch(32, 0), 32))
+    traced = e.train_step_fn.trace(e.state, e.place_batch(make_batch(32, 0), 32))
     placements = _placements_by_function(traced.lower(lowering_platforms=("cuda",)).as_text())
     stacked = e.state.params["layers"]["w"].addressable_shards[0].data.shape  # (layers, 32, 4)
     layer = "tensor<" + "x".join(map(str, stacked[1:])) + "xbf16>"

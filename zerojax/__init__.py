@@ -5,7 +5,8 @@ Three ways in: `python train.py --config ...`; the pure functions `plan` / `init
 """
 from zerojax.collectives import gather, gathers_params
 from zerojax.config import Config, load_config
-from zerojax.engine import Engine, initialize
+from zerojax.engine import Engine
+from zerojax.entry import initialize
 from zerojax.errors import ConfigError, LossScaleError
 from zerojax.gather_at_use import find_layer_axes
 from zerojax.interop import from_nnx, to_nnx

@@ -21,9 +21,8 @@ from jax.sharding import Mesh
 
 from zerojax.config import Config, load_config
 from zerojax.distributed import InFlight, check_consistency, global_array
-from zerojax.errors import ConfigError, LossScaleError
+from zerojax.errors import LossScaleError
 from zerojax.layout import MemoryReport, Plan, plan as make_plan
-from zerojax.mesh import make_mesh
 from zerojax.optim import ClientOptimizer, ScheduleFn
 from zerojax.precision import LossScaleState, update_loss_scale
 from zerojax.state import TrainState, init_state
@@ -57,8 +56,10 @@ class Engine:
         self.loaded_extra: dict[str, Any] = {}
 
     # -- training ---------------------------------------------------------------------------
-    def _place(self, batch: Any, rows: int | None = None) -> Any:
-        """Host rows go straight to their data shard; arrays already on devices pass through.
+    def place_batch(self, batch: Any, rows: int | None = None) -> Any:
+        """`batch` on the devices in the plan's batch sharding, without running a step (a data
+        loader can place the next batch while the current step runs). Host rows go straight to their
+        data shard; arrays already on devices pass through.
 
         In a multi-process run a host batch holds this process's rows of the global batch (the
         ones `zerojax.distributed.local_rows` names), or all of them.
@@ -71,8 +72,8 @@ class Engine:
         when this process holds the whole batch, on the global array when each process holds a part."""
         if jax.process_count() == 1:
             check(self.plan, batch)
-            return self._place(batch, rows)
-        batch = self._place(batch, rows)
+            return self.place_batch(batch, rows)
+        batch = self.place_batch(batch, rows)
         check(self.plan, batch)
         return batch
 
@@ -234,44 +235,6 @@ def loss_scale_message(plan: Plan, state: TrainState) -> str:
             f"skipped; the first of them had non-finite gradients in {shown or 'no leaf (forced)'}. "
             f"Train with bf16.enabled: true instead of fp16 (no loss scaling needed), or lower the "
             f"learning rate / check the data for inf and NaN")
-
-
-def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, loss_fn: LossFn | None = None,
-               mesh: Mesh | None = None, *, model: Any = None, optimizer: ClientOptimizer | None = None,
-               lr_scheduler: ScheduleFn | None = None, hidden_size: int | None = None) -> Engine:
-    """DeepSpeed's `initialize`, returning the engine alone.
-
-    `config` is a Config, a dict or a JSON/hjson/YAML path (DeepSpeed keys mean what they mean in
-    DeepSpeed). `mesh` defaults to the config's `mesh` section (all devices on one `data` axis, or
-    `stage` x `data`). For a Flax NNX model use `zerojax.from_nnx(model, loss)` to get `params` and
-    `loss_fn`; `params` may be unbuilt (`zerojax.init_params(fn, ...)`, or `from_nnx` given a
-    constructor such as `lambda: Model(...)`), and are then built straight into the plan's shards. For pipeline parallelism pass `model=zerojax.PipelineModule(...)` (the loss is the
-    module's; `params`, if given, are initial logical parameters shaped like `model.init()`).
-
-    `optimizer` / `lr_scheduler` are DeepSpeed's: with no optimizer section in the config, the
-    optimizer passed here trains (an optax transformation, or a factory such as `optax.adamw` driven by
-    `lr_scheduler`, an optax schedule, or by the config's scheduler section). `hidden_size` is the
-    model's width, for the Hugging Face "auto" values derived from it.
-    """
-    if model is not None:
-        from zerojax.pipeline.engine import PipelineEngine  # the pipeline builds on this module
-        if loss_fn is not None:
-            raise TypeError("initialize: with model= the loss is the PipelineModule's loss_fn; drop loss_fn=")
-        config = load_config(config, hidden_size=hidden_size)
-        if optimizer is not None or lr_scheduler is not None:
-            raise TypeError("initialize: with model= (pipelines) the optimizer comes from the config's "
-                            "optimizer section; drop optimizer= / lr_scheduler=")
-        mesh = mesh if mesh is not None else make_mesh(config)
-        if config.optimizer is None:
-            raise ConfigError("optimizer: the pipeline engine needs the config's optimizer section; add one "
-                              'such as "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
-        return PipelineEngine(config, model, mesh, params)
-    if params is None or loss_fn is None:
-        raise TypeError("initialize: pass params= and loss_fn= (for a Flax NNX model: "
-                        "params, loss_fn = zerojax.from_nnx(model, loss)), or model=PipelineModule(...)")
-    config = load_config(config, hidden_size=hidden_size)
-    return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config), optimizer=optimizer,
-                  lr_scheduler=lr_scheduler)
 
 
 def validate_tag(mine: str, process0: str, mode: str) -> None:

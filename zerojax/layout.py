@@ -23,7 +23,7 @@ from zerojax.optim import ClientOptimizer, ScheduleFn, param_groups, update_rule
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.pallas.selfcheck import settle as settle_kernels
 from zerojax.precision import Policy, ScalerConfig, policy as make_policy, scaler_config
-from zerojax.schedules import Schedule
+from zerojax.schedules import LrSchedule
 from zerojax.sharded_init import abstract_params
 
 PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer"
@@ -160,7 +160,7 @@ class Plan:
     batch: BatchSize
     policy: Policy
     scaler: ScalerConfig
-    schedule: Schedule
+    schedule: LrSchedule
     tx: optax.GradientTransformation
     abstract_params: Any           # ShapeDtypeStructs of the logical (fp32) parameters
     layouts: Any                   # LeafLayout per parameter leaf

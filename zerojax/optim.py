@@ -30,7 +30,7 @@ from zerojax.config import (CLIENT_OPTIMIZER, AdagradParams, Config, LambParams,
                             ParamGroup, SGDParams)
 from zerojax.errors import ConfigError
 from zerojax.names import dotted
-from zerojax.schedules import Schedule, make_schedule
+from zerojax.schedules import LrSchedule, make_schedule
 
 __all__ = ["make_optimizer", "param_groups", "Groups", "name_matches", "decay_by_name", "scale_lr_by_name", "update_rule", "CLIENT", "has_betas", "is_elementwise", "bias_corrections", "PER_TENSOR_OPTIMIZERS", "AdamSettings", "adam_settings", "ScaleByMomentsState", "ScaleByAdagradState",
            "TorchMomentumState", "scale_by_moments", "scale_by_clamped_trust_ratio",
@@ -435,7 +435,7 @@ _NO_OPTIMIZER = (
 
 def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
                 lr_scheduler: ScheduleFn | None = None
-                ) -> tuple[optax.GradientTransformation, Schedule, OptimizerConfig]:
+                ) -> tuple[optax.GradientTransformation, LrSchedule, OptimizerConfig]:
     """The transformation, its schedule and the optimizer config a plan records.
 
     Without `optimizer` the config's section builds DeepSpeed's optimizer. With it, as DeepSpeed's
@@ -466,7 +466,7 @@ def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
                               f"pass a factory that takes learning_rate instead (optimizer=optax.adamw, or "
                               f"functools.partial(optax.adamw, weight_decay=0.1)), or build the schedule "
                               f"into the transformation and drop the scheduler")
-        return optimizer, Schedule(lr=_unknown_lr), client
+        return optimizer, LrSchedule(lr=_unknown_lr), client
     if not callable(optimizer):
         raise TypeError(f"optimizer: expected an optax GradientTransformation or a factory taking "
                         f"learning_rate, got {type(optimizer).__name__}")
@@ -484,7 +484,7 @@ def _unknown_lr(count: jax.Array | int) -> jax.Array:
     return jnp.full((), jnp.nan, jnp.float32)
 
 
-def _client_schedule(config: Config, lr_scheduler: ScheduleFn | None) -> Schedule | None:
+def _client_schedule(config: Config, lr_scheduler: ScheduleFn | None) -> LrSchedule | None:
     """The schedule for an optimizer passed in code: lr_scheduler=, else the config's section."""
     sched = config.scheduler
     if lr_scheduler is not None:
@@ -492,7 +492,7 @@ def _client_schedule(config: Config, lr_scheduler: ScheduleFn | None) -> Schedul
             log.warning("lr_scheduler: not used: the config's %s section drives the lr, as DeepSpeed prefers "
                         "its configured scheduler", sched.type)
         else:
-            return Schedule(lr=lambda count: jnp.asarray(lr_scheduler(count), jnp.float32))
+            return LrSchedule(lr=lambda count: jnp.asarray(lr_scheduler(count), jnp.float32))
     if sched is None:
         return None
     p = sched.params

@@ -28,7 +28,7 @@ from zerojax.config import (LRRangeTestParams, OneCycleParams, SchedulerConfig, 
                             WarmupDecayLRParams, WarmupLRParams)
 from zerojax.errors import ConfigError
 
-__all__ = ["Schedule", "make_schedule"]
+__all__ = ["LrSchedule", "make_schedule"]
 
 ScheduleFn = Callable[["jax.Array | int"], jax.Array]
 
@@ -38,7 +38,7 @@ _WARMUP_DECAY_DEFAULT_MAX_LR = 1e-3
 _ONE_CYCLE_BETA2 = 0.99
 
 
-class Schedule(NamedTuple):
+class LrSchedule(NamedTuple):
     """Per-update hyperparameters; each callable maps optax's update count to a float32 scalar."""
     lr: ScheduleFn
     beta1: ScheduleFn | None = None  # OneCycle's cycled momentum, else None (optimizer's own beta1)
@@ -46,7 +46,7 @@ class Schedule(NamedTuple):
 
 
 def make_schedule(config: SchedulerConfig | None, base_lr: float, *,
-                  base_betas: tuple[float, float] | None = (0.9, 0.999)) -> Schedule:
+                  base_betas: tuple[float, float] | None = (0.9, 0.999)) -> LrSchedule:
     """Build the DeepSpeed scheduler `config` describes for an optimizer whose lr is `base_lr`.
 
     `base_betas` are the optimizer's (beta1, beta2), or None for optimizers without betas (SGD,
@@ -54,16 +54,16 @@ def make_schedule(config: SchedulerConfig | None, base_lr: float, *,
     DeepSpeed leaves the optimizer untouched (the first update when resuming via last_batch_iteration).
     """
     if config is None:
-        return Schedule(lr=_constant(base_lr))
+        return LrSchedule(lr=_constant(base_lr))
     p = config.params
     if config.type == "WarmupLR" or config.type == "WarmupDecayLR":
-        return Schedule(lr=_warmup_lr(p, base_lr))
+        return LrSchedule(lr=_warmup_lr(p, base_lr))
     if config.type == "WarmupCosineLR":
-        return Schedule(lr=_warmup_cosine_lr(p, base_lr))
+        return LrSchedule(lr=_warmup_cosine_lr(p, base_lr))
     if config.type == "OneCycle":
         return _one_cycle(p, base_lr, base_betas)
     if config.type == "LRRangeTest":
-        return Schedule(lr=_lr_range_test(p, base_lr))
+        return LrSchedule(lr=_lr_range_test(p, base_lr))
     raise ConfigError(f"scheduler.type: unknown scheduler '{config.type}'")
 
 
@@ -182,7 +182,7 @@ def _cycle_scale(position: jax.Array, p: OneCycleParams) -> jax.Array:
     return jnp.where(stairs > 0, stair, smooth)
 
 
-def _one_cycle(p: OneCycleParams, base_lr: float, base_betas: tuple[float, float] | None) -> Schedule:
+def _one_cycle(p: OneCycleParams, base_lr: float, base_betas: tuple[float, float] | None) -> LrSchedule:
     """cycle_min_lr -> cycle_max_lr -> cycle_min_lr, then cycle_min_lr / (1 + rate * k / decay_step_size).
 
     beta1 mirrors the lr (cycle_max_mom at the ends, cycle_min_mom at the peak) and afterwards grows
@@ -215,11 +215,11 @@ def _one_cycle(p: OneCycleParams, base_lr: float, base_betas: tuple[float, float
     new_run = lbi == -1
     lr = _positioned(lr_at, p.cycle_min_lr if new_run else base_lr, lbi)
     if not p.cycle_momentum or base_betas is None:
-        return Schedule(lr=lr)
+        return LrSchedule(lr=lr)
     beta1 = _positioned(beta1_at, p.cycle_min_mom if new_run else base_betas[0], lbi)
     beta2 = _positioned(lambda position: jnp.float32(_ONE_CYCLE_BETA2),
                         _ONE_CYCLE_BETA2 if new_run else base_betas[1], lbi)
-    return Schedule(lr=lr, beta1=beta1, beta2=beta2)
+    return LrSchedule(lr=lr, beta1=beta1, beta2=beta2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def measured_bytes(tree: Any, host: bool | None = None) -> int:
 
 def compile_step(engine: Engine, batch: Any) -> Any:
     """The train step compiled for `batch` (the compile the first step then uses)."""
-    placed = engine._place(batch, engine.plan.batch.train_batch_size)
+    placed = engine.place_batch(batch, engine.plan.batch.train_batch_size)
     return engine.train_step_fn.lower(engine.state, placed).compile()
 
 
@@ -411,7 +411,7 @@ def memory_table(engine: Engine) -> str:
 
 def flops_profile(engine: Engine, batch: Any) -> str:
     """FLOPs of one step from the compiled HLO, with the step's latency and achieved TFLOPS."""
-    placed = engine._place(batch, engine.plan.batch.train_batch_size)
+    placed = engine.place_batch(batch, engine.plan.batch.train_batch_size)
     compiled = engine.train_step_fn.lower(engine.state, placed).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
