@@ -78,7 +78,7 @@ def offload_rows(args: argparse.Namespace) -> list[dict]:
     jax.config.update("jax_num_cpu_devices", 8)
     import zerojax
     from zerojax.models import gpt
-    from zerojax.offload import step_memory
+    from zerojax.measure import step_memory
 
     runs = []
     for stage in (1, 2, 3):

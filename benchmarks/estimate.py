@@ -60,7 +60,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     from zerojax.models import gpt
     from zerojax.state import abstract_state, init_state
     from zerojax.step import make_train_step
-    from zerojax.trainer import measured_bytes
+    from zerojax.measure import array_bytes
 
     base = load_config(config_dict(args))
     params = gpt.init_params(base.model, 0)
@@ -80,7 +80,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
         per_device_batch = p.batch.micro_batch_size * (cfg.model.seq_len + 1) * 4
         compiled = mem.argument_size_in_bytes + mem.host_argument_size_in_bytes - per_device_batch
         state = init_state(cfg, p, params)
-        real = measured_bytes((state.params, state.master, state.opt_state))
+        real = array_bytes((state.params, state.master, state.opt_state))
         jax.tree.map(lambda x: x.delete(), jax.tree.leaves(state))
         rows.append(dict(choice=choice.label, n_params=rep.n_params, estimate=rep.params + rep.optimizer,
                          device=est.device_bytes, host=rep.host, grads=rep.grads, formula_grads=rep.formula_grads,

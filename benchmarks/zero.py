@@ -57,6 +57,7 @@ import zerojax.mesh  # noqa: E402
 import zerojax.state  # noqa: E402
 import zerojax.step  # noqa: E402
 from zerojax import hlo  # noqa: E402
+from zerojax.measure import array_bytes  # noqa: E402
 from benchmarks.fsdp_baseline import make_fsdp  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
@@ -91,16 +92,11 @@ def config_dict(args: argparse.Namespace, stage: int) -> dict:
     }
 
 
-def shard_bytes(tree) -> int:
-    """Bytes on one device: the first addressable shard of every array leaf."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "addressable_shards"))
-
-
 def materialized_bytes(abstract, shardings, dtype) -> int:
     """Bytes per device of zero arrays created in `shardings` (the gradient accumulator)."""
     make = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, dtype), abstract), out_shardings=shardings)
     arrays = make()
-    n = shard_bytes(arrays)
+    n = array_bytes(arrays)
     jax.tree.map(lambda x: x.delete(), arrays)
     return n
 
@@ -168,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                                else comm.itemsize + (k - 1) * pol.param.itemsize)
         mem = compiled.memory_analysis()
         results[stage] = dict(
-            params=shard_bytes(state.params),
+            params=array_bytes(state.params),
             grads=materialized_bytes(plan.abstract_params, plan.grad_shardings, pol.accum),
-            optimizer=shard_bytes(state.master) + shard_bytes(state.opt_state),
+            optimizer=array_bytes(state.master) + array_bytes(state.opt_state),
             formula=rep.formula_total, formula_parts=(rep.formula_params, rep.formula_grads, rep.formula_optimizer),
             replicated=rep.replicated_fraction, k=k, theory=theory,
             compiled=collective_stats(compiled.as_text(), theory, k * psi * frac),
@@ -194,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     mem = compiled.memory_analysis()
     grad_sh = shardings["params"]
     results[FSDP] = dict(
-        params=shard_bytes(state["params"]),
+        params=array_bytes(state["params"]),
         grads=materialized_bytes(params, grad_sh, jnp.bfloat16),
-        optimizer=shard_bytes(state["master"]) + shard_bytes(state["opt"]),
+        optimizer=array_bytes(state["master"]) + array_bytes(state["opt"]),
         formula=16 * psi / n, formula_parts=(2 * psi / n, 2 * psi / n, 12 * psi / n),
         replicated=0.0, k=3, theory=theory,
         compiled=collective_stats(compiled.as_text(), theory, 3 * psi * frac),

@@ -203,9 +203,6 @@ def assert_relative_close(got: Any, want: Any, *, rel: float, origin: Any = None
             f"{what}{jax.tree_util.keystr(path)}: ||diff|| {err:.3g} > {rel:g} * {size:.3g}")
 
 
-def device_bytes(tree: Any) -> int:
-    """Bytes one device holds of `tree` (its first addressable shard of every leaf)."""
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,10 +11,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from helpers import (collective_shapes, collectives, computations_with, data_mesh, device_bytes,
+from helpers import (collective_shapes, collectives, computations_with, data_mesh,
                      layerwise_loss, make_batch, make_config, mlp_params, mse_loss, numel,
                      while_bodies)
 from zerojax.collectives import PARTIAL, REPLICATED, Shard
+from zerojax.measure import array_bytes
 from zerojax.layout import (GRADIENTS, OPTIMIZER, PARAMETERS, STAGE_PARTITIONS, LeafLayout, choose_dim,
                             leaf_layout, spec)
 from zerojax.mesh import DATA
@@ -143,9 +144,9 @@ def test_bytes_per_device_match_zero_formula(stage: int, bf16_adam: Any) -> None
     assert r.formula_total == pytest.approx(want, rel=1e-9)
     assert r.replicated_fraction == 0.0
     # The arrays the state really holds, per device.
-    assert device_bytes(state.params) == r.params
-    assert device_bytes(state.master) + device_bytes(state.opt_state) == r.optimizer
-    measured = device_bytes(state.params) + device_bytes(state.master) + device_bytes(state.opt_state)
+    assert array_bytes(state.params) == r.params
+    assert array_bytes(state.master) + array_bytes(state.opt_state) == r.optimizer
+    measured = array_bytes(state.params) + array_bytes(state.master) + array_bytes(state.opt_state)
     grads = r.grads  # the accumulator is a temporary of the step, not part of the state
     assert abs((measured + grads) / want - 1) < 0.05
     # Every addressable shard of a leaf has the same shape (no ragged padding).

@@ -16,7 +16,8 @@ import pytest
 import zerojax
 from helpers import assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, to_numpy
 from zerojax import offload
-from zerojax.offload import HOST_KINDS, entry_layout_bytes, step_memory
+from zerojax.hlo import entry_layout_bytes
+from zerojax.measure import HOST_KINDS, step_memory
 
 STEPS = 3
 

@@ -1,5 +1,4 @@
 """`zerojax plot` draws runs' metrics into one PNG; `zerojax sample` and the end of a run generate text."""
-import json
 from pathlib import Path
 
 import jax

@@ -346,3 +346,41 @@ def work(text: str) -> Work:
             if name not in inner and op not in _NO_TRAFFIC and not op.endswith("-done"):
                 nbytes += n * (_type_bytes(result) + sum(_type_bytes(t) for t in operands))
     return Work(flops, nbytes, dots)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a compiled module's arguments and outputs live: the entry computation layout.
+
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](?:\{([^}]*)\})?")
+# Memory spaces of host memory in compiled layouts: S(5) is XLA's kHostMemorySpace (pinned_host);
+# the CPU client prints unpinned_host as S(6).
+HOST_MEMORY_SPACES = ("S(5)", "S(6)")
+
+
+def _layout_bytes(text: str) -> tuple[int, int]:
+    """(device bytes, host bytes) of the arrays in one side of an entry computation layout."""
+    device = host = 0
+    for dtype, dims, layout in _ARRAY.findall(text):
+        if dtype not in DTYPE_BYTES:
+            continue
+        size = math.ceil(math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype])
+        if layout and any(space in layout for space in HOST_MEMORY_SPACES):
+            host += size
+        else:
+            device += size
+    return device, host
+
+
+def entry_layout_bytes(hlo: str) -> tuple[int, int, int, int]:
+    """(device args, host args, device outputs, host outputs) from `entry_computation_layout`."""
+    start = hlo.find("entry_computation_layout={")
+    if start < 0:
+        raise ValueError("no entry_computation_layout in the HLO text")
+    i = start + len("entry_computation_layout={")
+    depth = 1
+    j = i
+    while depth:
+        depth += {"{": 1, "}": -1}.get(hlo[j], 0)
+        j += 1
+    args, _, outs = hlo[i:j - 1].partition(")->")
+    return (*_layout_bytes(args), *_layout_bytes(outs))

@@ -18,7 +18,8 @@ from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
 from zerojax.config import BatchSize, Config, as_config, check_supported
 from zerojax.errors import ConfigError
 from zerojax.mesh import DATA, STAGE, DataAxis, data_axes, data_size
-from zerojax.offload import HOST_KINDS, Memory, memory_plan
+from zerojax.measure import planned_bytes
+from zerojax.offload import Memory, memory_plan
 from zerojax.optim import ClientOptimizer, ScheduleFn, param_groups, update_rule
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.pallas.selfcheck import settle as settle_kernels
@@ -342,17 +343,6 @@ def _layer_axes_per_leaf(layer_axes: Any, abstract: Any) -> Any:
                          f"(e.g. {{'layers': 1}}): {e}") from None
 
 
-def _device_bytes(abstract: Any, shardings: Any, dtype: Any = None, *, host_only: bool = False) -> int:
-    """Bytes per device of `abstract` placed by `shardings` (with `host_only`: those in host memory)."""
-    total = 0
-    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
-        if host_only and s.memory_kind not in HOST_KINDS:
-            continue
-        itemsize = jax.numpy.dtype(dtype or x.dtype).itemsize
-        total += math.prod(s.shard_shape(x.shape)) * itemsize
-    return total
-
-
 def memory_report(p: Plan) -> MemoryReport:
     """Bytes per device the plan's layouts give, against the ZeRO formula for the same dtypes.
 
@@ -362,11 +352,11 @@ def memory_report(p: Plan) -> MemoryReport:
     """
     n, pol = p.data_size, p.policy
     psi = sum(math.prod(x.shape) for x in jax.tree.leaves(p.abstract_params))
-    params = _device_bytes(p.abstract_params, p.param_shardings, pol.param)
-    grads = _device_bytes(p.abstract_params, p.grad_shardings, pol.accum)
-    master = _device_bytes(p.abstract_params, p.update_shardings, pol.master) if pol.mixed else 0
+    params = planned_bytes(p.abstract_params, p.param_shardings, pol.param)
+    grads = planned_bytes(p.abstract_params, p.grad_shardings, pol.accum)
+    master = planned_bytes(p.abstract_params, p.update_shardings, pol.master) if pol.mixed else 0
     opt_abstract = p.abstract_opt_state
-    opt = _device_bytes(opt_abstract, p.opt_state_shardings)
+    opt = planned_bytes(opt_abstract, p.opt_state_shardings)
     # K: bytes per parameter of master + parameter-shaped optimizer leaves (whole-model count).
     opt_full = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt_abstract)
                    if math.prod(x.shape) > 1)
@@ -386,7 +376,7 @@ def memory_report(p: Plan) -> MemoryReport:
             if role in parts:
                 total += size * width
                 kept += size * width * (not isinstance(place, Shard))
-    host_master = (_device_bytes(p.abstract_params, p.update_storage, pol.master, host_only=True)
+    host_master = (planned_bytes(p.abstract_params, p.update_storage, pol.master, host_only=True)
                    if pol.mixed else 0)
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
@@ -394,6 +384,6 @@ def memory_report(p: Plan) -> MemoryReport:
         formula_grads=pol.accum.itemsize * psi * share(GRADIENTS),
         formula_optimizer=k * psi * share(OPTIMIZER),
         replicated_fraction=kept / total if total else 0.0,
-        params_host=_device_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
-        optimizer_host=host_master + _device_bytes(opt_abstract, p.opt_state_storage, host_only=True),
+        params_host=planned_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
+        optimizer_host=host_master + planned_bytes(opt_abstract, p.opt_state_storage, host_only=True),
         memory=p.memory.describe())

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -31,9 +29,9 @@ from jax.sharding import Mesh
 
 from zerojax.config import OPTIMIZER_PARAMS, Config
 from zerojax.errors import ConfigError
+from zerojax.measure import HOST_KINDS
 from zerojax.optim import PER_TENSOR_OPTIMIZERS, is_elementwise
 
-HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,75 +185,3 @@ def run_update(memory: Memory, fn: Callable[..., Any], *args: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------
 # What a compiled step holds where.
-
-class StepMemory(NamedTuple):
-    """Per-device bytes of a compiled step's arguments and outputs by memory space, and its temp."""
-    device_arguments: int
-    host_arguments: int
-    device_outputs: int
-    host_outputs: int
-    temp: int
-    source: str   # "memory_analysis" or "HLO" (where memory_analysis does not split host bytes)
-
-    def line(self) -> str:
-        mib = 2 ** 20
-        return (f"compiled step per device: arguments {self.device_arguments / mib:.2f} MiB on device + "
-                f"{self.host_arguments / mib:.2f} MiB on host, temp {self.temp / mib:.2f} MiB "
-                f"(host placement from {self.source})")
-
-
-_ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-             "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-             "c128": 16}
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](?:\{([^}]*)\})?")
-# Memory spaces of host memory in compiled layouts: S(5) is XLA's kHostMemorySpace (pinned_host);
-# the CPU client prints unpinned_host as S(6).
-HOST_MEMORY_SPACES = ("S(5)", "S(6)")
-
-
-def _layout_bytes(text: str) -> tuple[int, int]:
-    """(device bytes, host bytes) of the arrays in one side of an entry computation layout."""
-    device = host = 0
-    for dtype, dims, layout in _ARRAY.findall(text):
-        if dtype not in _ITEMSIZE:
-            continue
-        size = math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype]
-        if layout and any(space in layout for space in HOST_MEMORY_SPACES):
-            host += size
-        else:
-            device += size
-    return device, host
-
-
-def entry_layout_bytes(hlo: str) -> tuple[int, int, int, int]:
-    """(device args, host args, device outputs, host outputs) from `entry_computation_layout`."""
-    start = hlo.find("entry_computation_layout={")
-    if start < 0:
-        raise ValueError("no entry_computation_layout in the HLO text")
-    i = start + len("entry_computation_layout={")
-    depth = 1
-    j = i
-    while depth:
-        depth += {"{": 1, "}": -1}.get(hlo[j], 0)
-        j += 1
-    args, _, outs = hlo[i:j - 1].partition(")->")
-    return (*_layout_bytes(args), *_layout_bytes(outs))
-
-
-def step_memory(compiled: Any) -> StepMemory:
-    """Where a compiled step's arguments live, per device.
-
-    `memory_analysis()` splits host bytes on backends that report them; on CPU its host fields are
-    zero and host-resident arguments are counted as ordinary ones, so the split is read from the
-    memory spaces (`S(5)`, `S(6)`) of the compiled module's entry layout instead.
-    """
-    stats = compiled.memory_analysis()
-    stats = stats[0] if isinstance(stats, (list, tuple)) else stats
-    temp = int(getattr(stats, "temp_size_in_bytes", 0))
-    host_args = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
-    host_outs = int(getattr(stats, "host_output_size_in_bytes", 0) or 0)
-    if host_args or host_outs:
-        return StepMemory(int(stats.argument_size_in_bytes), host_args, int(stats.output_size_in_bytes), host_outs,
-                          temp, "memory_analysis")
-    dev_args, host_args, dev_outs, host_outs = entry_layout_bytes(compiled.as_text())
-    return StepMemory(dev_args, host_args, dev_outs, host_outs, temp, "HLO")

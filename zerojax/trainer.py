@@ -14,12 +14,13 @@ from zerojax.errors import ConfigError, NonFiniteError
 from zerojax.data import BatchSource, Loader, make_batches
 from zerojax.distributed import agreed, interrupts_as_preemption, is_primary, local_rows, stop_requested
 from zerojax.engine import Engine
+from zerojax.hlo import work
 from zerojax.layout import plan as make_plan
 from zerojax.mesh import make_mesh
 from zerojax.models import gpt
 from zerojax.monitor import Monitor
 from zerojax.nonfinite import NonFiniteGuard, stop_message
-from zerojax.offload import HOST_KINDS, step_memory
+from zerojax.measure import array_bytes, live_device_bytes, step_memory
 from zerojax.preemption import Preempted, bounded, stop_signals
 from zerojax.preflight import check_memory, check_resume_tag, check_writable, resume_target
 from zerojax.watchdog import FIRST_STEP_ALLOWANCE, beat, watching
@@ -54,13 +55,6 @@ def fresh_output_dir(path: Path) -> Path:
     return candidate
 
 
-def measured_bytes(tree: Any, host: bool | None = None) -> int:
-    """Bytes this process's first device really holds for `tree` (`host`: only those stored in host
-    memory, or only those in device memory)."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
-               if host is None or (x.sharding.memory_kind in HOST_KINDS) == host)
-
-
 def compile_step(engine: Engine, batch: Any) -> Any:
     """The train step compiled for `batch` (the compile the first step then uses)."""
     placed = engine.place_batch(batch, engine.plan.batch.train_batch_size)
@@ -69,7 +63,7 @@ def compile_step(engine: Engine, batch: Any) -> Any:
 
 def _measured_line(engine: Engine) -> str:
     state, mib = engine.state, 2 ** 20
-    measured = [(name, measured_bytes(tree, False), measured_bytes(tree, True))
+    measured = [(name, array_bytes(tree, False), array_bytes(tree, True))
                 for name, tree in (("parameters", state.params), ("optimizer state", (state.master, state.opt_state)))]
     return "measured on device 0: " + ", ".join(
         f"{name} {dev / mib:.2f} MiB" + (f" + {host / mib:.2f} MiB on host" if host else "")
@@ -391,12 +385,7 @@ def memory_table(engine: Engine) -> str:
     the host process's resident memory."""
     import resource
     mib = 2 ** 20
-    held: dict[Any, int] = {}
-    for x in jax.live_arrays():
-        if x.sharding.memory_kind in HOST_KINDS:  # offloaded state: in host memory, counted by the RSS
-            continue
-        for shard in x.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    held = live_device_bytes()  # offloaded state is in host memory, counted by the RSS
     lines = ["memory breakdown: " + _measured_line(engine)]
     for device in jax.local_devices():
         stats = device.memory_stats() or {}
@@ -413,9 +402,9 @@ def flops_profile(engine: Engine, batch: Any) -> str:
     """FLOPs of one step from the compiled HLO, with the step's latency and achieved TFLOPS."""
     placed = engine.place_batch(batch, engine.plan.batch.train_batch_size)
     compiled = engine.train_step_fn.lower(engine.state, placed).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops = float(cost.get("flops", 0.0)) * engine.plan.data_size  # cost is per device
+    # zerojax.hlo.work counts a scanned layer stack's matmuls once per layer (XLA's cost_analysis
+    # counts a while body once, whatever its trip count)
+    flops = work(compiled.as_text()).flops * engine.plan.data_size  # the module is one device's program
     t = time.perf_counter()
     jax.block_until_ready(engine.train_batch(batch))
     latency = time.perf_counter() - t
