@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from benchmarks.report import run_section  # noqa: E402
+from benchmarks.report import output_args, run_section  # noqa: E402
 
 BEGIN, END = "<!-- remat -->", "<!-- /remat -->"
 # (label, activation_checkpointing section or None for no checkpointing at all)
@@ -58,11 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mlp-rows", type=int, default=4096, help="scanned MLP global batch rows")
     ap.add_argument("--mlp-width", type=int, default=128)
     ap.add_argument("--mlp-layers", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                  "docs", "benchmarks.md"))
-    ap.add_argument("--no-write", action="store_true")
+    output_args(ap, "benchmarks.md", warmup=1, rounds=3)
     return ap.parse_args(argv)
 
 

@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from benchmarks.report import run_section  # noqa: E402
+from benchmarks.report import output_args, run_section  # noqa: E402
 
 BEGIN, END = "<!-- dispatch -->", "<!-- /dispatch -->"
 LOOPS = [("sync", False, 0), ("dispatch ahead", True, 0), ("prefetch only", False, 2),
@@ -53,12 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=16, help="global batch (rows)")
     p.add_argument("--steps", type=int, default=30, help="steps per loop per round")
-    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--log-every", type=int, default=10, help="fetch the metrics every N steps, as the monitor does")
     p.add_argument("--host-ms", type=float, default=10.0, help="extra host work per batch in the second table")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                 "docs", "benchmarks.md"))
-    p.add_argument("--no-write", action="store_true")
+    output_args(p, "benchmarks.md", rounds=5)
     return p.parse_args(argv)
 
 

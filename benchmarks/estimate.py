@@ -24,6 +24,8 @@ import time
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import output_args  # noqa: E402
+
 BEGIN = "<!-- benchmarks.estimate:begin -->"
 END = "<!-- benchmarks.estimate:end -->"
 MiB = 2 ** 20
@@ -36,9 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro", type=int, default=1, help="rows per device per step")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                  "docs", "estimate.md"))
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    output_args(ap, "estimate.md")
     return ap.parse_args(argv)
 
 

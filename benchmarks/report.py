@@ -1,10 +1,25 @@
-"""Writing a benchmark's table into its own marked section of a docs page, leaving the rest alone."""
+"""What the benchmarks share: their common options, and writing a table into its own marked section
+of a docs page, leaving the rest alone."""
 from __future__ import annotations
 
 import os
 import sys
 import time
 from typing import Any, Callable
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+
+
+def output_args(ap: Any, page: str, *, warmup: int | None = None, rounds: int | None = None) -> None:
+    """Add the options every section benchmark takes: `--warmup` / `--rounds` (untimed and timed
+    steps, where the benchmark times anything), `--out` (the docs page, default docs/`page`) and
+    `--no-write` (print only)."""
+    if warmup is not None:
+        ap.add_argument("--warmup", type=int, default=warmup, help="untimed steps per configuration")
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds, help="timed steps per configuration")
+    ap.add_argument("--out", default=os.path.join(DOCS, page), help=f"the page to write (default docs/{page})")
+    ap.add_argument("--no-write", action="store_true", help="print only")
 
 
 def write_section(path: str, section: str, begin: str, end: str) -> None:

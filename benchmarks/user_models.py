@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from benchmarks.report import run_section  # noqa: E402
+from benchmarks.report import output_args, run_section  # noqa: E402
 
 Builder = Callable[..., tuple[Any, Callable[..., jax.Array], Callable[[int, int], dict]]]
 
@@ -197,11 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--scan-layers", type=int, default=8)
     ap.add_argument("--loop-width", type=int, default=1024)
     ap.add_argument("--loop-layers", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                  "docs", "benchmarks.md"))
-    ap.add_argument("--no-write", action="store_true")
+    output_args(ap, "benchmarks.md", warmup=1, rounds=3)
     return ap.parse_args(argv)
 
 

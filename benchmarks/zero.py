@@ -59,6 +59,7 @@ import zerojax.step  # noqa: E402
 from zerojax import hlo  # noqa: E402
 from zerojax.measure import array_bytes  # noqa: E402
 from benchmarks.fsdp_baseline import make_fsdp  # noqa: E402
+from benchmarks.report import output_args  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 MiB = 2 ** 20
@@ -72,11 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro", type=int, default=1, help="rows per device per step")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
-    ap.add_argument("--rounds", type=int, default=5, help="timed steps per configuration")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                  "docs", "benchmarks.md"))
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    output_args(ap, "benchmarks.md", warmup=1, rounds=5)
     return ap.parse_args(argv)
 
 

@@ -93,7 +93,25 @@ def split_corpus(tokens: np.ndarray, val_fraction: float, seq_len: int, max_byte
     return Split(train, val)
 
 
-class Batches:
+class _BatchStream:
+    """Iteration over a batch source by position: `position` counts batches handed out, which is
+    all a checkpoint needs to resume the stream; each process builds its `local` rows only."""
+    position: int
+    local: np.ndarray | None
+
+    def batch(self, index: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        out = self.batch(self.position, self.local)
+        self.position += 1
+        return out
+
+
+class Batches(_BatchStream):
     """Global batches of `rows` random windows of `seq_len + 1` bytes from `tokens`.
 
     `position` counts batches handed out, which is all a checkpoint needs to resume the stream.
@@ -118,14 +136,6 @@ class Batches:
             starts = starts[rows]
         windows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)]
         return {"tokens": windows.astype(np.int32)}
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        out = self.batch(self.position, self.local)
-        self.position += 1
-        return out
 
 
 class _Failed(NamedTuple):
@@ -364,7 +374,7 @@ def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
     return Corpus(tokens, eos, True)
 
 
-class PackedBatches:
+class PackedBatches(_BatchStream):
     """Global batches of `rows` windows of `seq_len + 1` tokens cut end to end from `tokens`.
 
     Window i is tokens[i*seq_len : (i+1)*seq_len + 1] (each token is a target once per epoch); the
@@ -395,14 +405,6 @@ class PackedBatches:
         out = {"tokens": windows}
         if self.eos_id is not None:
             out["loss_mask"] = (windows[:, :-1] != self.eos_id).astype(np.float32)
-        return out
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        out = self.batch(self.position, self.local)
-        self.position += 1
         return out
 
 
