@@ -1,4 +1,5 @@
-"""A short generation from the embedded GPT: `zerojax sample --run RUN_DIR`, and the end of train.py.
+"""A short generation from a run's model (the embedded GPT or the Llama): `zerojax sample --run RUN_DIR`,
+and the end of train.py.
 
 A loss curve says a run learned; a few generated lines show what. Generation recomputes the whole
 window for every new token (no KV cache): one compiled forward pass of [1, seq_len] tokens, with
@@ -62,9 +63,11 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
     device = jax.devices()[0]
     params = jax.device_put(jax.tree.map(lambda x: np.asarray(x), params), device)
 
+    apply = _apply(cfg)
+
     @jax.jit
     def logits_at(params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(gpt.apply(cfg, params, tokens)[0], pos, keepdims=False)
+        return jax.lax.dynamic_index_in_dim(apply(cfg, params, tokens)[0], pos, keepdims=False)
 
     rng = np.random.default_rng(seed)
     ids, out = list(prompt), []
@@ -106,19 +109,32 @@ def load_run(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Any, 
         raise ConfigError(f"sample: {cfg_file} does not exist; give the folder of a train.py run "
                           f"(its run.output_dir, which holds config.json and checkpoints/)")
     config = load_config(json.loads(cfg_file.read_text()))
-    if config.model.name != "gpt":
-        raise ConfigError(f"sample: generates with the embedded GPT; this run's model is {config.model.name}")
     ckpt = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else run / "checkpoints"
     if checkpoint.latest_tag(ckpt) is None and tag is None:
         raise ConfigError(f"sample: {ckpt} holds no checkpoint yet; wait for the run's first save "
                           f"(run.save_every) or its end")
     params, where = checkpoint.read_params(ckpt, tag)
-    want = {k: v.shape for k, v in _flat(gpt.abstract_params(config.model)).items()}
+    want = {k: tuple(v.shape) for k, v in _flat(_abstract(config.model)).items()}
     got = {k: tuple(v.shape) for k, v in _flat(params).items()}
     if want != got:
-        raise ConfigError(f"sample: the checkpoint in {where} does not hold the embedded GPT of its "
+        raise ConfigError(f"sample: the checkpoint in {where} does not hold the {config.model.name} model of its "
                           f"config.json (a pipelined or user model); export it and generate with your own code")
     return config, params, where
+
+
+def _apply(cfg: ModelConfig) -> Any:
+    """`apply(cfg, params, tokens) -> logits` of the model `model.name` names."""
+    if cfg.name == "llama":
+        from zerojax.models import llama
+        return llama.apply
+    return gpt.apply
+
+
+def _abstract(cfg: ModelConfig) -> Any:
+    if cfg.name == "llama":
+        from zerojax.models import llama
+        return llama.build(cfg)[0].abstract
+    return gpt.abstract_params(cfg)
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -130,7 +146,7 @@ def end_of_run_sample(config: Config, params: Any) -> str | None:
     """The sample printed at the end of train.py (None when it is off or cannot be made here:
     several processes, a pipelined model, or parameters too large to gather onto one device)."""
     n = config.run.sample_tokens
-    if not n or jax.process_count() > 1 or config.mesh.stage > 1 or config.model.name != "gpt":
+    if not n or jax.process_count() > 1 or config.mesh.stage > 1 or config.model.name not in ("gpt", "llama"):
         return None
     if sum(x.size * 4 for x in jax.tree.leaves(params)) > 2 ** 31:
         return None
