@@ -3,7 +3,8 @@
 A Llama checkpoint in Hugging Face's format (the tiny fixture, vocabulary 128), a JSONL corpus and a
 tokenizer.json trained here to fit that vocabulary; then the commands a user types, in a fresh folder
 with relative paths: train.py from the checkpoint, stop, resume, `zerojax export --format hf`,
-`zerojax sample` through the run's tokenizer, `zerojax plot`.
+`zerojax sample` through the run's tokenizer, `zerojax plot`; then `zerojax tokenize` and the same
+training from the token file.
 """
 from __future__ import annotations
 
@@ -102,3 +103,18 @@ def test_hf_checkpoint_and_jsonl_to_a_trained_exported_sampled_model(tmp_path: P
 
     ok(run("-m", "zerojax.cli", "plot", "runs/mine", "-o", "mine.png", cwd=tmp_path))
     assert (tmp_path / "mine.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # a larger corpus is tokenized once: the token file trains exactly as the JSONL did (same losses),
+    # and its run samples through the tokenizer given on the command line
+    said = ok(run("-m", "zerojax.cli", "tokenize", "corpus.jsonl", "--tokenizer", "tokenizer.json", "--out",
+                  "train.bin", cwd=tmp_path))
+    keys = said.split("--set ")[1].split()
+    ok(run(train, "--config", "my.yaml", "--set", "run.steps=3", "run.output_dir=runs/bin", "data.tokenizer=null",
+           *keys, cwd=tmp_path))
+    binned = [json.loads(r) for r in (tmp_path / "runs/bin/metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in binned] == [r["loss"] for r in rows[:3]]
+    greedy = ["--prompt", "the cat", "--tokens", "8", "--temperature", "0", "--tag", "global_step3"]
+    refused = run("-m", "zerojax.cli", "sample", "--run", "runs/bin", *greedy, cwd=tmp_path)
+    assert refused.returncode == 2 and "--tokenizer" in refused.stderr
+    assert ok(run("-m", "zerojax.cli", "sample", "--run", "runs/bin", *greedy, "--tokenizer", "tokenizer.json",
+                  cwd=tmp_path)) == ok(run("-m", "zerojax.cli", "sample", "--run", "runs/mine", *greedy, cwd=tmp_path))

@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    sample.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                        help="turn ids into text with this tokenizer.json (default: the run's data.tokenizer; "
+                             "needed for a run on a token file)")
     return parser
 
 
@@ -213,7 +216,8 @@ def _sample(args: argparse.Namespace) -> int:
     from zerojax.sample import load_run, sample_text
     config, params, where = load_run(args.run, args.tag)
     print(f"# {where}", file=sys.stderr)
-    print(sample_text(config, params, args.prompt, args.tokens, temperature=args.temperature, seed=args.seed))
+    print(sample_text(config, params, args.prompt, args.tokens, temperature=args.temperature, seed=args.seed,
+                      tokenizer=args.tokenizer))
     return 0
 
 

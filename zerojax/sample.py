@@ -28,12 +28,16 @@ DEFAULT_PROMPT = "def "
 class Codec:
     """Text <-> token ids the way the run's data was made: UTF-8 bytes, or its tokenizer.json."""
 
-    def __init__(self, data: DataConfig, vocab_size: int):
+    def __init__(self, data: DataConfig, vocab_size: int, tokenizer: str | None = None):
         self.tokenizer = None
         self.start: list[int] = [10]  # a newline starts an empty byte prompt
-        if data.tokenizer and data.source != "tokens":
+        tokenizer = tokenizer or (data.tokenizer if data.source != "tokens" else None)
+        if data.source == "tokens" and tokenizer is None:
+            raise ConfigError("sample: this run trained on a token file (data.source: tokens), whose ids have no "
+                              "text without the tokenizer that made them; pass --tokenizer tokenizer.json")
+        if tokenizer:
             from zerojax.data import EOS_TOKENS, load_tokenizer
-            self.tokenizer = load_tokenizer(data.tokenizer, vocab_size)
+            self.tokenizer = load_tokenizer(tokenizer, vocab_size)
             eos = data.eos_id if data.eos_id is not None else next(
                 (self.tokenizer.token_to_id(t) for t in EOS_TOKENS if self.tokenizer.token_to_id(t) is not None), 0)
             self.start = [eos]
@@ -90,9 +94,10 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
 
 
 def sample_text(config: Config, params: Any, prompt: str | None = None, n: int = 64, *,
-                temperature: float = 0.8, seed: int = 0) -> str:
-    """The prompt and its continuation, as text."""
-    codec = Codec(config.data, config.model.vocab_size)
+                temperature: float = 0.8, seed: int = 0, tokenizer: str | None = None) -> str:
+    """The prompt and its continuation, as text (through `tokenizer`, a tokenizer.json, when given;
+    else the run's own `data.tokenizer`, or bytes)."""
+    codec = Codec(config.data, config.model.vocab_size, tokenizer)
     prompt = DEFAULT_PROMPT if prompt is None and config.data.source == "stdlib" else (prompt or "")
     ids = codec.encode(prompt)
     new = generate(config.model, params, ids, n, temperature=temperature, seed=seed)
