@@ -233,3 +233,11 @@ def test_tokenize_command_writes_the_token_file_a_jsonl_run_would_build(tmp_path
     assert main(["tokenize", str(tmp_path / "missing.jsonl"), "--tokenizer", str(tok), "--out",
                  str(tmp_path / "x.bin")]) == 2
     assert "data.path" in capsys.readouterr().err and not (tmp_path / "x.bin").exists()
+
+    text = tmp_path / "book.txt"  # a text file is one document, read whole (no data.max_bytes cut)
+    text.write_text("\n".join(DOCS) * 300)
+    assert text.stat().st_size > 4_000_000  # past data.max_bytes' default
+    assert main(["tokenize", str(text), "--tokenizer", str(tok), "--out", str(tmp_path / "book.bin")]) == 0
+    from tokenizers import Tokenizer
+    want = Tokenizer.from_file(str(tok)).encode(text.read_text(), add_special_tokens=False).ids + [eos]
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "book.bin", np.uint16), want)

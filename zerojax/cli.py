@@ -195,7 +195,7 @@ def _tokenize(args: argparse.Namespace) -> int:
                               f"or choose another --out")
     source = args.source or ("jsonl" if args.path.endswith(".jsonl") else "file")
     data = {"source": source, "path": args.path, "tokenizer": args.tokenizer, "text_key": args.text_key,
-            "max_bytes": args.max_bytes or 1 << 62}
+            "max_bytes": args.max_bytes or max(Path(args.path).stat().st_size if Path(args.path).is_file() else 1, 1)}
     if args.eos_id is not None:
         data["eos_id"] = args.eos_id
     # only the data section matters; the batch size is there because every config needs one
