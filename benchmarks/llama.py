@@ -372,7 +372,7 @@ def render(args: argparse.Namespace, m: dict[str, Any], seconds: float) -> str:
                    f"| {w['peak_increase'] / MIB:.1f} MiB | {(w['anon_increase'] - w['held']) / MIB:.1f} MiB |")
     out += ["", "Read whole, an import needs the checkpoint's size again on top of the model (the host copy); "
             "read in slices, the extra is about one leaf: this process builds the blocks of all 8 devices of "
-            "a leaf before placing them, so a process that drives one device of a multi-host run needs an "
+            "a leaf before placing them, so a process that drives one device of a multi-host run would need an "
             "eighth of that. Times include placing the arrays; the first import of a file also reads it from "
             "disk (here it was just written, so it sits in the page cache)."]
     out += ["", END]
