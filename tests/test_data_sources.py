@@ -199,3 +199,45 @@ def test_loss_skips_masked_predictions() -> None:
     np.testing.assert_allclose(got, per_token[mask > 0].mean(), rtol=1e-6)
     np.testing.assert_allclose(float(loss(params, {"tokens": tokens})), per_token.mean(), rtol=1e-6)
     assert abs(per_token[mask > 0].mean() - per_token.mean()) > 1e-4  # the masked term mattered
+
+
+def test_tokenize_command_writes_the_token_file_a_jsonl_run_would_build(tmp_path, capsys) -> None:
+    """`zerojax tokenize` once, then `data.source: tokens`: the same train and validation batches (ids
+    and loss masks) as tokenizing the JSONL at start-up."""
+    from zerojax.cli import main
+    tok = make_tokenizer(tmp_path / "tokenizer.json")
+    docs = write_jsonl(tmp_path / "docs.jsonl")
+    out = tmp_path / "train.bin"
+    assert main(["tokenize", str(docs), "--tokenizer", str(tok), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    eos = json.loads(tok.read_text())["model"]["vocab"][EOS]
+    assert f"(uint16)" in said and f"data.eos_id={eos}" in said and "300 documents" in said
+    ids = np.fromfile(out, np.uint16)
+    assert (ids == eos).sum() == len(DOCS) and ids[-1] == eos
+
+    from_jsonl = make_batches(data_config(path=str(docs), tokenizer=str(tok)), 8, 16, 128)
+    from_file = make_batches(data_config(source="tokens", path=str(out), dtype="uint16", eos_id=eos), 8, 16, 128)
+    for a, b in zip(from_jsonl, from_file):
+        assert a.windows == b.windows
+        for k in (0, 1, 7, a.windows // 8 + 3):  # into the second epoch
+            x, y = a.batch(k), b.batch(k)
+            assert x.keys() == y.keys() == {"tokens", "loss_mask"}
+            for key in x:
+                np.testing.assert_array_equal(x[key], y[key])
+
+    assert main(["tokenize", str(docs), "--tokenizer", str(tok), "--out", str(out)]) == 2  # never overwritten
+    assert "--force" in capsys.readouterr().err
+    assert main(["tokenize", str(docs), "--tokenizer", str(tok), "--out", str(out), "--force", "--dtype",
+                 "uint32"]) == 0
+    np.testing.assert_array_equal(np.fromfile(out, np.uint32), ids)
+    assert main(["tokenize", str(tmp_path / "missing.jsonl"), "--tokenizer", str(tok), "--out",
+                 str(tmp_path / "x.bin")]) == 2
+    assert "data.path" in capsys.readouterr().err and not (tmp_path / "x.bin").exists()
+
+    text = tmp_path / "book.txt"  # a text file is one document, read whole (no data.max_bytes cut)
+    text.write_text("\n".join(DOCS) * 300)
+    assert text.stat().st_size > 4_000_000  # past data.max_bytes' default
+    assert main(["tokenize", str(text), "--tokenizer", str(tok), "--out", str(tmp_path / "book.bin")]) == 0
+    from tokenizers import Tokenizer
+    want = Tokenizer.from_file(str(tok)).encode(text.read_text(), add_special_tokens=False).ids + [eos]
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "book.bin", np.uint16), want)

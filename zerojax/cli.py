@@ -1,4 +1,4 @@
-"""`zerojax train | launch | export | import-hf | plot | sample | config explain`: the command line over
+"""`zerojax train | launch | export | import-hf | tokenize | plot | sample | config explain`: the command line over
 load_config and the trainer."""
 from __future__ import annotations
 
@@ -43,6 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     import_hf = sub.add_parser("import-hf", help="check a local Hugging Face transformers checkpoint folder and "
                                                  "print the model keys that train from it")
     import_hf.add_argument("directory", help="folder with config.json and model.safetensors (or its index)")
+
+    tok = sub.add_parser("tokenize", help="tokenize a JSONL or text corpus once into a flat token file "
+                                          "(data.source: tokens), so runs do not re-tokenize it at every start")
+    tok.add_argument("path", help="the corpus: JSONL (one {\"text\": ...} a line) or a text file")
+    tok.add_argument("--tokenizer", required=True, help="tokenizer.json (Hugging Face tokenizers format)")
+    tok.add_argument("--out", required=True, help="the token file to write, e.g. train.bin")
+    tok.add_argument("--source", choices=("jsonl", "file"), default=None,
+                     help="jsonl or file (default: jsonl for *.jsonl, else file)")
+    tok.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: text)")
+    tok.add_argument("--eos-id", type=int, default=None, help="id appended after each document (default: the "
+                                                              "tokenizer's end-of-text token)")
+    tok.add_argument("--dtype", choices=("uint16", "uint32"), default=None,
+                     help="id type (default: uint16 when the tokenizer's ids fit, else uint32)")
+    tok.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text, as "
+                                                                 "data.max_bytes (default: the whole corpus)")
+    tok.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     est = sub.add_parser("estimate", help="model-state memory per device and host for every ZeRO stage and offload "
                                           "choice, a recommended layout, and a step-time estimate (docs/estimate.md)")
@@ -91,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    sample.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                        help="turn ids into text with this tokenizer.json (default: the run's data.tokenizer; "
+                             "needed for a run on a token file)")
     return parser
 
 
@@ -107,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _export(args)
         if args.command == "import-hf":
             return _import_hf(args)
+        if args.command == "tokenize":
+            return _tokenize(args)
         if args.command in ("plot", "sample"):
             return _plot(args) if args.command == "plot" else _sample(args)
         if args.command == "estimate":
@@ -166,6 +187,25 @@ def _import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+    from zerojax.data import write_token_file
+    if Path(args.out).exists() and not args.force:
+        raise FileExistsError(f"tokenize: {args.out} exists and is never overwritten silently; pass --force "
+                              f"or choose another --out")
+    source = args.source or ("jsonl" if args.path.endswith(".jsonl") else "file")
+    data = {"source": source, "path": args.path, "tokenizer": args.tokenizer, "text_key": args.text_key,
+            "max_bytes": args.max_bytes or max(Path(args.path).stat().st_size if Path(args.path).is_file() else 1, 1)}
+    if args.eos_id is not None:
+        data["eos_id"] = args.eos_id
+    # only the data section matters; the batch size is there because every config needs one
+    written = write_token_file(load_config({"train_batch_size": 1, "data": data}).data, args.out, args.dtype)
+    print(f"wrote {written.tokens:,} tokens of {written.documents:,} documents ({written.dtype}) to {written.path}; "
+          f"train on it with: --set data.source=tokens data.path={written.path} data.dtype={written.dtype} "
+          f"data.eos_id={written.eos_id}")
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from zerojax.plot import plot_runs
     print(f"wrote {plot_runs(args.runs, args.out, args.title)}")
@@ -176,7 +216,8 @@ def _sample(args: argparse.Namespace) -> int:
     from zerojax.sample import load_run, sample_text
     config, params, where = load_run(args.run, args.tag)
     print(f"# {where}", file=sys.stderr)
-    print(sample_text(config, params, args.prompt, args.tokens, temperature=args.temperature, seed=args.seed))
+    print(sample_text(config, params, args.prompt, args.tokens, temperature=args.temperature, seed=args.seed,
+                      tokenizer=args.tokenizer))
     return 0
 
 

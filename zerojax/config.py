@@ -554,7 +554,7 @@ class RunConfig:
     signal_save_seconds: int = option(120, "On SIGINT, SIGTERM or SIGUSR1: at most this many seconds to save a "
                                            "checkpoint before the run exits (130, 143, 138).", gt=0)
     sample_tokens: int = option(48, "Tokens of text generated from the trained model and printed at the end of "
-                                    "the run (one process, the embedded GPT); 0: none. `zerojax sample` makes "
+                                    "the run (one process; the embedded GPT or the Llama); 0: none. `zerojax sample` makes "
                                     "more.", ge=0)
 
 

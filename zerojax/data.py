@@ -313,23 +313,70 @@ def _documents(cfg: DataConfig, path: Path) -> Iterator[str]:
                 return
 
 
-def tokenize_documents(texts: Iterator[str], tok: Any, eos_id: int, batch: int = 1024) -> np.ndarray:
-    """Documents' ids end to end, each followed by `eos_id`, as int32."""
-    parts: list[np.ndarray] = []
+def _encoded(texts: Iterator[str], tok: Any, eos_id: int, batch: int = 1024) -> Iterator[np.ndarray]:
+    """Each document's ids followed by `eos_id` (int64), encoded `batch` documents at a time."""
     chunk: list[str] = []
-
-    def flush() -> None:
-        for enc in tok.encode_batch(chunk, add_special_tokens=False):
-            parts.append(np.asarray(enc.ids + [eos_id], dtype=np.int32))
-        chunk.clear()
-
     for text in texts:
         chunk.append(text)
         if len(chunk) >= batch:
-            flush()
+            yield from (np.asarray(enc.ids + [eos_id], np.int64) for enc in tok.encode_batch(chunk, add_special_tokens=False))
+            chunk = []
     if chunk:
-        flush()
+        yield from (np.asarray(enc.ids + [eos_id], np.int64) for enc in tok.encode_batch(chunk, add_special_tokens=False))
+
+
+def tokenize_documents(texts: Iterator[str], tok: Any, eos_id: int, batch: int = 1024) -> np.ndarray:
+    """Documents' ids end to end, each followed by `eos_id`, as int32."""
+    parts = [ids.astype(np.int32) for ids in _encoded(texts, tok, eos_id, batch)]
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+class TokenFile(NamedTuple):
+    path: Path
+    tokens: int
+    documents: int
+    dtype: str
+    eos_id: int
+
+
+def write_token_file(cfg: DataConfig, out: str | os.PathLike[str], dtype: str | None = None) -> TokenFile:
+    """`zerojax tokenize`: the documents `cfg` names (`data.source: jsonl | file`, `data.path`,
+    `data.tokenizer`, `data.text_key`, `data.eos_id`, `data.max_bytes`) tokenized once, exactly as a
+    run tokenizes them at start-up, and written as a flat `data.source: tokens` file: documents
+    streamed through in chunks (memory stays flat), written to a temporary name and renamed when
+    complete. `dtype` (default: uint16 when every id of the tokenizer fits, else uint32)."""
+    if cfg.source not in ("jsonl", "file"):
+        raise ConfigError(f"data.source: tokenize reads a JSONL or text file (jsonl | file), not {cfg.source}")
+    if cfg.tokenizer is None:
+        raise ConfigError("data.tokenizer: tokenize needs a tokenizer.json")
+    path = _need_file(cfg.path, "data.path", "a JSONL file" if cfg.source == "jsonl" else "a text file")
+    tok = load_tokenizer(cfg.tokenizer, 1 << 32)
+    size = tok.get_vocab_size(with_added_tokens=True)
+    eos = _eos(cfg, tok, 1 << 32)
+    dtype = dtype or ("uint16" if max(size, eos + 1) <= 1 << 16 else "uint32")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"data.dtype: {dtype!r}; use uint16 or uint32")
+    limit = np.iinfo(_DTYPES[dtype]).max
+    if max(size - 1, eos) > limit:
+        raise ConfigError(f"data.dtype: {dtype} holds ids up to {limit}, but the tokenizer {cfg.tokenizer} has "
+                          f"{size} tokens; use uint32")
+    target = Path(out)
+    if target.exists() and target.is_dir():
+        raise FileExistsError(f"tokenize: --out {target} is a folder; name the token file to write")
+    tmp = target.with_name(target.name + ".partial")
+    tokens = documents = 0
+    try:
+        with open(tmp, "wb") as f:
+            for ids in _encoded(_documents(cfg, path), tok, eos):
+                f.write(ids.astype(_DTYPES[dtype]).tobytes())
+                tokens += len(ids)
+                documents += 1
+        if not tokens:
+            raise ConfigError(f"data.path: {path} holds no documents to tokenize")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return TokenFile(target, tokens, documents, dtype, eos)
 
 
 def read_token_file(cfg: DataConfig, vocab_size: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""A short generation from the embedded GPT: `zerojax sample --run RUN_DIR`, and the end of train.py.
+"""A short generation from a run's model (the embedded GPT or the Llama): `zerojax sample --run RUN_DIR`,
+and the end of train.py.
 
 A loss curve says a run learned; a few generated lines show what. Generation recomputes the whole
 window for every new token (no KV cache): one compiled forward pass of [1, seq_len] tokens, with
@@ -27,12 +28,16 @@ DEFAULT_PROMPT = "def "
 class Codec:
     """Text <-> token ids the way the run's data was made: UTF-8 bytes, or its tokenizer.json."""
 
-    def __init__(self, data: DataConfig, vocab_size: int):
+    def __init__(self, data: DataConfig, vocab_size: int, tokenizer: str | None = None):
         self.tokenizer = None
         self.start: list[int] = [10]  # a newline starts an empty byte prompt
-        if data.tokenizer and data.source != "tokens":
+        tokenizer = tokenizer or (data.tokenizer if data.source != "tokens" else None)
+        if data.source == "tokens" and tokenizer is None:
+            raise ConfigError("sample: this run trained on a token file (data.source: tokens), whose ids have no "
+                              "text without the tokenizer that made them; pass --tokenizer tokenizer.json")
+        if tokenizer:
             from zerojax.data import EOS_TOKENS, load_tokenizer
-            self.tokenizer = load_tokenizer(data.tokenizer, vocab_size)
+            self.tokenizer = load_tokenizer(tokenizer, vocab_size)
             eos = data.eos_id if data.eos_id is not None else next(
                 (self.tokenizer.token_to_id(t) for t in EOS_TOKENS if self.tokenizer.token_to_id(t) is not None), 0)
             self.start = [eos]
@@ -62,9 +67,11 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
     device = jax.devices()[0]
     params = jax.device_put(jax.tree.map(lambda x: np.asarray(x), params), device)
 
+    apply = _apply(cfg)
+
     @jax.jit
     def logits_at(params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(gpt.apply(cfg, params, tokens)[0], pos, keepdims=False)
+        return jax.lax.dynamic_index_in_dim(apply(cfg, params, tokens)[0], pos, keepdims=False)
 
     rng = np.random.default_rng(seed)
     ids, out = list(prompt), []
@@ -87,9 +94,10 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
 
 
 def sample_text(config: Config, params: Any, prompt: str | None = None, n: int = 64, *,
-                temperature: float = 0.8, seed: int = 0) -> str:
-    """The prompt and its continuation, as text."""
-    codec = Codec(config.data, config.model.vocab_size)
+                temperature: float = 0.8, seed: int = 0, tokenizer: str | None = None) -> str:
+    """The prompt and its continuation, as text (through `tokenizer`, a tokenizer.json, when given;
+    else the run's own `data.tokenizer`, or bytes)."""
+    codec = Codec(config.data, config.model.vocab_size, tokenizer)
     prompt = DEFAULT_PROMPT if prompt is None and config.data.source == "stdlib" else (prompt or "")
     ids = codec.encode(prompt)
     new = generate(config.model, params, ids, n, temperature=temperature, seed=seed)
@@ -106,19 +114,32 @@ def load_run(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Any, 
         raise ConfigError(f"sample: {cfg_file} does not exist; give the folder of a train.py run "
                           f"(its run.output_dir, which holds config.json and checkpoints/)")
     config = load_config(json.loads(cfg_file.read_text()))
-    if config.model.name != "gpt":
-        raise ConfigError(f"sample: generates with the embedded GPT; this run's model is {config.model.name}")
     ckpt = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else run / "checkpoints"
     if checkpoint.latest_tag(ckpt) is None and tag is None:
         raise ConfigError(f"sample: {ckpt} holds no checkpoint yet; wait for the run's first save "
                           f"(run.save_every) or its end")
     params, where = checkpoint.read_params(ckpt, tag)
-    want = {k: v.shape for k, v in _flat(gpt.abstract_params(config.model)).items()}
+    want = {k: tuple(v.shape) for k, v in _flat(_abstract(config.model)).items()}
     got = {k: tuple(v.shape) for k, v in _flat(params).items()}
     if want != got:
-        raise ConfigError(f"sample: the checkpoint in {where} does not hold the embedded GPT of its "
+        raise ConfigError(f"sample: the checkpoint in {where} does not hold the {config.model.name} model of its "
                           f"config.json (a pipelined or user model); export it and generate with your own code")
     return config, params, where
+
+
+def _apply(cfg: ModelConfig) -> Any:
+    """`apply(cfg, params, tokens) -> logits` of the model `model.name` names."""
+    if cfg.name == "llama":
+        from zerojax.models import llama
+        return llama.apply
+    return gpt.apply
+
+
+def _abstract(cfg: ModelConfig) -> Any:
+    if cfg.name == "llama":
+        from zerojax.models import llama
+        return llama.build(cfg)[0].abstract
+    return gpt.abstract_params(cfg)
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -130,7 +151,7 @@ def end_of_run_sample(config: Config, params: Any) -> str | None:
     """The sample printed at the end of train.py (None when it is off or cannot be made here:
     several processes, a pipelined model, or parameters too large to gather onto one device)."""
     n = config.run.sample_tokens
-    if not n or jax.process_count() > 1 or config.mesh.stage > 1 or config.model.name != "gpt":
+    if not n or jax.process_count() > 1 or config.mesh.stage > 1 or config.model.name not in ("gpt", "llama"):
         return None
     if sum(x.size * 4 for x in jax.tree.leaves(params)) > 2 ** 31:
         return None

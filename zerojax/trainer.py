@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -99,25 +99,18 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
-def train(config: Config, resume: str | None = None) -> dict[str, Any]:
-    """Train the model the config names (`model.name`: the embedded GPT or a Llama) as it says; returns a summary (also written to summary.json).
-
-    `resume` is None for a fresh run; "latest", a checkpoint tag, or the path of a run, checkpoint or
-    tag folder to continue a run under `run.output_dir` exactly where its checkpoint left off (state,
-    schedule and data position): `preflight.resume_target` says which run that is.
-    A run that makes no progress for `distributed.hang_timeout` seconds fails (zerojax.watchdog).
-    """
-    with watching(config.distributed.hang_timeout):
-        return _train(config, resume)
+class Model(NamedTuple):
+    """What train.py trains, before any data or engine: the layout (validated), the pipeline plan
+    (mesh.stage > 1), and the unbuilt parameters and loss of a model given as code (the Llama)."""
+    layout: Any
+    pipeline: Any = None
+    params: Any = None
+    loss_fn: Any = None
 
 
-def _train(config: Config, resume: str | None) -> dict[str, Any]:
-    start = time.perf_counter()
-    if config.optimizer is None:  # a library user passes one in code; the command line has only the file
-        raise ConfigError('optimizer: train.py trains with the config\'s optimizer section and this config has '
-                          'none; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, or '
-                          '--set optimizer.type=AdamW optimizer.params.lr=3e-4')
-    mesh = make_mesh(config)
+def build_model(config: Config, mesh: Any) -> Model:
+    """The model `model.*` names and its layout on `mesh`, as train.py builds them (benchmarks reuse
+    it): a Llama through `from_nnx`, the embedded GPT, or the GPT cut into pipeline stages."""
     model_cfg = config.model
     pipeline = None
     params: Any = None
@@ -139,6 +132,51 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         layout = make_plan(config, mesh, abstract_params(params))
     else:
         layout = make_plan(config, mesh, gpt.abstract_params(model_cfg))  # validates before data or compile
+    return Model(layout, pipeline, params, loss_fn)
+
+
+def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
+    """The engine of `model` with its parameters placed: read from `model.hf_checkpoint` (each device
+    its own slices), or initialized straight into the sharded layout."""
+    model_cfg, layout = config.model, model.layout
+    pipeline, params, loss_fn = model.pipeline, model.params, model.loss_fn
+    if pipeline is not None:
+        from zerojax.pipeline.engine import PipelineEngine  # each stage initializes its own layers
+        return PipelineEngine(config, pipeline.module, mesh, pipeline=pipeline)
+    if model_cfg.hf_checkpoint:  # each device reads only its own slices of the checkpoint's tensors
+        from zerojax.hf import load_params
+        beat(f"reading {model_cfg.hf_checkpoint}", allowance=FIRST_STEP_ALLOWANCE)
+        params = load_params(model_cfg.hf_checkpoint, model_cfg, layout.update_shardings)
+    elif params is None:
+        # Initialize straight into the sharded master layout: no device ever holds the whole model.
+        params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
+                         out_shardings=layout.update_shardings)()
+    loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
+    return Engine(config, params, loss_fn, mesh)
+
+
+def train(config: Config, resume: str | None = None) -> dict[str, Any]:
+    """Train the model the config names (`model.name`: the embedded GPT or a Llama) as it says; returns a summary (also written to summary.json).
+
+    `resume` is None for a fresh run; "latest", a checkpoint tag, or the path of a run, checkpoint or
+    tag folder to continue a run under `run.output_dir` exactly where its checkpoint left off (state,
+    schedule and data position): `preflight.resume_target` says which run that is.
+    A run that makes no progress for `distributed.hang_timeout` seconds fails (zerojax.watchdog).
+    """
+    with watching(config.distributed.hang_timeout):
+        return _train(config, resume)
+
+
+def _train(config: Config, resume: str | None) -> dict[str, Any]:
+    start = time.perf_counter()
+    if config.optimizer is None:  # a library user passes one in code; the command line has only the file
+        raise ConfigError('optimizer: train.py trains with the config\'s optimizer section and this config has '
+                          'none; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, or '
+                          '--set optimizer.type=AdamW optimizer.params.lr=3e-4')
+    mesh = make_mesh(config)
+    model_cfg = config.model
+    model = build_model(config, mesh)
+    layout = model.layout
     rows = layout.batch.train_batch_size
 
     def choose_dirs() -> str:
@@ -171,21 +209,8 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     train_batches, val_batches = make_batches(config.data, rows, model_cfg.seq_len, model_cfg.vocab_size, mine)
     data_state = None
 
-    if pipeline is not None:
-        from zerojax.pipeline.engine import PipelineEngine  # each stage initializes its own layers
-        engine: Engine = PipelineEngine(config, pipeline.module, mesh, pipeline=pipeline)
-    else:
-        if model_cfg.hf_checkpoint:  # each device reads only its own slices of the checkpoint's tensors
-            from zerojax.hf import load_params
-            beat(f"reading {model_cfg.hf_checkpoint}", allowance=FIRST_STEP_ALLOWANCE)
-            params = load_params(model_cfg.hf_checkpoint, model_cfg, layout.update_shardings)
-        elif params is None:
-            # Initialize straight into the sharded master layout: no device ever holds the whole model.
-            params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
-                             out_shardings=layout.update_shardings)()
-        loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
-        engine = Engine(config, params, loss_fn, mesh)
-        del params
+    engine = build_engine(config, mesh, model)
+    del model
     if resume:
         beat(f"loading checkpoint {resume_tag or 'latest'} from {ckpt_dir}", allowance=FIRST_STEP_ALLOWANCE)
         path, _ = engine.load_checkpoint(str(ckpt_dir), resume_tag)
