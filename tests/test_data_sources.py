@@ -211,7 +211,7 @@ def test_tokenize_command_writes_the_token_file_a_jsonl_run_would_build(tmp_path
     assert main(["tokenize", str(docs), "--tokenizer", str(tok), "--out", str(out)]) == 0
     said = capsys.readouterr().out
     eos = json.loads(tok.read_text())["model"]["vocab"][EOS]
-    assert f"(uint16)" in said and f"data.eos_id={eos}" in said and "300 documents" in said
+    assert "(uint16)" in said and f"data.eos_id={eos}" in said and "300 documents" in said
     ids = np.fromfile(out, np.uint16)
     assert (ids == eos).sum() == len(DOCS) and ids[-1] == eos
 
