@@ -38,15 +38,8 @@ def config(stage: int, policy: str | None = None, cpu: bool = False, **zero: Any
 
 def plain_scan(width: int = 32, layers: int = 3) -> tuple[Any, Any, Any]:
     """A user's loss over stacked layers with `lax.scan` and no remat of its own."""
-    params, _, make_batch = SHAPES["lax_scan"](width=width, layers=layers)
-    from benchmarks.user_models import _block
-
-    def loss_fn(params: dict, batch: dict) -> jax.Array:
-        h = batch["x"].astype(params["w_in"].dtype) @ params["w_in"]
-        h, _ = jax.lax.scan(lambda h, p: (_block(h, p), None), h, params["layers"])
-        return jnp.mean(((h @ params["w_out"]).astype(jnp.float32) - batch["y"]) ** 2)
-
-    return params, loss_fn, make_batch
+    from benchmarks.activation_checkpointing import scanned_mlp
+    return scanned_mlp(width, layers)
 
 
 MODELS = {"plain_scan": plain_scan, "lax_scan_remat": lambda: SHAPES["lax_scan"](width=32, layers=3),
