@@ -223,3 +223,33 @@ def test_import_hf_command_and_training_from_a_checkpoint(tmp_path: Path) -> Non
                "--out", str(tmp_path / "exported"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["num_key_value_heads"] == 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bf16_export_imports_back_as_the_same_bf16_weights(name: str, tmp_path: Path) -> None:
+    """Published checkpoints are mostly bf16 (numpy has no bfloat16): `export --dtype bf16` -> import
+    gives the bf16-rounded weights, on a sharded stage-3 plan too."""
+    cfg = config(name, 3)
+    mesh = data_mesh()
+    layout = make_plan(cfg, mesh, hf.abstract_params(cfg.model))
+    params = hf.load_params(cfg.model.hf_checkpoint, cfg.model, layout.update_shardings)
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn(cfg.model), mesh=mesh)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.wait_for_checkpoint()
+    out = hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf", dtype="bf16")
+    back = hf.load_params(out, cfg.model, layout.update_shardings)
+    want = jax.tree.map(lambda x: np.asarray(np.asarray(x).astype(jnp.bfloat16), np.float32), to_numpy(params))
+    for g, w in zip(jax.tree.leaves(to_numpy(back)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), w)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_gpt2_imports_into_a_shorter_context(stage: int) -> None:
+    """GPT-2's position table is n_positions long; a model with a shorter seq_len takes its first rows."""
+    cfg = config("gpt2", stage, seq_len=16)
+    layout = make_plan(cfg, data_mesh(), hf.abstract_params(cfg.model))
+    params = hf.load_params(cfg.model.hf_checkpoint, cfg.model, layout.update_shardings)
+    whole = hf.read_params(FIXTURES / "gpt2", config("gpt2").model)
+    assert params["pos"].shape[0] == 16
+    np.testing.assert_array_equal(to_numpy(params)["pos"], whole["pos"][:16])
+    assert hf.read_params(FIXTURES / "gpt2", cfg.model)["pos"].shape[0] == 16

@@ -214,14 +214,19 @@ class Checkpoint:
                           + "; zerojax reads safetensors: save with save_pretrained(..., safe_serialization=True)")
         self._stack = contextlib.ExitStack()
         self._files: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         files = sorted(set(self.where.values())) or [self.root / SINGLE_FILE]
-        for path in files:
-            if not path.is_file():
-                raise HFError(f"model.hf_checkpoint: {path} is listed in {INDEX_FILE} but missing")
-            handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
-            self._files[path] = handle
-            if not self.where:
-                self.where = {name: path for name in handle.keys()}
+        try:
+            for path in files:
+                if not path.is_file():
+                    raise HFError(f"model.hf_checkpoint: {path} is listed in {INDEX_FILE} but missing")
+                handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+                self._files[path] = handle
+                if not self.where:
+                    self.where = {name: path for name in handle.keys()}
+        except BaseException:
+            self._stack.close()  # the files opened so far
+            raise
 
     def close(self) -> None:
         self._stack.close()
@@ -249,7 +254,25 @@ class Checkpoint:
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Only `index` of tensor `name` is read from disk."""
-        return np.asarray(self._slice(name)[index])
+        piece = self._slice(name)
+        if piece.get_dtype() == "BF16":  # numpy has no bfloat16: map the bytes as ml_dtypes' bfloat16
+            return np.asarray(self._bf16(name)[index])
+        return np.asarray(piece[index])
+
+    def _bf16(self, name: str) -> np.ndarray:
+        """Tensor `name` memory-mapped from its file (safetensors: an 8-byte little-endian header
+        length, a JSON header giving each tensor's byte range, then the data)."""
+        import ml_dtypes
+
+        path = self.where[name]
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (8 + size, json.loads(f.read(size)))
+        start, header = self._headers[path]
+        begin, _ = header[name]["data_offsets"]
+        return np.memmap(path, ml_dtypes.bfloat16, mode="r", offset=start + begin,
+                         shape=tuple(header[name]["shape"]))
 
 
 def _names_for(cfg: Any, ckpt: Checkpoint) -> dict[tuple[str, ...], Source]:
@@ -296,6 +319,8 @@ def _block(ckpt: Checkpoint, path: tuple[str, ...], source: Source, index: tuple
            shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """The block `index` of zerojax leaf `path`, read from the checkpoint slice by slice."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    # bounded by the zerojax shape: a checkpoint tensor may be longer (GPT-2's n_positions > seq_len)
+    index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
 
     def one(name: str, idx: tuple[slice, ...]) -> np.ndarray:
         if source.transpose:
@@ -331,8 +356,6 @@ def load_params(directory: str | os.PathLike[str], cfg: Any, shardings: Any) -> 
                 node = node.setdefault(key, {})
             node[path[-1]] = array
     return out
-
-
 
 
 def read_params(directory: str | os.PathLike[str], cfg: Any) -> dict[str, Any]:
