@@ -227,7 +227,7 @@ def test_import_hf_command_and_training_from_a_checkpoint(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("name", MODELS)
 def test_bf16_export_imports_back_as_the_same_bf16_weights(name: str, tmp_path: Path) -> None:
-    """Published checkpoints are mostly bf16 (numpy has no bfloat16): `export --dtype bf16` -> import
+    """Published checkpoints are mostly bf16: `export --dtype bf16` -> import
     gives the bf16-rounded weights, on a sharded stage-3 plan too."""
     cfg = config(name, 3)
     mesh = data_mesh()

@@ -293,7 +293,7 @@ def _documents(cfg: DataConfig, path: Path) -> Iterator[str]:
             yield f.read(cfg.max_bytes).decode("utf-8", errors="replace")
         return
     total = 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a bad byte is one replaced character
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -308,7 +308,7 @@ def _documents(cfg: DataConfig, path: Path) -> Iterator[str]:
                 raise ConfigError(f"data.text_key: line {n} of {path} has no text field '{cfg.text_key}' "
                                   f"(it has: {keys}); set data.text_key to the field that holds the text")
             yield text
-            total += len(text)
+            total += len(text.encode("utf-8"))
             if total >= cfg.max_bytes:
                 return
 

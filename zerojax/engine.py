@@ -248,3 +248,12 @@ def validate_tag(mine: str, process0: str, mode: str) -> None:
     if mode == "Fail":
         raise ValueError(message)
     warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def __getattr__(name: str) -> Any:
+    """`zerojax.engine.initialize`, where it lived before `zerojax.entry` (imported on use: the
+    entry module sits above this one)."""
+    if name == "initialize":
+        from zerojax.entry import initialize
+        return initialize
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -141,11 +141,9 @@ def embedded_model(config: Config) -> ModelShape:
     """The embedded model of `config.model` (GPT or Llama), shapes from `jax.eval_shape` of its
     initializer (nothing allocated)."""
     if config.model.name == "llama":
-        from zerojax.models import llama
-        from zerojax.sharded_init import abstract_params
-        params, _ = llama.build(config.model, config.run.seed)
+        from zerojax.models import abstract_params
         return ModelShape(f"embedded Llama (d_model {config.model.d_model}, {config.model.n_layers} layers)",
-                          abstract_params(params))
+                          abstract_params(config.model))
     from zerojax.models import gpt
     return ModelShape(f"embedded GPT (d_model {config.model.d_model}, {config.model.n_layers} layers)",
                       gpt.abstract_params(config.model), gpt=config.model)

@@ -34,6 +34,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 import numpy as np
 
 from zerojax.errors import ConfigError
+from zerojax.models import abstract_params
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -168,15 +169,6 @@ def _gpt2_names(prefix: str, head: str | None) -> dict[tuple[str, ...], Source]:
 
 def _stacked(path: tuple[str, ...]) -> bool:
     return path[0] in ("layers", "blocks")
-
-
-def abstract_params(cfg: Any) -> dict[str, Any]:
-    """Shapes of the zerojax model's parameters for `cfg` (nothing allocated)."""
-    if cfg.name == "llama":
-        from zerojax.models import llama
-        return llama.build(cfg)[0].abstract
-    from zerojax.models import gpt
-    return gpt.abstract_params(cfg)
 
 
 def _paths(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:

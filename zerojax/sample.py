@@ -19,7 +19,7 @@ import numpy as np
 
 from zerojax.config import Config, DataConfig, ModelConfig, load_config
 from zerojax.errors import ConfigError
-from zerojax.models import gpt
+from zerojax.models import abstract_params, gpt
 
 #: Prompt when none is given: the corpus is Python source.
 DEFAULT_PROMPT = "def "
@@ -119,7 +119,7 @@ def load_run(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Any, 
         raise ConfigError(f"sample: {ckpt} holds no checkpoint yet; wait for the run's first save "
                           f"(run.save_every) or its end")
     params, where = checkpoint.read_params(ckpt, tag)
-    want = {k: tuple(v.shape) for k, v in _flat(_abstract(config.model)).items()}
+    want = {k: tuple(v.shape) for k, v in _flat(abstract_params(config.model)).items()}
     got = {k: tuple(v.shape) for k, v in _flat(params).items()}
     if want != got:
         raise ConfigError(f"sample: the checkpoint in {where} does not hold the {config.model.name} model of its "
@@ -133,13 +133,6 @@ def _apply(cfg: ModelConfig) -> Any:
         from zerojax.models import llama
         return llama.apply
     return gpt.apply
-
-
-def _abstract(cfg: ModelConfig) -> Any:
-    if cfg.name == "llama":
-        from zerojax.models import llama
-        return llama.build(cfg)[0].abstract
-    return gpt.abstract_params(cfg)
 
 
 def _flat(tree: Any) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from zerojax.config import (LRRangeTestParams, OneCycleParams, SchedulerConfig, 
                             WarmupDecayLRParams, WarmupLRParams)
 from zerojax.errors import ConfigError
 
-__all__ = ["LrSchedule", "make_schedule"]
+__all__ = ["LrSchedule", "Schedule", "make_schedule"]
 
 ScheduleFn = Callable[["jax.Array | int"], jax.Array]
 
@@ -43,6 +43,9 @@ class LrSchedule(NamedTuple):
     lr: ScheduleFn
     beta1: ScheduleFn | None = None  # OneCycle's cycled momentum, else None (optimizer's own beta1)
     beta2: ScheduleFn | None = None  # 0.99 while OneCycle cycles momentum, else None
+
+
+Schedule = LrSchedule  # the name before pipeline schedules took it; kept for existing imports
 
 
 def make_schedule(config: SchedulerConfig | None, base_lr: float, *,
