@@ -206,3 +206,20 @@ def test_quantized_collectives_in_the_compiled_step() -> None:
     assert any(c.kind == "all-to-all" and "u8" in c.dtypes for c in q)
     rs = lambda cs: sum(c.result_elems * c.count for c in cs if c.kind == "reduce-scatter")  # noqa: E731
     assert rs(q) < rs(plain)  # the gathered parameters' reduce-scatters went to all-to-all
+
+
+def test_estimate_counts_the_secondary_copy_at_stage_3_only() -> None:
+    from zerojax import estimate as E
+    base = zerojax.load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "optimizer": ADAM,
+                                "zero_optimization": {"stage3_param_persistence_threshold": 0},
+                                "model": {"d_model": 64, "n_layers": 2, "n_heads": 2, "seq_len": 32}})
+    hpz = zerojax.load_config(base, ["zero_optimization.zero_hpz_partition_size=8"])
+    model = E.embedded_model(base)
+    for choice in E.CHOICES:
+        plain, secondary = (E.plan_exact(c, model, 64, 8, choice).report for c in (base, hpz))
+        if choice.stage == 3 and choice.offload != "cpu params":
+            # bf16 parameters: 1/8 of each instead of 1/64; gradients and optimizer state unchanged
+            assert secondary.params > 4 * plain.params and secondary.formula_params == 2 * plain.n_params / 8
+            assert (secondary.grads, secondary.optimizer) == (plain.grads, plain.optimizer)
+        else:
+            assert secondary == plain, choice
