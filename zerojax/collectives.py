@@ -83,7 +83,7 @@ def _times(y: jax.Array, factor: float) -> jax.Array:
 
 
 def move(x: jax.Array, src: Placement, dst: Placement, *, comm_dtype: Any = None,
-         axis: DataAxis | None = None, pre: float = 1.0, post: float = 1.0) -> jax.Array:
+         axis: DataAxis | None = None, pre: float = 1.0, post: float = 1.0, quantized: bool = False) -> jax.Array:
     """Change `x`'s placement; `comm_dtype` casts the payload of reductions (then casts back).
 
     `axis`: the mesh's data axis by default (`zerojax.mesh.data_axis`). A reduction (from PARTIAL)
@@ -91,6 +91,8 @@ def move(x: jax.Array, src: Placement, dst: Placement, *, comm_dtype: Any = None
     dtype: DeepSpeed's gradient averaging around its all-reduce / reduce-scatter
     (`prescale_gradients`, `gradient_predivide_factor`), where the order decides whether a
     half-precision sum overflows.
+    `quantized`: the reduce-scatter that finishes a `PartialShard` (hpZ's cross-host one) is ZeRO++
+    qgZ's int4 all-to-all (`zerojax.quantize.reduce_scatter`).
     """
     if src == dst:
         return x
@@ -99,7 +101,12 @@ def move(x: jax.Array, src: Placement, dst: Placement, *, comm_dtype: Any = None
         if isinstance(src, PartialShard) and src.dim == dst.dim:
             # the rest of the reduction: a reduce-scatter over the axes src is not split over yet
             y = x.astype(comm_dtype) if comm_dtype is not None else x
-            y = jax.lax.psum_scatter(_times(y, pre), _rest(dst.axis, src.axis), scatter_dimension=dst.dim, tiled=True)
+            rest = _rest(dst.axis, src.axis)
+            if quantized:
+                from zerojax import quantize
+                y = quantize.reduce_scatter(_times(y, pre), rest, dst.dim)
+            else:
+                y = jax.lax.psum_scatter(_times(y, pre), rest, scatter_dimension=dst.dim, tiled=True)
             return _times(y, post).astype(x.dtype)
         if isinstance(src, Shard) and src.dim == dst.dim:
             # a finer shard to a coarser one (hpZ's secondary copy): all-gather over the axes dropped

@@ -232,7 +232,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
                 lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm,
-                                    pre=avg.pre, post=avg.post),
+                                    pre=avg.pre, post=avg.post, quantized=plan.wire(lay).quantize_gradients),
                 layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
 
