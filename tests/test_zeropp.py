@@ -183,7 +183,8 @@ def test_quantized_reduce_scatter_sums_every_devices_chunk() -> None:
 QUANT_TOL = 0.03
 
 
-@pytest.mark.parametrize("kw", [dict(qw=True), dict(qg=True), dict(qw=True, qg=True), dict(hpz=INNER, qw=True, qg=True)])
+@pytest.mark.parametrize("kw", [dict(qw=True), dict(qg=True), dict(qw=True, qg=True),
+                                dict(hpz=INNER, qw=True, qg=True)])
 @pytest.mark.parametrize("loss", ["plain", "layerwise"])
 def test_quantized_training_tracks_unquantized(kw: dict, loss: str) -> None:
     params = mlp_params(0, divisible=True)

@@ -7,6 +7,8 @@ of three placements:
                 (a gradient computed from the device's own rows).
 * `REPLICATED`  every device holds the same full-size array (the reduced value).
 * `Shard(dim)`  device i holds block i of the reduced value along `dim`.
+* `PartialShard(dim, axis)`  block i over `axis` only, still a sum over the data axis's other axes
+                (ZeRO++ hpZ's gradients after the within-host reduce-scatter).
 
 A ZeRO stage is then just a choice of placements per leaf (see layout.py), and `move` turns one
 placement into another with the cheapest collective: PARTIAL -> Shard is a reduce-scatter (Ψ bytes),
@@ -19,6 +21,7 @@ from typing import Any, NamedTuple, Union
 import jax
 import jax.numpy as jnp
 
+from zerojax import quantize
 from zerojax.mesh import DataAxis, data_axis
 
 
@@ -103,7 +106,6 @@ def move(x: jax.Array, src: Placement, dst: Placement, *, comm_dtype: Any = None
             y = x.astype(comm_dtype) if comm_dtype is not None else x
             rest = _rest(dst.axis, src.axis)
             if quantized:
-                from zerojax import quantize
                 y = quantize.reduce_scatter(_times(y, pre), rest, dst.dim)
             else:
                 y = jax.lax.psum_scatter(_times(y, pre), rest, scatter_dimension=dst.dim, tiled=True)
@@ -161,7 +163,6 @@ def gather_shard(x: jax.Array, dim: int, wire: Wire = PLAIN) -> jax.Array:
     The transpose is a reduce-scatter of the cotangent over the same axis: gradients leave the
     gather reduced and sharded (quantized when `wire.quantize_gradients`).
     """
-    from zerojax import quantize
     axis = data_axis() if wire.axis is None else wire.axis
     if not (wire.quantize_weights or wire.quantize_gradients):
         return _gather_plain(x, axis, dim)
@@ -185,7 +186,6 @@ def gather_shard(x: jax.Array, dim: int, wire: Wire = PLAIN) -> jax.Array:
 
 def reduce_scatter_shard(g: jax.Array, dim: int, wire: Wire = PLAIN) -> jax.Array:
     """The sum over `wire`'s axis of `g`, block i along `dim` on device i (the gather's transpose)."""
-    from zerojax import quantize
     axis = data_axis() if wire.axis is None else wire.axis
     if wire.quantize_gradients:
         return quantize.reduce_scatter(g, axis, dim)

@@ -169,7 +169,8 @@ class GradAverage(NamedTuple):
 
 def reduced_in_backward(plan: Plan) -> bool:
     """Some gradient is reduce-scattered inside the backward pass (ZeRO-3 gathered parameters)."""
-    return any(isinstance(_grad_source(lay), (Shard, PartialShard)) for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+    return any(isinstance(_grad_source(lay), (Shard, PartialShard))
+               for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
 
 
 def grad_average(plan: Plan) -> GradAverage:
