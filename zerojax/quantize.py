@@ -22,7 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-BLOCK = 256  # elements per quantization block (one fp32 scale each)
+BLOCK = 256       # elements per quantization block of a parameter gather (one fp32 scale each)
+GRAD_BLOCK = 64   # of a gradient: int4 codes are coarse, so smaller blocks (0.5 + 4/64 bytes per element)
 INT8_MAX, INT4_MAX = 127, 7
 
 
@@ -79,7 +80,7 @@ def all_gather(x: jax.Array, axis: Any, dim: int, block: int = BLOCK) -> jax.Arr
     return parts.reshape(*x.shape[:dim], x.shape[dim] * parts.shape[dim], *x.shape[dim + 1:])
 
 
-def reduce_scatter(g: jax.Array, axis: Any, dim: int, bits: int = 4, block: int = BLOCK) -> jax.Array:
+def reduce_scatter(g: jax.Array, axis: Any, dim: int, bits: int = 4, block: int = GRAD_BLOCK) -> jax.Array:
     """Tiled reduce-scatter (sum) of `g` along `dim` over mesh `axis` by one quantized all-to-all
     (qgZ): device j receives every device's quantized chunk j and sums their dequantized values in fp32.
     """
