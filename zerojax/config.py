@@ -1271,8 +1271,11 @@ FOREIGN_KEYS: dict[str, Foreign] = {
     "zero_optimization.zero_quantized_nontrainable_weights": Foreign(
         "frozen weights stored quantized", "none while false", "nothing to do",
         _refuse_if_enabled("true: frozen weights would be stored quantized"), refused_when="true"),
-    "zero_optimization.zeropp_loco_param": Foreign("LoCo error feedback for ZeRO++ quantized gradients",
-                                                   "none without zero_quantized_gradients", "nothing to do"),
+    "zero_optimization.zeropp_loco_param": Foreign(
+        "LoCo error feedback for ZeRO++ quantized gradients", "none while absent",
+        "zero_quantized_gradients without error feedback",
+        lambda v: "its error feedback would change the quantized gradients" if v else None,
+        refused_when="given"),
     "zero_optimization.zenflow": Foreign("ZenFlow's stale, asynchronous optimizer updates",
                                          "none while absent", "nothing to do",
                                          lambda v: "it applies updates late, which changes the result"
