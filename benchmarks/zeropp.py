@@ -186,8 +186,9 @@ def render(args: argparse.Namespace, results: dict, seconds: float) -> str:
             "parameters gathered before the loss (1-D leaves sharded on their only axis) keep a plain "
             "reduce-scatter.",
             f"- Loss: mean of the last 10 of {args.steps} steps on a synthetic counting corpus, same initial "
-            "parameters and batches for every row. Step ms: eight virtual devices share two CPU cores here, "
-            "where quantizing costs compute and the links cost nothing: read it as overhead, not speed-up.",
+            "parameters and batches for every row. Step ms: mean over the steps, run one at a time; eight "
+            "virtual devices share two CPU cores (with whatever else runs on the machine), quantizing costs "
+            "compute and the links cost nothing: not a speed comparison.",
             "", END]
     return "\n".join(out)
 
