@@ -660,7 +660,6 @@ def test_nvme_offload_is_refused_by_load_config(key: str) -> None:
     (["zero_optimization.stage=2", "zero_optimization.offload_optimizer.device=cpu",
       "zero_optimization.offload_optimizer.ratio=0.5"],
      r"^zero_optimization\.offload_optimizer\.ratio: 0\.5 \(partial offload\) is not supported; use 1\.0$"),
-    (["zero_optimization.zero_quantized_weights=true"], r"ZeRO\+\+ is not supported$"),
     (["zero_optimization.mics_shard_size=4"], r"^zero_optimization\.mics_shard_size: MiCS is not supported; "
                                               r"use -1$"),
     (["wandb.enabled=true"], r"^wandb\.enabled: not supported \(no network access\); use tensorboard or "
@@ -674,10 +673,10 @@ def test_unsupported_features_fail_clearly(overrides: list[str], pattern: str) -
 
 
 def test_several_unsupported_features_are_counted() -> None:
-    config = load_config(with_batch(), ["zero_optimization.zero_quantized_weights=true",
+    config = load_config(with_batch(), ["fp16.enabled=true", "fp16.fp16_master_weights_and_grads=true",
                                         "zero_optimization.mics_shard_size=4", "wandb.enabled=true"])
     assert len(unsupported_features(config)) == 3
-    with pytest.raises(ConfigError, match=r"^zero_optimization\.zero_quantized_\*.* \(and 2 more\)$"):
+    with pytest.raises(ConfigError, match=r"^fp16\.fp16_master_weights_and_grads.* \(and 2 more\)$"):
         check_supported(config)
 
 

@@ -342,9 +342,14 @@ class ZeroConfig:
     ignore_unused_parameters: bool = option(
         True, "Unused parameters get zero gradients; false (DeepSpeed: an error for a parameter without a "
               "gradient) is refused.")
-    zero_hpz_partition_size: int = option(1, "ZeRO++ hierarchical partitioning (only 1 supported).", gt=0)
-    zero_quantized_weights: bool = option(False, "ZeRO++ quantized weights (not supported).")
-    zero_quantized_gradients: bool = option(False, "ZeRO++ quantized gradients (not supported).")
+    zero_hpz_partition_size: int = option(
+        1, "ZeRO++ hpZ (stage 3): devices in the secondary parameter partition, the mesh's data_inner size; "
+           "forward/backward gathers stay within that group. 1 disables.", gt=0)
+    zero_quantized_weights: bool = option(
+        False, "ZeRO++ qwZ (stage 3): parameter all-gathers send int8 blocks with fp32 scales.")
+    zero_quantized_gradients: bool = option(
+        False, "ZeRO++ qgZ (stage 3): gradient reduce-scatters of gathered parameters are one int4 all-to-all "
+               "with fp32 scales, summed in fp32.")
     mics_shard_size: int = option(-1, "MiCS (not supported; -1 disables).")
 
 
@@ -1266,8 +1271,11 @@ FOREIGN_KEYS: dict[str, Foreign] = {
     "zero_optimization.zero_quantized_nontrainable_weights": Foreign(
         "frozen weights stored quantized", "none while false", "nothing to do",
         _refuse_if_enabled("true: frozen weights would be stored quantized"), refused_when="true"),
-    "zero_optimization.zeropp_loco_param": Foreign("LoCo error feedback for ZeRO++ quantized gradients",
-                                                   "none without zero_quantized_gradients", "nothing to do"),
+    "zero_optimization.zeropp_loco_param": Foreign(
+        "LoCo error feedback for ZeRO++ quantized gradients", "none while absent",
+        "zero_quantized_gradients without error feedback",
+        lambda v: "its error feedback would change the quantized gradients" if v else None,
+        refused_when="given"),
     "zero_optimization.zenflow": Foreign("ZenFlow's stale, asynchronous optimizer updates",
                                          "none while absent", "nothing to do",
                                          lambda v: "it applies updates late, which changes the result"
@@ -1897,8 +1905,6 @@ def unsupported_features(config: Config) -> list[str]:
     if zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.ratio < 1.0:
         out.append(f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
                    f"offload) is not supported; use 1.0")
-    if zero.zero_quantized_weights or zero.zero_quantized_gradients or zero.zero_hpz_partition_size > 1:
-        out.append("zero_optimization.zero_quantized_*/zero_hpz_partition_size: ZeRO++ is not supported")
     if not zero.ignore_unused_parameters:
         out.append("zero_optimization.ignore_unused_parameters: false is not supported (DeepSpeed raises for a "
                    "parameter that received no gradient; JAX differentiates every parameter, giving unused ones "

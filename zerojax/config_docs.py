@@ -162,8 +162,8 @@ result here:
 
 **Refused.** The same keys are refused, with the reason, when their value would change the result,
 as are NVMe offload (`offload_*.device: nvme`, refused by `load_config`), 1-bit optimizers,
-`fp16.fp16_master_weights_and_grads`, partial offload (`offload_optimizer.ratio` < 1), ZeRO++
-(`zero_quantized_*`, `zero_hpz_partition_size` > 1) and MiCS (`mics_shard_size` > 0):
+`fp16.fp16_master_weights_and_grads`, partial offload (`offload_optimizer.ratio` < 1) and MiCS
+(`mics_shard_size` > 0):
 
 | key | in DeepSpeed | refused when | effect otherwise | alternative |
 |---|---|---|---|---|

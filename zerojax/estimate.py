@@ -284,6 +284,11 @@ def variant(config: Config, choice: Choice) -> Config:
     accumulation) so that any device count resolves; a config that gives only train_batch_size
     keeps it, and the batch triad says which device counts divide it."""
     free = ["train_batch_size=null"] if config.train_micro_batch_size_per_gpu is not None else []
+    if choice.stage != 3 or choice.offload == "cpu params":
+        # ZeRO++ changes stage 3's parameter gathers only (hpZ: not with offloaded parameters); the
+        # other choices are estimated without it, and a stage-3 row shows hpZ's secondary copy.
+        free += ["zero_optimization.zero_hpz_partition_size=1", "zero_optimization.zero_quantized_weights=false",
+                 "zero_optimization.zero_quantized_gradients=false"]
     return load_config(config, choice.overrides() + free)
 
 

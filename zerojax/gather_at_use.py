@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from zerojax.collectives import ParamShard
+from zerojax.collectives import PLAIN, ParamShard, Wire, gather_shard, reduce_scatter_shard
 from zerojax.mesh import data_axis
 
 # Primitives that commute with slicing a stacked leading axis (used to carry a parameter's
@@ -56,11 +56,11 @@ class Deferred:
     all-gathers its leaves and replays the recipe.
     """
 
-    __slots__ = ("shard", "dim", "on_host", "recipe", "_leaves")
+    __slots__ = ("shard", "dim", "on_host", "recipe", "_leaves", "wire")
 
     def __init__(self, shard: Any = None, dim: int = 0, on_host: bool = False,
-                 recipe: tuple[Any, list[Any]] | None = None):
-        self.shard, self.dim, self.on_host, self.recipe = shard, dim, on_host, recipe
+                 recipe: tuple[Any, list[Any]] | None = None, wire: Wire = PLAIN):
+        self.shard, self.dim, self.on_host, self.recipe, self.wire = shard, dim, on_host, recipe, wire
         self._leaves: list[Deferred] | None = None
 
     @property
@@ -113,7 +113,11 @@ def _gather_leaf(leaf: Deferred) -> Any:
     x = leaf.shard
     if leaf.on_host:
         x = jax.device_put(x, jax.memory.Space.Device)
-    return jax.lax.all_gather(x, data_axis(), axis=leaf.dim, tiled=True)
+    return gather_shard(x, leaf.dim, leaf.wire)
+
+
+def _axis_size(wire: Wire) -> int:
+    return jax.lax.axis_size(data_axis() if wire.axis is None else wire.axis)
 
 
 def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
@@ -201,7 +205,7 @@ def _consume(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
         # Gather after the activations exist: the compiler cannot hoist every layer's gather to
         # the start of the step (all weights whole at once).
         shards = _after(shards, traced)
-        new = {id(l): Deferred(s, l.dim, l.on_host) for l, s in zip(leaves, shards)}
+        new = {id(l): Deferred(s, l.dim, l.on_host, wire=l.wire) for l, s in zip(leaves, shards)}
         cache: dict[int, Any] = {}
 
         def gathered(leaf: Deferred) -> Any:
@@ -254,7 +258,7 @@ def _split_deferred(ins: Sequence[Any]) -> tuple[list[Any], Callable[[list[Any]]
     flat = [l.shard for l in leaves] + [ins[i] for i in pos]
 
     def rebuild(args: list[Any]) -> list[Any]:
-        new = {id(l): Deferred(s, l.dim, l.on_host) for l, s in zip(leaves, args[:len(leaves)])}
+        new = {id(l): Deferred(s, l.dim, l.on_host, wire=l.wire) for l, s in zip(leaves, args[:len(leaves)])}
         out = [x.rebased(new) if isinstance(x, Deferred) else None for x in ins]
         for i, a in zip(pos, args[len(leaves):]):
             out[i] = a
@@ -309,7 +313,7 @@ def _scan(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
             if d is None:
                 args.append(s)
             else:
-                new = {id(l): Deferred(v, l.dim - 1, l.on_host) for l, v in zip(d.leaves(), s)}
+                new = {id(l): Deferred(v, l.dim - 1, l.on_host, wire=l.wire) for l, v in zip(d.leaves(), s)}
                 args.append(d.rebased(new))
         inner = region.inner(remat=False, in_loop=True)
         outs = [_materialize(inner, o) for o in eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *args], inner)]
@@ -355,8 +359,7 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
     if not stacked or p["reverse"] or length < 2:
         return None
     leaves = list({id(l): l for j in stacked for l in xs[j].leaves()}.values())
-    n = jax.lax.axis_size(data_axis())
-    layer = sum(math.prod(l.shard.shape[1:]) * n for l in leaves)
+    layer = sum(math.prod(l.shard.shape[1:]) * _axis_size(l.wire) for l in leaves)
     if layer > region.prefetch.bucket or 2 * layer > region.prefetch.max_live:
         return None
     consts = [_materialize(region, x) for x in consts]
@@ -374,7 +377,7 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
             x = jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)
             if l.on_host:
                 x = jax.device_put(x, jax.memory.Space.Device)
-            out.append(jax.lax.all_gather(x, data_axis(), axis=l.dim - 1, tiled=True))
+            out.append(gather_shard(x, l.dim - 1, l.wire))
         return out
 
     def layer_fn(cs: list[Any], carry: list[Any], other: list[Any], gathered: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -432,8 +435,7 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
         def layer_vjp(d_carry: Any, current: Any, other: Any, carry: Any, ct_y: Any) -> tuple[Any, ...]:
             _, vjp = jax.vjp(layer_fn, cs, carry, other, current)
             g_cs, g_carry, g_other, g_layer = vjp((d_carry, ct_y))
-            shards = [jax.lax.psum_scatter(g, data_axis(), scatter_dimension=l.dim - 1, tiled=True)
-                      for l, g in zip(leaves, g_layer)]
+            shards = [reduce_scatter_shard(g, l.dim - 1, l.wire) for l, g in zip(leaves, g_layer)]
             return g_cs, g_carry, g_other, shards
 
         def step(c: tuple[Any, Any, Any], x: tuple[Any, Any, Any, Any]) -> tuple[Any, Any]:
@@ -533,7 +535,7 @@ def gather_at_use(loss_fn: Callable[..., Any], prefetch: "Prefetch | None" = Non
                 return jax.ShapeDtypeStruct(x.shape, x.dtype)
             v = x.value
             dim = v.ndim + x.dim
-            shape = tuple(s * jax.lax.axis_size(data_axis()) if i == dim else s for i, s in enumerate(v.shape))
+            shape = tuple(s * _axis_size(x.wire) if i == dim else s for i, s in enumerate(v.shape))
             return jax.ShapeDtypeStruct(shape, v.dtype)
 
         def flat_loss(*flat: Any) -> Any:
@@ -543,7 +545,8 @@ def gather_at_use(loss_fn: Callable[..., Any], prefetch: "Prefetch | None" = Non
 
         abstract = [whole_shape(x) for x in p_leaves] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in o_leaves]
         closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*abstract)
-        inputs = [Deferred(x.value, x.value.ndim + x.dim, x.on_host) if _is_shard(x) else x for x in p_leaves]
+        inputs = [Deferred(x.value, x.value.ndim + x.dim, x.on_host, wire=x.wire) if _is_shard(x) else x
+                  for x in p_leaves]
         top = _Region(remat=False, in_loop=False, prefetch=prefetch)
         outs = eval_jaxpr(closed.jaxpr, closed.consts, inputs + o_leaves, top)
         return jax.tree.unflatten(jax.tree.structure(out_shape), [_materialize(top, o) for o in outs])

@@ -41,7 +41,8 @@ _WHILE = re.compile(r"\swhile\(")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?")
+_DEVICE_IDS = re.compile(r"device_ids=\(\[([0-9,]*)\](?:T\(([0-9,]*)\))?\)")
 _GROUPS_EMPTY = re.compile(r"replica_groups=\{\}")
 _NUM_PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _CONST = re.compile(r"%([\w.\-]+)\s*=\s*s(?:32|64)\[\]\s*constant\((-?\d+)\)")
@@ -58,6 +59,12 @@ class Collective:
     group: int           # devices per replica group (N)
     count: int           # executions per run of the module (trip counts multiplied)
     line: str
+    groups: tuple = ()   # replica groups: tuples of device (partition) ids that run it together
+
+    def crosses(self, groups: Iterable[Iterable[int]]) -> bool:
+        """Some replica group holds devices from more than one of `groups` (e.g. hosts)."""
+        where = {d: i for i, g in enumerate(groups) for d in g}
+        return any(len({where.get(d, -1 - d) for d in g}) > 1 for g in self.groups)
 
     @property
     def bytes_per_device(self) -> float:
@@ -99,11 +106,48 @@ def _group_size(line: str, num_partitions: int) -> int:
     if m:
         sizes = {k.strip().strip("'"): int(v) for k, v in
                  (item.split("=") for item in m.group(1).split(",") if "=" in item)}
-        axes = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
+        axes = [a.strip().strip("'") for a in (m.group(2) or "").split(",") if a.strip()] or list(sizes)
         return math.prod(sizes[a] for a in axes)
     if _GROUPS_EMPTY.search(line) or "replica_groups" not in line:
         return num_partitions
     raise ValueError(f"cannot read replica groups of: {line[:200]}")
+
+
+_GROUPS_IOTA_FULL = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?")
+
+
+def replica_groups(line: str, num_partitions: int) -> tuple:
+    """The replica groups of one collective's HLO line, as tuples of device ids (every form XLA
+    prints: explicit lists, iota `[G,S]<=[dims]T(perm)`, `mesh[...]{axes}`, or none: all devices)."""
+    import numpy as np
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", line)
+    if m and m.group(1):
+        return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+    m = _GROUPS_IOTA_FULL.search(line)
+    if m:
+        dims = [int(d) for d in m.group(3).split(",") if d]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",") if p])
+        return tuple(tuple(int(x) for x in row) for row in ids.reshape(int(m.group(1)), int(m.group(2))))
+    m = _GROUPS_MESH.search(line)
+    if m:
+        items = [item.split("=") for item in m.group(1).split(",") if "=" in item]
+        names = [k.strip().strip("'") for k, _ in items]
+        sizes = [int(v) for _, v in items]
+        axes = ([names.index(a.strip().strip("'")) for a in (m.group(2) or "").split(",") if a.strip()]
+                or list(range(len(sizes))))
+        ids = np.arange(math.prod(sizes))
+        d = _DEVICE_IDS.search(line)
+        if d:  # mesh position -> device id, an iota like the replica groups'
+            dims = [int(x) for x in d.group(1).split(",") if x]
+            order = np.arange(math.prod(dims)).reshape(dims)
+            ids = (order.transpose([int(x) for x in d.group(2).split(",") if x]) if d.group(2) else order).reshape(-1)
+        ids = ids.reshape(sizes)
+        rest = [i for i in range(len(sizes)) if i not in axes]
+        ids = ids.transpose(rest + axes).reshape(-1, math.prod(sizes[a] for a in axes) if axes else 1)
+        return tuple(tuple(int(x) for x in row) for row in ids)
+    return (tuple(range(num_partitions)),)
 
 
 def _split_computations(text: str) -> tuple[dict[str, list[str]], str]:
@@ -201,7 +245,8 @@ def collectives(text: str) -> list[Collective]:
                 kind=m.group("op"), computation=name, dtypes=tuple(sorted({d for d, _ in shapes})),
                 result_bytes=sum(DTYPE_BYTES[d] * n for d, n in shapes),
                 result_elems=sum(n for _, n in shapes),
-                group=_group_size(line, num_partitions), count=runs[name], line=line.strip()))
+                group=_group_size(line, num_partitions), count=runs[name], line=line.strip(),
+                groups=replica_groups(line, num_partitions)))
     return found
 
 

@@ -126,9 +126,11 @@ KEY_STATUS: dict[str, str] = {
     "zero_optimization.round_robin_gradients": _BUCKETS,
     "zero_optimization.ignore_unused_parameters": f"{REFUSED} when false (JAX gives unused parameters zero "
                                                   f"gradients; it cannot tell them from used ones)",
-    "zero_optimization.zero_hpz_partition_size": f"{REFUSED} above 1 (ZeRO++)",
-    "zero_optimization.zero_quantized_weights": f"{REFUSED} when true (ZeRO++)",
-    "zero_optimization.zero_quantized_gradients": f"{REFUSED} when true (ZeRO++)",
+    "zero_optimization.zero_hpz_partition_size": HONOURED + " (ZeRO++ hpZ, stage 3: must equal mesh.data_inner; "
+                                                            "sets it when no data_outer/data_inner is given)",
+    "zero_optimization.zero_quantized_weights": HONOURED + " (ZeRO++ qwZ, stage 3: int8 parameter gathers)",
+    "zero_optimization.zero_quantized_gradients": HONOURED + " (ZeRO++ qgZ, stage 3: int4 all-to-all gradient "
+                                                             "reduce-scatter)",
     "zero_optimization.mics_shard_size": f"{REFUSED} above 0 (MiCS)",
     "zero_optimization.offload_optimizer.device": HONOURED + " (none, cpu); nvme refused",
     "zero_optimization.offload_optimizer.nvme_path": _NVME,

@@ -14,10 +14,10 @@ import jax
 import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard
+from zerojax.collectives import PARTIAL, REPLICATED, Placement, Shard, Wire
 from zerojax.config import BatchSize, Config, as_config, check_supported
 from zerojax.errors import ConfigError
-from zerojax.mesh import DATA, STAGE, DataAxis, data_axes, data_size
+from zerojax.mesh import DATA, DATA_INNER, DATA_OUTER, STAGE, DataAxis, data_axes, data_size
 from zerojax.measure import planned_bytes
 from zerojax.offload import Memory, memory_plan
 from zerojax.optim import ClientOptimizer, ScheduleFn, param_groups, update_rule
@@ -79,15 +79,26 @@ def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
     return LeafLayout(param=param, grad=grad, update=update)
 
 
+def hpz_layout(lay: LeafLayout) -> LeafLayout:
+    """ZeRO++ hpZ (`zero_hpz_partition_size`): the stored parameters are a secondary copy split over
+    `data_inner` only (replicated across `data_outer`), so every forward/backward gather stays within
+    an inner group; gradients and optimizer state stay split over every device, inner-major, so that
+    gathering an updated shard over `data_outer` yields exactly the secondary copy's block."""
+    def primary(p: Placement) -> Placement:
+        return Shard(p.dim, (DATA_INNER, DATA_OUTER)) if isinstance(p, Shard) else p
+    param = Shard(lay.param.dim, DATA_INNER) if isinstance(lay.param, Shard) else lay.param
+    return dataclasses.replace(lay, param=param, grad=primary(lay.grad), update=primary(lay.update))
+
+
 def spec(placement: Placement, ndim: int, lead: str | None = None, data: DataAxis = DATA) -> P:
     """PartitionSpec of a reduced placement (PARTIAL buffers are full-size per device); `lead`
     names a mesh axis that dimension 0 is split over besides; `data` is the mesh's data axis
     (a pair of axes on a hierarchical mesh: a shard is split over both)."""
     if lead is None and not isinstance(placement, Shard):
         return P()
-    axes: list[str | None] = [None] * ndim
+    axes: list[Any] = [None] * ndim
     if isinstance(placement, Shard):
-        axes[placement.dim] = data
+        axes[placement.dim] = data if placement.axis is None else placement.axis
     if lead is not None:
         axes[0] = lead
     return P(*axes)
@@ -171,6 +182,19 @@ class Plan:
     @property
     def data_size(self) -> int:
         return data_size(self.mesh)
+
+    @property
+    def hpz(self) -> int:
+        """Devices in hpZ's secondary parameter partition (1: off)."""
+        return self.config.zero_optimization.zero_hpz_partition_size
+
+    def wire(self, lay: LeafLayout) -> Wire:
+        """How a sharded parameter is gathered: over the axis its placement names, quantized as
+        ZeRO++'s qwZ / qgZ keys say."""
+        zero = self.config.zero_optimization
+        return Wire(axis=lay.param.axis if isinstance(lay.param, Shard) else None,
+                    quantize_weights=zero.zero_quantized_weights,
+                    quantize_gradients=zero.zero_quantized_gradients)
 
     @property
     def n_leaves(self) -> int:
@@ -322,6 +346,10 @@ def plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: 
                 raise ValueError(f"plan: with lead={lead!r} every leaf's dimension 0 must be the "
                                  f"{lead} axis size {mesh.shape[lead]}, got shape {x.shape}")
         layouts = jax.tree.map(lambda lay: dataclasses.replace(lay, lead=lead), layouts, is_leaf=is_layout)
+    if config.zero_optimization.zero_hpz_partition_size > 1:
+        _check_hpz(config, mesh, lead)
+        layouts = jax.tree.map(hpz_layout, layouts, is_leaf=is_layout)
+    _check_quantized(config)
     pol = make_policy(config)
     # after every config check: the kernels' self-check compiles (once per process and backend)
     if not abstract_mesh:
@@ -330,6 +358,35 @@ def plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: 
                 scaler=scaler_config(config), schedule=schedule,
                 tx=tx, abstract_params=abstract, layouts=layouts,
                 kernels=kernels, memory=memory_plan(config, mesh, kernels))
+
+
+def _check_hpz(config: Config, mesh: Mesh | AbstractMesh, lead: str | None) -> None:
+    """hpZ needs stage 3 and a hierarchical data axis whose inner size is the partition size."""
+    zero = config.zero_optimization
+    hpz = zero.zero_hpz_partition_size
+    key = f"zero_optimization.zero_hpz_partition_size: {hpz}"
+    if zero.stage != 3:
+        raise ConfigError(f"{key} needs stage 3 (hpZ keeps a secondary copy of partitioned parameters; stage "
+                          f"{zero.stage} does not partition them); set zero_optimization.stage: 3 or the size to 1")
+    if lead is not None:
+        raise ConfigError(f"{key}: hpZ does not combine with pipeline stages; set it to 1")
+    if zero.offload_param.device != "none":
+        raise ConfigError(f"{key}: hpZ does not combine with offload_param (the secondary copy would live on "
+                          f"the host); remove offload_param or set the size to 1")
+    if DATA_INNER not in mesh.shape:
+        raise ConfigError(f"{key} needs a hierarchical data axis: leave mesh.data_outer/mesh.data_inner unset "
+                          f"(zerojax.make_mesh then builds data_inner = {hpz}) or set mesh.data_inner: {hpz}")
+    if mesh.shape[DATA_INNER] != hpz:
+        raise ConfigError(f"{key}, but the mesh's data_inner axis has {mesh.shape[DATA_INNER]} devices; they must "
+                          f"be equal (the secondary partition is one inner group): set mesh.data_inner: {hpz}")
+
+
+def _check_quantized(config: Config) -> None:
+    zero = config.zero_optimization
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zero, key) and zero.stage != 3:
+            raise ConfigError(f"zero_optimization.{key}: ZeRO++ quantizes stage 3's parameter gathers and their "
+                              f"gradient reduce-scatters; stage {zero.stage} has none; set stage: 3 or remove it")
 
 
 def _layer_axes_per_leaf(layer_axes: Any, abstract: Any) -> Any:
@@ -378,9 +435,11 @@ def memory_report(p: Plan) -> MemoryReport:
                 kept += size * width * (not isinstance(place, Shard))
     host_master = (planned_bytes(p.abstract_params, p.update_storage, pol.master, host_only=True)
                    if pol.mixed else 0)
+    # hpZ's secondary copy is split over one inner group: Ψ/hpz parameters per device.
+    param_share = 1 / p.hpz if p.hpz > 1 else share(PARAMETERS)
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
-        formula_params=pol.param.itemsize * psi * share(PARAMETERS),
+        formula_params=pol.param.itemsize * psi * param_share,
         formula_grads=pol.accum.itemsize * psi * share(GRADIENTS),
         formula_optimizer=k * psi * share(OPTIMIZER),
         replicated_fraction=kept / total if total else 0.0,

@@ -42,12 +42,15 @@ def request_cpu_devices(n: int | None) -> None:
 
 def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Mesh from the config's `mesh` section: (`stage`, `data`) axes, `data` by default all devices;
-    with `mesh.data_outer`, the data axis is (`data_outer`, `data_inner`) (`hierarchical_mesh`).
+    with `mesh.data_outer` / `mesh.data_inner`, the data axis is (`data_outer`, `data_inner`)
+    (`hierarchical_mesh`); with neither, `zero_optimization.zero_hpz_partition_size` > 1 builds that
+    mesh with `data_inner` = the hpZ partition size.
 
     `config` is a Config, a dict or a config file path (as `initialize` takes it)."""
     config = as_config(config)
     devices = list(devices if devices is not None else jax.devices())
-    if config.mesh.data_outer is not None or config.mesh.data_inner is not None:
+    if (config.mesh.data_outer is not None or config.mesh.data_inner is not None
+            or config.zero_optimization.zero_hpz_partition_size > 1):
         return hierarchical_mesh(config, devices)
     stage = config.mesh.stage
     if len(devices) % stage:
@@ -82,6 +85,9 @@ def hierarchical_sizes(config: Config, n_devices: int) -> tuple[int, int]:
         raise ConfigError(f"mesh.data: {data} of the {n_devices} devices with a hierarchical data axis; it must use "
                           f"every device (remove mesh.data, or run on {data} devices)")
     outer, inner = m.data_outer, m.data_inner
+    hpz = config.zero_optimization.zero_hpz_partition_size
+    if outer is None and inner is None and hpz > 1:
+        inner = hpz  # ZeRO++ hpZ: one secondary partition per inner group
     if outer is None:
         outer = data // inner if inner and data % inner == 0 else None
         if outer is None:

@@ -27,8 +27,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zerojax import remat
-from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, is_gathering, move, to_varying,
-                                 unwrap, zeros_like_local)
+from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering,
+                                 move, to_varying, unwrap, zeros_like_local)
 from zerojax.config import Config, as_config
 from zerojax.gather_at_use import Prefetch, gather_at_use
 from zerojax.layout import LeafLayout, Plan, is_layout, map_layouts
@@ -53,8 +53,14 @@ def _gathered_up_front(lay: LeafLayout) -> bool:
 
 
 def _grad_source(lay: LeafLayout) -> Any:
-    """A gathered parameter's gradient comes back reduce-scattered; a replicated one's is PARTIAL."""
-    return lay.param if isinstance(lay.param, Shard) and not _gathered_up_front(lay) else PARTIAL
+    """A gathered parameter's gradient comes back reduce-scattered over the axis it was gathered over
+    (all of the data axis, or - hpZ - the inner axis only, still to be summed over the outer one);
+    a replicated one's is PARTIAL."""
+    if not isinstance(lay.param, Shard) or _gathered_up_front(lay):
+        return PARTIAL
+    if isinstance(lay.grad, Shard) and lay.grad.axis != lay.param.axis:
+        return PartialShard(lay.param.dim, lay.param.axis)
+    return lay.param
 
 
 def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
@@ -69,9 +75,14 @@ def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
         if _gathered_up_front(lay):
             # A per-device (varying) gather outside the differentiated function: the gradient is
             # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
-            return jax.lax.all_gather(bring_in(x, stored), data_axis(), axis=0, tiled=True)
+            whole = gather_shard(bring_in(x, stored), 0, plan.wire(lay))
+            return to_varying(whole) if for_grad else whole
         if isinstance(lay.param, Shard):
-            return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None)
+            if for_grad and lay.param.axis is not None:
+                # hpZ: the secondary copy is whole across data_outer; typed per-device there, its gradient
+                # stays a per-host partial sum that the step reduce-scatters itself (`PartialShard`).
+                x = to_varying(x)
+            return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None, wire=plan.wire(lay))
         x = bring_in(x, stored)
         return to_varying(x) if for_grad else x
     return map_layouts(one, plan.layouts, params)
@@ -158,7 +169,8 @@ class GradAverage(NamedTuple):
 
 def reduced_in_backward(plan: Plan) -> bool:
     """Some gradient is reduce-scattered inside the backward pass (ZeRO-3 gathered parameters)."""
-    return any(isinstance(_grad_source(lay), Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+    return any(isinstance(_grad_source(lay), (Shard, PartialShard))
+               for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
 
 
 def grad_average(plan: Plan) -> GradAverage:
@@ -221,7 +233,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
                 lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm,
-                                    pre=avg.pre, post=avg.post),
+                                    pre=avg.pre, post=avg.post, quantized=plan.wire(lay).quantize_gradients),
                 layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
 
