@@ -34,7 +34,7 @@ def render_reference() -> str:
 def _header() -> str:
     return f"""# Configuration reference
 
-<!-- Generated from zerojax/config.py; do not edit by hand. Regenerate with: {REGENERATE} -->
+<!-- Generated from zerojax/config/schema/; do not edit by hand. Regenerate with: {REGENERATE} -->
 
 A zerojax config is a DeepSpeed config plus zerojax's own sections (`mesh`, `model`, `data`, `run`,
 `checkpoint`, `distributed`, `kernels`). It is a dict, or a file: JSON (comments and trailing commas
@@ -95,8 +95,8 @@ def _compatibility() -> str:
 def _bringing() -> str:
     """What happens to a config written for DeepSpeed or the Hugging Face Trainer."""
     hidden = "\n".join(f"| `zero_optimization.{k}` | {formula.replace('^2', '²')} |"
-                        for k, (formula, _) in schema._HIDDEN_FILLS.items())
-    trainer = ", ".join(f"`{k}`" for k in schema._TRAINER_ONLY
+                        for k, (formula, _) in schema.HIDDEN_FILLS.items())
+    trainer = ", ".join(f"`{k}`" for k in schema.TRAINER_ONLY
                         if not k.startswith("scheduler") and k not in schema.BATCH_KEYS)
     accepted = [(k, f) for k, f in schema.FOREIGN_KEYS.items() if f.refuse is None]
     refused = [(k, f) for k, f in schema.FOREIGN_KEYS.items() if f.refuse is not None]

@@ -181,7 +181,7 @@ def grad_average(plan: Plan) -> GradAverage:
       sum; otherwise the gradient is divided by `gradient_predivide_factor` before and multiplied by
       factor/dp after (default factor 1: sum, then divide);
     * stages 1-3 with `reduce_scatter: true` (stage_1_and_2.average_tensor, stage3's reduce path):
-      divided by dp before the sum (config.py refuses prescale/predivide at stages 2-3 there, as
+      divided by dp before the sum (the config rules refuse prescale/predivide at stages 2-3 there, as
       DeepSpeed asserts, and warns that stage 1 ignores them);
     * ZeRO-3 with gathered parameters: in the loss (see GradAverage).
     """

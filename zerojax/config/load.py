@@ -1,0 +1,111 @@
+"""`load_config`: a file, dict or Config (plus `--set` overrides) to a checked, frozen Config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from zerojax.errors import ConfigError
+from zerojax.config.auto import _fill_auto
+from zerojax.config.files import _load_yaml, _reject_duplicates, read_config_file
+from zerojax.config.paths import _flatten, _show
+from zerojax.config.rules import _check, _derive
+from zerojax.config.schema.optimizer import CLIENT_OPTIMIZER
+from zerojax.config.schema.root import Config
+from zerojax.config.validate import _build, _deepcopy, _given_values, _schema_step
+
+
+def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
+                overrides: Sequence[str] = (), *, hidden_size: int | None = None) -> Config:
+    """Load a config from a dict, a JSON/hjson/YAML file, or pass a Config through.
+
+    `overrides` are `dotted.key=value` strings (value parsed as YAML) applied on top, as the CLI's
+    `--set` does. `hidden_size` is the model's width, for the Hugging Face "auto" values the Trainer
+    derives from it (default: model.d_model). Everything is checked here; nothing touches JAX devices.
+    """
+    origin: dict[str, str] = {}
+    if isinstance(src, Config):
+        if not overrides:
+            return src
+        raw = _given_values(src, "", src.sources, origin)
+    elif isinstance(src, Mapping):
+        raw = _deepcopy(src)
+    elif isinstance(src, (str, os.PathLike)):
+        raw = read_config_file(Path(src))
+    else:
+        raise ConfigError(f"config: expected a dict, a file path or a Config, got {type(src).__name__}")
+    for item in overrides:
+        key, value = _parse_override(item)
+        path = _set_dotted(raw, key, value)
+        for stale in [k for k in origin if k.startswith(path + ".")]:
+            del origin[stale]  # the override replaced the whole section
+        origin[path] = "override"
+    sources: dict[str, str] = {}
+    fills = _fill_auto(raw, hidden_size)
+    config = _build(Config, raw, "", sources, origin)
+    sources.update(fills)
+    config = _derive(config, sources)
+    _check(config, sources)
+    return dataclasses.replace(config, sources=sources)
+
+
+def as_config(config: "Config | Mapping[str, Any] | str | os.PathLike[str]", plan_config: Config | None = None,
+              where: str = "config") -> Config:
+    """What the public functions take as `config` (a Config, a dict or a file path, as `initialize`
+    does), loaded; given the config a plan was made from, the two must agree key for key."""
+    config = load_config(config)
+    if plan_config is not None and getattr(plan_config.optimizer, "type", None) == CLIENT_OPTIMIZER:
+        # the plan records an optimizer passed in code where the config has its section (or none)
+        plan_config = dataclasses.replace(plan_config, optimizer=config.optimizer)
+    if plan_config is not None and config != plan_config:
+        mine, theirs = dict(_flatten(config.to_dict())), dict(_flatten(plan_config.to_dict()))
+        keys = [k for k in {**theirs, **mine} if mine.get(k) != theirs.get(k)]
+        shown = ", ".join(f"{k} {_show(mine.get(k))} (plan: {_show(theirs.get(k))})" for k in keys[:4])
+        raise ConfigError(f"{where}: the config differs from the one the plan was made from in "
+                          f"{len(keys)} key(s): {shown}; pass plan.config, or make the plan from this config")
+    return config
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value parsed as YAML, so 2, true, null, 1e-3 and [0.9, 0.95] work)."""
+    import yaml
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': write it as key.path=value, e.g. zero_optimization.stage=2")
+    key, _, value = item.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}': the key path before '=' has an empty part; write it as "
+                          f"key.path=value, e.g. zero_optimization.stage=2")
+    try:
+        parsed = _load_yaml(value) if value.strip() else None
+    except yaml.YAMLError:
+        return key, value
+    return key, _reject_duplicates(parsed, key)
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> str:
+    """Set a dotted key in the raw tree and return its canonical path (aliases resolved).
+
+    An alias already in the tree (e.g. `bfloat16`) is renamed to its canonical key first, so an
+    override of `bf16.enabled` lands in the same section instead of duplicating it.
+    """
+    parts = key.split(".")
+    node, cls, canon = raw, Config, []
+    for i, part in enumerate(parts):
+        name, aliases, cls = _schema_step(cls, part)
+        for alias in aliases:
+            if alias in node and name not in node:
+                node[name] = node.pop(alias)
+        canon.append(name)
+        if i == len(parts) - 1:
+            node[name] = value
+            break
+        child = node.get(name)
+        if child is None:
+            child = node[name] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: '{'.'.join(canon)}' is a value, not a section")
+        node = child
+    return ".".join(canon)

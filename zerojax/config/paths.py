@@ -1,0 +1,49 @@
+"""Dotted key paths, and a config as the plain data `config.json` holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+from zerojax.config.fields import schema_fields
+from zerojax.config.schema.optimizer import OptimizerConfig
+from zerojax.config.schema.scheduler import SchedulerConfig
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it (JSON where possible; YAML can also give dates and such)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        if isinstance(obj, (OptimizerConfig, SchedulerConfig)):
+            out = {"type": obj.type, "params": _to_plain(obj.params)}
+            for key in ("no_decay", "param_groups"):  # written only when set: DeepSpeed has neither
+                if getattr(obj, key, ()):
+                    out[key] = _to_plain(getattr(obj, key))
+            return out
+        for f in schema_fields(type(obj)):
+            out[f.name] = _to_plain(getattr(obj, f.name))
+        return out
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> Any:
+    for k, v in d.items():
+        path = _join(prefix, k)
+        if isinstance(v, Mapping) and v:
+            yield from _flatten(v, path)
+        else:
+            yield path, v

@@ -1,0 +1,316 @@
+"""Cross-key rules: values derived from others, and combinations DeepSpeed (or zerojax) refuses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from zerojax.errors import ConfigError
+from zerojax.config.fields import ConfigWarning, _warn
+from zerojax.config.schema.optimizer import AdamParams, LambParams, SGDParams, ZERO_TESTED_OPTIMIZERS
+from zerojax.config.schema.root import BATCH_KEYS
+from zerojax.config.schema.scheduler import OneCycleParams, WarmupLRParams
+from zerojax.config.schema.zero import OffloadParamConfig
+
+if TYPE_CHECKING:
+    from zerojax.config.schema.root import Config
+
+
+def _derive(config: Config, sources: dict[str, str]) -> Config:
+    """Fill values DeepSpeed derives from other keys, and mark them 'derived'."""
+    opt = config.optimizer
+    if opt is not None and isinstance(opt.params, AdamParams) and opt.params.weight_decay is None:
+        torch_adamw = opt.params.torch_adam and (opt.type == "adamw" or opt.params.adam_w_mode)
+        wd = 0.01 if torch_adamw else 0.0
+        why = ("torch_adam: torch.optim.AdamW default" if torch_adamw else
+               "torch_adam: torch.optim.Adam default" if opt.params.torch_adam else "FusedAdam default")
+        opt = dataclasses.replace(opt, params=dataclasses.replace(opt.params, weight_decay=wd))
+        sources["optimizer.params.weight_decay"] = f"derived ({why})"
+    if opt is not None and opt.type == "adamw" and isinstance(opt.params, AdamParams):
+        if sources.get("optimizer.params.adam_w_mode") and not opt.params.adam_w_mode:
+            raise ConfigError("optimizer.params.adam_w_mode: false contradicts type AdamW; "
+                              "use type Adam for L2-style weight decay")
+    config = dataclasses.replace(config, optimizer=opt)
+
+    sched = config.scheduler
+    if sched is not None:
+        p = sched.params
+        if type(p) is WarmupLRParams and p.warmup_max_lr is None and config.optimizer is not None:
+            # WarmupDecayLR keeps 0.001; with the optimizer from code there is no lr to default to
+            p = dataclasses.replace(p, warmup_max_lr=config.optimizer.params.lr)
+            sources["scheduler.params.warmup_max_lr"] = "derived (optimizer.params.lr)"
+        if isinstance(p, OneCycleParams):
+            if p.cycle_second_step_size is None:
+                p = dataclasses.replace(p, cycle_second_step_size=p.cycle_first_step_size)
+                sources["scheduler.params.cycle_second_step_size"] = "derived (cycle_first_step_size)"
+            if p.cycle_second_stair_count is None:
+                p = dataclasses.replace(p, cycle_second_stair_count=p.cycle_first_stair_count)
+                sources["scheduler.params.cycle_second_stair_count"] = "derived (cycle_first_stair_count)"
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(sched, params=p))
+
+    zero = config.zero_optimization
+    if zero.overlap_comm is None:
+        zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
+        sources["zero_optimization.overlap_comm"] = "derived (true for stage 3)"
+    if zero.cpu_offload:
+        if zero.offload_optimizer.device not in ("none", "cpu"):
+            raise ConfigError("zero_optimization.cpu_offload: true contradicts offload_optimizer.device="
+                              f"{zero.offload_optimizer.device}; keep only offload_optimizer")
+        zero = dataclasses.replace(zero, offload_optimizer=dataclasses.replace(zero.offload_optimizer,
+                                                                               device="cpu"))
+        sources["zero_optimization.offload_optimizer.device"] = "derived (cpu_offload: true)"
+    if zero.cpu_offload_param:
+        if zero.offload_param.device not in ("none", "cpu"):
+            raise ConfigError("zero_optimization.cpu_offload_param: true contradicts offload_param.device="
+                              f"{zero.offload_param.device}; keep only offload_param")
+        zero = dataclasses.replace(zero, offload_param=dataclasses.replace(zero.offload_param, device="cpu"))
+        sources["zero_optimization.offload_param.device"] = "derived (cpu_offload_param: true)"
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        # DeepSpeed reads offload_param only in stage 3; stages 0-2 keep parameters on the device.
+        _warn(sources, "zero_optimization.offload_param",
+              f"ignored at stage {zero.stage}, as DeepSpeed ignores it (parameter offload is a stage-3 "
+              f"feature); effect: none, parameters stay on the device; set zero_optimization.stage=3 to "
+              f"offload them", f"ignored (stage {zero.stage}; DeepSpeed reads it at stage 3 only)")
+        zero = dataclasses.replace(zero, offload_param=OffloadParamConfig())
+    config = dataclasses.replace(config, zero_optimization=zero)
+
+    config = _derive_model(config, sources)
+    if config.run.log_every is None:
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run,
+                                                                     log_every=config.steps_per_print))
+        sources["run.log_every"] = "derived (steps_per_print)"
+    return _derive_non_finite(_derive_data_source(config, sources), sources)
+
+
+def _derive_model(config: Config, sources: dict[str, str]) -> Config:
+    """Model keys not given: from `model.hf_checkpoint`'s config.json, then each family's defaults."""
+    m = config.model
+    if m.hf_checkpoint is not None:
+        from zerojax.hf import model_keys  # reads config.json only
+        found, where = model_keys(m.hf_checkpoint, m.seq_len if "model.seq_len" in sources else None)
+        changes = {}
+        for key, value in found.items():
+            path = f"model.{key}"
+            if path in sources and getattr(m, key) != value:
+                raise ConfigError(f"{path}: {getattr(m, key)} given, but the checkpoint model.hf_checkpoint "
+                                  f"names has {value} ({where}); remove {path} from the config to take the "
+                                  f"checkpoint's value, or choose a checkpoint of that size")
+            if path not in sources:
+                changes[key] = value
+                sources[path] = f"derived (model.hf_checkpoint {where})"
+        m = dataclasses.replace(m, **changes)
+    if m.d_ff is None:
+        if m.name == "llama":
+            d_ff, why = -(-8 * m.d_model // 3 // 64) * 64, "8/3 * d_model rounded up to a multiple of 64"
+        else:
+            d_ff, why = 4 * m.d_model, "4 * d_model"
+        m = dataclasses.replace(m, d_ff=d_ff)
+        sources["model.d_ff"] = f"derived ({why})"
+    if m.n_kv_heads is None:
+        m = dataclasses.replace(m, n_kv_heads=m.n_heads)
+        sources["model.n_kv_heads"] = "derived (n_heads)"
+    if m.norm_eps is None:
+        m = dataclasses.replace(m, norm_eps=1e-5 if m.name == "llama" else 1e-6)
+        sources["model.norm_eps"] = f"derived ({m.name}'s default)"
+    return dataclasses.replace(config, model=m)
+
+
+def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
+    """`run.non_finite: skip_step` is bf16's skip-on-overflow, for bf16 and fp32 alike."""
+    if config.run.non_finite != "skip_step" or config.bf16.check_grad_overflow:
+        return config
+    sources["bf16.check_grad_overflow"] = "derived (run.non_finite: skip_step)"
+    return dataclasses.replace(config, bf16=dataclasses.replace(config.bf16, check_grad_overflow=True))
+
+
+def _derive_data_source(config: Config, sources: dict[str, str]) -> Config:
+    """A `data.path` means "train on this file": it implies `data.source` (jsonl for *.jsonl, tokens for
+    *.bin, else file) unless the source is written; a written `stdlib` next to a path would silently
+    ignore the file, so that is an error."""
+    data = config.data
+    if data.path is None:
+        return config
+    if "data.source" not in sources:
+        suffix = Path(data.path).suffix.lower()
+        source = {".jsonl": "jsonl", ".bin": "tokens"}.get(suffix, "file")
+        sources["data.source"] = f"derived (data.path is given{f', {suffix}' if source != 'file' else ''})"
+        return dataclasses.replace(config, data=dataclasses.replace(data, source=source))
+    if data.source == "stdlib":
+        raise ConfigError(f"data.path: {data.path} is given but data.source is '{data.source}', which "
+                          f"ignores it; set data.source: file (or jsonl, tokens) to train on the file, or "
+                          f"remove data.path")
+    return config
+
+
+def _check(config: Config, sources: Mapping[str, str] | None = None) -> None:
+    """Cross-key rules that need no devices."""
+    if config.fp16.enabled and config.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled: both true; choose one precision")
+    _check_batch_keys(config, sources or {})
+    if config.optimizer is not None:
+        _check_optimizer(config)
+    _check_sections(config)
+
+
+def _check_optimizer(config: Config) -> None:
+    opt = config.optimizer
+    if config.zero_optimization.stage > 0 and opt.type not in ZERO_TESTED_OPTIMIZERS \
+            and not config.zero_allow_untested_optimizer:
+        raise ConfigError(f"optimizer.type: {opt.type} is not among DeepSpeed's ZeRO-tested optimizers "
+                          f"({', '.join(sorted(ZERO_TESTED_OPTIMIZERS))}); set "
+                          f"zero_allow_untested_optimizer: true to use it with ZeRO stage "
+                          f"{config.zero_optimization.stage}")
+    if isinstance(opt.params, AdamParams) and opt.params.amsgrad:
+        raise ConfigError("optimizer.params.amsgrad: not supported (DeepSpeed's fused Adam rejects it "
+                          "too); remove it")
+    for i, b in enumerate(getattr(opt.params, "betas", ())):
+        if not 0.0 <= b < 1.0:
+            raise ConfigError(f"optimizer.params.betas[{i}]: {b} must be in [0, 1)")
+    if isinstance(opt.params, LambParams) and opt.params.max_grad_norm:
+        raise ConfigError("optimizer.params.max_grad_norm: not supported in the optimizer (DeepSpeed "
+                          "rejects it too); use the top-level gradient_clipping")
+    if isinstance(opt.params, SGDParams) and opt.params.nesterov and (
+            opt.params.momentum <= 0 or opt.params.dampening != 0):
+        raise ConfigError("optimizer.params.nesterov: needs momentum > 0 and dampening 0 (as in torch)")
+    if isinstance(opt.params, LambParams) and opt.params.min_coeff > opt.params.max_coeff:
+        raise ConfigError("optimizer.params.min_coeff: larger than max_coeff; swap them")
+
+
+def _check_averaging(config: Config) -> None:
+    """DeepSpeed's rules for prescale_gradients / gradient_predivide_factor (see step.grad_average)."""
+    zero = config.zero_optimization
+    keys = [k for k, on in (("prescale_gradients", config.prescale_gradients),
+                            ("gradient_predivide_factor", config.gradient_predivide_factor != 1.0)) if on]
+    if not keys:
+        return
+    key = keys[0]
+    if config.mesh.stage > 1:
+        raise ConfigError(f"{key}: not built for pipeline runs (mesh.stage {config.mesh.stage}), whose "
+                          f"gradients are averaged in the loss; remove it")
+    if zero.stage >= 2 and zero.reduce_scatter:
+        # DeepSpeed's stage_1_and_2.py / stage3.py assert the same with reduce-scatter enabled.
+        raise ConfigError(f"{key}: not supported with ZeRO stage {zero.stage} and reduce_scatter (DeepSpeed "
+                          f"asserts the same: its reduce-scatter divides by the data-parallel size before "
+                          f"the sum); remove it, or set zero_optimization.reduce_scatter: false"
+                          + (" at stage 2" if zero.stage == 3 else ""))
+    if zero.stage == 3:
+        raise ConfigError(f"{key}: not supported at ZeRO stage 3: the gradient reduce-scatter is the "
+                          f"transpose of the parameter gather inside the backward pass, so nothing can "
+                          f"run between a gradient and its sum; remove it, or use stage 2 with "
+                          f"reduce_scatter: false")
+    if zero.stage == 1 and zero.reduce_scatter:
+        warnings.warn(f"{key}: ignored at ZeRO stage 1 with reduce_scatter (DeepSpeed's reduce-scatter path "
+                      f"divides by the data-parallel size before the sum and ignores it too); set "
+                      f"zero_optimization.reduce_scatter: false to use it", ConfigWarning, stacklevel=4)
+
+
+def _check_sections(config: Config) -> None:
+    _check_averaging(config)
+    from zerojax.hlo import OP_NAMES
+    for i, name in enumerate(config.comms_logger.prof_ops):
+        if name not in OP_NAMES:
+            raise ConfigError(f"comms_logger.prof_ops[{i}]: '{name}' is not a collective; use one of "
+                              f"all_reduce, reduce_scatter, all_gather, all_to_all, collective_permute")
+    zero = config.zero_optimization
+    ac = config.activation_checkpointing
+    if ac.cpu_checkpointing and ac.policy == "everything":
+        raise ConfigError("activation_checkpointing.cpu_checkpointing: policy 'everything' keeps every "
+                          "intermediate on the device and recomputes nothing, so there is nothing to offload; "
+                          "choose policy nothing, dots_no_batch or dots, or set cpu_checkpointing: false")
+    if config.mesh.stage > 1 and (ac.policy is not None or ac.cpu_checkpointing):
+        key = "policy" if ac.policy is not None else "cpu_checkpointing"
+        raise ConfigError(f"activation_checkpointing.{key}: not applied to pipeline stages (mesh.stage is "
+                          f"{config.mesh.stage}); remove it and use pipeline.activation_checkpoint_interval, "
+                          "which rematerializes runs of layers inside each stage")
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
+                          "(stage is 0); set zero_optimization.stage or remove offload_optimizer")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(zero, key).device == "nvme":
+            raise ConfigError(_NVME_REFUSED.format(key=key))
+    pipe = config.pipeline
+    if pipe.chunks > 1 and pipe.schedule != "interleaved":
+        raise ConfigError(f"pipeline.chunks: {pipe.chunks} chunks per stage need pipeline.schedule: "
+                          f"interleaved (got {pipe.schedule}); set the schedule or chunks: 1")
+    if pipe.schedule == "interleaved" and pipe.chunks < 2:
+        raise ConfigError("pipeline.chunks: the interleaved schedule needs at least 2 chunks per stage; "
+                          "set pipeline.chunks: 2 (or more)")
+    sched = config.scheduler
+    if sched is not None and sched.type == "OneCycle":
+        p = sched.params
+        if p.cycle_min_lr > p.cycle_max_lr:
+            raise ConfigError("scheduler.params.cycle_min_lr: larger than cycle_max_lr; swap them")
+    m = config.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads: {m.n_heads} does not divide model.d_model {m.d_model}; "
+                          f"choose a divisor such as {next(h for h in (8, 4, 2, 1) if m.d_model % h == 0)}")
+    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} does not divide model.n_heads {m.n_heads}; "
+                          f"each key/value head serves a whole group of query heads, so choose a divisor")
+    if m.name == "gpt" and m.n_kv_heads not in (None, m.n_heads):
+        raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} differs from n_heads, but the gpt model has "
+                          f"plain multi-head attention; remove it, or set model.name: llama")
+    if m.name == "gpt" and m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings: the gpt model keeps its own LM head; remove it, or set "
+                          "model.name: llama")
+    data = config.data
+    if data.source != "stdlib" and not data.path:
+        kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file"}[data.source]
+        raise ConfigError(f"data.path: required when data.source is '{data.source}'; give {kind}")
+    if data.source == "jsonl" and not data.tokenizer:
+        raise ConfigError("data.tokenizer: data.source: jsonl needs a tokenizer; give the path of a "
+                          "tokenizer.json (Hugging Face `tokenizers` format)")
+    if data.source == "tokens" and data.tokenizer:
+        raise ConfigError("data.tokenizer: a data.source: tokens file is already tokenized; remove "
+                          "data.tokenizer (the model's vocab_size must cover its ids)")
+
+
+def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
+    """The triad rules that hold for any data-parallel size: one of the two batch sizes is needed."""
+    if config.train_batch_size is not None or config.train_micro_batch_size_per_gpu is not None:
+        return
+    auto = [k for k in BATCH_KEYS if sources.get(k) == "derived ('auto')"]
+    if auto:
+        raise ConfigError(f"{auto[0]}: 'auto' has nothing to be derived from; write "
+                          f"train_micro_batch_size_per_gpu (rows per device per micro-step) or "
+                          f"train_batch_size as a number ('auto' may stay on the others)")
+    if config.gradient_accumulation_steps is not None:
+        raise ConfigError("train_batch_size: gradient_accumulation_steps alone cannot fix the batch; "
+                          "also give train_batch_size or train_micro_batch_size_per_gpu")
+    raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu")
+
+
+_NVME_REFUSED = ("zero_optimization.{key}.device: nvme is not supported (DeepSpeed's ZeRO-Infinity NVMe "
+                 "swapping is not built in zerojax); use cpu (host memory, docs/offload.md) or none")
+
+
+def unsupported_features(config: Config) -> list[str]:
+    """Keys that parse and validate but whose feature is not built yet: using them is an error."""
+    out = []
+    zero = config.zero_optimization
+    if config.fp16.fp16_master_weights_and_grads:
+        out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(zero, key).device == "nvme":
+            out.append(_NVME_REFUSED.format(key=key))
+    if zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.ratio < 1.0:
+        out.append(f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
+                   f"offload) is not supported; use 1.0")
+    if not zero.ignore_unused_parameters:
+        out.append("zero_optimization.ignore_unused_parameters: false is not supported (DeepSpeed raises for a "
+                   "parameter that received no gradient; JAX differentiates every parameter, giving unused ones "
+                   "zero gradients, so none can be told apart); remove the key, or drop the unused parameters "
+                   "from the model")
+    if zero.mics_shard_size > 0:
+        out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
+    if config.wandb.enabled:
+        out.append("wandb.enabled: not supported (no network access); use tensorboard or csv_monitor")
+    return out
+
+
+def check_supported(config: Config) -> None:
+    problems = unsupported_features(config)
+    if problems:
+        raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

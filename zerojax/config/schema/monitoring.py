@@ -1,0 +1,52 @@
+"""What a run reports: `tensorboard`, `csv_monitor`, `wandb`, `flops_profiler`, `comms_logger`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from zerojax.config.fields import option
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """A metrics writer (TensorBoard or CSV)."""
+    enabled: bool = option(False, "Write Train/Samples/* events.")
+    output_path: str = option("", "Directory (default: the run's output_dir).")
+    job_name: str = option("DeepSpeedJobName", "Sub-directory per job.")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (not supported: it needs a network; use tensorboard or csv_monitor)."""
+    enabled: bool = option(False, "Log to wandb (not supported).")
+    group: Optional[str] = option(None, "wandb group.")
+    team: Optional[str] = option(None, "wandb entity.")
+    project: str = option("deepspeed", "wandb project.")
+
+
+@dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """FLOPs profiler: FLOPs from the compiled step, latency and TFLOPS."""
+    enabled: bool = option(False, "Print the profile once at profile_step.")
+    recompute_fwd_factor: float = option(0.0, "Accepted, unused.")
+    profile_step: int = option(1, "Step at which to profile.", ge=1)
+    module_depth: int = option(-1, "Accepted, unused.")
+    top_modules: int = option(1, "Accepted, unused.")
+    detailed: bool = option(True, "Accepted, unused.")
+    output_file: Optional[str] = option(None, "Write the profile here instead of stdout.")
+
+
+@dataclass(frozen=True)
+class CommsLoggerConfig:
+    """DeepSpeed's communication logger: the train step's collectives, counted from its compiled HLO.
+
+    Count and bytes per device per step; no per-op latency, as they run inside one program."""
+    enabled: bool = option(False, "Print the step's collectives at the first print step and totals at "
+                                  "the end of the run.")
+    verbose: bool = option(False, "Also list every collective (kind, dtype, bytes, group, runs per step).")
+    prof_all: bool = option(True, "Report every collective; false: only those named in prof_ops.")
+    debug: bool = option(False, "With verbose: also name the HLO computation each collective sits in.")
+    prof_ops: tuple[str, ...] = option((), "With prof_all false: the collectives to report (all_reduce, "
+                                 "reduce_scatter, all_gather, all_to_all, collective_permute; DeepSpeed's "
+                                 "torch names such as all_gather_into_tensor are accepted).")

@@ -1,0 +1,104 @@
+"""zerojax's job sections: the `model`, the `data`, the `run` loop and `checkpoint` saving.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from zerojax.config.fields import option
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing: DeepSpeed's keys plus retention and async saving."""
+    tag_validation: str = option("Warn", "A tag passed to save_checkpoint must be the same on every process: "
+                                         "Ignore | Warn | Fail.", choices=("Ignore", "Warn", "Fail"))
+    load_universal: bool = option(False, "Accepted; every checkpoint is universal.")
+    use_node_local_storage: bool = option(False, "Accepted, unused.")
+    async_save: bool = option(False, "Write checkpoints in the background (a save returns before it is "
+                                     "durable; finished at exit).")
+    max_to_keep: Optional[int] = option(None, "Keep at most this many checkpoints (None: all).", gt=0)
+    keep_every_n_steps: Optional[int] = option(None, "Also keep every checkpoint at a multiple of this step.",
+                                               gt=0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model train.py builds: the embedded byte-level GPT, or a Llama-family model."""
+    name: str = option("gpt", "Model family: gpt (learned positions, LayerNorm, GELU; GPT-2's shape) or llama "
+                              "(RMSNorm, rotary positions, SwiGLU, grouped-query attention).",
+                       choices=("gpt", "llama"))
+    vocab_size: int = option(256, "Vocabulary (256: bytes).", gt=0)
+    seq_len: int = option(128, "Context length in tokens.", gt=0)
+    d_model: int = option(128, "Width.", gt=0)
+    n_layers: int = option(4, "Transformer blocks (stacked and scanned).", gt=0)
+    n_heads: int = option(4, "Attention heads; must divide d_model.", gt=0)
+    d_ff: Optional[int] = option(None, "MLP width (default: 4 * d_model for gpt; for llama 8/3 * d_model "
+                                       "rounded up to a multiple of 64).", gt=0)
+    remat: bool = option(True, "Rematerialize each block in the backward pass (keeping its input only); "
+                                "activation_checkpointing.policy or cpu_checkpointing, when set, decide instead.")
+    init_std: float = option(0.02, "Std of the normal initializer.", gt=0)
+    n_kv_heads: Optional[int] = option(None, "llama: key/value heads of grouped-query attention; must divide "
+                                             "n_heads (default: n_heads, plain multi-head attention).", gt=0)
+    rope_theta: float = option(10000.0, "llama: base of the rotary position embedding frequencies.", gt=0)
+    norm_eps: Optional[float] = option(None, "Epsilon of the norms (default: 1e-6 for gpt, 1e-5 for llama; "
+                                             "GPT-2 uses 1e-5).", gt=0)
+    tie_embeddings: bool = option(False, "llama: the LM head is the transposed token embedding (no head "
+                                         "parameter).")
+    hf_checkpoint: Optional[str] = option(
+        None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
+              "not; Llama-family or GPT-2) to start from: its weights are read straight into the plan's "
+              "shards, and model keys not given are taken from its config.json.")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data: the embedded corpus (Python's standard library source), a text or JSONL file, or a token file."""
+    source: str = option("stdlib", "stdlib: the embedded corpus, as bytes. file: a text file (bytes, or tokens "
+                                   "with data.tokenizer). jsonl: one JSON document a line, tokenized with "
+                                   "data.tokenizer. tokens: a flat array of token ids (nanoGPT/Megatron .bin), "
+                                   "memory-mapped. Default with data.path: jsonl for *.jsonl, tokens for *.bin, "
+                                   "else file.", choices=("stdlib", "file", "jsonl", "tokens"))
+    path: Optional[str] = option(None, "The file to train on (implies data.source, see there).")
+    max_bytes: int = option(4_000_000, "Read at most this many bytes of a text corpus (stdlib, file, jsonl).",
+                            gt=0)
+    val_fraction: float = option(0.05, "Fraction held out for validation (the end of the token stream).",
+                                 gt=0, le=0.5)
+    seed: int = option(0, "Seed of the batch order.")
+    dtype: str = option("uint16", "Element type of a data.source: tokens file (uint16 for vocabularies up to "
+                                  "65536, else uint32).", choices=("uint16", "uint32"))
+    tokenizer: Optional[str] = option(None, "A Hugging Face `tokenizers` tokenizer.json that tokenizes text "
+                                            "and JSONL files (needs `pip install zerojax[tokenizers]`).")
+    text_key: str = option("text", "The field of each JSONL line that holds the document's text.")
+    eos_id: Optional[int] = option(None, "Token id that ends each document: appended after every tokenized "
+                                         "document, and where the loss stops (default: the tokenizer's "
+                                         "end-of-text token; none for a tokens file: give it to mask its "
+                                         "document boundaries).", ge=0)
+    mask_boundaries: bool = option(True, "Packed windows: no loss for predicting a document's first token "
+                                         "from the previous document's end (needs an eos_id).")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The training job run by train.py."""
+    steps: int = option(200, "Optimizer steps to run.", gt=0)
+    output_dir: str = option("runs/zerojax", "Where metrics.jsonl and config.json are written.")
+    seed: int = option(0, "Seed of the parameter initialization.")
+    eval_batches: int = option(4, "Validation batches evaluated at the end.", ge=0)
+    progress: bool = option(True, "Show a progress bar.")
+    log_every: Optional[int] = option(None, "Steps between metrics lines (default: steps_per_print).", gt=0)
+    checkpoint_dir: Optional[str] = option(
+        None, "Where checkpoints go (default: <output_dir>/checkpoints of this run).")
+    save_every: Optional[int] = option(None, "Steps between checkpoints (a final one is always saved; "
+                                             "null: only the final one).", gt=0)
+    non_finite: str = option("stop", "A non-finite loss or gradient norm in a bf16/fp32 run. stop: the run "
+                                     "stops when the metrics are next fetched (print steps, saves), naming the "
+                                     "step and the first non-finite gradients, saves nothing past it and exits 1. "
+                                     "skip_step: the step is skipped as fp16 skips overflows (sets "
+                                     "bf16.check_grad_overflow); the run stops only if the parameters themselves "
+                                     "turn non-finite.", choices=("stop", "skip_step"))
+    signal_save_seconds: int = option(120, "On SIGINT, SIGTERM or SIGUSR1: at most this many seconds to save a "
+                                           "checkpoint before the run exits (130, 143, 138).", gt=0)
+    sample_tokens: int = option(48, "Tokens of text generated from the trained model and printed at the end of "
+                                    "the run (one process; the embedded GPT or the Llama); 0: none. `zerojax sample` makes "
+                                    "more.", ge=0)
