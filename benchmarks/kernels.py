@@ -17,7 +17,6 @@ step of the embedded GPT lowered for CUDA with `kernels: pallas`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import statistics
@@ -265,7 +264,7 @@ def step_section(devices: int) -> dict:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
     params = gpt.init_params(cfg.model, 0)
     plan = zerojax.plan(cfg, mesh, params)
-    plan = dataclasses.replace(plan, kernels="triton")
+    plan = plan.with_kernels("triton")
     state = zerojax.init_state(cfg, plan, params)
     tokens = np.zeros((cfg.batch(devices).train_batch_size, cfg.model.seq_len + 1), np.int32)
     step = zerojax.make_train_step(cfg, plan, gpt.make_loss_fn(cfg.model))

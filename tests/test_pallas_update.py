@@ -8,7 +8,6 @@ shows what a GPU would run: two kernel launches per step, reading and writing th
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -161,7 +160,7 @@ def test_step_lowers_for_cuda_with_two_launches_in_place(stage: int, dtype: str)
     # slices, tests/test_user_models.py); off here, so every concatenate left is the update's own.
     cfg = make_config(stage, dtype=dtype, optimizer=ADAM, kernels="pallas", zero_optimization={
         "stage": stage, "stage3_param_persistence_threshold": 0, "overlap_comm": False})
-    p = dataclasses.replace(zerojax.plan(cfg, data_mesh(), PARAMS0), kernels="triton")
+    p = zerojax.plan(cfg, data_mesh(), PARAMS0).with_kernels("triton")
     state = zerojax.init_state(cfg, p, PARAMS0)
     text = zerojax.make_train_step(cfg, p, mse_loss).trace(state, BATCHES[0]).lower(
         lowering_platforms=("cuda",)).as_text()

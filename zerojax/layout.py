@@ -7,6 +7,7 @@ per-leaf placements and `NamedSharding`s; the train step reads them and never as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -163,22 +164,53 @@ class MemoryReport(NamedTuple):
         return "\n".join(out)
 
 
+class UpdateRule(NamedTuple):
+    """How the update is computed, apart from where state lives: the optax transformation, its
+    learning-rate schedule, the fp16 loss scaler and the backend that runs the update."""
+    tx: optax.GradientTransformation
+    schedule: LrSchedule
+    scaler: ScalerConfig
+    kernels: str = "xla"           # optimizer-update backend: xla, triton, mosaic_gpu or interpret
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """Everything the step needs to know about where state lives, derived from the config."""
+    """Where every piece of state lives, derived from the config; the update rule rides along.
+
+    Derived trees (shardings, specs, abstract optimizer state) are computed once, on first use.
+    """
     config: Config
     mesh: Mesh
     stage: int
     batch: BatchSize
     policy: Policy
-    scaler: ScalerConfig
-    schedule: LrSchedule
-    tx: optax.GradientTransformation
+    rule: UpdateRule
     abstract_params: Any           # ShapeDtypeStructs of the logical (fp32) parameters
     layouts: Any                   # LeafLayout per parameter leaf
-    kernels: str = "xla"           # optimizer-update backend: xla, triton, mosaic_gpu or interpret
     memory: Memory = Memory()      # memory kinds of stored state and where the update runs (offload)
 
+    # -- the update rule, by name (what the step reads) ----------------------------------------
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        return self.rule.tx
+
+    @property
+    def schedule(self) -> LrSchedule:
+        return self.rule.schedule
+
+    @property
+    def scaler(self) -> ScalerConfig:
+        return self.rule.scaler
+
+    @property
+    def kernels(self) -> str:
+        return self.rule.kernels
+
+    def with_kernels(self, kernels: str) -> "Plan":
+        """The same plan with the update run by another backend (e.g. "xla" or "triton")."""
+        return dataclasses.replace(self, rule=self.rule._replace(kernels=kernels))
+
+    # -- where state lives ---------------------------------------------------------------------
     @property
     def data_size(self) -> int:
         return data_size(self.mesh)
@@ -196,11 +228,11 @@ class Plan:
                     quantize_weights=zero.zero_quantized_weights,
                     quantize_gradients=zero.zero_quantized_gradients)
 
-    @property
+    @functools.cached_property
     def n_leaves(self) -> int:
         return len(jax.tree.leaves(self.abstract_params))
 
-    @property
+    @functools.cached_property
     def leaf_paths(self) -> list[str]:
         """Each parameter leaf's path, in tree order (for messages)."""
         return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(self.abstract_params)]
@@ -211,26 +243,26 @@ class Plan:
                                                                         data)),
                            self.layouts, self.abstract_params)
 
-    @property
+    @functools.cached_property
     def param_shardings(self) -> Any:
         return self._shardings("param")
 
-    @property
+    @functools.cached_property
     def grad_shardings(self) -> Any:
         """Shardings of the gradient accumulator (PARTIAL accumulators are whole on each device)."""
         return self._shardings("grad")
 
-    @property
+    @functools.cached_property
     def update_shardings(self) -> Any:
         """Shardings of reduced gradients at the update, of the master copy and of optimizer state."""
         return self._shardings("update")
 
-    @property
+    @functools.cached_property
     def param_specs(self) -> Any:
         """PartitionSpecs of `param_shardings` (shard_map's in/out specs)."""
         return jax.tree.map(lambda s: s.spec, self.param_shardings)
 
-    @property
+    @functools.cached_property
     def update_specs(self) -> Any:
         """PartitionSpecs of `update_shardings` (shard_map's in/out specs)."""
         return jax.tree.map(lambda s: s.spec, self.update_shardings)
@@ -242,17 +274,17 @@ class Plan:
     def _stored(self, shardings: Any, kind: str | None) -> Any:
         return shardings if kind is None else jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
 
-    @property
+    @functools.cached_property
     def param_storage(self) -> Any:
         """Where parameters live between steps: `param_shardings` in the plan's parameter memory."""
         return self._stored(self.param_shardings, self.memory.params)
 
-    @property
+    @functools.cached_property
     def update_storage(self) -> Any:
         """Where the fp32 master copy lives between steps (host memory under optimizer offload)."""
         return self._stored(self.update_shardings, self.memory.optimizer)
 
-    @property
+    @functools.cached_property
     def opt_state_storage(self) -> Any:
         """Where optimizer state lives between steps: parameter-shaped leaves follow the master copy,
         counters and scalars stay on the device."""
@@ -264,13 +296,13 @@ class Plan:
             self.tx, lambda _, sharding: sharding, self.abstract_opt_state, update,
             transform_non_params=lambda _: self.replicated)
 
-    @property
+    @functools.cached_property
     def abstract_opt_state(self) -> Any:
         master = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, self.policy.master),
                               self.abstract_params)
         return jax.eval_shape(self.tx.init, master)
 
-    @property
+    @functools.cached_property
     def opt_state_shardings(self) -> Any:
         """Parameter-shaped optimizer leaves follow `update`; counters and scalars are replicated."""
         return self._opt_state_following(self.update_shardings)
@@ -355,9 +387,8 @@ def plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: 
     if not abstract_mesh:
         kernels = settle_kernels(config.kernels, kernels, mesh.local_devices[0])
     return Plan(config=config, mesh=mesh, stage=stage, batch=batch, policy=pol,
-                scaler=scaler_config(config), schedule=schedule,
-                tx=tx, abstract_params=abstract, layouts=layouts,
-                kernels=kernels, memory=memory_plan(config, mesh, kernels))
+                rule=UpdateRule(tx, schedule, scaler_config(config), kernels), abstract_params=abstract,
+                layouts=layouts, memory=memory_plan(config, mesh, kernels))
 
 
 def _check_hpz(config: Config, mesh: Mesh | AbstractMesh, lead: str | None) -> None:

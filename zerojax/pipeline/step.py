@@ -126,7 +126,7 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
         if config.kernels == "pallas":
             raise ConfigError("kernels: 'pallas' is not supported with pipeline parallelism yet; use "
                               "kernels: auto or xla (pipelines run the optax update)")
-        plan = dataclasses.replace(plan, kernels=XLA)
+        plan = plan.with_kernels(XLA)
     lay = plan.layouts[ROWS]
     pol = plan.policy
     interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
