@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from zerojax.collectives import PLAIN, ParamShard, Wire, gather_shard, reduce_scatter_shard
+from zerojax.jaxpr_eval import bind, interpret
 from zerojax.mesh import data_axis
 
 # Primitives that commute with slicing a stacked leading axis (used to carry a parameter's
@@ -101,7 +102,7 @@ class Deferred:
             return gathered(self)
         eqn, args = self.recipe
         vals = [a.build(gathered, tag) if isinstance(a, Deferred) else a for a in args]
-        return tag(_bind(eqn, vals)[0])
+        return tag(bind(eqn, vals)[0])
 
 
 def _is_scalar(x: Any) -> bool:
@@ -118,13 +119,6 @@ def _gather_leaf(leaf: Deferred) -> Any:
 
 def _axis_size(wire: Wire) -> int:
     return jax.lax.axis_size(data_axis() if wire.axis is None else wire.axis)
-
-
-def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*args, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _is_traced(x: Any) -> bool:
@@ -168,36 +162,25 @@ def _materialize(region: _Region, x: Any) -> Any:
 
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], region: _Region) -> list[Any]:
     """Evaluate `jaxpr` on values that may be `Deferred`; outputs may be Deferred too."""
-    env: dict[Any, Any] = {}
+    return interpret(jaxpr, consts, args, lambda eqn, ins: _equation(eqn, ins, region))
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
 
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        rule = _RULES.get(eqn.primitive.name)
-        if rule is not None:
-            outs = rule(eqn, ins, region)
-        elif not any(isinstance(x, Deferred) for x in ins):
-            outs = _bind(eqn, ins)
-        elif not eqn.primitive.multiple_results and not any(_is_traced(x) for x in ins):
-            # Reads only parameters and constants: part of the parameter's recipe.
-            outs = [Deferred(recipe=(eqn, ins))]
-        else:
-            outs = _consume(eqn, ins, region)
-        for v, x in zip(eqn.outvars, outs):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+def _equation(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
+    rule = _RULES.get(eqn.primitive.name)
+    if rule is not None:
+        return rule(eqn, ins, region)
+    if not any(isinstance(x, Deferred) for x in ins):
+        return bind(eqn, ins)
+    if not eqn.primitive.multiple_results and not any(_is_traced(x) for x in ins):
+        # Reads only parameters and constants: part of the parameter's recipe.
+        return [Deferred(recipe=(eqn, ins))]
+    return _consume(eqn, ins, region)
 
 
 def _consume(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
     """An equation that reads activations and (not yet gathered) parameters."""
     if region.gather_once:
-        return _bind(eqn, [_materialize(region, x) for x in ins])
+        return bind(eqn, [_materialize(region, x) for x in ins])
     leaves = list({id(l): l for x in ins if isinstance(x, Deferred) for l in x.leaves()}.values())
     traced_pos = [i for i, x in enumerate(ins) if _is_traced(x)]
 
@@ -217,7 +200,7 @@ def _consume(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
         for i, t in zip(traced_pos, traced):
             vals[i] = t
         vals = [x.rebased(new).build(gathered, lambda v: v) if isinstance(x, Deferred) else x for x in vals]
-        return _bind(eqn, vals)
+        return bind(eqn, vals)
 
     # The forward pass keeps only the shards and the activations; the backward pass gathers the
     # weight again. A `jax.checkpoint` would say the same, but XLA:CPU drops optimization barriers

@@ -31,10 +31,10 @@ from typing import Any, Callable, Optional
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend import core as jcore
 
 from zerojax.config import POLICY_CHOICES, ActivationCheckpointingConfig, Config
 from zerojax.errors import ConfigError
+from zerojax.jaxpr_eval import bind, interpret
 
 __all__ = ["POLICIES", "LAYER_INPUT", "Remat", "resolve", "checkpoint", "for_loss"]
 
@@ -170,41 +170,23 @@ def for_loss(config: Config | ActivationCheckpointingConfig, loss_fn: Callable[.
     return wrapped
 
 
-def _bind(eqn: Any, args: list[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*args, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _eval(jaxpr: Any, consts: Any, args: Any, remat: Remat) -> list[Any]:
-    env: dict[Any, Any] = {}
+    return interpret(jaxpr, consts, args, lambda eqn, ins: _equation(eqn, ins, remat))
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
 
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        if name == "scan":
-            outs = _scan(eqn, ins, remat)
-        elif name in ("checkpoint", "remat2"):
-            outs = _region(eqn, ins, remat)
-        elif name in ("pjit", "jit"):
-            sub = eqn.params["jaxpr"]
-            outs = _eval(sub.jaxpr, sub.consts, ins, remat)
-        elif name in ("closed_call", "core_call"):
-            sub = eqn.params["call_jaxpr"]
-            outs = _eval(sub.jaxpr, getattr(sub, "consts", ()), ins, remat)
-        else:
-            outs = _bind(eqn, ins)
-        for v, x in zip(eqn.outvars, outs):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+def _equation(eqn: Any, ins: list[Any], remat: Remat) -> list[Any]:
+    name = eqn.primitive.name
+    if name == "scan":
+        return _scan(eqn, ins, remat)
+    if name in ("checkpoint", "remat2"):
+        return _region(eqn, ins, remat)
+    if name in ("pjit", "jit"):
+        sub = eqn.params["jaxpr"]
+        return _eval(sub.jaxpr, sub.consts, ins, remat)
+    if name in ("closed_call", "core_call"):
+        sub = eqn.params["call_jaxpr"]
+        return _eval(sub.jaxpr, getattr(sub, "consts", ()), ins, remat)
+    return bind(eqn, ins)
 
 
 def _scan(eqn: Any, ins: list[Any], remat: Remat) -> list[Any]:
