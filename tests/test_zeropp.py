@@ -236,3 +236,26 @@ def test_hpz_with_qgz_quantizes_both_reduction_hops() -> None:
     cs = compiled_collectives(zeropp(hpz=INNER, gas=2, dtype="bf16", qg=True), params, layerwise_loss)
     a2a = [c for c in cs if c.kind == "all-to-all"]
     assert any(c.crosses(HOSTS) for c in a2a) and any(not c.crosses(HOSTS) for c in a2a)
+
+
+@pytest.mark.parametrize("saved_hpz,loaded_hpz", [(INNER, 1), (1, INNER)])
+def test_a_checkpoint_moves_between_hpz_and_plain_zero3(tmp_path: Any, saved_hpz: int, loaded_hpz: int) -> None:
+    """Checkpoints hold logical parameters: a run saved with hpZ resumes without it and the other way
+    round, and both go on exactly as an uninterrupted run."""
+    params = mlp_params(0, divisible=True)
+    batches = [make_batch(32, i) for i in range(4)]
+    first, second = zeropp(hpz=saved_hpz), zeropp(hpz=loaded_hpz)
+    a = zerojax.initialize(first, params=params, loss_fn=layerwise_loss)
+    for b in batches[:2]:
+        a.train_batch(b)
+    a.save_checkpoint(str(tmp_path))
+    b = zerojax.initialize(second, params=params, loss_fn=layerwise_loss)
+    b.load_checkpoint(str(tmp_path))
+    straight = zerojax.initialize(second, params=params, loss_fn=layerwise_loss)
+    for batch in batches[:2]:
+        straight.train_batch(batch)
+    for batch in batches[2:]:
+        got, want = b.train_batch(batch), straight.train_batch(batch)
+        np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(b.params), jax.tree.leaves(straight.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
