@@ -24,7 +24,7 @@ import time
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import output_args  # noqa: E402
+from benchmarks.report import gpt_args, output_args  # noqa: E402
 
 BEGIN = "<!-- benchmarks.estimate:begin -->"
 END = "<!-- benchmarks.estimate:end -->"
@@ -33,11 +33,7 @@ MiB = 2 ** 20
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=7)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro", type=int, default=1, help="rows per device per step")
+    gpt_args(ap, d_model=512, layers=7, heads=8, seq_len=128, micro=1)
     output_args(ap, "estimate.md")
     return ap.parse_args(argv)
 

@@ -10,6 +10,15 @@ from typing import Any, Callable
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
 
+def gpt_args(ap: Any, *, d_model: int, layers: int, heads: int, seq_len: int, micro: int) -> None:
+    """Add the sizes of the byte-level GPT a benchmark builds (defaults are each benchmark's own)."""
+    ap.add_argument("--d-model", type=int, default=d_model)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--heads", type=int, default=heads)
+    ap.add_argument("--seq-len", type=int, default=seq_len)
+    ap.add_argument("--micro", type=int, default=micro, help="rows per device per step")
+
+
 def output_args(ap: Any, page: str, *, warmup: int | None = None, rounds: int | None = None) -> None:
     """Add the options every section benchmark takes: `--warmup` / `--rounds` (untimed and timed
     steps, where the benchmark times anything), `--out` (the docs page, default docs/`page`) and

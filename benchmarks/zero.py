@@ -59,7 +59,7 @@ import zerojax.step  # noqa: E402
 from zerojax import hlo  # noqa: E402
 from zerojax.measure import array_bytes  # noqa: E402
 from benchmarks.fsdp_baseline import make_fsdp  # noqa: E402
-from benchmarks.report import output_args  # noqa: E402
+from benchmarks.report import gpt_args, output_args  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 MiB = 2 ** 20
@@ -68,11 +68,7 @@ FSDP = "FSDP"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=7)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro", type=int, default=1, help="rows per device per step")
+    gpt_args(ap, d_model=512, layers=7, heads=8, seq_len=128, micro=1)
     output_args(ap, "benchmarks.md", warmup=1, rounds=5)
     return ap.parse_args(argv)
 

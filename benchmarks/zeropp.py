@@ -43,7 +43,7 @@ jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would sk
 import numpy as np  # noqa: E402
 
 import zerojax  # noqa: E402
-from benchmarks.report import run_section  # noqa: E402
+from benchmarks.report import gpt_args, output_args, run_section  # noqa: E402
 from zerojax import hlo  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
@@ -61,17 +61,11 @@ CONFIGS = {  # label -> (hpz, quantized weights, quantized gradients)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--micro", type=int, default=2, help="rows per device per step")
+    gpt_args(ap, d_model=128, layers=4, heads=4, seq_len=64, micro=2)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated rows to run (ZeRO-3, the reference, always runs)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                  "docs", "benchmarks.md"))
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    output_args(ap, "benchmarks.md")
     return ap.parse_args(argv)
 
 
