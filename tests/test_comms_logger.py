@@ -71,21 +71,22 @@ def test_run_prints_comms_memory_and_time(tmp_path: Path, capsys: pytest.Capture
         *SMALL, f"run.output_dir={tmp_path / 'run'}", "comms_logger.enabled=true", "comms_logger.prof_all=false",
         "comms_logger.prof_ops=[reduce_scatter_tensor]", "memory_breakdown=true", "wall_clock_breakdown=true",
         "flops_profiler.enabled=true", f"flops_profiler.output_file={profile}"])
-    train(config)
+    summary = train(config)
     out = capsys.readouterr().out
     reports = [block for block in out.split("comms logger:")[1:]]
     assert len(reports) == 2, out  # the first print step, then the whole run
-    # 5 steps ran: the 4 of the run and the one the flops profiler times.
-    assert "per step" in reports[0] and "5 steps" in reports[1]
+    # the run's 4 steps and no more: the flops profiler times one of them, it trains none of its own
+    assert "per step" in reports[0] and "4 steps" in reports[1]
     count1, bytes1 = _row(reports[0], "reduce-scatter")
-    count5, bytes5 = _row(reports[1], "reduce-scatter")
-    assert count1 > 0 and bytes1 > 0 and count5 == 5 * count1 and bytes5 == pytest.approx(5 * bytes1, rel=1e-3)
+    count4, bytes4 = _row(reports[1], "reduce-scatter")
+    assert count1 > 0 and bytes1 > 0 and count4 == 4 * count1 and bytes4 == pytest.approx(4 * bytes1, rel=1e-3)
     assert "all-gather" not in reports[0].split("total")[0]  # prof_ops kept only reduce-scatter
     assert out.count("memory breakdown: measured on device 0") == 2  # steps 2 and 4
     assert len(re.findall(r": live arrays [\d.]+ MiB", out)) == 2 * len(jax.local_devices())
     times = re.findall(r"time per step: data ([\d.]+) ms, dispatch ([\d.]+) ms, device ([\d.]+) ms, log", out)
     assert len(times) == 2, out
     assert "flops profile:" in profile.read_text() and "flops profile:" not in out
+    assert summary["steps"] == 4, summary  # run.steps optimizer steps, none added by the profiler
 
 
 def test_tag_validation_and_unused_parameters() -> None:
