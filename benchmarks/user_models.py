@@ -192,7 +192,8 @@ def make_fsdp_step(params: Any, loss_fn: Callable[..., jax.Array], mesh: Any, *,
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=64, help="global batch rows")
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 4096],
+                    help="global batch rows, one table set per value (default: 8 and 512 rows per device)")
     ap.add_argument("--scan-width", type=int, default=512)
     ap.add_argument("--scan-layers", type=int, default=8)
     ap.add_argument("--loop-width", type=int, default=1024)
@@ -202,6 +203,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    return {rows: _measure_rows(args, rows) for rows in args.rows}
+
+
+def _measure_rows(args: argparse.Namespace, batch_rows: int) -> dict:
     import zerojax
     from zerojax import hlo
 
@@ -213,12 +218,12 @@ def measure(args: argparse.Namespace) -> dict:
         kw = {"constructor": True} if shape == "nnx_scan" else {}
         params, loss_fn, make_batch = SHAPES[shape](width=width, layers=layers, **kw)
         psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(zerojax.sharded_init.abstract_params(params)))
-        data = [make_batch(args.rows, i) for i in range(args.warmup + args.rounds)]
+        data = [make_batch(batch_rows, i) for i in range(args.warmup + args.rounds)]
         runners: dict = {}
         rows: dict = {}
         for stage in CONFIGS:
             cfg = zerojax.load_config({
-                "train_batch_size": args.rows,
+                "train_batch_size": batch_rows,
                 "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
                 "zero_optimization": {"stage": int(stage[0]), "stage3_param_persistence_threshold": 0,
                                       "overlap_comm": stage == "3+prefetch"}})
@@ -230,7 +235,7 @@ def measure(args: argparse.Namespace) -> dict:
             compiled = step.lower(state, data[0]).compile()
             rows[stage] = {"compile_s": time.perf_counter() - t}
             runners[stage] = [compiled, state]
-            print(f"{shape} stage {stage}: compiled", file=sys.stderr, flush=True)
+            print(f"{batch_rows} rows, {shape} stage {stage}: compiled", file=sys.stderr, flush=True)
         whole = params if not isinstance(params, zerojax.ParamsInit) else jax.jit(params.fn)()
         state, step = make_fsdp_step(whole, loss_fn, mesh, lr=lr)
         del whole
@@ -269,7 +274,7 @@ def measure(args: argparse.Namespace) -> dict:
             rows[key]["step_s"] = statistics.median(rows[key]["times"])
         results[shape] = {"psi": psi, "width": width, "layers": layers, "rows": rows}
         runners.clear()
-        print(f"{shape}: measured", file=sys.stderr, flush=True)
+        print(f"{batch_rows} rows, {shape}: measured", file=sys.stderr, flush=True)
     return results
 
 
@@ -278,8 +283,9 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
     frac = (n - 1) / n
     out = [BEGIN, "## Your model: ZeRO on models written without zerojax in mind", "",
            f"`python -m benchmarks.user_models` ({elapsed:.0f} s here): {n} virtual CPU devices, fp32 AdamW, "
-           f"global batch {args.rows}, `stage3_param_persistence_threshold` 0. The loss functions are "
-           "the users' own (benchmarks/user_models.py): no `gathers_params`, no `zerojax.gather`.", "",
+           f"global batches of {' and '.join(str(r) for r in results)} rows, "
+           "`stage3_param_persistence_threshold` 0. The loss functions are the users' own "
+           "(benchmarks/user_models.py): no `gathers_params`, no `zerojax.gather`.", "",
            "- **temp / grads**: the compiled step's temp bytes per device over the full fp32 gradients (4Ψ).",
            "- **peak**: the compiled step's bytes per device at once: arguments (train state, batch) + "
            "temp + outputs not aliased to donated arguments; **stage 0 / this** is how many times "
@@ -289,27 +295,29 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
            "compiled HLO) over 3Ψ(N-1)/N, the ideal of stage 3; stages 0-2 ideally send 2Ψ(N-1)/N "
            "(0.67 on this scale).",
            "- **step / FSDP**: median step time over the auto-sharded FSDP step's (plain `jax.jit`, "
-           "parameters and Adam moments sharded on their largest divisible dimension). Eight devices "
-           "share two cores here: read times as relative, not as speed-ups.", ""]
+           "parameters and Adam moments sharded on their largest divisible dimension), measured side "
+           "by side. Eight devices share two cores here: read times as relative, not as speed-ups.", ""]
     names = {"nnx_scan": "Flax NNX: `nnx.vmap` layers, `nnx.scan` + `nnx.remat` (via `from_nnx(constructor, loss)`)",
              "lax_scan": "plain loss: `lax.scan` + `jax.checkpoint` over stacked layers",
              "loop": "plain loss: Python loop over a list of layers (no scan, no remat)"}
-    for shape, r in results.items():
-        psi, rows = r["psi"], r["rows"]
-        out += [f"### {names[shape]}", "",
-                f"{r['layers']} layers of width {r['width']}, Ψ = {psi / 1e6:.1f}M parameters.", "",
-                "| config | temp / grads | peak MiB | stage 0 / this | collectives / 3Ψ | by kind (/ Ψ) "
-                "| step s | step / FSDP |",
-                "|---|---|---|---|---|---|---|---|"]
-        base_peak, fsdp_t = rows["0"]["peak"], rows[FSDP]["step_s"]
-        for key, row in rows.items():
-            name = {FSDP: "FSDP (`jax.jit`)", "3": "ZeRO-3, overlap_comm false",
-                    "3+prefetch": "ZeRO-3, overlap_comm true (prefetch)"}.get(key, f"ZeRO-{key}")
-            kinds = ", ".join(f"{k} {v / psi:.2f}" for k, v in sorted(row["kinds"].items()) if v / psi >= 0.005)
-            out.append(f"| {name} | {row['temp'] / (4 * psi):.2f} | {row['peak'] / 2**20:.1f} | "
-                       f"{base_peak / row['peak']:.2f} | {row['elems'] / (3 * psi * frac):.2f} | {kinds or '-'} | "
-                       f"{row['step_s']:.3f} | {row['step_s'] / fsdp_t:.2f} |")
-        out.append("")
+    for batch_rows, shapes in results.items():
+        out += [f"### Global batch {batch_rows} ({batch_rows // n} rows per device)", ""]
+        for shape, r in shapes.items():
+            psi, rows = r["psi"], r["rows"]
+            out += [f"#### {names[shape]}", "",
+                    f"{r['layers']} layers of width {r['width']}, Ψ = {psi / 1e6:.1f}M parameters.", "",
+                    "| config | temp / grads | peak MiB | stage 0 / this | collectives / 3Ψ | by kind (/ Ψ) "
+                    "| step s | step / FSDP |",
+                    "|---|---|---|---|---|---|---|---|"]
+            base_peak, fsdp_t = rows["0"]["peak"], rows[FSDP]["step_s"]
+            for key, row in rows.items():
+                name = {FSDP: "FSDP (`jax.jit`)", "3": "ZeRO-3, overlap_comm false",
+                        "3+prefetch": "ZeRO-3, overlap_comm true (prefetch)"}.get(key, f"ZeRO-{key}")
+                kinds = ", ".join(f"{k} {v / psi:.2f}" for k, v in sorted(row["kinds"].items()) if v / psi >= 0.005)
+                out.append(f"| {name} | {row['temp'] / (4 * psi):.2f} | {row['peak'] / 2**20:.1f} | "
+                           f"{base_peak / row['peak']:.2f} | {row['elems'] / (3 * psi * frac):.2f} | {kinds or '-'} | "
+                           f"{row['step_s']:.3f} | {row['step_s'] / fsdp_t:.2f} |")
+            out.append("")
     out.append(END)
     return "\n".join(out)
 

@@ -99,7 +99,7 @@ def test_custom_mesh_sets_data_parallel_size() -> None:
     assert engine.train_micro_batch_size_per_gpu() == 4  # 32 / (2 * 4)
     assert engine.plan.data_size == 4
     shards = {s.data.shape for x in jax.tree.leaves(engine.state.master) for s in x.addressable_shards}
-    assert (16, 16) in shards  # the (16, 64) kernel split 4 ways along its last dim
+    assert (4, 64) in shards  # the (16, 64) kernel split 4 ways along its rows
 
 
 def test_to_nnx_from_a_constructor_runs_with_its_non_parameter_state() -> None:

@@ -31,24 +31,48 @@ def _layouts(p: zerojax.Plan) -> list[LeafLayout]:
 # choose_dim
 
 @pytest.mark.parametrize("shape, n, want", [
-    ((16, 32), 8, 1),          # the largest divisible dimension
-    ((64, 16), 8, 1),          # dimension 0 only when nothing else divides...
-    ((16, 3), 8, 0),           # ...as here
-    ((64, 64), 8, 1),          # ties: the later dimension
-    ((2, 128, 64), 8, 1),      # stacked layers: never the layer axis while another divides
-    ((2, 64, 128), 8, 2),
+    ((16, 32), 8, 0),          # the most major divisible dimension: each block is contiguous
+    ((12, 16), 8, 1),          # ...of those the devices divide
+    ((64, 64), 8, 0),
+    ((2, 128, 64), 8, 1),      # 3+ dimensions: dimension 0 is taken to stack layers, kept whole
+    ((2, 64, 128), 8, 1),
     ((8, 32, 4), 8, 1),        # 4 < n is not a candidate
+    ((8, 4, 4), 8, 0),         # a layer axis only when nothing else divides
     ((32,), 8, 0),
     ((4,), 8, None),           # smaller than n
     ((12,), 8, None),          # not divisible
     ((3, 5), 8, None),
     ((), 8, None),             # scalars stay whole
     ((16, 32), 1, None),       # a single device shards nothing
-    ((6, 10), 2, 1),
+    ((6, 10), 2, 0),
     ((12, 10), 4, 0),
 ])
 def test_choose_dim(shape: tuple[int, ...], n: int, want: int | None) -> None:
     assert choose_dim(shape, n) == want
+
+
+@pytest.mark.parametrize("shape, layer_axes, want", [
+    ((16, 32), 1, 1),          # a stacked matrix [layers, features]: not the layer axis
+    ((16, 32), 0, 0),
+    ((8, 16, 32), 0, 0),       # known not to stack layers: dimension 0 is fine
+    ((8, 16, 32), 1, 1),
+    ((8, 8, 16, 32), 2, 2),    # two stacking axes
+    ((8, 8, 4), 2, 0),         # nothing outside them divides
+])
+def test_choose_dim_with_known_layer_axes(shape: tuple[int, ...], layer_axes: int, want: int) -> None:
+    assert choose_dim(shape, 8, layer_axes) == want
+
+
+def test_most_major_dimension_makes_contiguous_blocks() -> None:
+    """Each device's block of a leaf sharded by choose_dim is, within each layer, one contiguous
+    run of its elements (row-major), so a gather or reduce-scatter of a layer moves whole rows."""
+    for shape, layers in [((16, 32), 1), ((2, 64, 128), 2), ((4, 24, 8, 8), 4)]:
+        dim = choose_dim(shape, 8)
+        assert math.prod(shape[:dim]) == layers, (shape, dim)
+        flat = np.arange(math.prod(shape)).reshape(shape)
+        for block in np.split(flat, 8, axis=dim):
+            for run in block.reshape(layers, -1):
+                assert np.all(np.diff(run) == 1), (shape, dim)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -61,9 +85,9 @@ def test_stage_partitions() -> None:
 
 @pytest.mark.parametrize("stage, param, grad, update", [
     (0, REPLICATED, PARTIAL, REPLICATED),      # all-reduce at the boundary
-    (1, REPLICATED, PARTIAL, Shard(1)),        # reduced once, at the boundary, into shards
-    (2, REPLICATED, Shard(1), Shard(1)),       # reduce-scattered every micro-step
-    (3, Shard(1), Shard(1), Shard(1)),
+    (1, REPLICATED, PARTIAL, Shard(0)),        # reduced once, at the boundary, into shards
+    (2, REPLICATED, Shard(0), Shard(0)),       # reduce-scattered every micro-step
+    (3, Shard(0), Shard(0), Shard(0)),
 ])
 def test_leaf_layout_per_stage(stage: int, param: Any, grad: Any, update: Any) -> None:
     assert leaf_layout((16, 32), N, STAGE_PARTITIONS[stage], 0) == LeafLayout(param, grad, update)
@@ -80,8 +104,8 @@ def test_indivisible_leaf_stays_whole(stage: int) -> None:
 def test_persistence_threshold() -> None:
     parts = STAGE_PARTITIONS[3]
     small = leaf_layout((16, 32), N, parts, persistence_threshold=513)     # 512 elements < 513
-    assert small == LeafLayout(REPLICATED, Shard(1), Shard(1))              # only the param stays whole
-    assert leaf_layout((16, 32), N, parts, persistence_threshold=512).param == Shard(1)
+    assert small == LeafLayout(REPLICATED, Shard(0), Shard(0))              # only the param stays whole
+    assert leaf_layout((16, 32), N, parts, persistence_threshold=512).param == Shard(0)
     # Through the config, on a whole model: DeepSpeed's default (1e5) keeps this tiny model whole.
     params = mlp_params(0, divisible=True)
     p = zerojax.plan(make_config(3, threshold=100_000), data_mesh(), params)
@@ -90,7 +114,7 @@ def test_persistence_threshold() -> None:
     p = zerojax.plan(make_config(3, threshold=1000), data_mesh(), params)
     got = {jax.tree_util.keystr(k): lay.param for k, lay in
            jax.tree_util.tree_leaves_with_path(p.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))}
-    assert got["['layers']['w']"] == Shard(2)   # 2048 elements: sharded
+    assert got["['layers']['w']"] == Shard(1)   # 2048 elements: sharded
     assert got["['w_in']"] == REPLICATED        # 512 elements: persistent
 
 
@@ -100,7 +124,7 @@ def test_spec_and_plan_shardings() -> None:
     params = mlp_params(0)   # b_out (4,) and w_out (32, 4) do not divide by 8
     p = zerojax.plan(make_config(3), data_mesh(), params)
     specs = jax.tree.map(lambda s: s.spec, p.param_shardings)
-    assert specs["w_in"] == P(None, DATA) and specs["layers"]["w"] == P(None, None, DATA)
+    assert specs["w_in"] == P(DATA, None) and specs["layers"]["w"] == P(None, DATA, None)
     assert specs["b_out"] == P() and specs["w_out"] == P(DATA, None)
     assert p.batch_sharding.spec == P(DATA)
     # Optimizer state: parameter-shaped leaves follow `update`, counters are replicated.
@@ -271,9 +295,9 @@ def test_persistence_threshold_compares_one_layer_of_a_stack() -> None:
     (kept replicated) when the leading axis stacks layers, while the 2048-element array counts
     whole otherwise."""
     parts = STAGE_PARTITIONS[3]
-    assert leaf_layout((4, 16, 32), N, parts, 600).param == Shard(2)
+    assert leaf_layout((4, 16, 32), N, parts, 600).param == Shard(1)
     assert leaf_layout((4, 16, 32), N, parts, 600, layer_axes=1).param == REPLICATED
-    assert leaf_layout((4, 16, 32), N, parts, 500, layer_axes=1).param == Shard(2)
+    assert leaf_layout((4, 16, 32), N, parts, 500, layer_axes=1).param == Shard(1)
 
 
 def test_plan_takes_layer_axes_as_a_tree_prefix() -> None:
@@ -283,7 +307,7 @@ def test_plan_takes_layer_axes_as_a_tree_prefix() -> None:
               "head": jax.ShapeDtypeStruct((16, 64), np.float32)}
     mesh = data_mesh()
     p = zerojax.plan(cfg, mesh, params, layer_axes={"layers": 1, "head": 0})
-    assert p.layouts["layers"]["w"].param == REPLICATED and p.layouts["head"].param == Shard(1)
-    assert zerojax.plan(cfg, mesh, params).layouts["layers"]["w"].param == Shard(2)
+    assert p.layouts["layers"]["w"].param == REPLICATED and p.layouts["head"].param == Shard(0)
+    assert zerojax.plan(cfg, mesh, params).layouts["layers"]["w"].param == Shard(1)
     with pytest.raises(ValueError, match="layer_axes"):
         zerojax.plan(cfg, mesh, params, layer_axes={"nope": 1})

@@ -134,7 +134,7 @@ def test_sgd_without_momentum_catches_scaled_gradients(stage: int, loss: str, th
         params = {jax.tree_util.keystr(k): lay.param for k, lay in jax.tree_util.tree_leaves_with_path(
             p.layouts, is_leaf=lambda x: hasattr(x, "param"))}
         assert params["['w_in']"] == zerojax.collectives.REPLICATED
-        assert params["['layers']['w']"] == zerojax.collectives.Shard(2)
+        assert params["['layers']['w']"] == zerojax.collectives.Shard(1)
 
 
 @pytest.mark.parametrize("n, stage, loss", [(4, 3, "layerwise"), (2, 2, "plain")])

@@ -96,8 +96,10 @@ def test_stage3_holds_a_few_layers_and_reduce_scatters(shape: str, overlap: bool
     full_grads = 4 * psi
     temp = compiled.memory_analysis().temp_size_in_bytes
     # Whole-model gathering (the old behaviour) needs > 2x the fp32 gradients; one layer's fp32
-    # weights are 1/8 of them here, and prefetching holds one layer more.
-    bound = 0.45 + (0.125 if overlap else 0.0)
+    # weights are 1/8 of them here, and prefetching holds one layer more. The stacked biases and
+    # norm scales ([8, width]: the layer axis is their most major divisible dimension) are gathered
+    # whole before the scan: about 1% of the gradients.
+    bound = 0.46 + (0.125 if overlap else 0.0)
     assert temp < bound * full_grads, f"temp {temp / full_grads:.2f}x the fp32 gradients"
     found = hlo_collectives(compiled.as_text())
     reduced = sum(c.result_elems for c in found if c.kind == "all-reduce")

@@ -22,7 +22,9 @@ Invariants (each one is what keeps at most a few layers' weights whole on a devi
   region; the region's replay in the backward loop gathers them again.
 * `scan` over a stacked parameter slices the local shard: the sharded dimension moves down by one
   and each iteration gathers one layer (forward, and again in the backward pass). A parameter
-  sharded along the stacked axis itself is gathered whole before the scan (the layout avoids this).
+  sharded along the stacked axis itself is gathered whole before the scan (the layout shards a
+  later dimension when it knows the layer axes, or the leaf has three or more dimensions; a
+  stacked bias or norm scale is small).
 * Scan, while and cond bodies are new regions (not rematerialized unless they say so); `jit`,
   `closed_call` calls are inlined into the current region. Custom-derivative calls
   (`custom_jvp_call`, `custom_vjp_call`) and any other primitive receive gathered inputs.

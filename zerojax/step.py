@@ -42,28 +42,29 @@ from zerojax.state import TrainState, state_shardings
 LossFn = Callable[..., jax.Array]
 
 
-def _gathered_up_front(lay: LeafLayout) -> bool:
-    """Parameters sharded along dim 0 reach the loss whole.
+def _gathered_up_front(lay: LeafLayout, marked: bool) -> bool:
+    """For a loss that gathers its own shards (`gathers_params`), parameters sharded along dim 0
+    reach it whole.
 
     Dim 0 may be a stacked-layer axis the loss scans over, and a scan cannot slice a ParamShard
-    along its sharded axis. choose_dim picks dim 0 only when nothing else divides (1-D leaves, or
-    layer-only divisibility), so these leaves are few and small.
+    along its sharded axis. The evaluator (`gather_at_use`) needs no such rule: it gathers a stack
+    sharded along its layer axis whole before the scan, and any other dim-0 leaf where it is used.
     """
-    return isinstance(lay.param, Shard) and lay.param.dim == 0
+    return marked and isinstance(lay.param, Shard) and lay.param.dim == 0
 
 
-def _grad_source(lay: LeafLayout) -> Any:
+def _grad_source(lay: LeafLayout, marked: bool) -> Any:
     """A gathered parameter's gradient comes back reduce-scattered over the axis it was gathered over
     (all of the data axis, or - hpZ - the inner axis only, still to be summed over the outer one);
     a replicated one's is PARTIAL."""
-    if not isinstance(lay.param, Shard) or _gathered_up_front(lay):
+    if not isinstance(lay.param, Shard) or _gathered_up_front(lay, marked):
         return PARTIAL
     if isinstance(lay.grad, Shard) and lay.grad.axis != lay.param.axis:
         return PartialShard(lay.param.dim, lay.param.axis)
     return lay.param
 
 
-def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
+def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
     """Local parameter blocks as the loss sees them inside shard_map.
 
     Parameters stored in host memory (offload) reach the device here, except the ones the loss
@@ -72,7 +73,7 @@ def _wrap_params(plan: Plan, params: Any, *, for_grad: bool) -> Any:
     stored = plan.memory.params
 
     def one(lay: LeafLayout, x: jax.Array) -> Any:
-        if _gathered_up_front(lay):
+        if _gathered_up_front(lay, marked):
             # A per-device (varying) gather outside the differentiated function: the gradient is
             # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
             whole = gather_shard(bring_in(x, stored), 0, plan.wire(lay))
@@ -125,8 +126,7 @@ def _checks_vma(plan: Plan, loss_fn: LossFn) -> bool:
     are PARTIAL because they are taken inside the map, and every sharded parameter's gradient comes
     back through the transpose of its own tiled all-gather).
     """
-    interpreted = any(isinstance(lay.param, Shard) and not _gathered_up_front(lay)
-                      for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+    interpreted = any(isinstance(lay.param, Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
     return is_gathering(loss_fn) or not interpreted
 
 
@@ -167,13 +167,14 @@ class GradAverage(NamedTuple):
     post: float
 
 
-def reduced_in_backward(plan: Plan) -> bool:
-    """Some gradient is reduce-scattered inside the backward pass (ZeRO-3 gathered parameters)."""
-    return any(isinstance(_grad_source(lay), (Shard, PartialShard))
+def reduced_in_backward(plan: Plan, marked: bool = False) -> bool:
+    """Some gradient is reduce-scattered inside the backward pass (ZeRO-3 gathered parameters);
+    `marked`: the loss gathers its own shards (`gathers_params`)."""
+    return any(isinstance(_grad_source(lay, marked), (Shard, PartialShard))
                for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
 
 
-def grad_average(plan: Plan) -> GradAverage:
+def grad_average(plan: Plan, marked: bool = False) -> GradAverage:
     """DeepSpeed's averaging rule for this plan.
 
     * stage 0 (engine.allreduce_bucket), and stages 1-2 with `reduce_scatter: false`
@@ -186,7 +187,7 @@ def grad_average(plan: Plan) -> GradAverage:
     * ZeRO-3 with gathered parameters: in the loss (see GradAverage).
     """
     cfg, dp = plan.config, plan.data_size
-    if reduced_in_backward(plan):
+    if reduced_in_backward(plan, marked):
         return GradAverage(1.0 / dp, 1.0, 1.0)
     if (cfg.zero_optimization.stage >= 1 and cfg.zero_optimization.reduce_scatter) or cfg.prescale_gradients:
         return GradAverage(1.0, 1.0 / dp, 1.0)
@@ -210,15 +211,16 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     """
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
                        plan.batch.micro_batch_size)
-    if not is_gathering(loss_fn):  # a loss that gathers its own shards places its own remat too
+    marked = is_gathering(loss_fn)
+    if not marked:  # a loss that gathers its own shards places its own remat too
         loss_fn = remat.for_loss(plan.config, loss_fn)
     loss = _step_loss(loss_fn, prefetch_policy(plan))
     layouts = plan.layouts
-    avg = grad_average(plan)
+    avg = grad_average(plan, marked)
 
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
-        wrapped = _wrap_params(plan, params, for_grad=True)
+        wrapped = _wrap_params(plan, params, for_grad=True, marked=marked)
         shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axis()))
 
         def scaled(p: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -232,7 +234,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             # Gradients of host-stored blocks leave the backward pass in host memory.
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
-                lambda lay, x: move(x.astype(pol.accum), _grad_source(lay), lay.grad, comm_dtype=pol.comm,
+                lambda lay, x: move(x.astype(pol.accum), _grad_source(lay, marked), lay.grad, comm_dtype=pol.comm,
                                     pre=avg.pre, post=avg.post, quantized=plan.wire(lay).quantize_gradients),
                 layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
@@ -428,7 +430,7 @@ def make_eval_step(config: Config | Any, plan: Plan, loss_fn: LossFn) -> Callabl
     loss = _step_loss(loss_fn, prefetch_policy(plan))
 
     def local(params: Any, batch: Any) -> jax.Array:
-        value = loss(_wrap_params(plan, params, for_grad=False), batch, None)
+        value = loss(_wrap_params(plan, params, for_grad=False, marked=is_gathering(loss_fn)), batch, None)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(data_axes(plan.mesh))), out_specs=P(),
