@@ -44,6 +44,16 @@ def write_section(path: str, section: str, begin: str, end: str) -> None:
         f.write(text)
 
 
+def write_head(path: str, head: str) -> None:
+    """Replace the part of `path` before its first section marker (`<!-- ...`) with `head`, so the
+    page's own benchmark keeps the sections the others wrote."""
+    text = open(path).read() if os.path.exists(path) else ""
+    at = text.find("\n<!-- ")
+    rest = text[at:] if at >= 0 else ""
+    with open(path, "w") as f:
+        f.write(head.rstrip("\n") + "\n" + rest)
+
+
 def run_section(argv: list[str] | None, parse_args: Callable[[list[str] | None], Any],
                 measure: Callable[[Any], Any], render: Callable[[Any, Any, float], str],
                 begin: str, end: str, name: str) -> int:

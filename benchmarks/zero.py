@@ -59,7 +59,7 @@ import zerojax.step  # noqa: E402
 from zerojax import hlo  # noqa: E402
 from zerojax.measure import array_bytes  # noqa: E402
 from benchmarks.fsdp_baseline import make_fsdp  # noqa: E402
-from benchmarks.report import gpt_args, output_args  # noqa: E402
+from benchmarks.report import gpt_args, output_args, write_head  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 MiB = 2 ** 20
@@ -222,9 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.no_write:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}", file=sys.stderr)
+        write_head(args.out, text)  # the sections other benchmarks wrote stay
+        print(f"wrote the head of {args.out}", file=sys.stderr)
     shutil.rmtree(_DUMP, ignore_errors=True)
     print(f"benchmark took {elapsed:.0f}s", file=sys.stderr)
     return 0

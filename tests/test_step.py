@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import zerojax
+from zerojax.collectives import gather, gathers_params
 from helpers import (ADAM, SGD, assert_relative_close, assert_tree_close, data_mesh, forward, layerwise_loss,
                      make_batch, make_config, mlp_params, mse_loss, reference_run, to_numpy, train_steps)
 
@@ -254,3 +255,37 @@ def test_loss_with_rng_gets_a_key_per_step_shard_and_micro_batch() -> None:
     np.testing.assert_allclose(l3, l0, rtol=1e-5)
     _, other = run(0, 8)
     assert abs(other[0] - l0[0]) > 1e-3  # another seed draws other noise
+
+
+def test_a_marked_loss_receives_dim0_shards_unless_it_scans_over_them() -> None:
+    """A loss that gathers its own shards gets a matrix sharded along dimension 0 as a ParamShard
+    (gathered where it uses it, never before it runs), and a stack sharded along the layer axis
+    it scans over whole (a scan cannot slice a shard along its sharded axis); both train as at
+    stage 0."""
+    from zerojax.collectives import ParamShard
+    seen: list[tuple[bool, bool]] = []   # per trace: (w is a shard, stack is a shard)
+
+    @gathers_params
+    def loss(params: dict[str, Any], batch: dict[str, Any]) -> jax.Array:
+        seen.append((isinstance(params["w"], ParamShard), isinstance(params["stack"], ParamShard)))
+        h = batch["x"] @ gather(params["w"])
+        h, _ = jax.lax.scan(lambda h, b: (jnp.tanh(h + b), None), h, gather(params["stack"]))
+        return jnp.mean((h[:, :4] - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {"w": (rng.normal(size=(16, 32)) * 0.3).astype(np.float32),
+              "stack": (rng.normal(size=(8, 32)) * 0.1).astype(np.float32)}
+    got = {}
+    for stage in (0, 3):
+        cfg = make_config(stage, optimizer=SGD, clip=0.0, threshold=0)
+        p = zerojax.plan(cfg, data_mesh(), params)
+        if stage == 3:
+            assert p.layouts["w"].param == zerojax.collectives.Shard(0)
+            assert p.layouts["stack"].param == zerojax.collectives.Shard(0)
+        state = zerojax.init_state(cfg, p, params)
+        step = zerojax.make_train_step(cfg, p, loss)
+        for batch in BATCHES:
+            state, _ = step(state, batch)
+        got[stage] = to_numpy(state.params)
+    assert (True, False) in seen and not any(stack for _, stack in seen), seen
+    assert_tree_close(got[3], got[0], **FP32_TOL, what="stage 3 vs 0")

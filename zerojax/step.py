@@ -30,7 +30,7 @@ from zerojax import remat
 from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering,
                                  move, to_varying, unwrap, zeros_like_local)
 from zerojax.config import Config, as_config
-from zerojax.gather_at_use import Prefetch, gather_at_use
+from zerojax.gather_at_use import Prefetch, find_layer_axes, gather_at_use
 from zerojax.layout import LeafLayout, Plan, is_layout, map_layouts
 from zerojax.mesh import data_axes, data_axis
 from zerojax.offload import bring_in, run_update
@@ -42,29 +42,36 @@ from zerojax.state import TrainState, state_shardings
 LossFn = Callable[..., jax.Array]
 
 
-def _gathered_up_front(lay: LeafLayout, marked: bool) -> bool:
-    """For a loss that gathers its own shards (`gathers_params`), parameters sharded along dim 0
-    reach it whole.
+def handed_whole(plan: Plan, loss: Callable[[Any, Any, Any], jax.Array], marked: bool, batch: Any) -> Any:
+    """Per parameter leaf: whether the loss receives it whole, all-gathered before it runs.
 
-    Dim 0 may be a stacked-layer axis the loss scans over, and a scan cannot slice a ParamShard
-    along its sharded axis. The evaluator (`gather_at_use`) needs no such rule: it gathers a stack
-    sharded along its layer axis whole before the scan, and any other dim-0 leaf where it is used.
+    Only a loss that gathers its own shards (`marked`: `gathers_params`) needs this, and only for
+    a leaf sharded along dim 0 that it scans over: a scan cannot slice a ParamShard along its
+    sharded axis. Every other sharded leaf reaches the loss as a shard (the evaluator,
+    `gather_at_use`, gathers a stack sharded along its layer axis whole before the scan itself).
+    `batch`: one micro-batch, shapes only; `loss(params, batch, rng)` as `_step_loss` makes it.
     """
-    return marked and isinstance(lay.param, Shard) and lay.param.dim == 0
+    dim0 = map_layouts(lambda lay, _: marked and isinstance(lay.param, Shard) and lay.param.dim == 0,
+                       plan.layouts, plan.abstract_params)
+    if not any(jax.tree.leaves(dim0)):
+        return dim0
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    scanned = find_layer_axes(lambda p, b: loss(p, b, jax.random.key(0)), plan.abstract_params, shapes)
+    return jax.tree.map(lambda d, k: bool(d and k > 0), dim0, scanned)
 
 
-def _grad_source(lay: LeafLayout, marked: bool) -> Any:
+def _grad_source(lay: LeafLayout, whole: bool) -> Any:
     """A gathered parameter's gradient comes back reduce-scattered over the axis it was gathered over
     (all of the data axis, or - hpZ - the inner axis only, still to be summed over the outer one);
-    a replicated one's is PARTIAL."""
-    if not isinstance(lay.param, Shard) or _gathered_up_front(lay, marked):
+    a replicated one's, or one handed to the loss whole, is PARTIAL."""
+    if not isinstance(lay.param, Shard) or whole:
         return PARTIAL
     if isinstance(lay.grad, Shard) and lay.grad.axis != lay.param.axis:
         return PartialShard(lay.param.dim, lay.param.axis)
     return lay.param
 
 
-def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
+def _wrap_params(plan: Plan, params: Any, whole: Any, *, for_grad: bool) -> Any:
     """Local parameter blocks as the loss sees them inside shard_map.
 
     Parameters stored in host memory (offload) reach the device here, except the ones the loss
@@ -72,12 +79,12 @@ def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> An
     """
     stored = plan.memory.params
 
-    def one(lay: LeafLayout, x: jax.Array) -> Any:
-        if _gathered_up_front(lay, marked):
+    def one(lay: LeafLayout, x: jax.Array, handed_whole: bool) -> Any:
+        if handed_whole:
             # A per-device (varying) gather outside the differentiated function: the gradient is
             # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
-            whole = gather_shard(bring_in(x, stored), 0, plan.wire(lay))
-            return to_varying(whole) if for_grad else whole
+            gathered = gather_shard(bring_in(x, stored), 0, plan.wire(lay))
+            return to_varying(gathered) if for_grad else gathered
         if isinstance(lay.param, Shard):
             if for_grad and lay.param.axis is not None:
                 # hpZ: the secondary copy is whole across data_outer; typed per-device there, its gradient
@@ -86,7 +93,7 @@ def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> An
             return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None, wire=plan.wire(lay))
         x = bring_in(x, stored)
         return to_varying(x) if for_grad else x
-    return map_layouts(one, plan.layouts, params)
+    return map_layouts(one, plan.layouts, params, whole)
 
 
 def takes_rng(loss_fn: LossFn) -> bool:
@@ -167,14 +174,16 @@ class GradAverage(NamedTuple):
     post: float
 
 
-def reduced_in_backward(plan: Plan, marked: bool = False) -> bool:
+def reduced_in_backward(plan: Plan, whole: Any = None) -> bool:
     """Some gradient is reduce-scattered inside the backward pass (ZeRO-3 gathered parameters);
-    `marked`: the loss gathers its own shards (`gathers_params`)."""
-    return any(isinstance(_grad_source(lay, marked), (Shard, PartialShard))
-               for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+    `whole`: per leaf, handed to the loss whole (`handed_whole`; None: none is)."""
+    if whole is None:
+        whole = jax.tree.map(lambda _: False, plan.abstract_params)
+    return any(isinstance(_grad_source(lay, w), (Shard, PartialShard))
+               for lay, w in zip(jax.tree.leaves(plan.layouts, is_leaf=is_layout), jax.tree.leaves(whole)))
 
 
-def grad_average(plan: Plan, marked: bool = False) -> GradAverage:
+def grad_average(plan: Plan, whole: Any = None) -> GradAverage:
     """DeepSpeed's averaging rule for this plan.
 
     * stage 0 (engine.allreduce_bucket), and stages 1-2 with `reduce_scatter: false`
@@ -187,7 +196,7 @@ def grad_average(plan: Plan, marked: bool = False) -> GradAverage:
     * ZeRO-3 with gathered parameters: in the loss (see GradAverage).
     """
     cfg, dp = plan.config, plan.data_size
-    if reduced_in_backward(plan, marked):
+    if reduced_in_backward(plan, whole):
         return GradAverage(1.0 / dp, 1.0, 1.0)
     if (cfg.zero_optimization.stage >= 1 and cfg.zero_optimization.reduce_scatter) or cfg.prescale_gradients:
         return GradAverage(1.0, 1.0 / dp, 1.0)
@@ -216,11 +225,12 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
         loss_fn = remat.for_loss(plan.config, loss_fn)
     loss = _step_loss(loss_fn, prefetch_policy(plan))
     layouts = plan.layouts
-    avg = grad_average(plan, marked)
 
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
-        wrapped = _wrap_params(plan, params, for_grad=True, marked=marked)
+        whole = handed_whole(plan, loss, marked, jax.tree.map(lambda x: x[0], rows))
+        avg = grad_average(plan, whole)
+        wrapped = _wrap_params(plan, params, whole, for_grad=True)
         shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axis()))
 
         def scaled(p: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -234,9 +244,9 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             # Gradients of host-stored blocks leave the backward pass in host memory.
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
-                lambda lay, x: move(x.astype(pol.accum), _grad_source(lay, marked), lay.grad, comm_dtype=pol.comm,
-                                    pre=avg.pre, post=avg.post, quantized=plan.wire(lay).quantize_gradients),
-                layouts, g)
+                lambda lay, x, w: move(x.astype(pol.accum), _grad_source(lay, w), lay.grad, comm_dtype=pol.comm,
+                                       pre=avg.pre, post=avg.post, quantized=plan.wire(lay).quantize_gradients),
+                layouts, g, whole)
             return jax.tree.map(jnp.add, acc, g), value
 
         def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct) -> jax.Array:
@@ -428,9 +438,11 @@ def make_eval_step(config: Config | Any, plan: Plan, loss_fn: LossFn) -> Callabl
     """
     as_config(config, plan.config, "make_eval_step")
     loss = _step_loss(loss_fn, prefetch_policy(plan))
+    marked = is_gathering(loss_fn)
 
     def local(params: Any, batch: Any) -> jax.Array:
-        value = loss(_wrap_params(plan, params, for_grad=False, marked=is_gathering(loss_fn)), batch, None)
+        whole = handed_whole(plan, loss, marked, batch)
+        value = loss(_wrap_params(plan, params, whole, for_grad=False), batch, None)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(data_axes(plan.mesh))), out_specs=P(),
