@@ -34,8 +34,10 @@ def _layouts(p: zerojax.Plan) -> list[LeafLayout]:
     ((16, 32), 8, 0),          # the most major divisible dimension: each block is contiguous
     ((12, 16), 8, 1),          # ...of those the devices divide
     ((64, 64), 8, 0),
-    ((2, 128, 64), 8, 1),      # 3+ dimensions: dimension 0 is taken to stack layers, kept whole
+    ((2, 128, 64), 8, 1),      # 3 dimensions: dimension 0 is taken to stack layers, kept whole
     ((2, 64, 128), 8, 1),
+    ((4, 8, 16, 32), 8, 2),    # 4: a nested stack [groups, layers, in, out]
+    ((4, 8, 4, 4), 8, 1),      # ...failing the matrix, the most major dimension but the first
     ((8, 32, 4), 8, 1),        # 4 < n is not a candidate
     ((8, 4, 4), 8, 0),         # a layer axis only when nothing else divides
     ((32,), 8, 0),
@@ -57,7 +59,7 @@ def test_choose_dim(shape: tuple[int, ...], n: int, want: int | None) -> None:
     ((8, 16, 32), 0, 0),       # known not to stack layers: dimension 0 is fine
     ((8, 16, 32), 1, 1),
     ((8, 8, 16, 32), 2, 2),    # two stacking axes
-    ((8, 8, 4), 2, 0),         # nothing outside them divides
+    ((8, 8, 4), 2, 1),         # nothing outside them divides: the most major but the first
 ])
 def test_choose_dim_with_known_layer_axes(shape: tuple[int, ...], layer_axes: int, want: int) -> None:
     assert choose_dim(shape, 8, layer_axes) == want
@@ -66,7 +68,7 @@ def test_choose_dim_with_known_layer_axes(shape: tuple[int, ...], layer_axes: in
 def test_most_major_dimension_makes_contiguous_blocks() -> None:
     """Each device's block of a leaf sharded by choose_dim is, within each layer, one contiguous
     run of its elements (row-major), so a gather or reduce-scatter of a layer moves whole rows."""
-    for shape, layers in [((16, 32), 1), ((2, 64, 128), 2), ((4, 24, 8, 8), 4)]:
+    for shape, layers in [((16, 32), 1), ((2, 64, 128), 2), ((4, 24, 16, 8), 96)]:
         dim = choose_dim(shape, 8)
         assert math.prod(shape[:dim]) == layers, (shape, dim)
         flat = np.arange(math.prod(shape)).reshape(shape)

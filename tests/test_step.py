@@ -257,35 +257,37 @@ def test_loss_with_rng_gets_a_key_per_step_shard_and_micro_batch() -> None:
     assert abs(other[0] - l0[0]) > 1e-3  # another seed draws other noise
 
 
-def test_a_marked_loss_receives_dim0_shards_unless_it_scans_over_them() -> None:
-    """A loss that gathers its own shards gets a matrix sharded along dimension 0 as a ParamShard
-    (gathered where it uses it, never before it runs), and a stack sharded along the layer axis
-    it scans over whole (a scan cannot slice a shard along its sharded axis); both train as at
-    stage 0."""
+def test_a_marked_loss_receives_dim0_leaves_whole() -> None:
+    """A loss that gathers its own shards may scan, loop or index over dimension 0 of any leaf,
+    and a ParamShard cannot be sliced along its sharded axis: leaves sharded along dimension 0
+    (here a matrix and a stack the loss indexes in a fori_loop) reach it whole, a stack sharded
+    along a later dimension as a ParamShard; all train as at stage 0."""
     from zerojax.collectives import ParamShard
-    seen: list[tuple[bool, bool]] = []   # per trace: (w is a shard, stack is a shard)
+    seen: list[dict[str, bool]] = []   # per trace: which leaves arrived as shards
 
     @gathers_params
     def loss(params: dict[str, Any], batch: dict[str, Any]) -> jax.Array:
-        seen.append((isinstance(params["w"], ParamShard), isinstance(params["stack"], ParamShard)))
+        seen.append({k: isinstance(v, ParamShard) for k, v in params.items()})
         h = batch["x"] @ gather(params["w"])
-        h, _ = jax.lax.scan(lambda h, b: (jnp.tanh(h + b), None), h, gather(params["stack"]))
+        h = jax.lax.fori_loop(0, 8, lambda i, h: jnp.tanh(h + gather(params["stack"])[i]), h)
+        h, _ = jax.lax.scan(lambda h, m: (jnp.tanh(h @ gather(m)), None), h, params["mats"])
         return jnp.mean((h[:, :4] - batch["y"]) ** 2)
 
     rng = np.random.default_rng(0)
     params = {"w": (rng.normal(size=(16, 32)) * 0.3).astype(np.float32),
-              "stack": (rng.normal(size=(8, 32)) * 0.1).astype(np.float32)}
+              "stack": (rng.normal(size=(8, 32)) * 0.1).astype(np.float32),
+              "mats": (rng.normal(size=(2, 32, 32)) * 0.2).astype(np.float32)}
     got = {}
     for stage in (0, 3):
         cfg = make_config(stage, optimizer=SGD, clip=0.0, threshold=0)
         p = zerojax.plan(cfg, data_mesh(), params)
         if stage == 3:
-            assert p.layouts["w"].param == zerojax.collectives.Shard(0)
-            assert p.layouts["stack"].param == zerojax.collectives.Shard(0)
+            assert [p.layouts[k].param for k in ("w", "stack", "mats")] == [
+                zerojax.collectives.Shard(0), zerojax.collectives.Shard(0), zerojax.collectives.Shard(1)]
         state = zerojax.init_state(cfg, p, params)
         step = zerojax.make_train_step(cfg, p, loss)
         for batch in BATCHES:
             state, _ = step(state, batch)
         got[stage] = to_numpy(state.params)
-    assert (True, False) in seen and not any(stack for _, stack in seen), seen
+    assert seen[-1] == {"w": False, "stack": False, "mats": True}, seen
     assert_tree_close(got[3], got[0], **FP32_TOL, what="stage 3 vs 0")

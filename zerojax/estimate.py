@@ -104,12 +104,13 @@ def deepspeed_zero3(total_params: int, largest_layer_params: int, num_gpus_per_n
 class ModelShape:
     """A model as abstract fp32 parameters (ShapeDtypeStructs), enough for plan-exact counting.
 
-    `layer_axes` is the plan's argument (leading axes that stack layers); `exact_shapes` is False
+    `layer_axes` is the plan's argument (leading axes that stack layers; None: not known);
+    `exact_shapes` is False
     for a model known only by its parameter counts (synthetic leaves of the right sizes);
     `gpt` is the embedded GPT's config when the step itself can be compiled."""
     name: str
     abstract_params: Any
-    layer_axes: Any = 0
+    layer_axes: Any = None
     exact_shapes: bool = True
     gpt: Any = None
 
@@ -123,7 +124,7 @@ class ModelShape:
         own parameters, without its children's): leaves are grouped by their parent, and a
         stacked leaf counts one layer's slice."""
         groups: dict[tuple, int] = {}
-        axes = _per_leaf(self.layer_axes, self.abstract_params)
+        axes = _per_leaf(0 if self.layer_axes is None else self.layer_axes, self.abstract_params)
         for (path, x), k in zip(jax.tree_util.tree_leaves_with_path(self.abstract_params), jax.tree.leaves(axes)):
             groups[tuple(path[:-1])] = groups.get(tuple(path[:-1]), 0) + math.prod(x.shape[k:])
         return max(groups.values())

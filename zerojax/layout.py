@@ -59,17 +59,18 @@ def choose_dim(shape: tuple[int, ...], n: int, layer_axes: int | None = None) ->
     moves whole rows (XLA:CPU runs a collective along an inner dimension 5-14x slower, and NCCL
     needs contiguous buffers, which XLA otherwise makes with a transpose). `layer_axes` leading
     dimensions stack layers that a loss scans over: they stay whole, so the scan slices them
-    without communication. When they are not known (None), a leaf of three or more dimensions is
-    taken to stack layers along dimension 0, and a matrix is taken as a matrix. A layer axis is
-    used only when nothing else divides.
+    without communication. When they are not known (None), every dimension but the last two is
+    taken to stack layers (a matrix is a matrix, `[layers, in, out]` a stack, `[groups, layers,
+    in, out]` a nested one). Failing those, the most major divisible dimension but the first;
+    dimension 0 only when nothing else divides.
     """
     if n == 1:
         return None
     candidates = [d for d, s in enumerate(shape) if s % n == 0 and s >= n]
     if not candidates:
         return None
-    skip = (1 if len(shape) >= 3 else 0) if layer_axes is None else layer_axes
-    return ([d for d in candidates if d >= skip] or candidates)[0]
+    skip = max(len(shape) - 2, 0) if layer_axes is None else layer_axes
+    return ([d for d in candidates if d >= skip] or [d for d in candidates if d > 0] or candidates)[0]
 
 
 def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],

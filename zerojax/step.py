@@ -30,7 +30,7 @@ from zerojax import remat
 from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering,
                                  move, to_varying, unwrap, zeros_like_local)
 from zerojax.config import Config, as_config
-from zerojax.gather_at_use import Prefetch, find_layer_axes, gather_at_use
+from zerojax.gather_at_use import Prefetch, gather_at_use
 from zerojax.layout import LeafLayout, Plan, is_layout, map_layouts
 from zerojax.mesh import data_axes, data_axis
 from zerojax.offload import bring_in, run_update
@@ -42,22 +42,16 @@ from zerojax.state import TrainState, state_shardings
 LossFn = Callable[..., jax.Array]
 
 
-def handed_whole(plan: Plan, loss: Callable[[Any, Any, Any], jax.Array], marked: bool, batch: Any) -> Any:
+def handed_whole(plan: Plan, marked: bool) -> Any:
     """Per parameter leaf: whether the loss receives it whole, all-gathered before it runs.
 
-    Only a loss that gathers its own shards (`marked`: `gathers_params`) needs this, and only for
-    a leaf sharded along dim 0 that it scans over: a scan cannot slice a ParamShard along its
-    sharded axis. Every other sharded leaf reaches the loss as a shard (the evaluator,
-    `gather_at_use`, gathers a stack sharded along its layer axis whole before the scan itself).
-    `batch`: one micro-batch, shapes only; `loss(params, batch, rng)` as `_step_loss` makes it.
+    Only a loss that gathers its own shards (`marked`: `gathers_params`) gets any, and only the
+    leaves sharded along dim 0: dim 0 may be a layer axis the loss scans, loops or indexes over,
+    and a ParamShard cannot be sliced along its sharded axis. The evaluator (`gather_at_use`)
+    needs no such rule: it gathers a stack sharded along its layer axis whole before the scan.
     """
-    dim0 = map_layouts(lambda lay, _: marked and isinstance(lay.param, Shard) and lay.param.dim == 0,
+    return map_layouts(lambda lay, _: marked and isinstance(lay.param, Shard) and lay.param.dim == 0,
                        plan.layouts, plan.abstract_params)
-    if not any(jax.tree.leaves(dim0)):
-        return dim0
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    scanned = find_layer_axes(lambda p, b: loss(p, b, jax.random.key(0)), plan.abstract_params, shapes)
-    return jax.tree.map(lambda d, k: bool(d and k > 0), dim0, scanned)
 
 
 def _grad_source(lay: LeafLayout, whole: bool) -> Any:
@@ -79,8 +73,8 @@ def _wrap_params(plan: Plan, params: Any, whole: Any, *, for_grad: bool) -> Any:
     """
     stored = plan.memory.params
 
-    def one(lay: LeafLayout, x: jax.Array, handed_whole: bool) -> Any:
-        if handed_whole:
+    def one(lay: LeafLayout, x: jax.Array, is_whole: bool) -> Any:
+        if is_whole:
             # A per-device (varying) gather outside the differentiated function: the gradient is
             # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
             gathered = gather_shard(bring_in(x, stored), 0, plan.wire(lay))
@@ -225,10 +219,10 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
         loss_fn = remat.for_loss(plan.config, loss_fn)
     loss = _step_loss(loss_fn, prefetch_policy(plan))
     layouts = plan.layouts
+    whole = handed_whole(plan, marked)
 
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
-        whole = handed_whole(plan, loss, marked, jax.tree.map(lambda x: x[0], rows))
         avg = grad_average(plan, whole)
         wrapped = _wrap_params(plan, params, whole, for_grad=True)
         shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axis()))
@@ -438,10 +432,9 @@ def make_eval_step(config: Config | Any, plan: Plan, loss_fn: LossFn) -> Callabl
     """
     as_config(config, plan.config, "make_eval_step")
     loss = _step_loss(loss_fn, prefetch_policy(plan))
-    marked = is_gathering(loss_fn)
+    whole = handed_whole(plan, is_gathering(loss_fn))
 
     def local(params: Any, batch: Any) -> jax.Array:
-        whole = handed_whole(plan, loss, marked, batch)
         value = loss(_wrap_params(plan, params, whole, for_grad=False), batch, None)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
