@@ -125,3 +125,36 @@ def test_to_nnx_from_a_constructor_runs_with_its_non_parameter_state() -> None:
     model.eval()
     ref.eval()
     np.testing.assert_allclose(model(x), ref(x), rtol=1e-6)
+
+
+def test_layer_axes_reach_the_plan() -> None:
+    """`initialize(..., layer_axes=...)` is `plan`'s argument: a stacked bias [8, 64] sharded along
+    its layer axis when the axes are not known is split along its features once they are, and
+    ZeRO-3 then compares the persistence threshold with one layer (64 elements, kept whole)."""
+    rng = np.random.default_rng(0)
+    params = {"layers": {"w": rng.normal(size=(8, 16, 16)).astype(np.float32) * 0.1,
+                         "b": np.zeros((8, 64), np.float32)}}
+
+    def loss_fn(params: dict, batch: dict) -> jax.Array:
+        def body(h: jax.Array, layer: dict) -> tuple[jax.Array, None]:
+            return jnp.tanh(h @ layer["w"] + layer["b"][:16]), None
+        h, _ = jax.lax.scan(body, batch["x"], params["layers"])
+        return jnp.mean((h[:, :4] - batch["y"]) ** 2)
+
+    x = rng.normal(size=(32, 16)).astype(np.float32)
+    batch = {"x": x, "y": np.tanh(1.5 * x[:, :4])}
+    cfg = {**DS_CONFIG, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    guessed = zerojax.initialize(cfg, params=params, loss_fn=loss_fn)
+    axes = zerojax.find_layer_axes(loss_fn, params, batch)
+    assert axes == {"layers": {"w": 1, "b": 1}}
+    told = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, layer_axes=axes)
+    assert guessed.plan.layouts["layers"]["b"].param == zerojax.collectives.Shard(0)
+    assert told.plan.layouts["layers"]["b"].param == zerojax.collectives.Shard(1)
+    kept = {**cfg, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    assert zerojax.initialize(kept, params=params, loss_fn=loss_fn, layer_axes=axes).plan.layouts[
+        "layers"]["b"].param == zerojax.collectives.REPLICATED
+    curves = [[float(engine.train_batch(batch)["loss"]) for _ in range(3)] for engine in (guessed, told)]
+    np.testing.assert_allclose(curves[0], curves[1], rtol=1e-5)   # a layout changes no result
+    assert curves[0][-1] < curves[0][0]
+    with pytest.raises(TypeError, match="drop layer_axes"):
+        zerojax.initialize(cfg, model=object(), layer_axes=axes)

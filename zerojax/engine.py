@@ -36,9 +36,10 @@ class Engine:
     """Training state plus compiled train/eval steps for one config, mesh and model."""
 
     def __init__(self, config: Config | Mapping[str, Any] | str, params: Any, loss_fn: LossFn, mesh: Mesh, *,
-                 optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None):
+                 optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None,
+                 layer_axes: Any = None):
         config = load_config(config)  # a Config, a dict or a file path, as `initialize` takes it
-        plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler, layer_axes=layer_axes)
         self._start(config, mesh, loss_fn, plan, params, make_train_step(config, plan, loss_fn),
                     make_eval_step(config, plan, loss_fn))
 

@@ -20,7 +20,8 @@ from zerojax.step import LossFn
 
 def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, loss_fn: LossFn | None = None,
                mesh: Mesh | None = None, *, model: Any = None, optimizer: ClientOptimizer | None = None,
-               lr_scheduler: ScheduleFn | None = None, hidden_size: int | None = None) -> Engine:
+               lr_scheduler: ScheduleFn | None = None, hidden_size: int | None = None,
+               layer_axes: Any = None) -> Engine:
     """DeepSpeed's `initialize`, returning the engine alone.
 
     `config` is a Config, a dict or a JSON/hjson/YAML path (DeepSpeed keys mean what they mean in
@@ -33,7 +34,10 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
     `optimizer` / `lr_scheduler` are DeepSpeed's: with no optimizer section in the config, the
     optimizer passed here trains (an optax transformation, or a factory such as `optax.adamw` driven by
     `lr_scheduler`, an optax schedule, or by the config's scheduler section). `hidden_size` is the
-    model's width, for the Hugging Face "auto" values derived from it.
+    model's width, for the Hugging Face "auto" values derived from it. `layer_axes` is `plan`'s: the
+    leading axes of each leaf that stack layers (`zerojax.find_layer_axes(loss_fn, params, batch)`
+    reads them off the loss), so ZeRO-3 keeps them whole and compares the persistence threshold
+    with one layer.
     """
     if model is not None:
         if loss_fn is not None:
@@ -42,6 +46,9 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
         if optimizer is not None or lr_scheduler is not None:
             raise TypeError("initialize: with model= (pipelines) the optimizer comes from the config's "
                             "optimizer section; drop optimizer= / lr_scheduler=")
+        if layer_axes is not None:
+            raise TypeError("initialize: with model= (pipelines) each stage's row is laid out by the "
+                            "PipelineModule; drop layer_axes=")
         mesh = mesh if mesh is not None else make_mesh(config)
         if config.optimizer is None:
             raise ConfigError("optimizer: the pipeline engine needs the config's optimizer section; add one "
@@ -52,4 +59,4 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
                         "params, loss_fn = zerojax.from_nnx(model, loss)), or model=PipelineModule(...)")
     config = load_config(config, hidden_size=hidden_size)
     return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config), optimizer=optimizer,
-                  lr_scheduler=lr_scheduler)
+                  lr_scheduler=lr_scheduler, layer_axes=layer_axes)
