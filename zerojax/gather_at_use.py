@@ -92,6 +92,11 @@ class Deferred:
         return eqn.primitive.name in _ELEMENTWISE and all(
             a.elementwise() if isinstance(a, Deferred) else _is_scalar(a) for a in args)
 
+    def holding(self, shard: Any, dim: int | None = None) -> "Deferred":
+        """A leaf like this one over another local shard (a traced copy, or one layer's slice of a
+        stack, whose sharded dimension is then `dim`)."""
+        return Deferred(shard, self.dim if dim is None else dim, self.on_host, wire=self.wire)
+
     def rebased(self, new: dict[int, "Deferred"]) -> "Deferred":
         """The same recipe over other leaves (`new` maps id(old leaf) -> new leaf)."""
         if self.is_leaf:
@@ -190,7 +195,7 @@ def _consume(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
         # Gather after the activations exist: the compiler cannot hoist every layer's gather to
         # the start of the step (all weights whole at once).
         shards = _after(shards, traced)
-        new = {id(l): Deferred(s, l.dim, l.on_host, wire=l.wire) for l, s in zip(leaves, shards)}
+        new = {id(l): l.holding(s) for l, s in zip(leaves, shards)}
         cache: dict[int, Any] = {}
 
         def gathered(leaf: Deferred) -> Any:
@@ -243,7 +248,7 @@ def _split_deferred(ins: Sequence[Any]) -> tuple[list[Any], Callable[[list[Any]]
     flat = [l.shard for l in leaves] + [ins[i] for i in pos]
 
     def rebuild(args: list[Any]) -> list[Any]:
-        new = {id(l): Deferred(s, l.dim, l.on_host, wire=l.wire) for l, s in zip(leaves, args[:len(leaves)])}
+        new = {id(l): l.holding(s) for l, s in zip(leaves, args[:len(leaves)])}
         out = [x.rebased(new) if isinstance(x, Deferred) else None for x in ins]
         for i, a in zip(pos, args[len(leaves):]):
             out[i] = a
@@ -298,7 +303,7 @@ def _scan(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
             if d is None:
                 args.append(s)
             else:
-                new = {id(l): Deferred(v, l.dim - 1, l.on_host, wire=l.wire) for l, v in zip(d.leaves(), s)}
+                new = {id(l): l.holding(v, l.dim - 1) for l, v in zip(d.leaves(), s)}
                 args.append(d.rebased(new))
         inner = region.inner(remat=False, in_loop=True)
         outs = [_materialize(inner, o) for o in eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *args], inner)]

@@ -42,30 +42,29 @@ from zerojax.state import TrainState, state_shardings
 LossFn = Callable[..., jax.Array]
 
 
-def handed_whole(plan: Plan, marked: bool) -> Any:
-    """Per parameter leaf: whether the loss receives it whole, all-gathered before it runs.
+def handed_whole(lay: LeafLayout, marked: bool) -> bool:
+    """Whether the loss receives this parameter whole, all-gathered before it runs.
 
     Only a loss that gathers its own shards (`marked`: `gathers_params`) gets any, and only the
     leaves sharded along dim 0: dim 0 may be a layer axis the loss scans, loops or indexes over,
     and a ParamShard cannot be sliced along its sharded axis. The evaluator (`gather_at_use`)
     needs no such rule: it gathers a stack sharded along its layer axis whole before the scan.
     """
-    return map_layouts(lambda lay, _: marked and isinstance(lay.param, Shard) and lay.param.dim == 0,
-                       plan.layouts, plan.abstract_params)
+    return marked and isinstance(lay.param, Shard) and lay.param.dim == 0
 
 
-def _grad_source(lay: LeafLayout, whole: bool) -> Any:
+def _grad_source(lay: LeafLayout, marked: bool) -> Any:
     """A gathered parameter's gradient comes back reduce-scattered over the axis it was gathered over
     (all of the data axis, or - hpZ - the inner axis only, still to be summed over the outer one);
     a replicated one's, or one handed to the loss whole, is PARTIAL."""
-    if not isinstance(lay.param, Shard) or whole:
+    if not isinstance(lay.param, Shard) or handed_whole(lay, marked):
         return PARTIAL
     if isinstance(lay.grad, Shard) and lay.grad.axis != lay.param.axis:
         return PartialShard(lay.param.dim, lay.param.axis)
     return lay.param
 
 
-def _wrap_params(plan: Plan, params: Any, whole: Any, *, for_grad: bool) -> Any:
+def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
     """Local parameter blocks as the loss sees them inside shard_map.
 
     Parameters stored in host memory (offload) reach the device here, except the ones the loss
@@ -73,8 +72,8 @@ def _wrap_params(plan: Plan, params: Any, whole: Any, *, for_grad: bool) -> Any:
     """
     stored = plan.memory.params
 
-    def one(lay: LeafLayout, x: jax.Array, is_whole: bool) -> Any:
-        if is_whole:
+    def one(lay: LeafLayout, x: jax.Array) -> Any:
+        if handed_whole(lay, marked):
             # A per-device (varying) gather outside the differentiated function: the gradient is
             # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
             gathered = gather_shard(bring_in(x, stored), 0, plan.wire(lay))
@@ -87,7 +86,7 @@ def _wrap_params(plan: Plan, params: Any, whole: Any, *, for_grad: bool) -> Any:
             return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None, wire=plan.wire(lay))
         x = bring_in(x, stored)
         return to_varying(x) if for_grad else x
-    return map_layouts(one, plan.layouts, params, whole)
+    return map_layouts(one, plan.layouts, params)
 
 
 def takes_rng(loss_fn: LossFn) -> bool:
@@ -168,16 +167,14 @@ class GradAverage(NamedTuple):
     post: float
 
 
-def reduced_in_backward(plan: Plan, whole: Any = None) -> bool:
+def reduced_in_backward(plan: Plan, marked: bool = False) -> bool:
     """Some gradient is reduce-scattered inside the backward pass (ZeRO-3 gathered parameters);
-    `whole`: per leaf, handed to the loss whole (`handed_whole`; None: none is)."""
-    if whole is None:
-        whole = jax.tree.map(lambda _: False, plan.abstract_params)
-    return any(isinstance(_grad_source(lay, w), (Shard, PartialShard))
-               for lay, w in zip(jax.tree.leaves(plan.layouts, is_leaf=is_layout), jax.tree.leaves(whole)))
+    `marked`: the loss gathers its own shards (`gathers_params`)."""
+    return any(isinstance(_grad_source(lay, marked), (Shard, PartialShard))
+               for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
 
 
-def grad_average(plan: Plan, whole: Any = None) -> GradAverage:
+def grad_average(plan: Plan, marked: bool = False) -> GradAverage:
     """DeepSpeed's averaging rule for this plan.
 
     * stage 0 (engine.allreduce_bucket), and stages 1-2 with `reduce_scatter: false`
@@ -190,7 +187,7 @@ def grad_average(plan: Plan, whole: Any = None) -> GradAverage:
     * ZeRO-3 with gathered parameters: in the loss (see GradAverage).
     """
     cfg, dp = plan.config, plan.data_size
-    if reduced_in_backward(plan, whole):
+    if reduced_in_backward(plan, marked):
         return GradAverage(1.0 / dp, 1.0, 1.0)
     if (cfg.zero_optimization.stage >= 1 and cfg.zero_optimization.reduce_scatter) or cfg.prescale_gradients:
         return GradAverage(1.0, 1.0 / dp, 1.0)
@@ -219,12 +216,11 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
         loss_fn = remat.for_loss(plan.config, loss_fn)
     loss = _step_loss(loss_fn, prefetch_policy(plan))
     layouts = plan.layouts
-    whole = handed_whole(plan, marked)
+    avg = grad_average(plan, marked)
 
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
-        avg = grad_average(plan, whole)
-        wrapped = _wrap_params(plan, params, whole, for_grad=True)
+        wrapped = _wrap_params(plan, params, for_grad=True, marked=marked)
         shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axis()))
 
         def scaled(p: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -238,9 +234,9 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             # Gradients of host-stored blocks leave the backward pass in host memory.
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
-                lambda lay, x, w: move(x.astype(pol.accum), _grad_source(lay, w), lay.grad, comm_dtype=pol.comm,
-                                       pre=avg.pre, post=avg.post, quantized=plan.wire(lay).quantize_gradients),
-                layouts, g, whole)
+                lambda lay, x: move(x.astype(pol.accum), _grad_source(lay, marked), lay.grad, comm_dtype=pol.comm,
+                                    pre=avg.pre, post=avg.post, quantized=plan.wire(lay).quantize_gradients),
+                layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
 
         def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct) -> jax.Array:
@@ -432,10 +428,10 @@ def make_eval_step(config: Config | Any, plan: Plan, loss_fn: LossFn) -> Callabl
     """
     as_config(config, plan.config, "make_eval_step")
     loss = _step_loss(loss_fn, prefetch_policy(plan))
-    whole = handed_whole(plan, is_gathering(loss_fn))
+    marked = is_gathering(loss_fn)
 
     def local(params: Any, batch: Any) -> jax.Array:
-        value = loss(_wrap_params(plan, params, whole, for_grad=False), batch, None)
+        value = loss(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(data_axes(plan.mesh))), out_specs=P(),
