@@ -158,3 +158,5 @@ def test_layer_axes_reach_the_plan() -> None:
     assert curves[0][-1] < curves[0][0]
     with pytest.raises(TypeError, match="drop layer_axes"):
         zerojax.initialize(cfg, model=object(), layer_axes=axes)
+    with pytest.raises(ValueError, match=r"layer_axes=\{'stack': 1\}.*its top level: \['layers'\]"):
+        zerojax.initialize(cfg, params=params, loss_fn=loss_fn, layer_axes={"stack": 1})

@@ -436,8 +436,10 @@ def _layer_axes_per_leaf(layer_axes: Any, abstract: Any) -> Any:
     try:
         return jax.tree.map(lambda k, sub: jax.tree.map(lambda x: int(k), sub), layer_axes, abstract)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"plan: layer_axes must be an int or a prefix of the parameter tree "
-                         f"(e.g. {{'layers': 1}}): {e}") from None
+        reason = str(e).splitlines()[0].rstrip(":")  # JAX's first line; the rest repeats the trees
+        top = list(abstract) if isinstance(abstract, dict) else type(abstract).__name__
+        raise ValueError(f"plan: layer_axes={layer_axes!r} must be an int or a prefix of the parameter tree "
+                         f"(its top level: {top}; e.g. {{'layers': 1}}): {reason}") from None
 
 
 def memory_report(p: Plan) -> MemoryReport:
