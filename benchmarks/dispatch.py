@@ -12,7 +12,7 @@ elsewhere on the machine hits them alike:
   fp16 loss scaler's `stuck` flag after each step).
 * `dispatch ahead`: `train_batch` returns once its step is dispatched (it waits for the previous
   one), batches still built in the loop.
-* `prefetch only`: batches built in a background thread (`zerojax.data.Prefetch`, depth 2), steps
+* `prefetch only`: batches built in a background thread (`zerojax.runtime.data.Prefetch`, depth 2), steps
   synchronous.
 * `dispatch ahead + prefetch`: both, as `train.py` runs.
 
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
     """The engine (dynamic fp16 GPT, ZeRO-2) and the training batches of the embedded corpus."""
     import zerojax
-    from zerojax.data import Batches, read_corpus, split_corpus
+    from zerojax.runtime.data import Batches, read_corpus, split_corpus
     from zerojax.models import gpt
 
     config = zerojax.load_config({
@@ -87,7 +87,7 @@ def run_loop(engine: Any, batches: Any, steps: int, ahead: bool, depth: int, hos
              ) -> tuple[float, float, float]:
     """(steps/s, median seconds a train_batch call holds the host, share of calls that returned
     before their step had finished) over `steps` steps."""
-    from zerojax.data import Prefetch
+    from zerojax.runtime.data import Prefetch
 
     engine.dispatch_ahead = ahead
     source = slowed(batches, host_s) if host_s else batches
@@ -141,7 +141,7 @@ def render(args: argparse.Namespace, m: dict[str, Any], seconds: float) -> str:
            "- **dispatch ahead**: `train_batch` returns once its step is dispatched and the previous one has "
            "finished; it waits for its own step only while the loss scale sits at its minimum with the "
            "hysteresis spent (the only steps that can stop the run).",
-           "- **prefetch**: batches built by `zerojax.data.Prefetch` (depth 2) in a background thread, as "
+           "- **prefetch**: batches built by `zerojax.runtime.data.Prefetch` (depth 2) in a background thread, as "
            "`train.py` does.",
            "- **host holds**: median time one `train_batch` call keeps the host (with dispatch-ahead it waits "
            "for the previous step, so in a loop with nothing else to do it still holds about a step).",

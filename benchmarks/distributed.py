@@ -78,7 +78,7 @@ def offload_rows(args: argparse.Namespace) -> list[dict]:
     jax.config.update("jax_num_cpu_devices", 8)
     import zerojax
     from zerojax.models import gpt
-    from zerojax.measure import step_memory
+    from zerojax.core.measure import step_memory
 
     runs = []
     for stage in (1, 2, 3):
@@ -116,7 +116,7 @@ def offload_rows(args: argparse.Namespace) -> list[dict]:
 
 def worker(args: argparse.Namespace) -> int:
     import zerojax
-    from zerojax.distributed import is_primary, local_rows, start
+    from zerojax.runtime.distributed import is_primary, local_rows, start
     cfg = zerojax.load_config(config_dict(args, 3))
     start(cfg)
     import jax

@@ -5,7 +5,7 @@
 For one GPT (bf16 mixed precision, AdamW) on 8 virtual CPU devices and each choice the estimate
 table lists, compares
 
-* the plan-exact estimate (`zerojax.estimate.plan_exact`: the plan on an 8-device abstract mesh,
+* the plan-exact estimate (`zerojax.tools.estimate.plan_exact`: the plan on an 8-device abstract mesh,
   nothing allocated) of parameters + master copy + optimizer state per device,
 * the compiled step's argument bytes per device (`memory_analysis()`, device + host arguments,
   less this device's rows of the batch: the state the step takes, counters and key included),
@@ -49,14 +49,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
     import jax
     import numpy as np
 
-    from zerojax import estimate as E
+    from zerojax.tools import estimate as E
     from zerojax.config import load_config
-    from zerojax.layout import plan
-    from zerojax.mesh import make_mesh
+    from zerojax.planner.plan import make_plan
+    from zerojax.planner.mesh import make_mesh
     from zerojax.models import gpt
-    from zerojax.state import abstract_state, init_state
-    from zerojax.step import make_train_step
-    from zerojax.measure import array_bytes
+    from zerojax.core.state import abstract_state
+    from zerojax.planner.api import init_state
+    from zerojax.planner.api import make_train_step
+    from zerojax.core.measure import array_bytes
 
     base = load_config(config_dict(args))
     params = gpt.init_params(base.model, 0)
@@ -65,7 +66,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
         cfg = E.variant(base, choice)
         est = E.plan_exact(cfg, E.embedded_model(cfg), 8, 8, choice)
         rep = est.report
-        p = plan(cfg, make_mesh(cfg), gpt.abstract_params(cfg.model))
+        p = make_plan(cfg, make_mesh(cfg), gpt.abstract_params(cfg.model))
         n_rows = p.batch.micro_batch_size * p.data_size
         batch = {"tokens": jax.ShapeDtypeStruct((n_rows, cfg.model.seq_len + 1), np.int32,
                                                 sharding=p.batch_sharding)}

@@ -38,7 +38,7 @@ import optax  # noqa: E402
 import zerojax  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.pallas import multi_tensor  # noqa: E402
-from zerojax.optim import bias_corrections  # noqa: E402
+from zerojax.optim.transforms import bias_corrections  # noqa: E402
 from zerojax.pallas.adam import AdamScalars, adam_update_pallas  # noqa: E402
 
 IDEAL = 28  # bytes per parameter of fp32 Adam: read p, g, m, v; write p, m, v

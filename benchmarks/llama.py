@@ -8,7 +8,7 @@ train.py builds it (`trainer.build_model`, `trainer.build_engine`, the trainer's
 its own byte batches of the embedded corpus, 8 virtual CPU devices. After `--warmup` steps, the
 stages run interleaved, one step each per round (each waited for with block_until_ready), for
 `--rounds` rounds; the median step gives tokens/s. FLOPs per step come from the compiled step's HLO
-(`zerojax.hlo.work`: every dot, loop bodies counted trip-count times; per device program x devices);
+(`zerojax.core.hlo.work`: every dot, loop bodies counted trip-count times; per device program x devices);
 XLA's `cost_analysis()` counts the scanned layer stack once and is shown next to it. MFU is achieved
 FLOP/s over a peak measured in the same run: the best of a large matmul on one device and a batch of
 matmuls over all 8 devices, in float32 and bfloat16 (the cores are shared, so no published figure
@@ -16,7 +16,7 @@ applies to 8 virtual devices).
 
 Import: synthetic Llama checkpoints of growing size (random weights, transformers' tensor names,
 written with safetensors' numpy API into a temporary folder) are read with `model.hf_checkpoint`'s
-loader (`zerojax.hf.load_params`, which train.py calls) under the ZeRO-3 layout, each import in a
+loader (`zerojax.models.hf.load_params`, which train.py calls) under the ZeRO-3 layout, each import in a
 fresh subprocess so that peaks do not accumulate; that subprocess reports the time and its peak
 resident memory over what it held just before the import (the peak `ru_maxrss` reports, VmHWM,
 reset to the current size through /proc/self/clear_refs first, so that start-up's own peak does not
@@ -102,10 +102,10 @@ def peak_flops(side: int) -> dict[str, float]:
 def measure_training(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import zerojax
-    from zerojax.data import make_batches
-    from zerojax.hlo import work
-    from zerojax.mesh import make_mesh
-    from zerojax.trainer import build_engine, build_model, compile_step
+    from zerojax.runtime.data import make_batches
+    from zerojax.core.hlo import work
+    from zerojax.planner.mesh import make_mesh
+    from zerojax.app.trainer import build_engine, build_model, compile_step
 
     rows: dict[int, dict[str, Any]] = {}
     engines, batches = {}, None
@@ -115,7 +115,7 @@ def measure_training(args: argparse.Namespace) -> dict[str, Any]:
         model = build_model(config, mesh)
         m = config.model
         if batches is None:  # the data does not depend on the stage
-            batches, _ = make_batches(config.data, model.layout.batch.train_batch_size, m.seq_len, m.vocab_size)
+            batches, _ = make_batches(config.data, model.plan.batch.train_batch_size, m.seq_len, m.vocab_size)
         engine = build_engine(config, mesh, model)
         batch = batches.batch(0)
         t = time.perf_counter()
@@ -240,15 +240,15 @@ def _import_child(directory: str, mode: str) -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import yaml
     import zerojax
-    from zerojax import hf
-    from zerojax.mesh import make_mesh
-    from zerojax.trainer import build_model
+    from zerojax.models import hf
+    from zerojax.planner.mesh import make_mesh
+    from zerojax.app.trainer import build_model
 
     raw = yaml.safe_load(CONFIG.read_text())
     raw["model"] = {"hf_checkpoint": directory, "seq_len": raw["model"]["seq_len"]}
     config = zerojax.load_config(raw)
     mesh = make_mesh(config)
-    shardings = build_model(config, mesh).layout.update_shardings
+    shardings = build_model(config, mesh).plan.update_shardings
     jax.block_until_ready(jax.device_put(np.zeros(8, np.float32)))  # the runtime is up before the baseline
     anon_before = _status_kib("RssAnon") * 1024
     before = _reset_peak()
@@ -319,7 +319,7 @@ def render(args: argparse.Namespace, m: dict[str, Any], seconds: float) -> str:
            f"train.py builds it (`trainer.build_model` / `build_engine` / `compile_step`) with only "
            f"`zero_optimization.stage` changed. Median step of {args.rounds} rounds after {args.warmup} warm-up "
            f"steps, the stages interleaved round by round.", "",
-           "- **FLOPs/step (HLO)**: `zerojax.hlo.work` over the compiled step's text, every dot counted, the scanned "
+           "- **FLOPs/step (HLO)**: `zerojax.core.hlo.work` over the compiled step's text, every dot counted, the scanned "
            "layer loop trip-count times, per device program x 8 devices. It includes the rematerialized forward "
            "pass, so it is hardware FLOPs.",
            "- **XLA cost_analysis**: the same executable's `cost_analysis()['flops']` x 8: it counts a while "

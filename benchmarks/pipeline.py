@@ -40,8 +40,9 @@ import numpy as np  # noqa: E402
 import zerojax  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.pipeline.executor import _stage_fn, activation_shape, make_grad_fn  # noqa: E402
-from zerojax.pipeline.step import ROWS, init_rows, make_pipeline_plan, make_pipeline_train_step  # noqa: E402
-from zerojax.state import init_state  # noqa: E402
+from zerojax.pipeline.step import ROWS, init_rows, make_pipeline_train_step  # noqa: E402
+from zerojax.planner.pipeline import make_pipeline_plan
+from zerojax.core.state import init_state  # noqa: E402
 
 MiB = 2 ** 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -208,7 +208,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def _measure_rows(args: argparse.Namespace, batch_rows: int) -> dict:
     import zerojax
-    from zerojax import hlo
+    from zerojax.core import hlo
 
     lr = 1e-3
     sizes = {"nnx_scan": (args.scan_width, args.scan_layers), "lax_scan": (args.scan_width, args.scan_layers),
@@ -217,7 +217,7 @@ def _measure_rows(args: argparse.Namespace, batch_rows: int) -> dict:
     for shape, (width, layers) in sizes.items():
         kw = {"constructor": True} if shape == "nnx_scan" else {}
         params, loss_fn, make_batch = SHAPES[shape](width=width, layers=layers, **kw)
-        psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(zerojax.sharded_init.abstract_params(params)))
+        psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(zerojax.core.sharded_init.abstract_params(params)))
         data = [make_batch(batch_rows, i) for i in range(args.warmup + args.rounds)]
         runners: dict = {}
         rows: dict = {}

@@ -52,12 +52,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import zerojax.config  # noqa: E402
-import zerojax.layout  # noqa: E402
-import zerojax.mesh  # noqa: E402
-import zerojax.state  # noqa: E402
-import zerojax.step  # noqa: E402
-from zerojax import hlo  # noqa: E402
-from zerojax.measure import array_bytes  # noqa: E402
+import zerojax.core.mesh  # noqa: E402
+import zerojax.planner.mesh  # noqa: E402
+import zerojax.planner.plan  # noqa: E402
+from zerojax.core import hlo  # noqa: E402
+from zerojax.core.measure import array_bytes  # noqa: E402
 from benchmarks.fsdp_baseline import make_fsdp  # noqa: E402
 from benchmarks.report import gpt_args, output_args, write_head  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
@@ -128,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {}
     runners: dict = {}
     base_cfg = zerojax.config.load_config(config_dict(args, 0))
-    mesh = zerojax.mesh.make_mesh(base_cfg)
-    n = zerojax.mesh.data_size(mesh)
+    mesh = zerojax.planner.mesh.make_mesh(base_cfg)
+    n = zerojax.core.mesh.data_size(mesh)
     params = gpt.init_params(base_cfg.model, 0)
     psi = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     rows = args.micro * n
@@ -139,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
 
     for stage in (0, 1, 2, 3):
         cfg = zerojax.config.load_config(config_dict(args, stage))
-        plan = zerojax.layout.plan(cfg, mesh, params)
+        plan = zerojax.planner.plan.make_plan(cfg, mesh, params)
         rep = plan.report()
         pol = plan.policy
-        state = zerojax.state.init_state(cfg, plan, params)
-        step = zerojax.step.make_train_step(cfg, plan, gpt.make_loss_fn(cfg.model))
+        state = zerojax.init_state(cfg, plan, params)
+        step = zerojax.make_train_step(cfg, plan, gpt.make_loss_fn(cfg.model))
         before = dumped()
         t = time.perf_counter()
         compiled = step.lower(state, data[0]).compile()

@@ -18,8 +18,8 @@ import optax
 from jax.sharding import Mesh
 
 import zerojax
-from zerojax.collectives import gather, gathers_params
-from zerojax.mesh import DATA
+from zerojax.core.collectives import gather, gathers_params
+from zerojax.core.mesh import DATA
 
 D_IN, D_HID, D_OUT, N_LAYERS = 16, 32, 4, 2
 

@@ -35,7 +35,7 @@ if os.environ.get("ZEROJAX_TEST_CACHE"):
 import numpy as np  # noqa: E402
 
 import zerojax  # noqa: E402
-from zerojax.distributed import local_rows, start  # noqa: E402
+from zerojax.runtime.distributed import local_rows, start  # noqa: E402
 
 STEPS = 3
 
@@ -95,7 +95,7 @@ def mismatch() -> None:
 
 def stall() -> None:
     from helpers import layerwise_loss, make_batch, mlp_params
-    from zerojax.watchdog import beat, watching
+    from zerojax.runtime.watchdog import beat, watching
     config = config_for(3)
     start(config)
     engine = zerojax.initialize(config, params=mlp_params(0), loss_fn=layerwise_loss)
@@ -112,12 +112,12 @@ def stall() -> None:
 
 def saveload(out: Path) -> None:
     from helpers import layerwise_loss, make_batch, mlp_params
-    from zerojax import checkpoint
+    from zerojax.checkpoint import saving
     config = config_for(3)
     start(config)
     if jax.process_index() == 0:  # process 0 alone writes meta.json and `latest`: make that slow
-        write = checkpoint._write_atomic
-        checkpoint._write_atomic = lambda path, text: (time.sleep(1.0), write(path, text))[1]
+        write = saving.write_atomic
+        saving.write_atomic = lambda path, text: (time.sleep(1.0), write(path, text))[1]
     engine = zerojax.initialize(config, params=mlp_params(0), loss_fn=layerwise_loss)
     mine = local_rows(engine.plan.batch_sharding, engine.train_batch_size())
     def step(seed: int) -> None:

@@ -16,10 +16,11 @@ from safetensors.numpy import load_file
 
 from zerojax import checkpoint as ckpt
 from zerojax.config import ModelConfig, load_config
-from zerojax.layout import plan as make_plan
+from zerojax.planner.plan import make_plan
 from zerojax.models import gpt
-from zerojax.state import TrainState, init_state
-from zerojax.step import make_train_step
+from zerojax.core.state import TrainState
+from zerojax.planner.api import init_state
+from zerojax.planner.api import make_train_step
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64)
@@ -120,8 +121,8 @@ RESUME_CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     import test_checkpoint as t
     from zerojax import checkpoint as ckpt
-    from zerojax.layout import plan as make_plan
-    from zerojax.step import make_train_step
+    from zerojax.planner.plan import make_plan
+    from zerojax.planner.api import make_train_step
 
     out = {}
     for name in sys.argv[3:]:
@@ -326,6 +327,7 @@ def test_incomplete_leftover_is_ignored_and_replaced(tmp_path) -> None:
 
 def test_missing_and_wrong_model_errors(tmp_path, monkeypatch) -> None:
     plan, state = small_setup()
+    cfg = config(2, True, "Adam", train_batch_size=8)
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "none")):
         ckpt.load(tmp_path / "none", None, plan)
     ckpt.save(tmp_path, "t", state, plan, async_save=False)
@@ -334,8 +336,8 @@ def test_missing_and_wrong_model_errors(tmp_path, monkeypatch) -> None:
 
     other = small_params(extra_leaf=True, width=24)
     del other["dense"]["bias"]
-    other_plan = make_plan(plan.config, plan.mesh, other)
-    monkeypatch.setattr(ckpt, "_restore", lambda *a: pytest.fail("orbax reached before the model check"))
+    other_plan = make_plan(cfg, plan.mesh, other)
+    monkeypatch.setattr(ckpt.loading, "_restore", lambda *a: pytest.fail("orbax reached before the model check"))
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.load(tmp_path, "t", other_plan)
     text = str(err.value)
@@ -388,8 +390,8 @@ CHILD = textwrap.dedent("""
     from jax.sharding import Mesh
     from zerojax import checkpoint as ckpt
     from zerojax.config import load_config
-    from zerojax.layout import plan as make_plan
-    from zerojax.state import init_state
+    from zerojax.planner.plan import make_plan
+    from zerojax.planner.api import init_state
 
     cfg = load_config({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
     params = {"w": np.random.default_rng(0).normal(size=(1024, 4096)).astype(np.float32)}
@@ -432,3 +434,25 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path) -> None:
     assert extra == {"k": newest} and int(state.step) == newest - 1
     first = np.float32(np.random.default_rng(0).normal())  # the child's w[0, 0] before its updates
     assert float(state.params["w"][0, 0]) == pytest.approx(float(first) + newest - 1)
+
+
+def test_a_checkpoint_written_before_the_package_was_layered_still_loads(tmp_path) -> None:
+    """tests/fixtures/checkpoints/before_layers was saved by the flat package (make_before_layers.py:
+    two ZeRO-2 bf16 steps); today's code restores it and it equals the same two steps run now."""
+    import shutil
+    import zerojax
+    from helpers import assert_tree_close, data_mesh, make_batch, mlp_params, mse_loss, to_numpy
+    config = {"train_batch_size": 16, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "gradient_clipping": 1.0}
+    saved = shutil.copytree(Path(__file__).parent / "fixtures" / "checkpoints" / "before_layers", tmp_path / "old")
+    assert ckpt.verify(saved) == "global_step2"
+    restored = zerojax.initialize(config, params=mlp_params(0), loss_fn=mse_loss, mesh=data_mesh())
+    _, client = restored.load_checkpoint(str(saved))
+    assert restored.global_steps == 2 and client == {"note": "written before the package was layered"}
+    now = zerojax.initialize(config, params=mlp_params(0), loss_fn=mse_loss, mesh=data_mesh())
+    for seed in range(2):
+        now.train_batch(make_batch(16, seed))
+    assert_tree_close(to_numpy(restored.state.master), to_numpy(now.state.master), rtol=1e-6, atol=1e-7,
+                      what="restored master vs two steps now")
+    assert_tree_close(to_numpy(restored.state.opt_state), to_numpy(now.state.opt_state), rtol=1e-6, atol=1e-7,
+                      what="restored Adam state vs two steps now")

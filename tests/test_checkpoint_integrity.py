@@ -16,7 +16,7 @@ import pytest
 
 from test_checkpoint import assert_trees_equal, host, set_step, small_setup
 from zerojax import checkpoint as ckpt
-from zerojax.cli import main as cli
+from zerojax.app.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -344,7 +344,7 @@ def test_export_refuses_to_overwrite_and_never_leaves_partial_files(tmp_path, mo
     def failing(*args):
         yield np.zeros(3, np.float32)
         raise OSError("disk full")
-    monkeypatch.setattr(ckpt, "_exported_arrays", failing)
+    monkeypatch.setattr(ckpt.export, "_exported_arrays", failing)
     with pytest.raises(OSError, match="disk full"):
         ckpt.export_safetensors(tmp_path / "ck", None, out, overwrite=True)
     with pytest.raises(OSError, match="disk full"):

@@ -10,9 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import data_mesh
-from zerojax.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather, gathers_params, is_gathering,
-                                 move, to_varying, unwrap, zeros_like_local)
-from zerojax.mesh import DATA
+from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, Shard, gather, gathers_params, is_gathering, move, to_varying, unwrap, zeros_like_local)
+from zerojax.core.mesh import DATA
 
 N = 8
 MESH = data_mesh()

@@ -39,7 +39,7 @@ def _row(report: str, op: str) -> tuple[int, float]:
 
 
 def test_report_counts_zero_paper_bytes() -> None:
-    from zerojax.hlo import comms_report
+    from zerojax.core.hlo import comms_report
     text, psi = _stage2_text()
     report = comms_report(text)
     n = 8
@@ -65,7 +65,7 @@ def test_prof_ops_names_are_checked() -> None:
 
 
 def test_run_prints_comms_memory_and_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from zerojax.trainer import train
+    from zerojax.app.trainer import train
     profile = tmp_path / "flops.txt"
     config = zerojax.load_config("configs/zero2.yaml", [
         *SMALL, f"run.output_dir={tmp_path / 'run'}", "comms_logger.enabled=true", "comms_logger.prof_all=false",
@@ -90,7 +90,7 @@ def test_run_prints_comms_memory_and_time(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_tag_validation_and_unused_parameters() -> None:
-    from zerojax.engine import validate_tag
+    from zerojax.engine.engine import validate_tag
     validate_tag("best", "best", "Fail")
     validate_tag("a", "b", "Ignore")
     with pytest.warns(UserWarning, match="tag 'a' but process 0 under 'b'"):

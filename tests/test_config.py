@@ -864,7 +864,7 @@ def test_precision_auto_is_never_fp32_in_silence(section: str) -> None:
 
 def test_config_explain_command_shows_the_auto_fills(capsys: pytest.CaptureFixture) -> None:
     """`zerojax config explain` on LLaMA-Factory's file, with the Trainer-only values set on the line."""
-    from zerojax.cli import main
+    from zerojax.app.cli import main
     path = FIXTURES / "llama_factory_ds_z3_config.json"
     assert main(["config", "explain", str(path), "--set", "fp16.enabled=false", "bf16.enabled=true",
                  "train_micro_batch_size_per_gpu=2", "model.d_model=512"]) == 0

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from zerojax import config as cfg
-from zerojax.config_docs import REGENERATE, render_reference
+from zerojax.tools.config_docs import REGENERATE, render_reference
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -67,9 +67,9 @@ def test_optimizer_tables_cover_every_type_and_mark_required_scheduler_params() 
 # Every key has a status: honoured, no effect by design (and why), or refused.
 
 def test_every_schema_key_has_a_status_and_the_reference_prints_it() -> None:
-    from zerojax.key_status import KEY_STATUS, KINDS, NO_EFFECT
+    from zerojax.config.status import KEY_STATUS, KINDS, NO_EFFECT
     paths = set(cfg.schema_paths())
-    assert sorted(paths - set(KEY_STATUS)) == [], "keys without a status in zerojax/key_status.py"
+    assert sorted(paths - set(KEY_STATUS)) == [], "keys without a status in zerojax/config/status.py"
     assert sorted(set(KEY_STATUS) - paths) == [], "statuses of keys the schema no longer has"
     for path, status in KEY_STATUS.items():
         assert status.startswith(KINDS), (path, status)
@@ -90,10 +90,10 @@ def test_every_schema_key_has_a_status_and_the_reference_prints_it() -> None:
 def test_a_key_without_a_status_fails_the_reference(monkeypatch) -> None:
     """The walk fails on any key without a status: a new schema key must be classified."""
     import pytest
-    from zerojax import key_status
+    from zerojax.config import status as key_status
     table = dict(key_status.KEY_STATUS)
     del table["zero_optimization.stage3_max_live_parameters"]
-    monkeypatch.setattr("zerojax.config_docs.KEY_STATUS", table)
+    monkeypatch.setattr("zerojax.tools.config_docs.KEY_STATUS", table)
     with pytest.raises(KeyError, match="stage3_max_live_parameters"):
         render_reference()
 
@@ -101,7 +101,7 @@ def test_a_key_without_a_status_fails_the_reference(monkeypatch) -> None:
 def test_refused_statuses_are_refused() -> None:
     """A sample value for each key marked refused is rejected by load_config or by plan's check."""
     import pytest
-    from zerojax.key_status import KEY_STATUS, REFUSED
+    from zerojax.config.status import KEY_STATUS, REFUSED
     samples = {
         "optimizer.params.amsgrad": {"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},
         "optimizer.params.max_grad_norm": {"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 1.0}}},

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from zerojax.config import DataConfig, load_config
-from zerojax.data import Batches, Prefetch, read_corpus, split_corpus
+from zerojax.runtime.data import Batches, Prefetch, read_corpus, split_corpus
 from zerojax.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import zerojax
 from zerojax.config import load_config
-from zerojax.data import Loader, PackedBatches, load_corpus, make_batches
+from zerojax.runtime.data import Loader, PackedBatches, load_corpus, make_batches
 from zerojax.errors import ConfigError
 
 EOS = "<|endoftext|>"
@@ -148,8 +148,8 @@ SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.seq_l
 
 def test_training_on_jsonl_resumes_with_the_same_batches(tmp_path, monkeypatch) -> None:
     """Train 6 steps; train 3, stop, resume to 6: steps 4-6 see exactly the same tokens, same losses."""
-    from zerojax.engine import Engine
-    from zerojax.trainer import train
+    from zerojax.engine.engine import Engine
+    from zerojax.app.trainer import train
 
     tok = make_tokenizer(tmp_path / "tokenizer.json")
     docs = write_jsonl(tmp_path / "docs.jsonl")
@@ -204,7 +204,7 @@ def test_loss_skips_masked_predictions() -> None:
 def test_tokenize_command_writes_the_token_file_a_jsonl_run_would_build(tmp_path, capsys) -> None:
     """`zerojax tokenize` once, then `data.source: tokens`: the same train and validation batches (ids
     and loss masks) as tokenizing the JSONL at start-up."""
-    from zerojax.cli import main
+    from zerojax.app.cli import main
     tok = make_tokenizer(tmp_path / "tokenizer.json")
     docs = write_jsonl(tmp_path / "docs.jsonl")
     out = tmp_path / "train.bin"

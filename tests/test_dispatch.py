@@ -101,8 +101,8 @@ def batch_threads() -> list[threading.Thread]:
 
 
 def test_trainer_prefetch_thread_ends_and_its_errors_reach_the_caller(tmp_path, monkeypatch) -> None:
-    from zerojax.data import Batches
-    from zerojax.trainer import train
+    from zerojax.runtime.data import Batches
+    from zerojax.app.trainer import train
 
     config = zerojax.load_config("configs/zero1.yaml", [*SMALL, f"run.output_dir={tmp_path / 'ok'}"])
     summary = train(config)

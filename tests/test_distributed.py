@@ -21,8 +21,7 @@ import zerojax
 from helpers import assert_tree_close, data_mesh, layerwise_loss, mlp_params, to_numpy
 from multiprocess_worker import STEPS, batches, config_for
 from zerojax.config import DistributedConfig, load_config
-from zerojax.distributed import (Processes, cpu_devices_per_process, differences, fingerprint, global_array,
-                                 local_rows, resolve)
+from zerojax.runtime.distributed import (Processes, cpu_devices_per_process, differences, fingerprint, global_array, local_rows, resolve)
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = os.path.abspath(os.environ.get("ZEROJAX_TEST_CACHE", ROOT / ".cache" / "jax"))
@@ -277,7 +276,7 @@ def test_train_py_under_launch_runs_200_steps_to_the_end(tmp_path: Path) -> None
 def test_a_stalled_process_is_reported_by_every_process_and_named() -> None:
     """Process 1 stops before step 4; process 0 then waits in that step's collectives. Within the hang
     timeout both dump their stacks saying where they are, and the launcher names both and fails."""
-    from zerojax.watchdog import EXIT_HUNG
+    from zerojax.runtime.watchdog import EXIT_HUNG
     started = time.monotonic()
     proc = launch("-n", "2", "--hang-timeout", "8", "--grace", "3", "tests/multiprocess_worker.py", "stall",
                   timeout=240)

@@ -148,11 +148,11 @@ def test_layer_axes_reach_the_plan() -> None:
     axes = zerojax.find_layer_axes(loss_fn, params, batch)
     assert axes == {"layers": {"w": 1, "b": 1}}
     told = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, layer_axes=axes)
-    assert guessed.plan.layouts["layers"]["b"].param == zerojax.collectives.Shard(0)
-    assert told.plan.layouts["layers"]["b"].param == zerojax.collectives.Shard(1)
+    assert guessed.plan.layouts["layers"]["b"].param == zerojax.core.collectives.Shard(0)
+    assert told.plan.layouts["layers"]["b"].param == zerojax.core.collectives.Shard(1)
     kept = {**cfg, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
     assert zerojax.initialize(kept, params=params, loss_fn=loss_fn, layer_axes=axes).plan.layouts[
-        "layers"]["b"].param == zerojax.collectives.REPLICATED
+        "layers"]["b"].param == zerojax.core.collectives.REPLICATED
     curves = [[float(engine.train_batch(batch)["loss"]) for _ in range(3)] for engine in (guessed, told)]
     np.testing.assert_allclose(curves[0], curves[1], rtol=1e-5)   # a layout changes no result
     assert curves[0][-1] < curves[0][0]

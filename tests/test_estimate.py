@@ -9,17 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax import estimate as E
-from zerojax import hlo
-from zerojax.cli import main
+from zerojax.tools import estimate as E
+from zerojax.core import hlo
+from zerojax.app.cli import main
 from zerojax.config import load_config
 from zerojax.errors import ConfigError
-from zerojax.layout import plan
-from zerojax.mesh import make_mesh
+from zerojax.planner.plan import make_plan
+from zerojax.planner.mesh import make_mesh
 from zerojax.models import gpt
-from zerojax.precision import policy
-from zerojax.state import abstract_state
-from zerojax.step import make_train_step
+from zerojax.planner.settings import policy
+from zerojax.core.state import abstract_state
+from zerojax.planner.api import make_train_step
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
@@ -121,7 +121,7 @@ def test_plan_exact_on_an_abstract_mesh_equals_the_real_plan() -> None:
     model = E.embedded_model(cfg)
     for choice in E.CHOICES:
         est = E.plan_exact(cfg, model, 8, 8, choice)
-        real = plan(E.variant(cfg, choice), make_mesh(cfg), model.abstract_params).report()
+        real = make_plan(E.variant(cfg, choice), make_mesh(cfg), model.abstract_params).report()
         assert est.report._replace(memory="") == real._replace(memory=""), choice  # bytes; not where updates run
 
 
@@ -143,7 +143,7 @@ def test_plan_exact_scales_with_devices_the_paper_way() -> None:
     pol = policy(cfg)
     psi = 2 ** 20 * 3
     model = E.counts_model(psi, 2 ** 20)
-    p = plan(cfg, make_mesh(cfg), model.abstract_params)
+    p = make_plan(cfg, make_mesh(cfg), model.abstract_params)
     counters = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(p.abstract_opt_state) if x.size <= 1)
     assert 0 < counters <= 64
     for n in (16, 64, 512):
@@ -159,7 +159,7 @@ def test_plan_exact_scales_with_devices_the_paper_way() -> None:
 
 def _compiled_state_bytes(cfg) -> int:
     """Per-device argument bytes of the compiled step, less this device's rows of the batch."""
-    p = plan(cfg, make_mesh(cfg), gpt.abstract_params(cfg.model))
+    p = make_plan(cfg, make_mesh(cfg), gpt.abstract_params(cfg.model))
     rows = p.batch.micro_batch_size * p.data_size
     batch = {"tokens": jax.ShapeDtypeStruct((rows, cfg.model.seq_len + 1), np.int32, sharding=p.batch_sharding)}
     mem = make_train_step(cfg, p, gpt.make_loss_fn(cfg.model)).lower(abstract_state(p), batch).compile() \

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.nonfinite import NonFiniteGuard
-from zerojax.preemption import stop_signals
+from zerojax.core.nonfinite import NonFiniteGuard
+from zerojax.runtime.preemption import stop_signals
 
 from helpers import data_mesh, make_batch, make_config, mlp_params, mse_loss
 from test_cli import ROOT, SMALL, run
@@ -141,7 +141,7 @@ def _fake_tag(ckpt_dir: Path, step: int) -> None:
 
 
 def _train(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, float]:
-    from zerojax.cli import main
+    from zerojax.app.cli import main
     import time
     start = time.perf_counter()
     code = main(["train", "--config", "configs/zero3.yaml", "--set", *SMALL, *args])
@@ -171,7 +171,7 @@ def test_resume_checks_the_tag_and_the_run(tmp_path: Path, capsys: pytest.Captur
     code, err, seconds = _train(capsys, f"run.output_dir={base}", "run.save_every=4", "--resume", "global_step4")
     assert code == 2 and "--resume global_step4:" in err and "newer checkpoints (global_step8)" in err, err
     # Only the tags the run will write collide: from step 4 to 6 it writes global_step6 alone.
-    from zerojax.preflight import check_resume_tag
+    from zerojax.runtime.preflight import check_resume_tag
     check_resume_tag(base / "checkpoints", "global_step4", steps=6, save_every=4)
     with pytest.raises(zerojax.ConfigError, match=r"newer checkpoints \(global_step8\)"):
         check_resume_tag(base / "checkpoints", "global_step4", steps=8, save_every=0)
@@ -179,7 +179,7 @@ def test_resume_checks_the_tag_and_the_run(tmp_path: Path, capsys: pytest.Captur
     assert code == 2 and "no checkpoint global_step5" in err and "global_step4, global_step8" in err
 
     # A second fresh run went to zero3-2 and stopped before its first checkpoint: --resume means zero3.
-    from zerojax.preflight import resume_target
+    from zerojax.runtime.preflight import resume_target
     second = tmp_path / "zero3-2"
     second.mkdir()
     (second / "config.json").write_text("{}")
@@ -201,9 +201,9 @@ def test_a_batch_too_big_fails_in_seconds(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_device_memory_estimate_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    from zerojax import preflight
+    from zerojax.runtime import preflight
     from zerojax.config import load_config
-    from zerojax.layout import plan
+    from zerojax.planner.plan import make_plan
     from zerojax.models import gpt
 
     class Device:
@@ -213,14 +213,14 @@ def test_device_memory_estimate_names_the_fix(monkeypatch: pytest.MonkeyPatch) -
             return {"bytes_limit": 2 ** 30}
 
     config = load_config("configs/zero3.yaml", ["train_batch_size=4096", "train_micro_batch_size_per_gpu=512", "model.remat=false"])
-    layout = plan(config, data_mesh(), gpt.abstract_params(config.model))
+    layout = make_plan(config, data_mesh(), gpt.abstract_params(config.model))
     monkeypatch.setattr(preflight.jax, "local_devices", lambda: [Device()])
     with pytest.raises(zerojax.ConfigError) as e:
         preflight.check_memory(config, layout, 64)
     msg = str(e.value)
     assert "per device (model state" in msg and "for 512 rows x 128 tokens" in msg
     assert "but a 1 GiB accelerator has 1.00 GiB" in msg and "lower train_micro_batch_size_per_gpu" in msg
-    preflight.check_memory(load_config("configs/zero3.yaml"), plan(load_config("configs/zero3.yaml"), data_mesh(),
+    preflight.check_memory(load_config("configs/zero3.yaml"), make_plan(load_config("configs/zero3.yaml"), data_mesh(),
                            gpt.abstract_params(config.model)), 64)  # the shipped config fits
 
 
@@ -229,7 +229,7 @@ def test_sigterm_during_the_final_save_lets_it_finish(tmp_path: Path, capsys: py
     """After the last step the run is still saving: a scheduler's SIGTERM then must not lose the
     run's only checkpoint. The save completes, evaluation is skipped, the exit code is 143."""
     from zerojax.checkpoint import latest_tag, verify
-    from zerojax.engine import Engine
+    from zerojax.engine.engine import Engine
     save = Engine.save_checkpoint
 
     def signalled_save(self: Engine, *args, **kwargs):  # the signal lands as the final save starts

@@ -93,7 +93,7 @@ def test_remat_gives_same_loss_and_grads(params: dict) -> None:
 
 
 def test_loss_fn_gathers_layer_by_layer() -> None:
-    assert zerojax.collectives.is_gathering(gpt.make_loss_fn(CFG))
+    assert zerojax.core.collectives.is_gathering(gpt.make_loss_fn(CFG))
 
 
 def test_training_lowers_the_loss(params: dict) -> None:
@@ -136,7 +136,7 @@ def test_stage3_when_only_the_layer_axis_divides() -> None:
     cfg = make_config(3, gas=2, train_batch_size=12, threshold=0, optimizer=SGD, clip=0.0)
     p = zerojax.plan(cfg, data_mesh(6), params)
     specs = jax.tree.map(lambda s: s.spec, p.param_shardings)
-    assert specs["blocks"]["fc"]["kernel"] == jax.sharding.PartitionSpec(zerojax.mesh.DATA, None, None)
+    assert specs["blocks"]["fc"]["kernel"] == jax.sharding.PartitionSpec(zerojax.core.mesh.DATA, None, None)
     loss_fn = gpt.make_loss_fn(cfg_model)
     step = zerojax.make_train_step(cfg, p, loss_fn)
     state = zerojax.init_state(cfg, p, params)

@@ -21,7 +21,7 @@ import zerojax
 from helpers import assert_tree_close, data_mesh, forward, make_batch, make_config, mlp_params, to_numpy, \
     train_steps
 from zerojax.config import ConfigWarning
-from zerojax.step import grad_average
+from zerojax.core.step import grad_average
 
 FP16_MAX = float(jnp.finfo(jnp.float16).max)
 

@@ -22,8 +22,8 @@ import pytest
 import zerojax
 from helpers import data_mesh, to_numpy
 from test_cli import run
-from zerojax import hf
-from zerojax.layout import plan as make_plan
+from zerojax.models import hf
+from zerojax.planner.plan import make_plan
 from zerojax.models import gpt, llama
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.cli import main
+from zerojax.app.cli import main
 from zerojax.config import load_config
-from zerojax.data import split_corpus
+from zerojax.runtime.data import split_corpus
 from zerojax.errors import ConfigError
 
 from helpers import data_mesh, make_batch, mlp_params, mse_loss

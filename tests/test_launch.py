@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from zerojax import launch
-from zerojax.launch import Launcher, LaunchError, _parser, plan_processes, read_hostfile
+from zerojax.runtime import launch
+from zerojax.runtime.launch import Launcher, LaunchError, _parser, plan_processes, read_hostfile
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = os.path.abspath(os.environ.get("ZEROJAX_TEST_CACHE", ROOT / ".cache" / "jax"))

@@ -14,11 +14,10 @@ import zerojax
 from helpers import (collective_shapes, collectives, computations_with, data_mesh,
                      layerwise_loss, make_batch, make_config, mlp_params, mse_loss, numel,
                      while_bodies)
-from zerojax.collectives import PARTIAL, REPLICATED, Shard
-from zerojax.measure import array_bytes
-from zerojax.layout import (GRADIENTS, OPTIMIZER, PARAMETERS, STAGE_PARTITIONS, LeafLayout, choose_dim,
-                            leaf_layout, spec)
-from zerojax.mesh import DATA
+from zerojax.core.collectives import PARTIAL, REPLICATED, Shard
+from zerojax.core.measure import array_bytes
+from zerojax.core.layout import (GRADIENTS, OPTIMIZER, PARAMETERS, STAGE_PARTITIONS, LeafLayout, choose_dim, leaf_layout, spec)
+from zerojax.core.mesh import DATA
 
 N = 8
 
@@ -265,7 +264,7 @@ def test_stage3_gathers_parameters_for_the_forward(compiled_hlo: dict[int, str],
 def test_stage3_gpt_temp_memory_is_a_small_fraction_of_gradients() -> None:
     from zerojax.config import ModelConfig
     from zerojax.models import gpt
-    from zerojax.state import abstract_state
+    from zerojax.core.state import abstract_state
 
     mc = ModelConfig(d_model=128, n_layers=8, n_heads=4, seq_len=32, remat=True)
     params = gpt.abstract_params(mc)

@@ -9,9 +9,10 @@ import pytest
 import zerojax
 from helpers import ADAM, SGD, layerwise_loss, make_config, mse_loss
 from test_step import run_and_compare
-from zerojax.collectives import Shard
+from zerojax.core.collectives import Shard
 from zerojax.errors import ConfigError
-from zerojax.mesh import DATA_INNER, DATA_OUTER, data_axes, data_size, hierarchical_sizes, make_mesh
+from zerojax.core.mesh import DATA_INNER, DATA_OUTER, data_axes, data_size
+from zerojax.planner.mesh import hierarchical_sizes, make_mesh
 
 
 def split(cfg: zerojax.Config, **mesh: int) -> zerojax.Config:

@@ -15,9 +15,9 @@ import pytest
 
 import zerojax
 from helpers import assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, to_numpy
-from zerojax import offload
-from zerojax.hlo import entry_layout_bytes
-from zerojax.measure import HOST_KINDS, step_memory
+from zerojax.planner import settings
+from zerojax.core.hlo import entry_layout_bytes
+from zerojax.core.measure import HOST_KINDS, step_memory
 
 STEPS = 3
 
@@ -133,7 +133,7 @@ def test_offload_errors_name_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
                                                   r"resolve to interpret"):
         zerojax.plan(config(2, "fp32", {"device": "cpu", "compute": "host"}, kernels="pallas"), data_mesh(),
                      mlp_params(0))
-    monkeypatch.setattr(offload, "_available_kinds", lambda mesh: {"device"})
+    monkeypatch.setattr(settings, "_available_kinds", lambda mesh: {"device"})
     with pytest.raises(zerojax.ConfigError, match=r"^zero_optimization\.offload_param\.device: cpu needs the "
                                                   r"'pinned_host' memory kind, but the cpu backend's devices offer "
                                                   r"\['device'\]; set zero_optimization\.offload_param\.device: none"):

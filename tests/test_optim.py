@@ -1,4 +1,4 @@
-"""zerojax.optim against float64 numpy re-implementations of the torch / DeepSpeed updates.
+"""zerojax.optim.transforms against float64 numpy re-implementations of the torch / DeepSpeed updates.
 
 Each reference is written from the source of the implementation DeepSpeed runs (FusedAdam's and
 FusedLamb's CUDA kernels, FusedLion's kernel, torch.optim.Adagrad and torch.optim.SGD), one parameter
@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.config import load_config
 from zerojax.errors import ConfigError
-from zerojax.optim import has_betas, make_optimizer
+from zerojax.optim.deepspeed import has_betas, make_optimizer
 
 STEPS = 4
 Leaves = list[np.ndarray]
@@ -477,7 +477,7 @@ def test_user_optax_optimizer_trains_and_owns_the_optimizer_state(stage: int) ->
     # the optimizer state is the user's: optax's own structure, partitioned as the stage says
     want_state = tx.init(jax.tree.map(jnp.asarray, h.mlp_params(0)))
     assert jax.tree.structure(engine.state.opt_state) == jax.tree.structure(want_state)
-    assert engine.plan.config.optimizer.type == "client" and engine.config.optimizer is None
+    assert engine.plan.tx is tx and engine.plan.rule.adam is None and engine.config.optimizer is None
     mu = engine.state.opt_state[1][0].mu["layers"]["w"]
     assert mu.sharding.spec != P() or stage == 0  # partitioned over data, not replicated
     # and it trains exactly as the same optax optimizer on one device
@@ -506,7 +506,7 @@ def test_user_optimizer_factory_follows_lr_scheduler_and_the_config_scheduler() 
     engine = zerojax.initialize(with_section, params=h.mlp_params(0), loss_fn=h.mse_loss, mesh=h.data_mesh(),
                                 optimizer=optax.adamw)
     lrs = [float(engine.train_batch(b)["lr"]) for b in batches]
-    from zerojax.schedules import make_schedule
+    from zerojax.optim.schedules import make_schedule
     want_lrs = make_schedule(load_config(with_section).scheduler, 1.0).lr
     np.testing.assert_allclose(lrs, [float(want_lrs(i)) for i in range(3)], rtol=1e-6)
     assert lrs[2] > 0

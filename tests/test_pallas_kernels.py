@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.optim import ScaleByMomentsState, bias_corrections, make_optimizer
+from zerojax.optim.transforms import ScaleByMomentsState, bias_corrections
+from zerojax.optim.deepspeed import make_optimizer
 from zerojax.pallas import multi_tensor
 from zerojax.pallas.adam import AdamScalars, adam_update_pallas, adam_update_reference
 from zerojax.pallas.loss_scale import grad_stats_pallas, grad_stats_reference
@@ -114,7 +115,7 @@ def test_adam_kernel_without_bias_correction() -> None:
 
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_reference_is_zerojax_adam(adam_w_mode: bool) -> None:
-    """The reference computes the optax update zerojax.optim builds for DeepSpeed's Adam."""
+    """The reference computes the optax update zerojax.optim.transforms builds for DeepSpeed's Adam."""
     opt = zerojax.load_config({"train_batch_size": 8, "optimizer": {
         "type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": adam_w_mode}}}).optimizer
     tx = make_optimizer(opt, lambda count: jnp.float32(1e-2))

@@ -1,8 +1,9 @@
 """`kernels: auto` uses the Pallas kernels only after they have proved themselves on the backend.
 
 No GPU here, so the check is exercised two ways on CPU: `plan` is told its platform resolved to
-Triton (as on a GPU) and the real check then fails for real (Triton cannot run on a CPU device),
-and the check itself runs on the interpreted kernels, correct and deliberately broken.
+Triton (as on a GPU) and the real check, run where a step is first made (`checked_kernels`, which
+the engine and `make_train_step` call), then fails for real (Triton cannot run on a CPU device); and
+the check itself runs on the interpreted kernels, correct and deliberately broken.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import jax.numpy as jnp
 import pytest
 
 import zerojax
-import zerojax.layout
+import zerojax.planner.plan
 from helpers import data_mesh, make_config, mlp_params
 from zerojax.pallas import adam, loss_scale, selfcheck
+from zerojax.core.step import checked_kernels
 from zerojax.pallas.backend import INTERPRET, TRITON, XLA
 
 PARAMS0 = mlp_params(0)
@@ -33,16 +35,18 @@ def fresh_verdicts() -> Any:
 @pytest.fixture
 def as_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """`plan` resolves `auto` and `pallas` to Triton, as it does on a GPU platform."""
-    real = zerojax.layout.resolve_kernels
+    real = zerojax.planner.plan.resolve_kernels
 
     def on_gpu(kernels: str, platform: str, optimizer: str) -> str:
         return real(kernels, "gpu", optimizer)
-    monkeypatch.setattr(zerojax.layout, "resolve_kernels", on_gpu)
+    monkeypatch.setattr(zerojax.planner.plan, "resolve_kernels", on_gpu)
 
 
 def test_auto_falls_back_to_xla_with_one_line_when_the_kernels_do_not_build(as_on_gpu: None, capsys) -> None:
-    first = zerojax.plan(make_config(2), data_mesh(), PARAMS0)
-    second = zerojax.plan(make_config(1), data_mesh(), PARAMS0)
+    planned = zerojax.plan(make_config(2), data_mesh(), PARAMS0)
+    assert planned.kernels == TRITON        # making a plan compiles nothing: the check runs with the step
+    first = checked_kernels(planned)
+    second = checked_kernels(zerojax.plan(make_config(1), data_mesh(), PARAMS0))
     assert first.kernels == XLA and second.kernels == XLA
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1, lines          # one line per process and backend, not per plan
@@ -54,7 +58,7 @@ def test_pallas_fails_loudly_when_the_kernels_do_not_build(as_on_gpu: None) -> N
     with pytest.raises(zerojax.ConfigError, match=r"^kernels: 'pallas' forces the fused kernels, but their "
                                                   r"self-check failed \(triton on cpu\): compile/run error: .*"
                                                   r"; use kernels: auto \(falls back to the optax update\) or xla$"):
-        zerojax.plan(make_config(2, kernels="pallas"), data_mesh(), PARAMS0)
+        zerojax.make_train_step(zerojax.plan(make_config(2, kernels="pallas"), data_mesh(), PARAMS0), lambda p, b: 0.0)
 
 
 def test_a_passing_check_keeps_the_kernels_and_runs_once(capsys) -> None:

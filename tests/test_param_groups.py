@@ -15,8 +15,9 @@ import zerojax
 from zerojax.config import ModelConfig, load_config
 from zerojax.errors import ConfigError
 from zerojax.models import gpt
-from zerojax.names import dotted
-from zerojax.optim import make_optimizer, name_matches, param_groups
+from zerojax.core.names import dotted
+from zerojax.optim.deepspeed import make_optimizer, param_groups
+from zerojax.optim.transforms import name_matches
 
 sys.path.insert(0, str(Path(__file__).parent))
 import helpers as h  # noqa: E402

@@ -6,8 +6,7 @@ import itertools
 import pytest
 
 import zerojax
-from zerojax.pipeline.schedule import (Backward, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
-                                       ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build)
+from zerojax.pipeline.schedule import (Backward, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build)
 
 CASES = [(s, m) for s in (2, 4) for m in (1, 3, s, 2 * s)]
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.cli import main
+from zerojax.app.cli import main
 from zerojax.models import gpt
-from zerojax.sample import generate, load_run
+from zerojax.app.sample import generate, load_run
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.seq_len=16", "data.max_bytes=50000",
         "run.eval_batches=0", "run.progress=false", "run.log_every=1", "steps_per_print=1", "run.steps=3",
@@ -18,7 +18,7 @@ TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.seq_le
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Two small runs (ZeRO-0 and ZeRO-3) of the embedded GPT, with metrics.jsonl and a checkpoint."""
-    from zerojax.trainer import train
+    from zerojax.app.trainer import train
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for stage in (0, 3):
@@ -36,7 +36,7 @@ def test_plot_overlays_runs_in_one_png(runs, tmp_path, capsys) -> None:
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 500 and image.shape[1] > 800
     assert len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 50  # curves, text: not a blank page
-    from zerojax.plot import read_metrics
+    from zerojax.tools.plot import read_metrics
     assert [r["step"] for r in read_metrics(runs[3])] == [1, 2, 3]
     assert main(["plot", str(tmp_path / "nothing"), "-o", str(tmp_path / "x.png")]) == 2
     assert "nothing does not exist; give the folder of a run" in capsys.readouterr().err
@@ -72,7 +72,7 @@ def test_sample_command_is_deterministic_with_a_seed(runs, capsys) -> None:
 
 
 def test_train_prints_the_sample(tmp_path, capsys) -> None:
-    from zerojax.trainer import train
+    from zerojax.app.trainer import train
     cfg = zerojax.load_config("configs/zero1.yaml", [*TINY, "run.steps=1", "scheduler.params.total_num_steps=1",
                                                      f"run.output_dir={tmp_path}"])
     train(cfg)

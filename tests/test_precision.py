@@ -17,7 +17,7 @@ import pytest
 import zerojax
 from helpers import (ADAM, assert_relative_close, assert_tree_close, data_mesh, make_batch, make_config, mlp_params,
                      mse_loss, to_numpy, train_steps)
-from zerojax.precision import LossScaleState, ScalerConfig, init_loss_scale, update_loss_scale
+from zerojax.core.precision import LossScaleState, ScalerConfig, init_loss_scale, update_loss_scale
 
 
 class DeepSpeedScaler:
@@ -228,7 +228,7 @@ def test_fp16_matches_fp32_reference_loosely(stage: int) -> None:
 
 def test_loss_scale_state_is_replicated_scalars() -> None:
     p = zerojax.plan(make_config(2, fp16={"enabled": True}), data_mesh(), mlp_params())
-    state = zerojax.init_state(p.config, p, mlp_params())
+    state = zerojax.init_state(p, mlp_params())
     assert isinstance(state.scaler, LossScaleState)
     assert state.scaler.first_bad.shape == (p.n_leaves,)
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.scaler))

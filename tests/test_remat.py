@@ -16,7 +16,8 @@ import pytest
 import zerojax
 from benchmarks.user_models import SHAPES
 from helpers import assert_tree_close, data_mesh, to_numpy
-from zerojax import remat
+from zerojax.core import remat
+from zerojax.planner.settings import checkpoint, remat_policy
 from zerojax.config import ModelConfig
 from zerojax.models import gpt
 
@@ -180,13 +181,13 @@ def test_cpu_checkpointing_offloads_the_kept_layer_inputs() -> None:
 
 def test_resolve_and_config_errors() -> None:
     ac = lambda **kw: zerojax.load_config({"train_batch_size": 8, "activation_checkpointing": kw})  # noqa: E731
-    assert remat.resolve(ac()) is None
-    assert remat.resolve(ac(), model_remat=True) == remat.Remat("nothing")
-    assert remat.resolve(ac(cpu_checkpointing=True)) == remat.Remat("nothing", True)
-    assert remat.resolve(ac(policy="dots", cpu_checkpointing=True)) == remat.Remat("dots", True)
+    assert remat_policy(ac()) is None
+    assert remat_policy(ac(), model_remat=True) == remat.Remat("nothing")
+    assert remat_policy(ac(cpu_checkpointing=True)) == remat.Remat("nothing", True)
+    assert remat_policy(ac(policy="dots", cpu_checkpointing=True)) == remat.Remat("dots", True)
     # DeepSpeed keys with no JAX counterpart load and change nothing.
-    assert remat.resolve(ac(partition_activations=True, contiguous_memory_optimization=True,
-                            number_checkpoints=4, synchronize_checkpoint_boundary=True, profile=True)) is None
+    assert remat_policy(ac(partition_activations=True, contiguous_memory_optimization=True,
+                         number_checkpoints=4, synchronize_checkpoint_boundary=True, profile=True)) is None
     with pytest.raises(zerojax.ConfigError, match="activation_checkpointing.policy"):
         ac(policy="all")
     with pytest.raises(zerojax.ConfigError, match="cpu_checkpointing: policy 'everything'"):
@@ -200,8 +201,8 @@ def test_resolve_and_config_errors() -> None:
 
 def test_loss_without_a_policy_is_left_alone() -> None:
     _, loss_fn, _ = plain_scan()
-    assert remat.for_loss(config(0), loss_fn) is loss_fn
-    wrapped = remat.for_loss(config(0, "dots"), loss_fn)
+    assert remat.for_loss(remat_policy(config(0)), loss_fn) is loss_fn
+    wrapped = remat.for_loss(remat_policy(config(0, "dots")), loss_fn)
     assert wrapped is not loss_fn and wrapped.__wrapped__ is loss_fn
 
 
@@ -231,7 +232,7 @@ def test_loss_taking_rng_keeps_its_key_and_values() -> None:
 
 
 def test_checkpoint_helper_wraps_one_layer_with_the_configured_policy() -> None:
-    """`remat.checkpoint(fn, config)`: DeepSpeed's checkpoint(fn, ...) for a loss that places its own remat."""
+    """`checkpoint(fn, config)`: DeepSpeed's checkpoint(fn, ...) for a loss that places its own remat."""
     def layer(h: jax.Array, w: jax.Array) -> jax.Array:
         return jnp.tanh(jnp.tanh(h @ w) @ w.T)
 
@@ -240,8 +241,8 @@ def test_checkpoint_helper_wraps_one_layer_with_the_configured_policy() -> None:
     grad = lambda f: jax.grad(lambda h, w: f(h, w).sum(), argnums=(0, 1))  # noqa: E731
     want = grad(layer)(h, w)
     for policy, cpu in (("nothing", False), ("dots", True)):
-        wrapped = remat.checkpoint(layer, config(0, policy, cpu))
+        wrapped = checkpoint(layer, config(0, policy, cpu))
         eqn = jax.make_jaxpr(wrapped)(h, w).jaxpr.eqns[0]
         assert eqn.params["policy"] == remat.Remat(policy, cpu).policy
         assert_tree_close(to_numpy(grad(wrapped)(h, w)), to_numpy(want), rtol=1e-6, atol=1e-7, what=policy)
-    assert remat.checkpoint(layer, config(0, "everything")) is layer
+    assert checkpoint(layer, config(0, "everything")) is layer

@@ -17,7 +17,7 @@ import pytest
 
 from zerojax.config import load_config
 from zerojax.errors import ConfigError
-from zerojax.schedules import make_schedule
+from zerojax.optim.schedules import make_schedule
 
 BASE_LR = 0.05
 

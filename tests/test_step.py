@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.collectives import gather, gathers_params
+from zerojax.core.collectives import gather, gathers_params
 from helpers import (ADAM, SGD, assert_relative_close, assert_tree_close, data_mesh, forward, layerwise_loss,
                      make_batch, make_config, mlp_params, mse_loss, reference_run, to_numpy, train_steps)
 
@@ -117,7 +117,7 @@ def test_stage3_layerwise_gathering_loss(gas: int, dtype: str) -> None:
     cfg = make_config(3, gas=gas, dtype=dtype, optimizer=ADAM)
     p, _ = run_and_compare(cfg, data_mesh(), layerwise_loss, ("adam", dtype, cfg.gradient_clipping), dtype)
     sharded = [lay.param for lay in jax.tree.leaves(p.layouts, is_leaf=lambda x: hasattr(x, "param"))
-               if isinstance(lay.param, zerojax.collectives.Shard)]
+               if isinstance(lay.param, zerojax.core.collectives.Shard)]
     assert len(sharded) >= 4  # the loss really received ParamShards
 
 
@@ -134,8 +134,8 @@ def test_sgd_without_momentum_catches_scaled_gradients(stage: int, loss: str, th
     if threshold:
         params = {jax.tree_util.keystr(k): lay.param for k, lay in jax.tree_util.tree_leaves_with_path(
             p.layouts, is_leaf=lambda x: hasattr(x, "param"))}
-        assert params["['w_in']"] == zerojax.collectives.REPLICATED
-        assert params["['layers']['w']"] == zerojax.collectives.Shard(1)
+        assert params["['w_in']"] == zerojax.core.collectives.REPLICATED
+        assert params["['layers']['w']"] == zerojax.core.collectives.Shard(1)
 
 
 @pytest.mark.parametrize("n, stage, loss", [(4, 3, "layerwise"), (2, 2, "plain")])
@@ -262,7 +262,7 @@ def test_a_marked_loss_receives_dim0_leaves_whole() -> None:
     and a ParamShard cannot be sliced along its sharded axis: leaves sharded along dimension 0
     (here a matrix and a stack the loss indexes in a fori_loop) reach it whole, a stack sharded
     along a later dimension as a ParamShard; all train as at stage 0."""
-    from zerojax.collectives import ParamShard
+    from zerojax.core.collectives import ParamShard
     seen: list[dict[str, bool]] = []   # per trace: which leaves arrived as shards
 
     @gathers_params
@@ -283,7 +283,7 @@ def test_a_marked_loss_receives_dim0_leaves_whole() -> None:
         p = zerojax.plan(cfg, data_mesh(), params)
         if stage == 3:
             assert [p.layouts[k].param for k in ("w", "stack", "mats")] == [
-                zerojax.collectives.Shard(0), zerojax.collectives.Shard(0), zerojax.collectives.Shard(1)]
+                zerojax.core.collectives.Shard(0), zerojax.core.collectives.Shard(0), zerojax.core.collectives.Shard(1)]
         state = zerojax.init_state(cfg, p, params)
         step = zerojax.make_train_step(cfg, p, loss)
         for batch in BATCHES:

@@ -17,12 +17,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax.hlo import collectives as hlo_collectives
+from zerojax.core.hlo import collectives as hlo_collectives
 from benchmarks.user_models import SHAPES
 from helpers import assert_relative_close, assert_tree_close, data_mesh, to_numpy, while_bodies
-from zerojax.collectives import ParamShard, Shard
-from zerojax.gather_at_use import gather_at_use
-from zerojax.layout import is_layout
+from zerojax.core.collectives import ParamShard, Shard
+from zerojax.core.gather_at_use import gather_at_use
+from zerojax.core.layout import is_layout
 
 ROWS = 32
 
@@ -295,7 +295,7 @@ def test_nnx_constructor_builds_the_same_model_sharded() -> None:
 
 def test_init_never_holds_the_whole_model() -> None:
     """The state constructor's compiled buffers stay far below one whole fp32 copy of the model."""
-    from zerojax.state import _init_fn, _key_data
+    from zerojax.core.state import _init_fn, _key_data
     params, _, _ = SHAPES["nnx_scan"](width=256, layers=8, constructor=True)
     plan = zerojax.plan(config(3), data_mesh(), params)
     fn, args = _init_fn(plan, params, _key_data(0))

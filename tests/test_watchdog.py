@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zerojax.errors import ConfigError
-from zerojax.watchdog import ENV_HANG_TIMEOUT, REPORT_PREFIX, Watchdog, hang_timeout
+from zerojax.runtime.watchdog import ENV_HANG_TIMEOUT, REPORT_PREFIX, Watchdog, hang_timeout
 
 
 def test_timeout_comes_from_the_environment_before_the_config() -> None:

@@ -16,11 +16,12 @@ import jax
 import numpy as np
 
 from test_cli import ROOT, run
-from zerojax import checkpoint, hf
+from zerojax import checkpoint
+from zerojax.models import hf
 from zerojax.config import load_config
-from zerojax.data import make_batches
+from zerojax.runtime.data import make_batches
 from zerojax.models import llama
-from zerojax.sample import generate
+from zerojax.app.sample import generate
 
 FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama"
 ANIMALS, PLACES = ["cat", "dog", "fox", "owl"], ["mat", "log", "box"]

@@ -17,10 +17,11 @@ import pytest
 import zerojax
 from helpers import ADAM, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, mse_loss, train_steps
 from test_step import run_and_compare
-from zerojax import hlo, quantize
-from zerojax.collectives import Shard
+from zerojax.core import hlo, quantize
+from zerojax.core.collectives import Shard
 from zerojax.errors import ConfigError
-from zerojax.mesh import DATA_INNER, DATA_OUTER, make_mesh
+from zerojax.core.mesh import DATA_INNER, DATA_OUTER
+from zerojax.planner.mesh import make_mesh
 
 INNER = 4
 HOSTS = ((0, 1, 2, 3), (4, 5, 6, 7))   # partition ids of the (2 x 4) mesh's inner groups
@@ -213,7 +214,7 @@ def test_quantized_collectives_in_the_compiled_step() -> None:
 
 
 def test_estimate_counts_the_secondary_copy_at_stage_3_only() -> None:
-    from zerojax import estimate as E
+    from zerojax.tools import estimate as E
     base = zerojax.load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "optimizer": ADAM,
                                 "zero_optimization": {"stage3_param_persistence_threshold": 0},
                                 "model": {"d_model": 64, "n_layers": 2, "n_heads": 2, "seq_len": 32}})

@@ -9,7 +9,7 @@ from zerojax.errors import ConfigError
 from zerojax.config.fields import schema_fields
 from zerojax.config.schema.run import ModelConfig
 from zerojax.config.schema.zero import ZeroConfig
-from zerojax.config.validate import _is_auto
+from zerojax.config.validate import is_auto
 
 
 # zero_optimization keys the Trainer derives from the model's hidden size.
@@ -43,15 +43,15 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _fill_auto(raw: dict[str, Any], hidden_size: int | None) -> dict[str, str]:
+def fill_auto(raw: dict[str, Any], hidden_size: int | None) -> dict[str, str]:
     """Replace the Trainer's "auto" placeholders that zerojax can derive, in place; returns the
     source label of each filled key. Every "auto" only the Trainer could fill is one error."""
     fills: dict[str, str] = {}
     pending: list[str] = []
     tb, mb = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
-    if (_is_auto(tb) or _is_auto(mb)) and not (_number(tb) or _number(mb)):
+    if (is_auto(tb) or is_auto(mb)) and not (_number(tb) or _number(mb)):
         pending.append("train_micro_batch_size_per_gpu")
-    if _is_auto(raw.get("gradient_clipping")):
+    if is_auto(raw.get("gradient_clipping")):
         raw["gradient_clipping"] = _TRAINER_MAX_GRAD_NORM
         fills["gradient_clipping"] = "derived ('auto': the Trainer's max_grad_norm default, 1.0)"
     zero = raw.get("zero_optimization")
@@ -59,25 +59,25 @@ def _fill_auto(raw: dict[str, Any], hidden_size: int | None) -> dict[str, str]:
         fields = {f.name: f for f in schema_fields(ZeroConfig)}
         for key in list(zero):
             name = next((n for n, f in fields.items() if key == n or key in f.metadata.get("aliases", ())), key)
-            if name in HIDDEN_FILLS and _is_auto(zero[key]):
+            if name in HIDDEN_FILLS and is_auto(zero[key]):
                 formula, fn = HIDDEN_FILLS[name]
                 h, whence = _hidden_size(raw, hidden_size)
                 zero[key] = fn(h)
                 fills[f"zero_optimization.{name}"] = f"derived ('auto': {formula}, hidden size {h} {whence})"
     for section in ("fp16", "bf16", "bfloat16"):
-        if isinstance(raw.get(section), dict) and _is_auto(raw[section].get("enabled")):
+        if isinstance(raw.get(section), dict) and is_auto(raw[section].get("enabled")):
             pending.append("bf16.enabled" if section == "bfloat16" else f"{section}.enabled")
     opt = raw.get("optimizer")
     opt_params = opt.get("params") if isinstance(opt, dict) else None
     if isinstance(opt_params, dict):
-        pending += [f"optimizer.params.{k}" for k, v in opt_params.items() if _is_auto(v)]
+        pending += [f"optimizer.params.{k}" for k, v in opt_params.items() if is_auto(v)]
     sched = raw.get("scheduler")
     params = sched.get("params") if isinstance(sched, dict) else None
     if isinstance(params, dict):
         lr = opt_params.get("lr") if isinstance(opt_params, dict) else None
         run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
         for key, value in list(params.items()):
-            if not _is_auto(value):
+            if not is_auto(value):
                 continue
             if key == "warmup_min_lr":
                 params[key] = 0.0

@@ -10,20 +10,20 @@ from typing import Any, Sequence
 
 
 
-_MISSING = dataclasses.MISSING
+MISSING = dataclasses.MISSING
 
 
 class ConfigWarning(UserWarning):
     """A key that loads but means nothing here (DeepSpeed ignores it too, or it is not built)."""
 
 
-def _warn(sources: dict[str, str], path: str, message: str, label: str) -> None:
+def warn_ignored(sources: dict[str, str], path: str, message: str, label: str) -> None:
     """One warning line per ignored key, and its source label for `config explain`."""
     sources[path] = label
     warnings.warn(f"{path}: {message}", ConfigWarning, stacklevel=4)
 
 
-def option(default: Any = _MISSING, doc: str = "", *, choices: Sequence[Any] | None = None,
+def option(default: Any = MISSING, doc: str = "", *, choices: Sequence[Any] | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None,
            aliases: Sequence[str] = (), int_bool: bool = False, factory: Any = None) -> Any:
     """A schema field: default, doc string and the checks the loader applies."""

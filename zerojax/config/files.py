@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from zerojax.errors import ConfigError
-from zerojax.config.paths import _join
+from zerojax.config.paths import join_path
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: the file is empty; write a mapping such as "
                           f'{{"train_batch_size": 32}}')
     try:
-        data = _reject_duplicates(_parse_text(text, path.suffix.lower()))
+        data = reject_duplicates(_parse_text(text, path.suffix.lower()))
     except ConfigError as e:
         raise ConfigError(f"config file {path}: {e}") from None
     except Exception as e:  # parser errors carry line/column
@@ -41,7 +41,7 @@ def _parse_text(text: str, suffix: str) -> Any:
     trailing commas). Any other extension (.txt, .cfg, none) is JSON, else YAML, else hjson: a YAML
     file read as hjson would fail with a misleading message about keys or braces."""
     if suffix in (".yaml", ".yml"):
-        return _load_yaml(text)
+        return load_yaml(text)
     if suffix == ".hjson":
         return _load_hjson(text)
     try:
@@ -50,7 +50,7 @@ def _parse_text(text: str, suffix: str) -> Any:
         if suffix == ".json":
             return _load_hjson(text)
     try:
-        data = _load_yaml(text)
+        data = load_yaml(text)
     except Exception as yaml_error:
         try:
             data = _load_hjson(text)
@@ -77,14 +77,14 @@ class _Pairs(dict):
         return out
 
 
-def _reject_duplicates(data: Any, prefix: str = "") -> Any:
+def reject_duplicates(data: Any, prefix: str = "") -> Any:
     """Plain dicts and lists again; the first key written twice is an error naming its dotted path."""
     if isinstance(data, dict):
         for key in getattr(data, "duplicates", ()):
-            raise ConfigError(f"{_join(prefix, str(key))}: key written twice; keep one of them")
-        return {k: _reject_duplicates(v, _join(prefix, str(k))) for k, v in data.items()}
+            raise ConfigError(f"{join_path(prefix, str(key))}: key written twice; keep one of them")
+        return {k: reject_duplicates(v, join_path(prefix, str(k))) for k, v in data.items()}
     if isinstance(data, list):
-        return [_reject_duplicates(v, f"{prefix}[{i}]") for i, v in enumerate(data)]
+        return [reject_duplicates(v, f"{prefix}[{i}]") for i, v in enumerate(data)]
     return data
 
 
@@ -123,6 +123,6 @@ def _yaml_loader() -> type:
     return Loader
 
 
-def _load_yaml(text: str) -> Any:
+def load_yaml(text: str) -> Any:
     import yaml
     return yaml.load(text, Loader=_yaml_loader())

@@ -6,7 +6,7 @@ import typing
 from typing import Any, Callable, Mapping, Sequence
 
 from zerojax.errors import ConfigError
-from zerojax.config.fields import _warn
+from zerojax.config.fields import warn_ignored
 
 
 class Foreign(typing.NamedTuple):
@@ -194,7 +194,7 @@ FOREIGN_KEYS: dict[str, Foreign] = {
 }
 
 
-def _foreign(path: str, value: Any, sources: dict[str, str]) -> bool:
+def accept_foreign(path: str, value: Any, sources: dict[str, str]) -> bool:
     """Accept a DeepSpeed-only key with one warning, or refuse it; False when `path` is not one."""
     known = FOREIGN_KEYS.get(path)
     if known is None:
@@ -203,12 +203,12 @@ def _foreign(path: str, value: Any, sources: dict[str, str]) -> bool:
     if reason is not None:
         raise ConfigError(f"{path}: DeepSpeed's {known.what} is not built in zerojax, and {reason}; "
                           f"alternative: {known.alternative}; remove the key or turn it off")
-    _warn(sources, path, f"DeepSpeed's {known.what}: not built in zerojax; effect: {known.effect}; "
+    warn_ignored(sources, path, f"DeepSpeed's {known.what}: not built in zerojax; effect: {known.effect}; "
                          f"alternative: {known.alternative}", "ignored (DeepSpeed-only key, not built)")
     return True
 
 
-def _foreign_here(prefix: str) -> list[str]:
+def foreign_keys_in(prefix: str) -> list[str]:
     """The DeepSpeed-only keys that live directly in section `prefix`, for suggestions."""
     depth = prefix.count(".") + 1 if prefix else 0
     return [p.rsplit(".", 1)[-1] for p in FOREIGN_KEYS

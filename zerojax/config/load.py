@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from zerojax.errors import ConfigError
-from zerojax.config.auto import _fill_auto
-from zerojax.config.files import _load_yaml, _reject_duplicates, read_config_file
-from zerojax.config.paths import _flatten, _show
-from zerojax.config.rules import _check, _derive
-from zerojax.config.schema.optimizer import CLIENT_OPTIMIZER
+from zerojax.config.auto import fill_auto
+from zerojax.config.files import load_yaml, reject_duplicates, read_config_file
+from zerojax.config.paths import flatten, show
+from zerojax.config.rules import check_rules, derive
 from zerojax.config.schema.root import Config
-from zerojax.config.validate import _build, _deepcopy, _given_values, _schema_step
+from zerojax.config.validate import build_section, plain_copy, given_values, schema_step
 
 
 def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
@@ -29,9 +28,9 @@ def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
     if isinstance(src, Config):
         if not overrides:
             return src
-        raw = _given_values(src, "", src.sources, origin)
+        raw = given_values(src, "", src.sources, origin)
     elif isinstance(src, Mapping):
-        raw = _deepcopy(src)
+        raw = plain_copy(src)
     elif isinstance(src, (str, os.PathLike)):
         raw = read_config_file(Path(src))
     else:
@@ -43,29 +42,33 @@ def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
             del origin[stale]  # the override replaced the whole section
         origin[path] = "override"
     sources: dict[str, str] = {}
-    fills = _fill_auto(raw, hidden_size)
-    config = _build(Config, raw, "", sources, origin)
+    fills = fill_auto(raw, hidden_size)
+    config = build_section(Config, raw, "", sources, origin)
     sources.update(fills)
-    config = _derive(config, sources)
-    _check(config, sources)
+    config = derive(config, sources)
+    check_rules(config, sources)
     return dataclasses.replace(config, sources=sources)
 
 
-def as_config(config: "Config | Mapping[str, Any] | str | os.PathLike[str]", plan_config: Config | None = None,
-              where: str = "config") -> Config:
+def as_config(config: "Config | Mapping[str, Any] | str | os.PathLike[str]") -> Config:
     """What the public functions take as `config` (a Config, a dict or a file path, as `initialize`
-    does), loaded; given the config a plan was made from, the two must agree key for key."""
-    config = load_config(config)
-    if plan_config is not None and getattr(plan_config.optimizer, "type", None) == CLIENT_OPTIMIZER:
-        # the plan records an optimizer passed in code where the config has its section (or none)
-        plan_config = dataclasses.replace(plan_config, optimizer=config.optimizer)
-    if plan_config is not None and config != plan_config:
-        mine, theirs = dict(_flatten(config.to_dict())), dict(_flatten(plan_config.to_dict()))
-        keys = [k for k in {**theirs, **mine} if mine.get(k) != theirs.get(k)]
-        shown = ", ".join(f"{k} {_show(mine.get(k))} (plan: {_show(theirs.get(k))})" for k in keys[:4])
-        raise ConfigError(f"{where}: the config differs from the one the plan was made from in "
-                          f"{len(keys)} key(s): {shown}; pass plan.config, or make the plan from this config")
-    return config
+    does), loaded."""
+    return load_config(config)
+
+
+Fingerprint = tuple[tuple[str, str], ...]
+
+
+def fingerprint(config: Config) -> Fingerprint:
+    """Every resolved key and its value as written, sorted: equal fingerprints, equal configs. A plan
+    records its config's, so a config handed to a function with the plan can be checked against it."""
+    return tuple(sorted((key, show(value)) for key, value in flatten(config.to_dict())))
+
+
+def differences(mine: Fingerprint, theirs: Fingerprint) -> list[tuple[str, str | None, str | None]]:
+    """(key, value in `mine`, value in `theirs`) for every key whose values differ (None: absent)."""
+    a, b = dict(mine), dict(theirs)
+    return [(k, a.get(k), b.get(k)) for k in sorted({*a, *b}) if a.get(k) != b.get(k)]
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -79,10 +82,10 @@ def _parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{item}': the key path before '=' has an empty part; write it as "
                           f"key.path=value, e.g. zero_optimization.stage=2")
     try:
-        parsed = _load_yaml(value) if value.strip() else None
+        parsed = load_yaml(value) if value.strip() else None
     except yaml.YAMLError:
         return key, value
-    return key, _reject_duplicates(parsed, key)
+    return key, reject_duplicates(parsed, key)
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> str:
@@ -94,7 +97,7 @@ def _set_dotted(raw: dict, key: str, value: Any) -> str:
     parts = key.split(".")
     node, cls, canon = raw, Config, []
     for i, part in enumerate(parts):
-        name, aliases, cls = _schema_step(cls, part)
+        name, aliases, cls = schema_step(cls, part)
         for alias in aliases:
             if alias in node and name not in node:
                 node[name] = node.pop(alias)

@@ -11,11 +11,11 @@ from zerojax.config.schema.optimizer import OptimizerConfig
 from zerojax.config.schema.scheduler import SchedulerConfig
 
 
-def _join(prefix: str, key: str) -> str:
+def join_path(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A value as the user wrote it (JSON where possible; YAML can also give dates and such)."""
     try:
         return json.dumps(value)
@@ -23,27 +23,27 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
-def _to_plain(obj: Any) -> Any:
+def to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         out = {}
         if isinstance(obj, (OptimizerConfig, SchedulerConfig)):
-            out = {"type": obj.type, "params": _to_plain(obj.params)}
+            out = {"type": obj.type, "params": to_plain(obj.params)}
             for key in ("no_decay", "param_groups"):  # written only when set: DeepSpeed has neither
                 if getattr(obj, key, ()):
-                    out[key] = _to_plain(getattr(obj, key))
+                    out[key] = to_plain(getattr(obj, key))
             return out
         for f in schema_fields(type(obj)):
-            out[f.name] = _to_plain(getattr(obj, f.name))
+            out[f.name] = to_plain(getattr(obj, f.name))
         return out
     if isinstance(obj, tuple):
-        return [_to_plain(v) for v in obj]
+        return [to_plain(v) for v in obj]
     return obj
 
 
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> Any:
+def flatten(d: Mapping[str, Any], prefix: str = "") -> Any:
     for k, v in d.items():
-        path = _join(prefix, k)
+        path = join_path(prefix, k)
         if isinstance(v, Mapping) and v:
-            yield from _flatten(v, path)
+            yield from flatten(v, path)
         else:
             yield path, v

@@ -7,8 +7,10 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
+from zerojax.config.hf import model_keys
+from zerojax.config.schema.monitoring import OP_NAMES
 from zerojax.errors import ConfigError
-from zerojax.config.fields import ConfigWarning, _warn
+from zerojax.config.fields import ConfigWarning, warn_ignored
 from zerojax.config.schema.optimizer import AdamParams, LambParams, SGDParams, ZERO_TESTED_OPTIMIZERS
 from zerojax.config.schema.root import BATCH_KEYS
 from zerojax.config.schema.scheduler import OneCycleParams, WarmupLRParams
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
     from zerojax.config.schema.root import Config
 
 
-def _derive(config: Config, sources: dict[str, str]) -> Config:
+def derive(config: Config, sources: dict[str, str]) -> Config:
     """Fill values DeepSpeed derives from other keys, and mark them 'derived'."""
     opt = config.optimizer
     if opt is not None and isinstance(opt.params, AdamParams) and opt.params.weight_decay is None:
@@ -69,7 +71,7 @@ def _derive(config: Config, sources: dict[str, str]) -> Config:
         sources["zero_optimization.offload_param.device"] = "derived (cpu_offload_param: true)"
     if zero.offload_param.device != "none" and zero.stage != 3:
         # DeepSpeed reads offload_param only in stage 3; stages 0-2 keep parameters on the device.
-        _warn(sources, "zero_optimization.offload_param",
+        warn_ignored(sources, "zero_optimization.offload_param",
               f"ignored at stage {zero.stage}, as DeepSpeed ignores it (parameter offload is a stage-3 "
               f"feature); effect: none, parameters stay on the device; set zero_optimization.stage=3 to "
               f"offload them", f"ignored (stage {zero.stage}; DeepSpeed reads it at stage 3 only)")
@@ -88,7 +90,6 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
     """Model keys not given: from `model.hf_checkpoint`'s config.json, then each family's defaults."""
     m = config.model
     if m.hf_checkpoint is not None:
-        from zerojax.hf import model_keys  # reads config.json only
         found, where = model_keys(m.hf_checkpoint, m.seq_len if "model.seq_len" in sources else None)
         changes = {}
         for key, value in found.items():
@@ -144,7 +145,7 @@ def _derive_data_source(config: Config, sources: dict[str, str]) -> Config:
     return config
 
 
-def _check(config: Config, sources: Mapping[str, str] | None = None) -> None:
+def check_rules(config: Config, sources: Mapping[str, str] | None = None) -> None:
     """Cross-key rules that need no devices."""
     if config.fp16.enabled and config.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled: both true; choose one precision")
@@ -208,7 +209,6 @@ def _check_averaging(config: Config) -> None:
 
 def _check_sections(config: Config) -> None:
     _check_averaging(config)
-    from zerojax.hlo import OP_NAMES
     for i, name in enumerate(config.comms_logger.prof_ops):
         if name not in OP_NAMES:
             raise ConfigError(f"comms_logger.prof_ops[{i}]: '{name}' is not a collective; use one of "

@@ -11,15 +11,15 @@ import typing
 from typing import Any, Mapping, Sequence
 
 from zerojax.errors import ConfigError
-from zerojax.config.fields import _MISSING, schema_fields
-from zerojax.config.foreign import _foreign, _foreign_here
-from zerojax.config.paths import _join, _show
+from zerojax.config.fields import MISSING, schema_fields
+from zerojax.config.foreign import accept_foreign, foreign_keys_in
+from zerojax.config.paths import join_path, show
 from zerojax.config.schema.optimizer import ONE_BIT_OPTIMIZERS, OPTIMIZER_PARAMS, OptimizerConfig, ParamGroup
 from zerojax.config.schema.root import BATCH_KEYS, Config
 from zerojax.config.schema.scheduler import REQUIRED_SCHEDULER_PARAMS, SCHEDULER_PARAMS, SchedulerConfig
 
 
-def _schema_step(cls: type | None, part: str) -> tuple[str, tuple[str, ...], type | None]:
+def schema_step(cls: type | None, part: str) -> tuple[str, tuple[str, ...], type | None]:
     """One step down the schema: canonical name of `part`, its aliases, and the section below it."""
     if cls is None:
         return part, (), None
@@ -31,7 +31,7 @@ def _schema_step(cls: type | None, part: str) -> tuple[str, tuple[str, ...], typ
     return name, fields[name].metadata.get("aliases", ()), _dataclass_of(typing.get_type_hints(cls)[name])
 
 
-def _given_values(obj: Any, prefix: str, sources: Mapping[str, str],
+def given_values(obj: Any, prefix: str, sources: Mapping[str, str],
                   origin: dict[str, str]) -> dict[str, Any]:
     """The raw tree a loaded Config was built from, with each value's source recorded in `origin`.
 
@@ -40,13 +40,13 @@ def _given_values(obj: Any, prefix: str, sources: Mapping[str, str],
     """
     out: dict[str, Any] = {}
     for f in schema_fields(type(obj)):
-        path, value = _join(prefix, f.name), getattr(obj, f.name)
+        path, value = join_path(prefix, f.name), getattr(obj, f.name)
         if isinstance(value, (OptimizerConfig, SchedulerConfig)):
             origin[path + ".type"] = sources.get(path + ".type", "default")
             out[f.name] = {"type": value.type,
-                           "params": _given_values(value.params, path + ".params", sources, origin)}
+                           "params": given_values(value.params, path + ".params", sources, origin)}
         elif dataclasses.is_dataclass(value):
-            out[f.name] = _given_values(value, path, sources, origin)
+            out[f.name] = given_values(value, path, sources, origin)
         else:
             label = sources.get(path, "default")
             if "'auto'" in label:
@@ -62,14 +62,14 @@ def _given_values(obj: Any, prefix: str, sources: Mapping[str, str],
 
 
 def _field_default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default is _MISSING else f.default
+    return f.default_factory() if f.default is MISSING else f.default
 
 
-def _deepcopy(obj: Any) -> Any:
+def plain_copy(obj: Any) -> Any:
     if isinstance(obj, Mapping):
-        return {k: _deepcopy(v) for k, v in obj.items()}
+        return {k: plain_copy(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_deepcopy(v) for v in obj]
+        return [plain_copy(v) for v in obj]
     return obj
 
 
@@ -87,7 +87,7 @@ def _did_you_mean(key: str, valid: Sequence[str], noun: str = "keys", where: str
     if close:
         return f"; did you mean '{close[0]}'?"
     if where is not None:
-        homes = [p for p in schema_paths() if p.rsplit(".", 1)[-1] == key and p != _join(where, key)]
+        homes = [p for p in schema_paths() if p.rsplit(".", 1)[-1] == key and p != join_path(where, key)]
         if homes:
             return f"; it belongs elsewhere: did you mean '{homes[0]}'?"
     return f"; valid {noun}: {', '.join(sorted(valid))}"
@@ -104,7 +104,7 @@ def schema_paths() -> tuple[str, ...]:
         cls, prefix = queue.pop(0)
         hints = typing.get_type_hints(cls)
         for f in schema_fields(cls):
-            path = _join(prefix, f.name)
+            path = join_path(prefix, f.name)
             if path not in paths:
                 paths.append(path)
             nested = _dataclass_of(hints[f.name])
@@ -126,7 +126,7 @@ def _origin_of(path: str, origin: Mapping[str, str]) -> str:
     return "file"
 
 
-def _is_auto(value: Any) -> bool:
+def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
@@ -137,12 +137,12 @@ def _auto_is_a_value(tp: Any, meta: Mapping[str, Any]) -> bool:
     return str in args and (not choices or "auto" in choices)
 
 
-def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Mapping[str, str]) -> Any:
+def build_section(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Mapping[str, str]) -> Any:
     where = prefix or "config"
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a section (mapping of keys), got {_show(raw)}")
+        raise ConfigError(f"{where}: expected a section (mapping of keys), got {show(raw)}")
     fields = {f.name: f for f in schema_fields(cls)}
     alias_of = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
     given: dict[str, Any] = {}
@@ -153,23 +153,23 @@ def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Ma
             continue  # "_comment", "_read_the_docs": comments, as real configs write them
         name = alias_of.get(key, key)
         if name not in fields:
-            if _foreign(_join(prefix, key), value, sources):
+            if accept_foreign(join_path(prefix, key), value, sources):
                 continue
             if prefix == "optimizer.params" and key == "max_grad_norm":
                 raise ConfigError("optimizer.params.max_grad_norm: not a parameter of DeepSpeed's "
                                   f"{cls.__doc__.split()[0]} optimizer; clip gradients with the top-level "
                                   "gradient_clipping (e.g. \"gradient_clipping\": 1.0)")
-            hint = _did_you_mean(key, list(fields) + list(alias_of) + _foreign_here(prefix), where=prefix)
+            hint = _did_you_mean(key, list(fields) + list(alias_of) + foreign_keys_in(prefix), where=prefix)
             if prefix in ("optimizer.params", "scheduler.params"):
                 hint += f" ({cls.__doc__.splitlines()[0]})"
-            raise ConfigError(f"unknown key '{_join(prefix, key)}'{hint}")
+            raise ConfigError(f"unknown key '{join_path(prefix, key)}'{hint}")
         if name in given:
-            raise ConfigError(f"{_join(prefix, key)}: given twice (also as an alias); keep one")
+            raise ConfigError(f"{join_path(prefix, key)}: given twice (also as an alias); keep one")
         given[name] = value
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
-        path = _join(prefix, name)
+        path = join_path(prefix, name)
         if cls is Config and name in ("optimizer", "scheduler"):
             if name in given and given[name] is not None:
                 kwargs[name] = _build_typed(name, given[name], sources, origin)
@@ -177,12 +177,12 @@ def _build(cls: type, raw: Any, prefix: str, sources: dict[str, str], origin: Ma
         tp = hints[name]
         nested = _dataclass_of(tp)
         if nested is not None:
-            kwargs[name] = _build(nested, given.get(name), path, sources, origin)
+            kwargs[name] = build_section(nested, given.get(name), path, sources, origin)
             continue
         if name not in given:
             continue
         value = given[name]
-        if _is_auto(value) and not _auto_is_a_value(tp, f.metadata):
+        if is_auto(value) and not _auto_is_a_value(tp, f.metadata):
             # Hugging Face's placeholder: the batch triad derives it, everything else takes its default.
             sources[path] = "derived ('auto')" if path in BATCH_KEYS else "default ('auto')"
             continue
@@ -195,7 +195,7 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
     """optimizer / scheduler: the params schema depends on `type`."""
     example = "AdamW" if name == "optimizer" else "WarmupLR"
     if not isinstance(raw, Mapping):
-        raise ConfigError(f'{name}: expected {{"type": "{example}", "params": {{...}}}}, got {_show(raw)}')
+        raise ConfigError(f'{name}: expected {{"type": "{example}", "params": {{...}}}}, got {show(raw)}')
     raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("_"))}
     allowed = ["type", "params"] + (["no_decay", "param_groups"] if name == "optimizer" else [])
     extra = set(raw) - set(allowed)
@@ -207,9 +207,9 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
     given_type = raw["type"]
     params = raw.get("params") or {}
     if not isinstance(params, Mapping):
-        raise ConfigError(f"{name}.params: expected a mapping of keys, got {_show(params)}")
+        raise ConfigError(f"{name}.params: expected a mapping of keys, got {show(params)}")
     for key, value in params.items():
-        if _is_auto(value):
+        if is_auto(value):
             raise ConfigError(f"{name}.params.{key}: 'auto' is a Hugging Face Trainer placeholder and "
                               f"there is no Trainer to fill it in; write the number")
     if name == "optimizer":
@@ -221,7 +221,7 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
             raise ConfigError(f"optimizer.type: unknown optimizer '{given_type}'"
                               f"{_did_you_mean(canon, list(OPTIMIZER_PARAMS), 'types')}")
         params_cls = OPTIMIZER_PARAMS[canon]
-        built = _build(params_cls, params, "optimizer.params", sources, origin)
+        built = build_section(params_cls, params, "optimizer.params", sources, origin)
         sources["optimizer.type"] = _origin_of("optimizer.type", origin)
         groups = {}
         for key in ("no_decay", "param_groups"):
@@ -234,7 +234,7 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
     if canon is None:
         raise ConfigError(f"scheduler.type: unknown scheduler '{given_type}'"
                           f"{_did_you_mean(given_type, list(SCHEDULER_PARAMS), 'types')}")
-    built = _build(SCHEDULER_PARAMS[canon], params, "scheduler.params", sources, origin)
+    built = build_section(SCHEDULER_PARAMS[canon], params, "scheduler.params", sources, origin)
     for req in REQUIRED_SCHEDULER_PARAMS.get(canon, ()):
         if getattr(built, req) is None:
             raise ConfigError(f"scheduler.params.{req}: required by {canon}; add it")
@@ -246,7 +246,7 @@ def _patterns(value: Any, path: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not items or not all(isinstance(p, str) and p for p in items):
         raise ConfigError(f"{path}: expected a name pattern or a list of them (e.g. [bias, norm, embed]), "
-                          f"got {_show(value)}")
+                          f"got {show(value)}")
     return tuple(items)
 
 
@@ -256,12 +256,12 @@ def _parse_group_key(key: str, value: Any) -> Any:
         return () if value == [] else _patterns(value, "optimizer.no_decay")
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"optimizer.param_groups: expected a list of groups such as "
-                          f'[{{"match": "embed", "lr_scale": 0.1}}], got {_show(value)}')
+                          f'[{{"match": "embed", "lr_scale": 0.1}}], got {show(value)}')
     groups = []
     for i, g in enumerate(value):
         path = f"optimizer.param_groups[{i}]"
         if not isinstance(g, Mapping):
-            raise ConfigError(f"{path}: expected a mapping with match, lr_scale and/or weight_decay, got {_show(g)}")
+            raise ConfigError(f"{path}: expected a mapping with match, lr_scale and/or weight_decay, got {show(g)}")
         unknown = sorted(set(map(str, g)) - {"match", "lr_scale", "weight_decay"})
         if unknown:
             raise ConfigError(f"{path}.{unknown[0]}: unknown key; a group has match, lr_scale and weight_decay")
@@ -307,7 +307,7 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
 
     def bad() -> ConfigError:
         zero_one = " (or 0/1)" if meta.get("int_bool") else ""
-        return ConfigError(f"{path}: expected {_type_name(tp)}{zero_one}, got {_show(value)}")
+        return ConfigError(f"{path}: expected {_type_name(tp)}{zero_one}, got {show(value)}")
 
     if tp is bool:
         if isinstance(value, bool):
@@ -351,12 +351,12 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
                 raise ConfigError(f"{path}: '{out}' is not one of {', '.join(map(str, choices))}")
             out = match
         elif out not in choices:
-            raise ConfigError(f"{path}: {_show(out)} is not one of {', '.join(map(str, choices))}")
+            raise ConfigError(f"{path}: {show(out)} is not one of {', '.join(map(str, choices))}")
     if isinstance(out, float) and out != out:
         raise ConfigError(f"{path}: NaN is not a usable value; write a number")
     for bound, ok, word in (("ge", lambda x, b: x >= b, ">="), ("gt", lambda x, b: x > b, ">"),
                             ("le", lambda x, b: x <= b, "<=")):
         b = meta.get(bound)
         if b is not None and isinstance(out, (int, float)) and not ok(out, b):
-            raise ConfigError(f"{path}: {_show(out)} must be {word} {b}")
+            raise ConfigError(f"{path}: {show(out)} must be {word} {b}")
     return out

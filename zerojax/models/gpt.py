@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax.collectives import gather, gathers_params
+from zerojax.core.collectives import gather, gathers_params
 from zerojax.config import ActivationCheckpointingConfig, ModelConfig
 from zerojax.models.loss import next_token_loss
-from zerojax.remat import resolve as resolve_remat
+from zerojax.planner.settings import remat_policy
 
 
 def norm_eps(cfg: ModelConfig) -> float:
@@ -123,7 +123,7 @@ def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array,
     """Logits (float32) for `tokens` [batch, time]; params may hold ZeRO-3 `ParamShard`s.
 
     `checkpointing` (the config's `activation_checkpointing`) picks what each block keeps for the
-    backward pass (`zerojax.remat`); without it, or with its policy null, `cfg.remat` decides.
+    backward pass (`zerojax.core.remat`); without it, or with its policy null, `cfg.remat` decides.
     """
     top = gather({k: v for k, v in params.items() if k != "blocks"})
     t = tokens.shape[1]
@@ -132,7 +132,7 @@ def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array,
     def body(x: jax.Array, layer: dict[str, Any]) -> tuple[jax.Array, None]:
         return _block(cfg, gather(layer))(x), None
 
-    remat = resolve_remat(checkpointing or ActivationCheckpointingConfig(), model_remat=cfg.remat)
+    remat = remat_policy(checkpointing or ActivationCheckpointingConfig(), model_remat=cfg.remat)
     if remat is not None:
         body = remat.wrap(body)
     x, _ = jax.lax.scan(body, x, params["blocks"])

@@ -4,12 +4,12 @@ Written as a user writes an NNX model, and trained through the same public path 
 takes (`zerojax.from_nnx(constructor, loss)`): the layers are created with `nnx.vmap` (one leading
 layer axis per parameter) and applied with `nnx.scan` over an `nnx.remat` body. Nothing in it
 knows about ZeRO: under stage 3 the step gathers each parameter where the traced loss uses it
-(zerojax.gather_at_use), which for the scanned stack means one layer per scan iteration, forward
+(zerojax.core.gather_at_use), which for the scanned stack means one layer per scan iteration, forward
 and again in the rematerialized backward pass.
 
 The maths follows Hugging Face transformers' `LlamaForCausalLM` (rotate-half rotary embeddings,
 RMSNorm scaling the input-dtype normalized activations), so its checkpoints load unchanged
-(zerojax.hf). Kernels are stored [in, out], as `nnx.Linear` keeps them.
+(zerojax.models.hf). Kernels are stored [in, out], as `nnx.Linear` keeps them.
 """
 from __future__ import annotations
 
@@ -158,11 +158,11 @@ def constructor(cfg: ModelConfig, seed: int = 0) -> Callable[[], Llama]:
 
 def build(cfg: ModelConfig, seed: int = 0) -> tuple[Any, Callable[[Any, Any], jax.Array]]:
     """(unbuilt params, loss_fn) through the public `zerojax.from_nnx`, as a user's model goes."""
-    from zerojax.interop import from_nnx
+    from zerojax.models.nnx import from_nnx
     return from_nnx(constructor(cfg, seed), loss)
 
 
 def apply(cfg: ModelConfig, params: Any, tokens: jax.Array) -> jax.Array:
     """Logits of `tokens` under a params dict (e.g. `engine.params` or an imported checkpoint)."""
-    from zerojax.interop import to_nnx
+    from zerojax.models.nnx import to_nnx
     return to_nnx(constructor(cfg), params)(tokens)

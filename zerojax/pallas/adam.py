@@ -4,7 +4,7 @@
 function as one Pallas kernel launch over all arrays (multi_tensor.launch). Both take lists of
 arrays of any shapes and return new lists, so either can stand in for the other.
 
-Per element, in float32 (the order of operations is optax's in zerojax.optim, so the two paths
+Per element, in float32 (the order of operations is optax's in zerojax.optim.transforms, so the two paths
 agree to rounding):
 
     g = grad * grad_scale                 (loss-scale unscaling and clipping folded in)

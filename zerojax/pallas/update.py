@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax.collectives import Shard
-from zerojax.layout import Plan, is_layout
-from zerojax.mesh import data_axis
-from zerojax.optim import ScaleByMomentsState, adam_settings, bias_corrections
+from zerojax.core.collectives import Shard
+from zerojax.core.layout import Plan, is_layout
+from zerojax.core.mesh import data_axis
+from zerojax.optim.transforms import ScaleByMomentsState, bias_corrections
 from zerojax.pallas.adam import AdamScalars, adam_update_pallas
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.loss_scale import grad_stats_pallas
@@ -70,9 +70,9 @@ class FusedUpdate:
     def __init__(self, plan: Plan):
         if plan.kernels == XLA:
             raise ValueError("FusedUpdate: the plan resolved kernels to xla")
-        settings = adam_settings(plan.config.optimizer)
+        settings = plan.rule.adam
         if settings is None:
-            raise ValueError(f"FusedUpdate: no fused kernel for optimizer {plan.config.optimizer.type}")
+            raise ValueError("FusedUpdate: the plan's optimizer is not Adam; the fused kernel runs Adam only")
         self.plan, self.settings, self.backend = plan, settings, plan.kernels
         self._sharded = _sharded(plan)
         self._specs = plan.update_specs

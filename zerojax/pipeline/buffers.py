@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.names import dotted
+from zerojax.core.names import dotted
 from zerojax.pipeline.module import Partition, PipelineModule
 
 

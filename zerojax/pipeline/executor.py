@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax.collectives import PARTIAL, Placement, Shard, move, zeros_like_local
+from zerojax.core.collectives import PARTIAL, Placement, Shard, move, zeros_like_local
 from zerojax.errors import ConfigError
-from zerojax.mesh import DATA, STAGE
+from zerojax.core.mesh import DATA, STAGE
 from zerojax.pipeline.buffers import StageRows
 from zerojax.pipeline.schedule import Backward, Forward, RecvActivation, RecvGrad, Schedule
 

@@ -23,31 +23,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
-from zerojax.collectives import Placement, Shard
-from zerojax.config import Config
+from zerojax.core.collectives import Placement, Shard
+from zerojax.core.layout import MemoryReport, Plan
+from zerojax.core.mesh import STAGE
+from zerojax.core.state import TrainState, state_shardings
+from zerojax.core.step import apply_update, check_batch, check_eval_batch
 from zerojax.errors import ConfigError
-from zerojax.layout import MemoryReport, Plan, plan as make_plan
-from zerojax.mesh import STAGE, data_size
-from zerojax.optim import is_elementwise
-from zerojax.pallas.backend import XLA
-from zerojax.pipeline.buffers import StageRows, stage_rows
+from zerojax.pipeline.buffers import StageRows
 from zerojax.pipeline.executor import Pipeline, make_forward_fn, make_grad_fn
 from zerojax.pipeline.module import PipelineModule
 from zerojax.pipeline.schedule import Schedule, build
-from zerojax.state import TrainState, state_shardings
-from zerojax.step import apply_update, check_batch, check_eval_batch
 
 ROWS = "stages"
 
 
-def _row_placement(p: Placement) -> Placement:
+def row_placement(p: Placement) -> Placement:
     """A placement of the `[S, width]` leaf, seen on one device's row (dimension 0 dropped)."""
     return Shard(p.dim - 1) if isinstance(p, Shard) else p
 
@@ -85,55 +80,6 @@ class PipelinePlan:
                           f"schedule {sched.name}: {sched.micro_batches} micro-batches, {sched.num_ticks} ticks, "
                           f"idle {100 * sched.idle_fraction:.1f}% (textbook bubble "
                           f"{100 * sched.bubble:.1f}%), {sched.act_buffers} activation slots per stage"])
-
-
-def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> PipelinePlan:
-    """Check the pipeline config against the module and mesh, partition, lay out; nothing compiles."""
-    if not isinstance(module, PipelineModule):
-        raise ConfigError(f"initialize: model= must be a zerojax.PipelineModule, got {type(module).__name__}")
-    stages = int(mesh.shape.get(STAGE, 1))
-    if stages < 2:
-        raise ConfigError("mesh.stage: a PipelineModule needs mesh.stage >= 2 (got 1); set mesh.stage, or "
-                          "train it unpipelined with initialize(config, params=module.init(), "
-                          "loss_fn=module.loss)")
-    if module.num_stages is not None and module.num_stages != stages:
-        raise ConfigError(f"mesh.stage: the mesh has {stages} stages but PipelineModule(num_stages="
-                          f"{module.num_stages}); make them equal (or leave num_stages=None)")
-    if config.optimizer is None:
-        raise ConfigError('optimizer: a pipeline trains with the config\'s optimizer section, and this config '
-                          'has none; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
-    if not is_elementwise(config.optimizer.type):  # on a flat stage row it would see one tensor
-        raise ConfigError(f"optimizer.type: {config.optimizer.type} computes a trust ratio per parameter "
-                          f"tensor, but a pipeline stores each stage's parameters as one flat row; use "
-                          f"Adam, AdamW, Lion, Adagrad or SGD with pipelines")
-    pipe_cfg = config.pipeline
-    dp = data_size(mesh)
-    gas = config.batch(dp).gradient_accumulation_steps
-    chunks = pipe_cfg.chunks
-    n = len(module.layers)
-    if stages * chunks > n:
-        pieces = f"{stages} pipeline stages" + (f" x {chunks} chunks = {stages * chunks} pieces" if chunks > 1 else "")
-        raise ConfigError(f"mesh.stage: {pieces} but the model has only {n} layers; use at most "
-                          f"{n // chunks} stages (each piece needs at least one layer)")
-    schedule = build(pipe_cfg.schedule, stages, gas, chunks)
-    # Rows padded to a multiple of lcm(dp, 128): ZeRO can shard them, and for power-of-two data
-    # sizes up to 128 the width (so a checkpoint's shapes) does not depend on dp.
-    rows = stage_rows(module, stages, chunks, align=math.lcm(dp, 128))
-    plan = make_plan(config, mesh, {ROWS: jax.ShapeDtypeStruct((stages, rows.width), jnp.float32)}, lead=STAGE)
-    if plan.kernels != XLA:
-        # The fused kernels reduce their gradient statistics over `data` only; a pipeline's rows
-        # are split over `stage` too, so pipelines keep the optax update.
-        if config.kernels == "pallas":
-            raise ConfigError("kernels: 'pallas' is not supported with pipeline parallelism yet; use "
-                              "kernels: auto or xla (pipelines run the optax update)")
-        plan = plan.with_kernels(XLA)
-    lay = plan.layouts[ROWS]
-    pol = plan.policy
-    interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
-                else pipe_cfg.activation_checkpoint_interval)
-    train = Pipeline(mesh, rows, schedule, pol.param, pol.accum, pol.comm, _row_placement(lay.param),
-                     _row_placement(lay.update), interval, _row_placement(lay.grad))
-    return PipelinePlan(plan, module, rows, train)
 
 
 def init_rows(pp: PipelinePlan, key: jax.Array | int = 0) -> dict[str, jax.Array]:

@@ -7,6 +7,21 @@ from typing import Optional
 
 from zerojax.config.fields import option
 
+# The HLO names of the collectives (zerojax.core.hlo reads them from compiled steps).
+COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+# DeepSpeed's comms logger names ops after torch.distributed calls; each maps to one HLO kind.
+OP_NAMES = {
+    "all_reduce": "all-reduce", "all_reduce_coalesced": "all-reduce", "inference_all_reduce": "all-reduce",
+    "reduce_scatter": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
+    "reduce_scatter_fn": "reduce-scatter", "reduce_scatter_coalesced": "reduce-scatter",
+    "all_gather": "all-gather", "all_gather_into_tensor": "all-gather", "allgather_fn": "all-gather",
+    "all_gather_coalesced": "all-gather",
+    "all_to_all": "all-to-all", "all_to_all_single": "all-to-all",
+    "collective_permute": "collective-permute", "send": "collective-permute", "recv": "collective-permute",
+    **{kind: kind for kind in COLLECTIVE_KINDS},
+}
+
+
 
 @dataclass(frozen=True)
 class MonitorConfig:

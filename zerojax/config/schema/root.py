@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from zerojax.config.batch import resolve_batch
 from zerojax.config.fields import option, section
-from zerojax.config.paths import _flatten, _to_plain
-from zerojax.config.schema.monitoring import (CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig,
-    WandbConfig)
+from zerojax.config.paths import flatten, to_plain
+from zerojax.config.schema.monitoring import CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, WandbConfig
 from zerojax.config.schema.optimizer import OptimizerConfig
 from zerojax.config.schema.parallel import DistributedConfig, MeshConfig, PipelineConfig
 from zerojax.config.schema.precision import BF16Config, DataTypesConfig, FP16Config
@@ -89,11 +88,11 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Every resolved value as plain JSON-able data (what `config.json` holds)."""
-        return _to_plain(self)
+        return to_plain(self)
 
     def explain(self, dp_size: int | None = None) -> str:
         """Every resolved value and where it came from (file, override, default, derived)."""
-        rows = list(_flatten(self.to_dict()))
+        rows = list(flatten(self.to_dict()))
         if dp_size is not None:
             b = self.batch(dp_size)
             extra = dict(zip(BATCH_KEYS, b))

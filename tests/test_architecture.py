@@ -1,0 +1,139 @@
+"""The package's layers, read from its source: imports flow one way and the config has one door.
+
+Every import counts, at the top of a module or inside a function (a lazy import still ties two
+modules together); imports under `if TYPE_CHECKING:` are annotations only and do not.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zerojax"
+
+# Module prefix -> layer; the longest prefix wins. A module may import its own layer and the ones
+# below it, never one above. `zerojax` itself (the public facade) may import anything.
+LAYERS = {
+    "zerojax.errors": 0,
+    "zerojax.config": 1,
+    "zerojax.core": 2, "zerojax.pallas": 2, "zerojax.pipeline": 2, "zerojax.optim.transforms": 2,
+    "zerojax.planner": 3, "zerojax.optim": 3,
+    "zerojax.checkpoint": 4, "zerojax.runtime": 4, "zerojax.models": 4,
+    "zerojax.engine": 5,
+    "zerojax.tools": 6,
+    "zerojax.app": 7, "zerojax.cli": 7,
+}
+# Below the door: these read plans, never the DeepSpeed config.
+BELOW_THE_DOOR = ("zerojax.core", "zerojax.pallas", "zerojax.pipeline", "zerojax.checkpoint", "zerojax.optim.transforms")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def _imports(name: str) -> set[str]:
+    """The package's modules `name` imports (a `from pkg import sub` names the submodule)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in MODULES)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in MODULES else base)
+    return {m for m in out if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def layer(name: str) -> int | None:
+    keys = [k for k in LAYERS if name == k or name.startswith(k + ".")]
+    return LAYERS[max(keys, key=len)] if keys else None
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [m for m in MODULES if m != "zerojax" and layer(m) is None] == []
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    upward = [f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
+              for m, targets in GRAPH.items() if m != "zerojax"
+              for t in sorted(targets) if t != "zerojax" and layer(t) > layer(m)]
+    assert upward == []
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(GRAPH[m]):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+    assert cycles == []
+
+
+def test_the_config_package_imports_nothing_above_it() -> None:
+    assert {m: sorted(t for t in GRAPH[m] if layer(t) > 1) for m in GRAPH
+            if layer(m) == 1 and any(layer(t) > 1 for t in GRAPH[m])} == {}
+
+
+@pytest.mark.parametrize("prefix", BELOW_THE_DOOR)
+def test_below_the_door_nothing_reads_the_config(prefix: str) -> None:
+    """The step, state, kernels, pipeline executor and checkpoints take a Plan: no module there imports
+    `zerojax.config` (outside annotations) or reads a `.config` attribute."""
+    offenders = []
+    for name, path in MODULES.items():
+        if not (name == prefix or name.startswith(prefix + ".")):
+            continue
+        offenders += [f"{name} imports {t}" for t in GRAPH[name] if t.startswith("zerojax.config")]
+        code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+        offenders += [f"{name} reads {m.group(0)}" for m in re.finditer(r"(?<!jax)\.config\.\w+", code)]
+    assert offenders == []
+
+
+def test_the_layer_test_sees_imports() -> None:
+    """The graph is read, not empty: the step imports the layouts, the engine the planner."""
+    assert "zerojax.core.layout" in GRAPH["zerojax.core.step"]
+    assert "zerojax.planner.plan" in GRAPH["zerojax.engine.engine"]
+    assert layer("zerojax.optim.transforms") < layer("zerojax.optim.deepspeed")

@@ -1,0 +1,154 @@
+"""A short generation from a run's model (the embedded GPT or the Llama): `zerojax sample --run RUN_DIR`,
+and the end of train.py.
+
+A loss curve says a run learned; a few generated lines show what. Generation recomputes the whole
+window for every new token (no KV cache): one compiled forward pass of [1, seq_len] tokens, with
+the context left-aligned and the logits read at its last position (causal attention makes what
+follows irrelevant), so nothing recompiles as the text grows. Sampling draws on the host from a
+seeded numpy generator: the same seed gives the same text. Text is bytes (UTF-8) for the byte-level
+corpus, or goes through the run's `data.tokenizer`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from zerojax.config import Config, DataConfig, ModelConfig, load_config
+from zerojax.errors import ConfigError
+from zerojax.models import abstract_params, gpt
+
+#: Prompt when none is given: the corpus is Python source.
+DEFAULT_PROMPT = "def "
+
+
+class Codec:
+    """Text <-> token ids the way the run's data was made: UTF-8 bytes, or its tokenizer.json."""
+
+    def __init__(self, data: DataConfig, vocab_size: int, tokenizer: str | None = None):
+        self.tokenizer = None
+        self.start: list[int] = [10]  # a newline starts an empty byte prompt
+        tokenizer = tokenizer or (data.tokenizer if data.source != "tokens" else None)
+        if data.source == "tokens" and tokenizer is None:
+            raise ConfigError("sample: this run trained on a token file (data.source: tokens), whose ids have no "
+                              "text without the tokenizer that made them; pass --tokenizer tokenizer.json")
+        if tokenizer:
+            from zerojax.runtime.data import EOS_TOKENS, load_tokenizer
+            self.tokenizer = load_tokenizer(tokenizer, vocab_size)
+            eos = data.eos_id if data.eos_id is not None else next(
+                (self.tokenizer.token_to_id(t) for t in EOS_TOKENS if self.tokenizer.token_to_id(t) is not None), 0)
+            self.start = [eos]
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            ids = list(text.encode("utf-8"))
+        return ids or list(self.start)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(list(ids))
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, temperature: float = 0.8,
+             top_k: int | None = 40, seed: int = 0) -> list[int]:
+    """`n` new token ids after `prompt` (greedy at temperature 0); the context is the last
+    seq_len tokens. `params` are whole arrays (numpy or on one device)."""
+    if n <= 0:
+        return []
+    if not prompt:
+        raise ValueError("generate: the prompt needs at least one token")
+    window = cfg.seq_len
+    device = jax.devices()[0]
+    params = jax.device_put(jax.tree.map(lambda x: np.asarray(x), params), device)
+
+    apply = _apply(cfg)
+
+    @jax.jit
+    def logits_at(params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(apply(cfg, params, tokens)[0], pos, keepdims=False)
+
+    rng = np.random.default_rng(seed)
+    ids, out = list(prompt), []
+    for _ in range(n):
+        context = ids[-window:]
+        buf = np.zeros((1, window), np.int32)
+        buf[0, :len(context)] = context
+        logits = np.asarray(logits_at(params, buf, np.int32(len(context) - 1)), np.float64)
+        if temperature <= 0:
+            token = int(np.argmax(logits))
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < len(logits):
+                logits[logits < np.sort(logits)[-top_k]] = -np.inf
+            p = np.exp(logits - logits.max())
+            token = int(rng.choice(len(p), p=p / p.sum()))
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+def sample_text(config: Config, params: Any, prompt: str | None = None, n: int = 64, *,
+                temperature: float = 0.8, seed: int = 0, tokenizer: str | None = None) -> str:
+    """The prompt and its continuation, as text (through `tokenizer`, a tokenizer.json, when given;
+    else the run's own `data.tokenizer`, or bytes)."""
+    codec = Codec(config.data, config.model.vocab_size, tokenizer)
+    prompt = DEFAULT_PROMPT if prompt is None and config.data.source == "stdlib" else (prompt or "")
+    ids = codec.encode(prompt)
+    new = generate(config.model, params, ids, n, temperature=temperature, seed=seed)
+    return codec.decode(ids if prompt else []) + codec.decode(new)
+
+
+def load_run(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Any, str]:
+    """A finished (or running) run's config, the parameters of its checkpoint `tag` (latest) and
+    the tag's folder."""
+    from zerojax import checkpoint
+    run = Path(run_dir)
+    cfg_file = run / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"sample: {cfg_file} does not exist; give the folder of a train.py run "
+                          f"(its run.output_dir, which holds config.json and checkpoints/)")
+    config = load_config(json.loads(cfg_file.read_text()))
+    ckpt = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else run / "checkpoints"
+    if checkpoint.latest_tag(ckpt) is None and tag is None:
+        raise ConfigError(f"sample: {ckpt} holds no checkpoint yet; wait for the run's first save "
+                          f"(run.save_every) or its end")
+    params, where = checkpoint.read_params(ckpt, tag)
+    want = {k: tuple(v.shape) for k, v in _flat(abstract_params(config.model)).items()}
+    got = {k: tuple(v.shape) for k, v in _flat(params).items()}
+    if want != got:
+        raise ConfigError(f"sample: the checkpoint in {where} does not hold the {config.model.name} model of its "
+                          f"config.json (a pipelined or user model); export it and generate with your own code")
+    return config, params, where
+
+
+def _apply(cfg: ModelConfig) -> Any:
+    """`apply(cfg, params, tokens) -> logits` of the model `model.name` names."""
+    if cfg.name == "llama":
+        from zerojax.models import llama
+        return llama.apply
+    return gpt.apply
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    from zerojax.core.names import dotted
+    return {dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def end_of_run_sample(config: Config, params: Any) -> str | None:
+    """The sample printed at the end of train.py (None when it is off or cannot be made here:
+    several processes, a pipelined model, or parameters too large to gather onto one device)."""
+    n = config.run.sample_tokens
+    if not n or jax.process_count() > 1 or config.mesh.stage > 1 or config.model.name not in ("gpt", "llama"):
+        return None
+    if sum(x.size * 4 for x in jax.tree.leaves(params)) > 2 ** 31:
+        return None
+    host = jax.device_get(params)
+    return sample_text(config, jax.tree.map(lambda x: np.asarray(x, np.float32), host), None, n,
+                       seed=config.run.seed)
+

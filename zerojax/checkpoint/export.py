@@ -1,0 +1,144 @@
+"""Parameters out of a checkpoint, one leaf at a time: a safetensors file (`zerojax export`) and plain
+numpy trees.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+
+from zerojax.checkpoint.format import PIPELINE_ROWS, PathLike, STATE_DIR, absolute, closing
+from zerojax.checkpoint.integrity import read_meta
+from zerojax.checkpoint.pending import resolve_tag
+from zerojax.checkpoint.loading import reading, verified
+from zerojax.errors import ConfigError
+from zerojax.core.names import join
+
+
+_SAFETENSORS_DTYPES = {"fp32": (np.dtype(np.float32), "F32"), "bf16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
+                       "fp16": (np.dtype(np.float16), "F16")}
+
+
+def read_leaves(state_dir: Path, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """Each named array whole on the host, one at a time: memory stays near the largest leaf."""
+    with reading(state_dir.parent), closing(ocp.PyTreeCheckpointer()) as ckptr:
+        for name in names:
+            out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
+                item={name: 0}, restore_args={name: ocp.RestoreArgs(restore_type=np.ndarray)},
+                partial_restore=True))
+            yield name, out[name]
+
+
+def export_safetensors(directory: PathLike, tag: str | None, out_path: PathLike, dtype: str = "fp32", *,
+                       overwrite: bool = False) -> Path:
+    """Write the parameters of a checkpoint (the fp32 master when there is one) to one safetensors file.
+
+    Tensor names are the parameter paths joined with '.'. The header is computed from the
+    metadata, then leaves are read and written one by one, so host memory stays near the
+    largest leaf whatever the model size. A pipelined run's parameters are written under their
+    logical names, cut out of its `[stages, width]` rows (held in host memory while writing).
+
+    The tag is verified against its checksums first. An existing `out_path` is an error unless
+    `overwrite`; the file is written under a temporary name in the same folder and renamed only
+    once complete, so a failed export leaves neither a partial file nor a changed old one.
+    """
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ConfigError(f"export dtype {dtype!r}: use one of {sorted(_SAFETENSORS_DTYPES)}")
+    np_dtype, st_dtype = _SAFETENSORS_DTYPES[dtype]
+    out = absolute(out_path)
+    if out.is_dir():
+        raise FileExistsError(f"export: --out {out} is a folder; name the .safetensors file to write")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"export: {out} already exists and is never overwritten silently; pass "
+                              f"--force (overwrite=True) to replace it, or choose another --out")
+    tag_dir = resolve_tag(absolute(directory), tag)
+    meta = read_meta(tag_dir)
+    verified(tag_dir, meta)
+    rows = meta.get("extra", {}).get(PIPELINE_ROWS)
+    params = rows["leaves"] if rows else meta["params"]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(tag_dir), "step": str(meta["step"]),
+                                               "dtype": dtype}}
+    offset = 0
+    for name, entry in params.items():
+        size = math.prod(entry["shape"]) * np_dtype.itemsize
+        header[name] = {"dtype": st_dtype, "shape": entry["shape"], "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # 8-byte aligned data, as the format recommends
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for array in _exported_arrays(tag_dir, meta, rows):
+                np.ascontiguousarray(array.astype(np_dtype, copy=False)).tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, out)
+        else:
+            try:  # a link fails, rather than replaces, if the name appeared while we wrote
+                os.link(tmp, out)
+            except FileExistsError:
+                raise FileExistsError(f"export: {out} appeared while exporting; it was left as it is") from None
+            except OSError:  # a filesystem without hard links
+                os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _exported_arrays(tag_dir: Path, meta: Mapping[str, Any], rows: Mapping[str, Any] | None
+                     ) -> Iterator[np.ndarray]:
+    """The parameters to export, in header order: saved leaves, or slices of pipeline rows."""
+    if not rows:
+        sources = [join(meta["truth"], name) for name in meta["params"]]
+        for _, array in read_leaves(tag_dir / STATE_DIR, sources):
+            yield array
+        return
+    (_, table), = read_leaves(tag_dir / STATE_DIR, [join(meta["truth"], rows["array"])])
+    for entry in rows["leaves"].values():
+        start = entry["offset"]
+        yield table[entry["row"], start:start + math.prod(entry["shape"])].reshape(entry["shape"])
+
+
+def read_params(directory: PathLike, tag: str | None = None) -> tuple[dict[str, Any], str]:
+    """A checkpoint's parameters (fp32 master where there is one) as nested dicts of numpy arrays,
+    read without a plan or a mesh after verifying the tag; also the tag folder. For inspection and
+    generation on one host (`zerojax sample`)."""
+    tag_dir = resolve_tag(absolute(directory), tag)
+    meta = read_meta(tag_dir)
+    verified(tag_dir, meta)
+    rows = meta.get("extra", {}).get(PIPELINE_ROWS)
+    names = rows["leaves"] if rows else meta["params"]
+    params: dict[str, Any] = {}
+    for name, array in zip(names, _exported_arrays(tag_dir, meta, rows)):
+        *parents, leaf = name.split(".")
+        node = params
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = np.asarray(array)
+    return params, str(tag_dir)
+
+
+def load_exported(path: PathLike) -> dict[str, Any]:
+    """The params pytree (nested dicts of numpy arrays) from an exported safetensors file."""
+    from safetensors import safe_open
+
+    params: dict[str, Any] = {}
+    with safe_open(str(path), framework="numpy") as f:
+        for name in f.keys():
+            *parents, leaf = name.split(".")
+            node = params
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = f.get_tensor(name)
+    return params

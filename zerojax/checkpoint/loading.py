@@ -1,0 +1,144 @@
+"""Loading a tag onto any plan: checked against the model first, then read shard by shard into the
+plan's layout (orbax with abstract targets), so a checkpoint resumes on any mesh, stage or offload.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+from zerojax.checkpoint.format import CheckpointError, FORMAT, META_FILE, PathLike, STATE_DIR, absolute, closing, leaf_names, named_leaves, state_fields
+from zerojax.checkpoint.integrity import corrupt_error, first_bad_file, read_meta
+from zerojax.checkpoint.pending import resolve_tag
+from zerojax.core.layout import Plan
+from zerojax.core.offload import to_device
+from zerojax.core.state import TrainState, abstract_state, init_state
+
+
+def _mismatch_lines(saved: Mapping[str, Any], wanted: Mapping[str, tuple[int, ...]]) -> list[str]:
+    lines = []
+    for name, shape in wanted.items():
+        if name not in saved:
+            lines.append(f"  {name}: model {shape}, not in the checkpoint")
+        elif tuple(saved[name]["shape"]) != tuple(shape):
+            lines.append(f"  {name}: checkpoint {tuple(saved[name]['shape'])}, model {tuple(shape)}")
+    lines += [f"  {name}: checkpoint {tuple(entry['shape'])}, not in the model"
+              for name, entry in saved.items() if name not in wanted]
+    return lines
+
+
+def _shapes(tree: Any, prefix: str) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(x.shape) for name, x in named_leaves(tree, prefix).items()}
+
+
+def check_compatible(meta: Mapping[str, Any], plan: Plan, where: PathLike = "checkpoint") -> None:
+    """The checkpoint's parameters must be the plan's (names and shapes); raise listing every difference."""
+    lines = _mismatch_lines(meta["params"], _shapes(plan.abstract_params, ""))
+    if lines:
+        shown = lines[:40] + ([f"  ... and {len(lines) - 40} more"] if len(lines) > 40 else [])
+        raise CheckpointError(f"checkpoint {where} holds a different model: {len(lines)} parameter(s) differ\n"
+                              + "\n".join(shown))
+
+
+def _group(meta: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Saved leaves of one state field (the field name itself for a scalar field)."""
+    return {name: entry for name, entry in meta["leaves"].items()
+            if name == prefix or name.startswith(prefix + ".")}
+
+
+@contextlib.contextmanager
+def reading(tag_dir: Path) -> Iterator[None]:
+    """Whatever orbax raises while reading a tag becomes one CheckpointError naming the tag (files
+    verified by checksum never get here damaged; an unverifiable version-1 tag might)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for one bad file
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise corrupt_error(tag_dir, f"orbax could not read {tag_dir / STATE_DIR} ({type(e).__name__}: {first})") from None
+
+
+def verified(tag_dir: Path, meta: Mapping[str, Any]) -> None:
+    problem = first_bad_file(tag_dir, meta)
+    if problem is not None:
+        raise corrupt_error(tag_dir, problem)
+
+
+def _restore(state_dir: Path, targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """Read the named arrays straight into their target shardings (and dtypes); others are skipped."""
+    if not targets:
+        return {}
+    restore_args = {name: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype)
+                    for name, t in targets.items()}
+    with reading(state_dir.parent), closing(ocp.PyTreeCheckpointer()) as ckptr:
+        return ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
+            item=dict(targets), restore_args=restore_args, partial_restore=True))
+
+
+def _unflatten(abstract: Any, prefix: str, values: Mapping[str, Any]) -> Any:
+    names = leaf_names(abstract, prefix)
+    return jax.tree.unflatten(jax.tree.structure(abstract), [values[n] for n in names])
+
+
+def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_states: bool = True,
+         load_module_only: bool = False, verify: bool = True) -> tuple[TrainState, dict[str, Any]]:
+    """Restore a checkpoint (tag None: latest) into `plan`'s layout, on any mesh and ZeRO stage.
+
+    Each device reads only its own shards. The fp32 master copy (the saved parameters when the run
+    had none) is the truth: the stored parameters are re-derived from it in the plan's dtype, so
+    bf16 <-> fp32 restores work and a same-precision resume is bit-exact. `load_module_only`:
+    parameters only, fresh optimizer and counters. `load_optimizer_states=False`: parameters and
+    counters, fresh optimizer state. Returns the state and the `extra` dict given to `save`.
+    Every file of the tag is first checked against its save's checksums (`verify=False` skips
+    that read): a damaged tag is one CheckpointError naming the file and a tag that verifies.
+    """
+    tag_dir = resolve_tag(absolute(directory), tag)
+    meta = read_meta(tag_dir)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{tag_dir / META_FILE} is not a zerojax checkpoint")
+    check_compatible(meta, plan, tag_dir)
+    if verify:
+        verified(tag_dir, meta)
+    target = abstract_state(plan)
+    pol = plan.policy
+    truth_target = target.master if pol.mixed else target.params
+
+    targets = named_leaves(truth_target, meta["truth"])
+    restored_fields: list[str] = []
+    if not load_module_only:
+        for field, abstract in state_fields(target):
+            if field in ("params", "master") or (field == "opt_state" and not load_optimizer_states):
+                continue
+            wanted = _shapes(abstract, field)
+            lines = _mismatch_lines(_group(meta, field), wanted)
+            if lines and field == "opt_state":
+                raise CheckpointError(f"checkpoint {tag_dir}: the optimizer state differs from this plan's "
+                                      f"(another optimizer or schedule?); load with load_optimizer_states=False "
+                                      f"to start a fresh one\n" + "\n".join(lines[:20]))
+            if lines:
+                continue  # a field this checkpoint predates: it starts fresh
+            targets.update(named_leaves(abstract, field))
+            restored_fields.append(field)
+    values = _restore(tag_dir / STATE_DIR, targets)
+
+    truth = _unflatten(truth_target, meta["truth"], values)
+    missing = [f for f, _ in state_fields(target) if f not in ("params", "master") and f not in restored_fields]
+    if missing:
+        fields = init_state(plan, truth)._asdict()
+    else:
+        params = (jax.jit(lambda t: jax.tree.map(lambda x: to_device(x).astype(pol.param), t),
+                          out_shardings=jax.tree.map(lambda t: t.sharding, target.params))(truth)
+                  if pol.mixed else truth)
+        fields = {"params": params, "master": truth if pol.mixed else None}
+    for field in restored_fields:
+        fields[field] = _unflatten(getattr(target, field), field, values)
+    return TrainState(**fields), dict(meta.get("extra", {}))
+
+
+def metadata(directory: PathLike, tag: str | None = None) -> dict[str, Any]:
+    """The JSON metadata of a complete tag (None: latest): counters, precision, leaves, `extra`."""
+    return read_meta(resolve_tag(absolute(directory), tag))

@@ -1,0 +1,101 @@
+"""A Hugging Face checkpoint's config.json read as `model.*` keys.
+
+Part of loading a config: `model.hf_checkpoint` fills the model keys it implies (the weights are read
+later, by `zerojax.models.hf`). Only config.json is opened here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from zerojax.errors import ConfigError
+
+__all__ = ["HFError", "model_keys", "read_config_json"]
+
+
+class HFError(ConfigError):
+    """A Hugging Face checkpoint folder that cannot be read as the config's model."""
+
+
+def read_config_json(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    root = Path(directory).expanduser()
+    if not root.is_dir():
+        raise HFError(f"model.hf_checkpoint: {root} is not a folder; give a local transformers checkpoint "
+                      f"folder (config.json and model.safetensors, as save_pretrained writes)")
+    path = root / "config.json"
+    if not path.is_file():
+        raise HFError(f"model.hf_checkpoint: {path} not found; a transformers checkpoint folder has a "
+                      f"config.json next to its safetensors (save_pretrained writes both)")
+    try:
+        return root, json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HFError(f"model.hf_checkpoint: {path} is not valid JSON ({e})") from None
+
+
+def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    kind = params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if scaling or kind not in (None, "default"):
+        raise HFError(f"model.hf_checkpoint: {where} asks for rotary scaling ({kind or scaling}), which the llama "
+                      f"model does not implement; use a checkpoint with default rotary embeddings")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) -> tuple[dict[str, Any], str]:
+    """The `model.*` values a checkpoint's config.json implies, and where they came from.
+
+    `seq_len` is the config's own `model.seq_len` when given (GPT-2's position table must cover it).
+    Architectures the models here do not compute exactly are refused, naming the config.json key.
+    """
+    root, hf = read_config_json(directory)
+    where = f"{root / 'config.json'}"
+    kind = hf.get("model_type")
+
+    def need(*names: str) -> Any:
+        for name in names:
+            if hf.get(name) is not None:
+                return hf[name]
+        raise HFError(f"model.hf_checkpoint: {where} has no {names[0]}; is it a complete transformers config?")
+
+    def refuse(key: str, ok: Any, why: str) -> None:
+        if key in hf and hf[key] is not None and hf[key] not in (ok if isinstance(ok, tuple) else (ok,)):
+            raise HFError(f"model.hf_checkpoint: {where} has {key}: {json.dumps(hf[key])}; {why}")
+
+    if kind == "llama":
+        d, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        refuse("hidden_act", "silu", "the llama model's MLP is SwiGLU (silu)")
+        refuse("attention_bias", False, "the llama model has no attention biases")
+        refuse("mlp_bias", False, "the llama model has no MLP biases")
+        refuse("head_dim", d // heads, f"the llama model's head width is hidden_size / num_attention_heads "
+                                       f"= {d // heads}")
+        refuse("pretraining_tp", (1,), "tensor-parallel pretraining slices are not supported; use 1")
+        keys = {"name": "llama", "vocab_size": int(need("vocab_size")), "d_model": d,
+                "n_layers": int(need("num_hidden_layers")), "n_heads": heads,
+                "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
+                "d_ff": int(need("intermediate_size")),
+                "rope_theta": _rope_theta(hf, where), "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+                "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+    elif kind == "gpt2":
+        d = int(need("n_embd", "hidden_size"))
+        refuse("activation_function", ("gelu_new", "gelu_pytorch_tanh"),
+               "the gpt model's MLP uses the tanh-approximated GELU (gelu_new)")
+        refuse("scale_attn_by_inverse_layer_idx", False, "the gpt model does not scale attention by layer index")
+        refuse("scale_attn_weights", True, "the gpt model scales attention scores by 1/sqrt(head width)")
+        refuse("add_cross_attention", False, "cross-attention is not part of a causal LM")
+        positions = int(need("n_positions", "max_position_embeddings"))
+        if seq_len is not None and seq_len > positions:
+            raise HFError(f"model.seq_len: {seq_len} is longer than the {positions} learned positions of the "
+                          f"GPT-2 checkpoint ({where}: n_positions); set model.seq_len <= {positions}")
+        keys = {"name": "gpt", "vocab_size": int(need("vocab_size")), "d_model": d,
+                "n_layers": int(need("n_layer", "num_hidden_layers")),
+                "n_heads": int(need("n_head", "num_attention_heads")),
+                "d_ff": int(hf.get("n_inner") or 4 * d), "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5))}
+        if seq_len is None:
+            keys["seq_len"] = positions
+    else:
+        raise HFError(f"model.hf_checkpoint: {where} has model_type {kind!r}; zerojax reads Llama-family "
+                      f"('llama') and GPT-2 ('gpt2') checkpoints")
+    return keys, "config.json"

@@ -1,0 +1,2 @@
+"""The maths of a ZeRO training step, over a Plan: mesh axes, per-leaf layouts, collectives, the
+train state and the one jitted step. Nothing here reads the DeepSpeed config (the planner does)."""

@@ -1,0 +1,403 @@
+"""ZeRO stages as layouts: per-leaf placements of parameters, gradients and optimizer state.
+
+A stage is nothing but the set of model-state roles it partitions over the `data` axis
+(`STAGE_PARTITIONS`). The plan builder (`zerojax.planner.plan.make_plan`) turns that set, the mesh
+and the model's abstract parameters into a `Plan`: per-leaf placements, their `NamedSharding`s and
+every other decision the step needs, as plain data. The train step reads the plan and never asks
+for the stage, nor for the config it came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax.core.collectives import PARTIAL, REPLICATED, Placement, Shard, Wire
+from zerojax.core.gather_at_use import Prefetch
+from zerojax.core.measure import planned_bytes
+from zerojax.core.mesh import DATA, DATA_INNER, DATA_OUTER, DataAxis, data_axes, data_size
+from zerojax.core.offload import Memory
+from zerojax.core.precision import Policy, ScalerConfig
+from zerojax.core.remat import Remat
+from zerojax.optim.transforms import AdamSettings, LrSchedule
+
+if TYPE_CHECKING:
+    from zerojax.config import BatchSize
+
+PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer"
+STAGE_PARTITIONS: dict[int, frozenset[str]] = {
+    0: frozenset(),
+    1: frozenset({OPTIMIZER}),
+    2: frozenset({OPTIMIZER, GRADIENTS}),
+    3: frozenset({OPTIMIZER, GRADIENTS, PARAMETERS}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Where one parameter's state lives.
+
+    param:  the stored parameter the forward pass reads (REPLICATED or Shard).
+    grad:   the gradient accumulator across micro-steps: PARTIAL (reduced once at the boundary),
+            or reduced on every micro-step into Shard / REPLICATED.
+    update: the reduced gradient at the update, the fp32 master copy and the optimizer state.
+    split:  (dim, mesh axis) pairs: dimensions split over mesh axes other than the data axis,
+            whatever the stage - a leaf's second role (a pipeline's `stage` rows today; a tensor,
+            expert or sequence axis is one more pair). ZeRO then shards another dimension, and
+            every sharding composes the two.
+    wire:   how a sharded parameter is gathered (its axis; ZeRO++'s quantized gathers and reductions).
+    """
+    param: Placement
+    grad: Placement
+    update: Placement
+    split: tuple[tuple[int, str], ...] = ()
+    wire: Wire = Wire()
+
+    @property
+    def lead(self) -> str | None:
+        """The mesh axis dimension 0 is split over besides ZeRO's (pipelines: one row per `stage`)."""
+        return dict(self.split).get(0)
+
+    @property
+    def split_dims(self) -> tuple[int, ...]:
+        return tuple(d for d, _ in self.split)
+
+
+def choose_dim(shape: tuple[int, ...], n: int, layer_axes: int | None = None,
+               taken: tuple[int, ...] = ()) -> int | None:
+    """The dimension to shard over `n` devices: the most major one they divide, outside the layer axes.
+
+    Most major, so that each device's block is contiguous: every gather and reduce-scatter then
+    moves whole rows (XLA:CPU runs a collective along an inner dimension 5-14x slower, and NCCL
+    needs contiguous buffers, which XLA otherwise makes with a transpose). `layer_axes` leading
+    dimensions stack layers that a loss scans over: they stay whole, so the scan slices them
+    without communication. When they are not known (None), every dimension but the last two is
+    taken to stack layers (a matrix is a matrix, `[layers, in, out]` a stack, `[groups, layers,
+    in, out]` a nested one). Failing those, the most major divisible dimension but the first;
+    dimension 0 only when nothing else divides. Dimensions in `taken` are split over another
+    mesh axis already (a leaf's second role) and are never chosen.
+    """
+    if n == 1:
+        return None
+    candidates = [d for d, s in enumerate(shape) if s % n == 0 and s >= n and d not in taken]
+    if not candidates:
+        return None
+    skip = max(len(shape) - 2, 0) if layer_axes is None else layer_axes
+    return ([d for d in candidates if d >= skip] or [d for d in candidates if d > 0] or candidates)[0]
+
+
+def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
+                persistence_threshold: int, layer_axes: int | None = None, *,
+                split: tuple[tuple[int, str], ...] = ()) -> LeafLayout:
+    """`layer_axes` leading dimensions stack layers (a scanned stack; None: not known): the
+    persistence threshold is compared with one layer's slice, which is what the loss holds whole
+    at a time. `split` dimensions are split by other mesh axes (the pipeline's stage rows), so
+    ZeRO shards another one."""
+    dim = choose_dim(shape, n, layer_axes, taken=tuple(d for d, _ in split))
+    sharded: Placement = REPLICATED if dim is None else Shard(dim)
+    keep_param_whole = math.prod(shape[layer_axes or 0:]) < persistence_threshold
+    param = sharded if PARAMETERS in partitions and not keep_param_whole else REPLICATED
+    grad = sharded if GRADIENTS in partitions else PARTIAL
+    update = sharded if OPTIMIZER in partitions else REPLICATED
+    return LeafLayout(param=param, grad=grad, update=update, split=split)
+
+
+def hpz_layout(lay: LeafLayout) -> LeafLayout:
+    """ZeRO++ hpZ (`zero_hpz_partition_size`): the stored parameters are a secondary copy split over
+    `data_inner` only (replicated across `data_outer`), so every forward/backward gather stays within
+    an inner group; gradients and optimizer state stay split over every device, inner-major, so that
+    gathering an updated shard over `data_outer` yields exactly the secondary copy's block."""
+    def primary(p: Placement) -> Placement:
+        return Shard(p.dim, (DATA_INNER, DATA_OUTER)) if isinstance(p, Shard) else p
+    param = Shard(lay.param.dim, DATA_INNER) if isinstance(lay.param, Shard) else lay.param
+    return dataclasses.replace(lay, param=param, grad=primary(lay.grad), update=primary(lay.update))
+
+
+def spec(placement: Placement, ndim: int, split: tuple[tuple[int, str], ...] = (), data: DataAxis = DATA) -> P:
+    """PartitionSpec of a reduced placement (PARTIAL buffers are full-size per device) composed with
+    the leaf's `split` dimensions (other mesh axes); `data` is the mesh's data axis (a pair of axes
+    on a hierarchical mesh: a shard is split over both)."""
+    if not split and not isinstance(placement, Shard):
+        return P()
+    axes: list[Any] = [None] * ndim
+    for dim, axis in split:
+        axes[dim] = axis
+    if isinstance(placement, Shard):
+        axes[placement.dim] = data if placement.axis is None else placement.axis
+    return P(*axes)
+
+
+def is_layout(x: Any) -> bool:
+    """`is_leaf` for trees of LeafLayouts (a LeafLayout is a dataclass, not a pytree node to enter)."""
+    return isinstance(x, LeafLayout)
+
+
+def map_layouts(fn: Callable[..., Any], layouts: Any, *trees: Any) -> Any:
+    """`jax.tree.map` over a plan's layouts and parameter-shaped trees, one LeafLayout per leaf."""
+    return jax.tree.map(fn, layouts, *trees, is_leaf=is_layout)
+
+
+class MemoryReport(NamedTuple):
+    """Per-device bytes of model state, next to the ZeRO formula with this run's dtypes."""
+    n_params: int
+    data_size: int
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    formula_params: float
+    formula_grads: float
+    formula_optimizer: float
+    replicated_fraction: float
+    params_host: int = 0        # of `params`, the bytes stored in host memory (offload)
+    optimizer_host: int = 0     # of `optimizer`, the bytes stored in host memory (offload)
+    memory: str = "no offload"  # Memory.describe() of the plan
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def host(self) -> int:
+        return self.params_host + self.optimizer_host
+
+    @property
+    def device(self) -> int:
+        return self.total - self.host
+
+    @property
+    def formula_total(self) -> float:
+        return self.formula_params + self.formula_grads + self.formula_optimizer
+
+    def table(self) -> str:
+        def mib(b: float) -> str:
+            return f"{b / 2**20:10.2f}"
+        rows = [("parameters", self.params, self.params_host, self.formula_params),
+                ("gradients", self.grads, 0, self.formula_grads),
+                ("optimizer state", self.optimizer, self.optimizer_host, self.formula_optimizer),
+                ("total", self.total, self.host, self.formula_total)]
+        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {self.data_size} data shards; "
+               f"{self.memory}",
+               f"{'per device':<16} {'device MiB':>10} {'host MiB':>10} {'formula':>10} {'ratio':>7}"]
+        for name, got, host, want in rows:
+            ratio = got / want if want else float("nan")  # wherever the bytes live
+            out.append(f"{name:<16} {mib(got - host)} {mib(host)} {mib(want)} {ratio:7.3f}")
+        out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
+        return "\n".join(out)
+
+
+class UpdateRule(NamedTuple):
+    """How the update is computed, apart from where state lives: the optax transformation, its
+    learning-rate schedule, the fp16 loss scaler, gradient clipping and the backend that runs it."""
+    tx: optax.GradientTransformation
+    schedule: LrSchedule
+    scaler: ScalerConfig
+    kernels: str = "xla"           # optimizer-update backend: xla, triton, mosaic_gpu or interpret
+    clip: float = 0.0              # global L2 norm the gradients are clipped to (0: no clipping)
+    adam: AdamSettings | None = None  # Adam's constants, for the fused kernel (None: not Adam)
+    strict: bool = False           # kernels forced (`pallas`): a failed self-check is an error, not XLA
+
+
+class StepRule(NamedTuple):
+    """How the forward and backward pass run, decided once from the config.
+
+    remat:     the activation-checkpointing policy a user's loss is rewritten with (None: as written).
+    prefetch:  stage-3 gathers issued ahead of their layer (DeepSpeed's overlap_comm; None: off).
+    predivide: each device's gradient is divided by the data-parallel size before the sum
+               (DeepSpeed's reduce-scatter path and `prescale_gradients`); otherwise by
+               `predivide_factor` before and `factor / dp` after (its all-reduce path).
+    """
+    remat: Remat | None = None
+    prefetch: Prefetch | None = None
+    predivide: bool = True
+    predivide_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """Every decision a run's maths needs, as plain data: where each piece of state lives (per-leaf
+    layouts over the mesh), how the update and the step are computed, the batch split and dtypes.
+
+    Built once per run by the plan builder from a config (`zerojax.plan`); nothing below it reads
+    the config. `origin` is that config's fingerprint (every key and value, as text), so a public
+    function given a config can check that it is the plan's. Derived trees (shardings, specs, abstract optimizer state) are computed
+    once, on first use.
+    """
+    mesh: Mesh
+    stage: int                     # the ZeRO stage, for reports: the maths reads the layouts
+    batch: "BatchSize"
+    policy: Policy
+    rule: UpdateRule
+    abstract_params: Any           # ShapeDtypeStructs of the logical (fp32) parameters
+    layouts: Any                   # LeafLayout per parameter leaf
+    memory: Memory = Memory()      # memory kinds of stored state and where the update runs (offload)
+    step: StepRule = StepRule()
+    seed: int = 0                  # the run's seed: initial parameters and per-step keys
+    hpz: int = 1                   # devices in ZeRO++ hpZ's secondary parameter partition (1: off)
+    origin: tuple[tuple[str, str], ...] = ()  # fingerprint of the config the plan was made from
+
+    # -- the update rule, by name (what the step reads) ----------------------------------------
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        return self.rule.tx
+
+    @property
+    def schedule(self) -> LrSchedule:
+        return self.rule.schedule
+
+    @property
+    def scaler(self) -> ScalerConfig:
+        return self.rule.scaler
+
+    @property
+    def kernels(self) -> str:
+        return self.rule.kernels
+
+    def with_kernels(self, kernels: str) -> "Plan":
+        """The same plan with the update run by another backend (e.g. "xla" or "triton")."""
+        return dataclasses.replace(self, rule=self.rule._replace(kernels=kernels))
+
+    # -- where state lives ---------------------------------------------------------------------
+    @property
+    def data_size(self) -> int:
+        return data_size(self.mesh)
+
+    @functools.cached_property
+    def n_leaves(self) -> int:
+        return len(jax.tree.leaves(self.abstract_params))
+
+    @functools.cached_property
+    def leaf_paths(self) -> list[str]:
+        """Each parameter leaf's path, in tree order (for messages)."""
+        return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(self.abstract_params)]
+
+    def _shardings(self, role: str) -> Any:
+        data = data_axes(self.mesh)
+        return map_layouts(lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.split,
+                                                                        data)),
+                           self.layouts, self.abstract_params)
+
+    @functools.cached_property
+    def param_shardings(self) -> Any:
+        return self._shardings("param")
+
+    @functools.cached_property
+    def grad_shardings(self) -> Any:
+        """Shardings of the gradient accumulator (PARTIAL accumulators are whole on each device)."""
+        return self._shardings("grad")
+
+    @functools.cached_property
+    def update_shardings(self) -> Any:
+        """Shardings of reduced gradients at the update, of the master copy and of optimizer state."""
+        return self._shardings("update")
+
+    @functools.cached_property
+    def param_specs(self) -> Any:
+        """PartitionSpecs of `param_shardings` (shard_map's in/out specs)."""
+        return jax.tree.map(lambda s: s.spec, self.param_shardings)
+
+    @functools.cached_property
+    def update_specs(self) -> Any:
+        """PartitionSpecs of `update_shardings` (shard_map's in/out specs)."""
+        return jax.tree.map(lambda s: s.spec, self.update_shardings)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def _stored(self, shardings: Any, kind: str | None) -> Any:
+        return shardings if kind is None else jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+    @functools.cached_property
+    def param_storage(self) -> Any:
+        """Where parameters live between steps: `param_shardings` in the plan's parameter memory."""
+        return self._stored(self.param_shardings, self.memory.params)
+
+    @functools.cached_property
+    def update_storage(self) -> Any:
+        """Where the fp32 master copy lives between steps (host memory under optimizer offload)."""
+        return self._stored(self.update_shardings, self.memory.optimizer)
+
+    @functools.cached_property
+    def opt_state_storage(self) -> Any:
+        """Where optimizer state lives between steps: parameter-shaped leaves follow the master copy,
+        counters and scalars stay on the device."""
+        return self._opt_state_following(self.update_storage)
+
+    def _opt_state_following(self, update: Any) -> Any:
+        """Parameter-shaped optimizer leaves placed as `update`; counters and scalars replicated."""
+        return optax.tree_utils.tree_map_params(
+            self.tx, lambda _, sharding: sharding, self.abstract_opt_state, update,
+            transform_non_params=lambda _: self.replicated)
+
+    @functools.cached_property
+    def abstract_opt_state(self) -> Any:
+        master = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, self.policy.master),
+                              self.abstract_params)
+        return jax.eval_shape(self.tx.init, master)
+
+    @functools.cached_property
+    def opt_state_shardings(self) -> Any:
+        """Parameter-shaped optimizer leaves follow `update`; counters and scalars are replicated."""
+        return self._opt_state_following(self.update_shardings)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """How a global batch is placed: rows split over the data axis."""
+        return NamedSharding(self.mesh, P(data_axes(self.mesh)))
+
+    def report(self) -> MemoryReport:
+        return memory_report(self)
+
+
+def memory_report(p: Plan) -> MemoryReport:
+    """Bytes per device the plan's layouts give, against the ZeRO formula for the same dtypes.
+
+    Formula (Rajbhandari et al.): params P·Ψ, gradients G·Ψ, optimizer K·Ψ, each divided by N
+    when the stage partitions it; P, G are the parameter and accumulator itemsizes and K counts
+    the fp32 master copy (mixed precision only) plus the optimizer's per-parameter state.
+    """
+    n, pol = p.data_size, p.policy
+    psi = sum(math.prod(x.shape) for x in jax.tree.leaves(p.abstract_params))
+    params = planned_bytes(p.abstract_params, p.param_shardings, pol.param)
+    grads = planned_bytes(p.abstract_params, p.grad_shardings, pol.accum)
+    master = planned_bytes(p.abstract_params, p.update_shardings, pol.master) if pol.mixed else 0
+    opt_abstract = p.abstract_opt_state
+    opt = planned_bytes(opt_abstract, p.opt_state_shardings)
+    # K: bytes per parameter of master + parameter-shaped optimizer leaves (whole-model count).
+    opt_full = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt_abstract)
+                   if math.prod(x.shape) > 1)
+    k = (pol.master.itemsize if pol.mixed else 0) + opt_full / psi
+    parts = STAGE_PARTITIONS[p.stage]
+
+    def share(role: str) -> float:
+        return 1 / n if role in parts else 1.0
+
+    # Fraction of model-state bytes that the stage would shard but stayed whole.
+    kept = total = 0.0
+    for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=is_layout), jax.tree.leaves(p.abstract_params)):
+        size = math.prod(x.shape)
+        for role, place, width in ((PARAMETERS, lay.param, pol.param.itemsize),
+                                   (GRADIENTS, lay.grad, pol.accum.itemsize),
+                                   (OPTIMIZER, lay.update, k)):
+            if role in parts:
+                total += size * width
+                kept += size * width * (not isinstance(place, Shard))
+    host_master = (planned_bytes(p.abstract_params, p.update_storage, pol.master, host_only=True)
+                   if pol.mixed else 0)
+    # hpZ's secondary copy is split over one inner group: Ψ/hpz parameters per device.
+    param_share = 1 / p.hpz if p.hpz > 1 else share(PARAMETERS)
+    return MemoryReport(
+        n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
+        formula_params=pol.param.itemsize * psi * param_share,
+        formula_grads=pol.accum.itemsize * psi * share(GRADIENTS),
+        formula_optimizer=k * psi * share(OPTIMIZER),
+        replicated_fraction=kept / total if total else 0.0,
+        params_host=planned_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
+        optimizer_host=host_master + planned_bytes(opt_abstract, p.opt_state_storage, host_only=True),
+        memory=p.memory.describe())

@@ -1,0 +1,61 @@
+"""The device mesh: a `data` axis that ZeRO shards over (and, for pipelines, a `stage` axis).
+
+The data axis may be hierarchical (`mesh.data_outer`): two mesh axes, `data_outer` across hosts or
+slices (slow links) and `data_inner` within one (fast links), that every layout and collective
+treats together as "the data axis" - a ZeRO shard is split over both - while keeping the inner
+axis addressable on its own (a secondary partition within a host, as ZeRO++'s hpZ keeps, needs it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Union
+
+import jax
+
+from zerojax.errors import ConfigError
+
+DATA = "data"
+STAGE = "stage"
+DATA_OUTER = "data_outer"
+DATA_INNER = "data_inner"
+HIERARCHICAL = (DATA_OUTER, DATA_INNER)
+DataAxis = Union[str, tuple]
+
+
+def request_cpu_devices(n: int | None) -> None:
+    """Ask for `n` virtual CPU devices; effective only before JAX's backends start.
+
+    On a machine with an accelerator the CPU count does not matter, so this is harmless there.
+    Once the backends have started the count cannot change: the mesh check then reports the
+    devices that exist.
+    """
+    if n is None:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass  # backends already initialized; make_mesh reports a shortfall
+
+
+def data_axes(mesh: Any) -> DataAxis:
+    """The mesh axis (or axes) ZeRO shards over: `data`, or (`data_outer`, `data_inner`)."""
+    names = tuple(mesh.axis_names)
+    if DATA in names:
+        return DATA
+    if all(a in names for a in HIERARCHICAL):
+        return HIERARCHICAL
+    raise ConfigError(f"mesh: needs an axis named '{DATA}' or the pair {HIERARCHICAL} (got axes {names})")
+
+
+def data_axis() -> DataAxis:
+    """The data axis of the mesh being traced (inside `shard_map`), for collectives in model code."""
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    if DATA not in names and all(a in names for a in HIERARCHICAL):
+        return HIERARCHICAL
+    return DATA
+
+
+def data_size(mesh: Any) -> int:
+    """Number of data-parallel shards (what the batch triad counts)."""
+    axes = data_axes(mesh)
+    return math.prod(int(mesh.shape[a]) for a in ((axes,) if isinstance(axes, str) else axes))

@@ -1,0 +1,439 @@
+"""The pure train and eval steps: one jitted function for every ZeRO stage.
+
+The step reads placements from the plan and moves gradients between them with explicit
+collectives (collectives.move); it has no notion of "stage". Per optimizer step:
+
+1. `make_grad_fn`, inside `shard_map` over `data`: for each micro-batch (a `lax.scan`), the
+   gradient of the device's rows times the loss scale (the 1/dp of the mean applied around the
+   reduction, as DeepSpeed applies it: `grad_average`), moved into the accumulator's placement
+   (stage 2/3: reduce-scattered every micro-step; stage 0/1: kept PARTIAL and reduced once, at the
+   boundary); at the boundary, the accumulator moved into the update placement (all-reduce for
+   stage 0, reduce-scatter for stage 1, nothing for 2/3);
+2. `apply_update`, under the automatic partitioner: unscale, finite check, global-norm clipping,
+   the optax update on the (sharded) fp32 master copy, skipping the step on overflow, the loss
+   scaler's update, and the cast + all-gather back to the parameter placement.
+
+Anything that produces gradients in the update placement (the pipeline executor does) reuses
+`apply_update`, so precision, clipping, schedules and skipping behave the same everywhere.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zerojax.core import remat
+from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering, move, to_varying, unwrap, zeros_like_local)
+from zerojax.core.gather_at_use import Prefetch, gather_at_use
+from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
+from zerojax.core.mesh import data_axes, data_axis
+from zerojax.core.offload import bring_in, run_update
+from zerojax.pallas.backend import XLA
+from zerojax.pallas.selfcheck import settle
+from zerojax.pallas.update import FusedUpdate
+from zerojax.core.precision import LossScaleState, leaf_finite, update_loss_scale
+from zerojax.core.state import TrainState, state_shardings
+
+LossFn = Callable[..., jax.Array]
+
+
+def handed_whole(lay: LeafLayout, marked: bool) -> bool:
+    """Whether the loss receives this parameter whole, all-gathered before it runs.
+
+    Only a loss that gathers its own shards (`marked`: `gathers_params`) gets any, and only the
+    leaves sharded along dim 0: dim 0 may be a layer axis the loss scans, loops or indexes over,
+    and a ParamShard cannot be sliced along its sharded axis. The evaluator (`gather_at_use`)
+    needs no such rule: it gathers a stack sharded along its layer axis whole before the scan.
+    """
+    return marked and isinstance(lay.param, Shard) and lay.param.dim == 0
+
+
+def _grad_source(lay: LeafLayout, marked: bool) -> Any:
+    """A gathered parameter's gradient comes back reduce-scattered over the axis it was gathered over
+    (all of the data axis, or - hpZ - the inner axis only, still to be summed over the outer one);
+    a replicated one's, or one handed to the loss whole, is PARTIAL."""
+    if not isinstance(lay.param, Shard) or handed_whole(lay, marked):
+        return PARTIAL
+    if isinstance(lay.grad, Shard) and lay.grad.axis != lay.param.axis:
+        return PartialShard(lay.param.dim, lay.param.axis)
+    return lay.param
+
+
+def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
+    """Local parameter blocks as the loss sees them inside shard_map.
+
+    Parameters stored in host memory (offload) reach the device here, except the ones the loss
+    gathers itself: those come in layer by layer, inside `gather`.
+    """
+    stored = plan.memory.params
+
+    def one(lay: LeafLayout, x: jax.Array) -> Any:
+        if handed_whole(lay, marked):
+            # A per-device (varying) gather outside the differentiated function: the gradient is
+            # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
+            gathered = gather_shard(bring_in(x, stored), 0, lay.wire)
+            return to_varying(gathered) if for_grad else gathered
+        if isinstance(lay.param, Shard):
+            if for_grad and lay.param.axis is not None:
+                # hpZ: the secondary copy is whole across data_outer; typed per-device there, its gradient
+                # stays a per-host partial sum that the step reduce-scatters itself (`PartialShard`).
+                x = to_varying(x)
+            return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None, wire=lay.wire)
+        x = bring_in(x, stored)
+        return to_varying(x) if for_grad else x
+    return map_layouts(one, plan.layouts, params)
+
+
+def takes_rng(loss_fn: LossFn) -> bool:
+    """Loss functions with a parameter named `rng` receive a PRNG key (e.g. for dropout)."""
+    try:
+        return "rng" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _step_loss(loss_fn: LossFn, prefetch: Prefetch | None = None) -> Callable[[Any, Any, Any], jax.Array]:
+    """`loss(params, batch, rng)` over the step's parameter blocks, passing `rng` only to loss
+    functions that take one. A loss marked `gathers_params` gathers its `ParamShard`s itself; any
+    other loss is evaluated with each sharded parameter gathered where it is used
+    (`gather_at_use`), so it never sees the whole model at once."""
+    fn = loss_fn if is_gathering(loss_fn) else gather_at_use(loss_fn, prefetch)
+    if takes_rng(loss_fn):
+        return lambda params, batch, rng: fn(params, batch, rng=rng)
+    return lambda params, batch, rng: fn(params, batch)
+
+
+def _checks_vma(plan: Plan, loss_fn: LossFn) -> bool:
+    """shard_map's varying-axes check stays on unless the loss is evaluated by `gather_at_use`.
+
+    That evaluator re-binds the primitives of a jaxpr traced outside `shard_map`, whose types carry
+    no varying axes; it relies on the explicit moves here instead (gradients of replicated inputs
+    are PARTIAL because they are taken inside the map, and every sharded parameter's gradient comes
+    back through the transpose of its own tiled all-gather).
+    """
+    interpreted = any(isinstance(lay.param, Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+    return is_gathering(loss_fn) or not interpreted
+
+
+def check_batch(plan: Plan, batch: Any) -> None:
+    """The global batch's leading dimension must be train_batch_size (checked before any compile)."""
+    want = plan.batch.train_batch_size
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if not x.shape or x.shape[0] != want:
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)}: leading dimension is "
+                f"{x.shape[0] if x.shape else 'missing'}, expected train_batch_size={want} "
+                f"(= micro {plan.batch.micro_batch_size} x accumulation "
+                f"{plan.batch.gradient_accumulation_steps} x data {plan.data_size})")
+
+
+def check_eval_batch(plan: Plan, batch: Any) -> None:
+    """An eval batch's rows are split over `data`, so their number must be a multiple of it."""
+    dp = plan.data_size
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if not x.shape or x.shape[0] % dp:
+            raise ValueError(f"eval batch{jax.tree_util.keystr(path)}: leading dimension "
+                             f"{x.shape[0] if x.shape else 'missing'} must be a multiple of the "
+                             f"data-parallel size {dp}")
+
+
+class GradAverage(NamedTuple):
+    """Where the 1/dp of the data-parallel mean is applied, as DeepSpeed applies it.
+
+    in_loss: divides the scaled loss before differentiation (only when some gradient is reduced
+             inside the backward pass: ZeRO-3's reduce-scatter is the transpose of its gather, so
+             there is no point between the gradient and its sum);
+    pre:     multiplies each device's gradient in the communication dtype before the sum;
+    post:    multiplies the sum.
+    The product is always 1/dp; the split decides where a half-precision gradient or sum overflows.
+    """
+    in_loss: float
+    pre: float
+    post: float
+
+
+def reduced_in_backward(plan: Plan, marked: bool = False) -> bool:
+    """Some gradient is reduce-scattered inside the backward pass (ZeRO-3 gathered parameters);
+    `marked`: the loss gathers its own shards (`gathers_params`)."""
+    return any(isinstance(_grad_source(lay, marked), (Shard, PartialShard))
+               for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+
+
+def grad_average(plan: Plan, marked: bool = False) -> GradAverage:
+    """DeepSpeed's averaging rule for this plan.
+
+    * stage 0 (engine.allreduce_bucket), and stages 1-2 with `reduce_scatter: false`
+      (stage_1_and_2.gradient_reduction_w_predivide): `prescale_gradients` divides by dp before the
+      sum; otherwise the gradient is divided by `gradient_predivide_factor` before and multiplied by
+      factor/dp after (default factor 1: sum, then divide);
+    * stages 1-3 with `reduce_scatter: true` (stage_1_and_2.average_tensor, stage3's reduce path):
+      divided by dp before the sum (the config rules refuse prescale/predivide at stages 2-3 there, as
+      DeepSpeed asserts, and warns that stage 1 ignores them);
+    * ZeRO-3 with gathered parameters: in the loss (see GradAverage).
+    """
+    dp = plan.data_size
+    if reduced_in_backward(plan, marked):
+        return GradAverage(1.0 / dp, 1.0, 1.0)
+    if plan.step.predivide:
+        return GradAverage(1.0, 1.0 / dp, 1.0)
+    f = plan.step.predivide_factor
+    return GradAverage(1.0, 1.0 / f, f / dp)
+
+
+GradFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
+    """(params, global batch, loss scale, key) -> (mean loss, scaled gradients in the update
+    placement), not yet jitted.
+
+    Micro-batch i is rows [i*m*dp, (i+1)*m*dp) of the global batch and data shard d gets its d-th
+    block of m rows (DeepSpeed's order). The gradient is that of the global mean loss times
+    `scale` (`apply_update` divides it out); the returned loss is unscaled. `key` is raw key data;
+    micro-batch i on data shard d draws from `fold_in(fold_in(key, d), i)`. Each device
+    differentiates its own mean loss times scale/gas, as DeepSpeed's ranks do; the 1/dp of the
+    mean is applied around the reduction (`grad_average`).
+    """
+    pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
+                       plan.batch.micro_batch_size)
+    marked = is_gathering(loss_fn)
+    if not marked:  # a loss that gathers its own shards places its own remat too
+        loss_fn = remat.for_loss(plan.step.remat, loss_fn)
+    loss = _step_loss(loss_fn, plan.step.prefetch)
+    layouts = plan.layouts
+    avg = grad_average(plan, marked)
+
+    def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
+        rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
+        wrapped = _wrap_params(plan, params, for_grad=True, marked=marked)
+        shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axis()))
+
+        def scaled(p: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+            value = loss(p, mb, rng).astype(jnp.float32)
+            return value * (scale * avg.in_loss / gas), value
+
+        def micro(acc: Any, xs: Any) -> tuple[Any, jax.Array]:
+            i, mb = xs
+            rng = jax.random.fold_in(shard_key, i)
+            (_, value), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb, rng)
+            # Gradients of host-stored blocks leave the backward pass in host memory.
+            g = bring_in(unwrap(g), plan.memory.params)
+            g = map_layouts(
+                lambda lay, x: move(x.astype(pol.accum), _grad_source(lay, marked), lay.grad, comm_dtype=pol.comm,
+                                    pre=avg.pre, post=avg.post, quantized=lay.wire.quantize_gradients),
+                layouts, g)
+            return jax.tree.map(jnp.add, acc, g), value
+
+        def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct) -> jax.Array:
+            z = zeros_like_local(x.shape, pol.accum, lay.grad, dp)
+            # Accumulators holding per-device values (PARTIAL, Shard) are typed as varying.
+            return z if lay.grad == REPLICATED else to_varying(z)
+
+        acc0 = map_layouts(zeros, layouts, plan.abstract_params)
+        acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
+        grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm,
+                                                pre=avg.pre, post=avg.post), layouts, acc)
+        return jax.lax.pmean(jnp.mean(values), data_axis()), grads
+
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(None, data_axes(plan.mesh)), P(), P()),
+                           out_specs=(P(), plan.update_specs), check_vma=_checks_vma(plan, loss_fn))
+
+    def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
+        check_batch(plan, batch)
+        shaped = jax.tree.map(lambda x: x.reshape(gas, dp, m, *x.shape[1:]), batch)
+        return mapped(params, shaped, jnp.asarray(scale, jnp.float32), key)
+
+    return grad_fn
+
+
+def make_param_gather(plan: Plan) -> Callable[[Any], Any]:
+    """Updated master shards -> parameters: cast to the compute dtype *before* the all-gather.
+
+    Written as an explicit collective so the gather moves compute-dtype bytes (Ψ in bf16, the
+    ZeRO figure); left to the partitioner, XLA may gather fp32 and cast afterwards.
+    """
+    pol = plan.policy
+
+    def local(master: Any) -> Any:
+        return map_layouts(lambda lay, x: move(x.astype(pol.param), lay.update, lay.param),
+                                 plan.layouts, master)
+
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.update_specs,), out_specs=plan.param_specs)
+
+
+def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:
+    """DeepSpeed's rule: max_norm / (norm + 1e-6) when that is below 1, else 1; 0 disables."""
+    if max_norm <= 0:
+        return jnp.ones((), jnp.float32)
+    return jnp.minimum(1.0, max_norm / (norm + 1e-6))
+
+
+def clip_by_global_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
+    """Scale `grads` by `clip_coefficient` (returned unchanged when clipping is off)."""
+    if max_norm <= 0:
+        return grads
+    coef = clip_coefficient(norm, max_norm)
+    return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads)
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
+                 ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step from gradients in the update placement that carry the loss scale.
+
+    Unscale in fp32, check every leaf is finite (fp16, or bf16.check_grad_overflow), clip by the
+    global norm, run the optimizer update on the master copy (on the host when the plan offloads
+    it there: `offload.run_update`), and - on overflow - keep the previous
+    master and optimizer state (so the schedule, driven by the optimizer's count, does not move
+    either), count a skipped step and let the loss scaler react. Parameters are re-derived from
+    the master, so a skipped step leaves them bit-identical too. `plan.kernels` picks the optax
+    update (xla) or the fused Pallas kernels; both give the same state.
+    """
+    pol, sc = plan.policy, plan.scaler
+    scale = state.scaler.scale
+    inv_scale = (1.0 / scale).astype(pol.master)
+    old_master = (state.master if pol.mixed else
+                  _constrain(bring_in(state.params, plan.memory.params), plan.update_shardings))
+    update = _optax_update if plan.kernels == XLA else _fused_update
+    grad_norm, finite, overflow, master, opt_state, shards = update(plan, state, grads, inv_scale, old_master)
+    scaler = (update_loss_scale(sc, state.scaler, overflow, state.step, ~finite) if sc.check_finite
+              else _note_non_finite(state.scaler, finite, state.step))
+    position = state.step - state.skipped
+    params = make_param_gather(plan)(bring_in(shards, plan.memory.optimizer))  # gathered on the device
+    new = TrainState(params=params, master=master if pol.mixed else None,
+                     opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
+                     scaler=scaler, rng=state.rng)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
+               "loss_scale": scale, "skipped": overflow}
+    return new, metrics
+
+
+def _note_non_finite(s: LossScaleState, finite: jax.Array, step: jax.Array) -> LossScaleState:
+    """Without skipping (bf16/fp32 by default), remember the first step whose gradients were not
+    finite and in which leaves, in the scaler's `last_overflow` and `first_bad`: a run that stops on
+    it can then name both, though it reads them only when it fetches metrics (no per-step sync)."""
+    first = ~jnp.any(s.first_bad) & ~jnp.all(finite)
+    return s._replace(first_bad=jnp.where(first, ~finite, s.first_bad),
+                      last_overflow=jnp.where(first, step, s.last_overflow).astype(s.last_overflow.dtype))
+
+
+# (grad norm, per-leaf finite, overflow, master, opt_state, shards to gather)
+UpdateResult = tuple[jax.Array, jax.Array, jax.Array, Any, Any, Any]
+
+
+def _overflow(plan: Plan, state: TrainState, finite: jax.Array) -> jax.Array:
+    """Skip the step: a non-finite gradient anywhere, or the scaler stuck at its minimum."""
+    if not plan.scaler.check_finite:
+        return jnp.zeros((), jnp.bool_)
+    return ~jnp.all(finite) | state.scaler.stuck
+
+
+def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any
+                  ) -> UpdateResult:
+    """The update with optax, under XLA's automatic partitioner."""
+    pol = plan.policy
+    grads = jax.tree.map(lambda g: g.astype(pol.master) * inv_scale, grads)
+    grad_norm = optax.tree.norm(grads)
+    finite = leaf_finite(grads)
+    overflow = _overflow(plan, state, finite)
+
+    def optimize(master: Any, opt_state: Any, grads: Any, grad_norm: jax.Array, overflow: jax.Array
+                 ) -> tuple[Any, Any]:
+        """The per-shard, elementwise part: it runs where the plan puts the update (device or host)."""
+        clipped = clip_by_global_norm(grads, grad_norm, plan.rule.clip)
+        updates, new_opt_state = plan.tx.update(clipped, opt_state, master)
+        new_master = optax.apply_updates(master, updates)
+        if plan.scaler.check_finite:
+            new_master = _select(overflow, master, new_master)
+            new_opt_state = _select(overflow, opt_state, new_opt_state)
+        return new_master, new_opt_state
+
+    master, opt_state = run_update(plan.memory, optimize, old_master, state.opt_state, grads, grad_norm, overflow)
+    return grad_norm, finite, overflow, master, opt_state, master
+
+
+def _fused_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any
+                  ) -> UpdateResult:
+    """The same with the Pallas kernels, on each device's shards: one read of the gradients for
+    norm and finiteness, then one fused Adam pass that unscales, clips, skips on overflow and
+    writes the compute-dtype copy the all-gather sends."""
+    pol = plan.policy
+    fused = FusedUpdate(plan)
+    stats = fused.grad_stats(grads, inv_scale)
+    coef = clip_coefficient(stats.norm, plan.rule.clip)
+    overflow = _overflow(plan, state, stats.leaf_finite)
+    # The kernels run on the device: offloaded state comes in for them (the plan never puts a fused
+    # update on the host).
+    old_master, opt_state = bring_in((old_master, state.opt_state), plan.memory.optimizer)
+    master, opt_state, cast = fused.adam(grads, old_master, opt_state, grad_scale=inv_scale * coef,
+                                         apply=~overflow, emit=pol.param if pol.mixed else None)
+    return stats.norm, stats.leaf_finite, overflow, master, opt_state, cast if pol.mixed else master
+
+
+def _constrain(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def step_key(state: TrainState) -> jax.Array:
+    """Raw key data for this step: the base key folded with the step counter."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
+
+
+def checked_kernels(plan: Plan) -> Plan:
+    """The plan with its update backend confirmed by the kernels' self-check, run where a step is
+    first made (it compiles, once per process and backend): a failed check falls back to the XLA
+    update, or is an error when the kernels were forced (`kernels: pallas`)."""
+    if plan.kernels == XLA or isinstance(plan.mesh, jax.sharding.AbstractMesh):
+        return plan
+    settled = settle("pallas" if plan.rule.strict else "auto", plan.kernels, plan.mesh.local_devices[0])
+    return plan if settled == plan.kernels else plan.with_kernels(settled)
+
+
+def make_train_step(plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], Any]:
+    """A jitted `step(state, batch) -> (state, metrics)`; `step.lower(state, batch)` shows the HLO.
+
+    `loss_fn(params, batch) -> scalar` is the mean loss over the rows it is given (a parameter
+    named `rng` receives a PRNG key). Under ZeRO-3 the loss is evaluated with each sharded
+    parameter all-gathered where it is used (`zerojax.core.gather_at_use`); loss functions marked with
+    `zerojax.gathers_params` receive `ParamShard`s and gather them themselves.
+    metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped.
+    """
+    plan = checked_kernels(plan)
+    grad_fn = make_grad_fn(plan, loss_fn)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss, grads = grad_fn(state.params, batch, state.scaler.scale, step_key(state))
+        return apply_update(plan, state, grads, loss)
+
+    shardings = state_shardings(plan)
+    return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
+                   donate_argnums=0)
+
+
+def make_eval_step(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Array]:
+    """A jitted `eval_step(params, batch) -> mean loss`; rows split over `data` (any multiple of dp).
+
+    A loss function that takes `rng` gets `rng=None` here: evaluation is deterministic.
+    """
+    loss = _step_loss(loss_fn, plan.step.prefetch)
+    marked = is_gathering(loss_fn)
+
+    def local(params: Any, batch: Any) -> jax.Array:
+        value = loss(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None)
+        return jax.lax.pmean(value.astype(jnp.float32), data_axis())
+
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(data_axes(plan.mesh))), out_specs=P(),
+                           check_vma=_checks_vma(plan, loss_fn))
+
+    def eval_step(params: Any, batch: Any) -> jax.Array:
+        check_eval_batch(plan, batch)
+        return mapped(params, batch)
+
+    return jax.jit(eval_step, in_shardings=(state_shardings(plan).params, None))

@@ -1,0 +1,263 @@
+"""A thin DeepSpeed-shaped engine over the pure plan / state / step functions.
+
+It holds the state and the compiled steps and answers DeepSpeed's accessors; all maths lives in
+step.py. Porting code keeps its shape:
+
+    engine = zerojax.initialize(ds_config, params=params, loss_fn=loss_fn)
+    for batch in data:
+        metrics = engine.train_batch(batch)
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from zerojax.config import Config, load_config
+from zerojax.runtime.distributed import InFlight, check_consistency, global_array
+from zerojax.errors import LossScaleError
+from zerojax.core.layout import MemoryReport, Plan
+from zerojax.planner.api import check_origin
+from zerojax.planner.plan import make_plan
+from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
+from zerojax.core.precision import LossScaleState, update_loss_scale
+from zerojax.core.state import TrainState, init_state
+from zerojax.core.step import (LossFn, check_batch, check_eval_batch, checked_kernels, make_eval_step,
+                               make_train_step)
+
+if TYPE_CHECKING:
+    from zerojax.checkpoint import PendingSave
+
+
+class Engine:
+    """Training state plus compiled train/eval steps for one config, mesh and model."""
+
+    def __init__(self, config: Config | Mapping[str, Any] | str, params: Any, loss_fn: LossFn, mesh: Mesh, *,
+                 optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None,
+                 layer_axes: Any = None, plan: Plan | None = None):
+        """`plan`: one already made from this config and mesh (`zerojax.plan`), so it is not made twice;
+        without it the engine makes its own from `optimizer`, `lr_scheduler` and `layer_axes`."""
+        config = load_config(config)  # a Config, a dict or a file path, as `initialize` takes it
+        if plan is None:
+            plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                             layer_axes=layer_axes)
+        else:
+            if optimizer is not None or lr_scheduler is not None or layer_axes is not None:
+                raise TypeError("Engine: with plan= the optimizer, scheduler and layer axes are the plan's; "
+                                "drop optimizer= / lr_scheduler= / layer_axes= (or pass them to zerojax.plan)")
+            check_origin(config, plan, "Engine")
+        plan = checked_kernels(plan)
+        self._start(config, mesh, loss_fn, plan, params, make_train_step(plan, loss_fn), make_eval_step(plan, loss_fn))
+
+    def _start(self, config: Config, mesh: Mesh, loss_fn: LossFn, plan: Plan, params: Any,
+               train_step: Callable[[TrainState, Any], Any], eval_step: Callable[[Any, Any], jax.Array]) -> None:
+        """Everything an engine holds, whatever built its plan and steps (the pipeline engine too)."""
+        self.config, self.mesh, self.loss_fn, self.plan = config, mesh, loss_fn, plan
+        if config.distributed.check_consistency:
+            check_consistency(config, plan.abstract_params)
+        self.state: TrainState = init_state(plan, params)
+        self._train_step, self._eval_step = train_step, eval_step
+        self._pending: PendingSave | None = None
+        self._in_flight = InFlight()  # multi-process: no process runs steps ahead of its devices
+        self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
+        self.loaded_extra: dict[str, Any] = {}
+
+    # -- training ---------------------------------------------------------------------------
+    def place_batch(self, batch: Any, rows: int | None = None) -> Any:
+        """`batch` on the devices in the plan's batch sharding, without running a step (a data
+        loader can place the next batch while the current step runs). Host rows go straight to their
+        data shard; arrays already on devices pass through.
+
+        In a multi-process run a host batch holds this process's rows of the global batch (the
+        ones `zerojax.runtime.distributed.local_rows` names), or all of them.
+        """
+        sharding = self.plan.batch_sharding
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else global_array(x, sharding, rows), batch)
+
+    def _checked(self, batch: Any, check: Callable[[Plan, Any], None], rows: int | None = None) -> Any:
+        """`batch` placed on the devices, its shape checked once: on the host rows before any transfer
+        when this process holds the whole batch, on the global array when each process holds a part."""
+        if jax.process_count() == 1:
+            check(self.plan, batch)
+            return self.place_batch(batch, rows)
+        batch = self.place_batch(batch, rows)
+        check(self.plan, batch)
+        return batch
+
+    def train_batch(self, batch: Any) -> dict[str, jax.Array]:
+        """One optimizer step on a global batch (leading dimension train_batch_size; in a
+        multi-process run, host data may hold only this process's rows).
+
+        Returns once the step is dispatched and the previous one has finished, so the host builds
+        and sends the next batch while this step runs (`dispatch_ahead`). With dynamic fp16 an
+        overflow at the minimum loss scale still raises `LossScaleError` from the call of the very
+        step that overflowed, as DeepSpeed does.
+        """
+        batch = self._checked(batch, check_batch, self.plan.batch.train_batch_size)
+        risk = self._stuck_risk() if self.dispatch_ahead else None  # read before the step donates the state
+        self.state, metrics = self._train_step(self.state, batch)
+        self._in_flight.add(metrics)
+        if not self.dispatch_ahead:
+            jax.block_until_ready(metrics)
+        # Only a step whose input scale already sits at the minimum with its hysteresis spent can set
+        # `stuck` (precision.update_loss_scale), so the host waits for this step's flag only then;
+        # otherwise it waits for the previous step alone (`risk` is its output). Healthy runs stay one
+        # step ahead; a run at the minimum scale waits each step, and stops on the step that got stuck.
+        if self.plan.scaler.dynamic and (risk is None or bool(risk)) and bool(self.state.scaler.stuck):
+            # Should the caller catch this and train on, every later step is skipped (`stuck` is
+            # sticky and forces the overflow path in step._overflow): nothing is applied, and the
+            # next call raises again.
+            raise LossScaleError(loss_scale_message(self.plan, self.state))
+        return metrics
+
+    #: False: `train_batch` waits for its own step before returning (one host sync per step, the
+    #: behaviour before dispatch-ahead); for timing comparisons and debugging.
+    dispatch_ahead: bool = True
+
+    def _stuck_risk(self) -> jax.Array | None:
+        """Whether the next step could set the loss scaler's `stuck` flag (an overflow on it would),
+        as a device array computed from the current state, dispatched without waiting."""
+        if not self.plan.scaler.dynamic:
+            return None
+        if getattr(self, "_risk_fn", None) is None:
+            cfg = self.plan.scaler
+
+            def risk(scaler: LossScaleState, step: jax.Array) -> jax.Array:
+                return update_loss_scale(cfg, scaler, jnp.asarray(True), step, ~scaler.first_bad).stuck
+
+            self._risk_fn = jax.jit(risk)
+        return self._risk_fn(self.state.scaler, self.state.step)
+
+    def eval_batch(self, batch: Any) -> jax.Array:
+        """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
+        batch = self._checked(batch, check_eval_batch)
+        return self._eval_step(self.state.params, batch)
+
+    @property
+    def train_step_fn(self) -> Callable[[TrainState, Any], Any]:
+        """The jitted pure step, for `.lower(state, batch)` and HLO inspection."""
+        return self._train_step
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def params(self) -> Any:
+        """Logical (whole-shape) parameters: the fp32 master copy under mixed precision."""
+        return self.state.master if self.plan.policy.mixed else self.state.params
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.state.step)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.state.skipped)
+
+    def get_lr(self) -> list[float]:
+        """The lr the next applied step will use (DeepSpeed returns one per param group)."""
+        return [float(self.plan.schedule.lr(self.state.step - self.state.skipped))]
+
+    def memory_report(self) -> MemoryReport:
+        return self.plan.report()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
+                        extra: Mapping[str, Any] | None = None, async_save: bool | None = None) -> str:
+        """Save everything needed to continue bit for bit; returns the tag (`global_step{N}` by default).
+
+        As in DeepSpeed, the save is complete and verifiable when this returns. `async_save=True`
+        (or `checkpoint.async_save: true`) opts in to writing in the background while training goes
+        on; the tag becomes `latest` only once complete, and a pending save is finished by the next
+        save or load, `wait_for_checkpoint()`, deleting the engine, or interpreter exit. `extra`
+        holds more JSON state (the trainer keeps its data position there). Relative paths are fine.
+        """
+        from zerojax import checkpoint  # orbax is imported only when checkpoints are used
+        cfg = self.config.checkpoint
+        if tag is not None and cfg.tag_validation != "Ignore" and jax.process_count() > 1:
+            from zerojax.runtime.distributed import broadcast_text
+            validate_tag(tag, broadcast_text(tag), cfg.tag_validation)
+        self.wait_for_checkpoint()
+        self._pending = checkpoint.save(
+            save_dir, tag, self.state, self.plan,
+            extra={"client_state": client_state, "config": self.config.to_dict(), **(extra or {})},
+            async_save=cfg.async_save if async_save is None else async_save,
+            max_to_keep=cfg.max_to_keep, keep_every_n_steps=cfg.keep_every_n_steps)
+        return self._pending.tag
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save has completed (raises if it failed)."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            pending.wait()
+
+    def __del__(self) -> None:
+        """`del engine` (or losing the last reference) finishes a pending save rather than dropping it."""
+        pending = getattr(self, "_pending", None)
+        if pending is None or pending.done() and pending._error is None:
+            return
+        try:
+            self.wait_for_checkpoint()
+        except Exception as e:  # noqa: BLE001 - nothing can be raised from a finalizer; say it instead
+            print(f"zerojax: {e}: {e.__cause__!r}", file=sys.stderr)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        ) -> tuple[str, Any]:
+        """Restore a checkpoint onto this engine's mesh and stage; returns (path, client_state).
+
+        The layout comes from this engine's plan, so a checkpoint from any mesh shape or ZeRO stage
+        loads directly. The schedule position is derived from the restored step counters, so
+        `load_lr_scheduler_states` is accepted for compatibility and always honoured as True.
+        """
+        from zerojax import checkpoint
+        del load_lr_scheduler_states
+        self.wait_for_checkpoint()
+        self.state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
+                                            load_module_only=load_module_only)
+        self.loaded_extra = extra
+        resolved = tag or checkpoint.latest_tag(load_dir)
+        return str(Path(load_dir) / str(resolved)), extra.get("client_state")
+
+    # -- DeepSpeed accessors --------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.plan.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.plan.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.plan.batch.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.plan.stage
+
+
+def loss_scale_message(plan: Plan, state: TrainState) -> str:
+    """Why the run cannot go on: the scale is at its minimum and gradients still overflow."""
+    scaler = jax.device_get(state.scaler)
+    paths = plan.leaf_paths
+    bad = [paths[i] for i in np.flatnonzero(scaler.first_bad)]
+    shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+    return (f"fp16 gradients overflowed at step {int(state.step)} with the loss scale already at "
+            f"fp16.min_loss_scale={plan.scaler.min_scale:g}: {int(scaler.streak)} consecutive steps "
+            f"skipped; the first of them had non-finite gradients in {shown or 'no leaf (forced)'}. "
+            f"Train with bf16.enabled: true instead of fp16 (no loss scaling needed), or lower the "
+            f"learning rate / check the data for inf and NaN")
+
+
+def validate_tag(mine: str, process0: str, mode: str) -> None:
+    """DeepSpeed's `checkpoint.tag_validation`: every process must save under the same tag (a
+    process given another tag would write a different checkpoint). Warn logs and goes on; Fail
+    raises; Ignore does not compare."""
+    if mode == "Ignore" or mine == process0:
+        return
+    message = (f"checkpoint.tag_validation: this process saves under tag '{mine}' but process 0 under "
+               f"'{process0}'; pass the same tag on every process (or none: global_step<N>)")
+    if mode == "Fail":
+        raise ValueError(message)
+    warnings.warn(message, UserWarning, stacklevel=3)

@@ -1,0 +1,64 @@
+"""The DeepSpeed-shaped engine for a PipelineModule: `zerojax.initialize(config, model=module)`.
+
+It is the ordinary Engine (same train_batch / eval_batch / checkpoint / accessor methods, same
+TrainState) whose plan lays out the stage rows and whose steps run the pipeline schedule.
+`engine.params` gives the logical parameters (`module.init()`-shaped), unpacked from the rows.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from jax.sharding import Mesh
+
+from zerojax.config import Config
+from zerojax.engine.engine import Engine
+from zerojax.core.layout import MemoryReport
+from zerojax.pipeline.module import PipelineModule
+from zerojax.pipeline.step import (ROWS, PipelinePlan, init_rows, make_pipeline_eval_step, make_pipeline_train_step, pack_params)
+from zerojax.planner.pipeline import make_pipeline_plan
+
+
+class PipelineEngine(Engine):
+    """Training state plus compiled pipelined train/eval steps.
+
+    params: logical initial parameters (as `module.init()` returns); None initializes each stage's
+    own parameters on its own devices from `config.run.seed`.
+    """
+
+    def __init__(self, config: Config, module: PipelineModule, mesh: Mesh, params: Any = None,
+                 pipeline: PipelinePlan | None = None):
+        self.module = module
+        self.pipeline = pipeline if pipeline is not None else make_pipeline_plan(config, mesh, module)
+        rows = init_rows(self.pipeline, config.run.seed) if params is None else pack_params(self.pipeline, params)
+        self._start(config, mesh, module.loss, self.pipeline.plan, rows, make_pipeline_train_step(self.pipeline),
+                    make_pipeline_eval_step(self.pipeline))
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """Logical parameters (host numpy arrays): the fp32 master copy under mixed precision."""
+        tree = self.state.master if self.plan.policy.mixed else self.state.params
+        return self.pipeline.rows.unpack(tree[ROWS])
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
+                        extra: Mapping[str, Any] | None = None, async_save: bool | None = None) -> str:
+        """As Engine.save_checkpoint, plus the row manifest `zerojax export` needs for logical names."""
+        from zerojax.checkpoint import PIPELINE_ROWS  # orbax is imported only when checkpoints are used
+        extra = {PIPELINE_ROWS: {"array": ROWS, "leaves": self.pipeline.rows.manifest()}, **(extra or {})}
+        return super().save_checkpoint(save_dir, tag, client_state, extra=extra, async_save=async_save)
+
+    def memory_report(self) -> MemoryReport:
+        return self.pipeline.memory_report()
+
+    def partition_report(self) -> str:
+        """Layers and parameters per stage, what each device stores, and the schedule."""
+        return self.pipeline.table()
+
+    def is_pipelined(self) -> bool:
+        return True
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline.stages
+
+    def micro_batches(self) -> int:
+        return self.pipeline.schedule.micro_batches

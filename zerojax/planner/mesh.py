@@ -1,0 +1,116 @@
+"""The device mesh a config asks for: (`stage`, `data`) axes, or a hierarchical data axis.
+
+The axis names and what the layouts ask of a mesh live in `zerojax.core.mesh`; this module reads the
+config's `mesh` section (and ZeRO++'s hpZ partition size) into a `jax.sharding.Mesh`.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from zerojax.config import Config, as_config
+from zerojax.core.mesh import DATA, HIERARCHICAL, STAGE
+from zerojax.errors import ConfigError
+
+__all__ = ["make_mesh", "hierarchical_sizes", "hierarchical_mesh"]
+
+
+def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Mesh from the config's `mesh` section: (`stage`, `data`) axes, `data` by default all devices;
+    with `mesh.data_outer` / `mesh.data_inner`, the data axis is (`data_outer`, `data_inner`)
+    (`hierarchical_mesh`); with neither, `zero_optimization.zero_hpz_partition_size` > 1 builds that
+    mesh with `data_inner` = the hpZ partition size.
+
+    `config` is a Config, a dict or a config file path (as `initialize` takes it)."""
+    config = as_config(config)
+    devices = list(devices if devices is not None else jax.devices())
+    if (config.mesh.data_outer is not None or config.mesh.data_inner is not None
+            or config.zero_optimization.zero_hpz_partition_size > 1):
+        return hierarchical_mesh(config, devices)
+    stage = config.mesh.stage
+    if len(devices) % stage:
+        raise ConfigError(f"mesh.stage: {stage} does not divide the {len(devices)} devices; "
+                          f"choose a divisor of {len(devices)}")
+    data = config.mesh.data or len(devices) // stage
+    if stage * data > len(devices):
+        raise ConfigError(
+            f"mesh.data: stage {stage} x data {data} = {stage * data} devices, but only {len(devices)} "
+            f"exist; lower mesh.data (on CPU, raise mesh.cpu_devices before JAX starts)")
+    grid = np.array(devices[: stage * data], dtype=object)
+    if stage == 1:
+        return Mesh(grid.reshape(data), (DATA,))
+    return Mesh(grid.reshape(stage, data), (STAGE, DATA))
+
+
+def _granules(devices: Sequence[jax.Device]) -> tuple[str, int]:
+    """What separates slow links: TPU slices where devices have a `slice_index`, else processes."""
+    if all(getattr(d, "slice_index", None) is not None for d in devices):
+        return "slices", len({d.slice_index for d in devices})
+    return "processes", len({d.process_index for d in devices})
+
+
+def hierarchical_sizes(config: Config, n_devices: int) -> tuple[int, int]:
+    """(data_outer, data_inner) from the config for `n_devices`, every device used exactly once."""
+    m = config.mesh
+    if m.stage != 1:
+        raise ConfigError(f"mesh.data_outer: a hierarchical data axis does not combine with pipeline stages yet "
+                          f"(mesh.stage is {m.stage}); set mesh.stage: 1 or remove mesh.data_outer")
+    data = m.data or n_devices
+    if data != n_devices:
+        raise ConfigError(f"mesh.data: {data} of the {n_devices} devices with a hierarchical data axis; it must use "
+                          f"every device (remove mesh.data, or run on {data} devices)")
+    outer, inner = m.data_outer, m.data_inner
+    hpz = config.zero_optimization.zero_hpz_partition_size
+    if outer is None and inner is None and hpz > 1:
+        inner = hpz  # ZeRO++ hpZ: one secondary partition per inner group
+    if outer is None:
+        outer = data // inner if inner and data % inner == 0 else None
+        if outer is None:
+            raise ConfigError(f"mesh.data_inner: {inner} does not divide the {data} data-parallel devices; "
+                              f"choose a divisor of {data}")
+    if inner is None:
+        if data % outer:
+            raise ConfigError(f"mesh.data_outer: {outer} does not divide the {data} data-parallel devices; "
+                              f"choose a divisor of {data}")
+        inner = data // outer
+    if outer * inner != data:
+        raise ConfigError(f"mesh.data_outer x mesh.data_inner: {outer} x {inner} = {outer * inner}, but the data axis "
+                          f"has {data} devices; the product must be {data} (no device left out)")
+    return outer, inner
+
+
+def hierarchical_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
+    """A (`data_outer`, `data_inner`) mesh over every device, from JAX's topology-aware helpers.
+
+    Across several slices (TPU `slice_index`) or processes, `create_hybrid_device_mesh` puts each
+    slice/process in one `data_outer` row, so `data_inner` collectives stay on fast links; it needs
+    `data_outer` equal to the number of slices/processes. Within one, `create_device_mesh` orders
+    the devices for the physical topology (ICI / NVLink) and `data_outer` subdivides it.
+    """
+    from jax.experimental import mesh_utils
+    devices = list(devices)
+    outer, inner = hierarchical_sizes(config, len(devices))
+    kind, granules = _granules(devices)
+    try:
+        if granules > 1:
+            if outer != granules:
+                raise ConfigError(f"mesh.data_outer: {outer}, but the {len(devices)} devices sit in {granules} {kind}; "
+                                  f"set mesh.data_outer: {granules} (one outer row per {kind[:-1]}: slow links only "
+                                  f"between rows)")
+            grid = mesh_utils.create_hybrid_device_mesh(
+                (1, inner), (outer, 1), devices, process_is_granule=kind == "processes")
+        else:
+            grid = mesh_utils.create_device_mesh((outer, inner), devices, contiguous_submeshes=False)
+    except ConfigError:
+        raise
+    except (ValueError, AssertionError, NotImplementedError) as e:
+        raise ConfigError(f"mesh.data_outer x mesh.data_inner: {outer} x {inner} cannot be mapped onto the "
+                          f"devices' topology ({e}); choose sizes that match the hosts/slices and their "
+                          f"devices") from None
+    grid = np.asarray(grid, dtype=object).reshape(outer, inner)
+    if sorted(d.id for d in grid.flat) != sorted(d.id for d in devices):
+        raise ConfigError("mesh.data_outer x mesh.data_inner: the mesh does not hold every device once")
+    return Mesh(grid, HIERARCHICAL)

@@ -1,0 +1,76 @@
+"""The pipeline's plan builder: a PipelineModule, the config and the mesh into a `PipelinePlan`.
+
+The stage rows (`{"stages": [S, width]}`) get the ordinary ZeRO plan with dimension 0 split over
+`stage` (`make_plan(..., lead="stage")`); the schedule, partition and activation checkpointing of
+the config's `pipeline` section ride along in the executor's `Pipeline`.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from zerojax.config import Config
+from zerojax.core.mesh import STAGE, data_size
+from zerojax.errors import ConfigError
+from zerojax.optim.deepspeed import is_elementwise
+from zerojax.pallas.backend import XLA
+from zerojax.pipeline.buffers import stage_rows
+from zerojax.pipeline.executor import Pipeline
+from zerojax.pipeline.module import PipelineModule
+from zerojax.pipeline.schedule import build
+from zerojax.pipeline.step import ROWS, PipelinePlan, row_placement
+from zerojax.planner.plan import make_plan
+
+__all__ = ["make_pipeline_plan"]
+
+
+def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> PipelinePlan:
+    """Check the pipeline config against the module and mesh, partition, lay out; nothing compiles."""
+    if not isinstance(module, PipelineModule):
+        raise ConfigError(f"initialize: model= must be a zerojax.PipelineModule, got {type(module).__name__}")
+    stages = int(mesh.shape.get(STAGE, 1))
+    if stages < 2:
+        raise ConfigError("mesh.stage: a PipelineModule needs mesh.stage >= 2 (got 1); set mesh.stage, or "
+                          "train it unpipelined with initialize(config, params=module.init(), "
+                          "loss_fn=module.loss)")
+    if module.num_stages is not None and module.num_stages != stages:
+        raise ConfigError(f"mesh.stage: the mesh has {stages} stages but PipelineModule(num_stages="
+                          f"{module.num_stages}); make them equal (or leave num_stages=None)")
+    if config.optimizer is None:
+        raise ConfigError('optimizer: a pipeline trains with the config\'s optimizer section, and this config '
+                          'has none; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
+    if not is_elementwise(config.optimizer.type):  # on a flat stage row it would see one tensor
+        raise ConfigError(f"optimizer.type: {config.optimizer.type} computes a trust ratio per parameter "
+                          f"tensor, but a pipeline stores each stage's parameters as one flat row; use "
+                          f"Adam, AdamW, Lion, Adagrad or SGD with pipelines")
+    pipe_cfg = config.pipeline
+    dp = data_size(mesh)
+    gas = config.batch(dp).gradient_accumulation_steps
+    chunks = pipe_cfg.chunks
+    n = len(module.layers)
+    if stages * chunks > n:
+        pieces = f"{stages} pipeline stages" + (f" x {chunks} chunks = {stages * chunks} pieces" if chunks > 1 else "")
+        raise ConfigError(f"mesh.stage: {pieces} but the model has only {n} layers; use at most "
+                          f"{n // chunks} stages (each piece needs at least one layer)")
+    schedule = build(pipe_cfg.schedule, stages, gas, chunks)
+    # Rows padded to a multiple of lcm(dp, 128): ZeRO can shard them, and for power-of-two data
+    # sizes up to 128 the width (so a checkpoint's shapes) does not depend on dp.
+    rows = stage_rows(module, stages, chunks, align=math.lcm(dp, 128))
+    plan = make_plan(config, mesh, {ROWS: jax.ShapeDtypeStruct((stages, rows.width), jnp.float32)}, lead=STAGE)
+    if plan.kernels != XLA:
+        # The fused kernels reduce their gradient statistics over `data` only; a pipeline's rows
+        # are split over `stage` too, so pipelines keep the optax update.
+        if plan.rule.strict:
+            raise ConfigError("kernels: 'pallas' is not supported with pipeline parallelism yet; use "
+                              "kernels: auto or xla (pipelines run the optax update)")
+        plan = plan.with_kernels(XLA)
+    lay = plan.layouts[ROWS]
+    pol = plan.policy
+    interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
+                else pipe_cfg.activation_checkpoint_interval)
+    train = Pipeline(mesh, rows, schedule, pol.param, pol.accum, pol.comm, row_placement(lay.param),
+                     row_placement(lay.update), interval, row_placement(lay.grad))
+    return PipelinePlan(plan, module, rows, train)

@@ -1,0 +1,183 @@
+"""The plan builder: the one place that turns a config into the decisions the maths runs on.
+
+`make_plan` reads the DeepSpeed config (and the mesh and the model's shapes) once and returns a
+`Plan` - per-leaf layouts, the update rule, the step rule, dtypes, memory kinds - as plain data.
+Everything below it (the step, state, kernels, pipeline executor, checkpoints) reads the plan
+and never the config; every config check that needs the mesh runs here, before any compile.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+
+from zerojax.config import Config, as_config, check_supported, fingerprint
+from zerojax.core.collectives import Shard, Wire
+from zerojax.core.gather_at_use import Prefetch
+from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
+                                 leaf_layout)
+from zerojax.core.mesh import DATA_INNER, STAGE, data_size
+from zerojax.core.sharded_init import abstract_params
+from zerojax.errors import ConfigError
+from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
+from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
+from zerojax.planner.settings import memory_plan, policy, remat_policy, scaler_config
+
+__all__ = ["make_plan", "plan", "step_rule"]
+
+
+def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None,
+              layer_axes: Any = None, optimizer: ClientOptimizer | None = None,
+              lr_scheduler: ScheduleFn | None = None) -> Plan:
+    """Derive the layout of every piece of model state for the config's ZeRO stage.
+
+    `params` may be real arrays, `jax.ShapeDtypeStruct`s or an unbuilt `init_params(...)`; only
+    shapes are read. Every config
+    check that needs the mesh (batch triad, features not built yet) runs here, before any compile.
+    `lead` names a mesh axis that every leaf's dimension 0 is split over on top of the ZeRO layout
+    (the pipeline's `[stage, width]` parameter rows; ZeRO then shards a later dimension).
+    `layer_axes`: how many leading axes of each leaf stack layers (an int, or a pytree prefix of
+    ints such as `{"layers": 1}`; `zerojax.find_layer_axes(loss_fn, params, batch)` reads it off
+    the loss), so `stage3_param_persistence_threshold` compares with one layer's slice.
+    `optimizer` / `lr_scheduler` are DeepSpeed's client optimizer and scheduler (see
+    `zerojax.optim.transforms.update_rule`); the config's optimizer section is used without them.
+    `config` is a Config, a dict or a config file path.
+    `mesh` may be a `jax.sharding.AbstractMesh` (sizes and axis names, no devices): the plan then
+    serves byte counting only (`Plan.report()`, `zerojax.tools.estimate`) for a cluster that need not
+    exist here - the XLA update is assumed and offload memory kinds are not checked against a backend.
+    """
+    config = as_config(config)
+    check_supported(config)
+    origin = fingerprint(config)
+    params = abstract_params(params)
+    tx, schedule, opt = update_rule(config, optimizer, lr_scheduler)
+    config = dataclasses.replace(config, optimizer=opt)  # "client" for an optimizer from code
+    if STAGE in mesh.shape and mesh.shape[STAGE] > 1 and lead != STAGE:
+        raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
+                          f"zerojax.initialize(config, model=zerojax.PipelineModule(...)); for a model "
+                          f"given as params= and loss_fn= set mesh.stage=1")
+    abstract_mesh = isinstance(mesh, AbstractMesh)
+    kernels = "xla" if abstract_mesh else resolve_kernels(config.kernels, platform_of(mesh), config.optimizer.type)
+    groups = param_groups(config.optimizer)
+    if groups is not None:
+        if lead is not None:
+            raise ConfigError("optimizer.no_decay / optimizer.param_groups: a pipeline's parameters are "
+                              "flat stage rows without names; remove them, or train with mesh.stage: 1")
+        groups.check(params)
+        if kernels != XLA:  # the fused Adam kernel takes one weight decay and one lr for all parameters
+            if config.kernels == "pallas":
+                raise ConfigError("kernels: 'pallas' fuses one weight decay and lr for every parameter; "
+                                  "with optimizer.no_decay or param_groups use kernels: auto or xla")
+            kernels = XLA
+    n = data_size(mesh)
+    batch = config.batch(n)
+    stage = config.zero_optimization.stage
+    partitions = STAGE_PARTITIONS[stage]
+    threshold = config.zero_optimization.stage3_param_persistence_threshold
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ValueError("plan: the parameter tree has no arrays")
+    for x in leaves:
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"plan: parameter leaves must be arrays, got {type(x).__name__}")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
+    axes = _layer_axes_per_leaf(layer_axes, abstract)
+    if lead is not None:
+        for x in jax.tree.leaves(abstract):
+            if not x.shape or x.shape[0] != mesh.shape[lead]:
+                raise ValueError(f"plan: with lead={lead!r} every leaf's dimension 0 must be the "
+                                 f"{lead} axis size {mesh.shape[lead]}, got shape {x.shape}")
+    split = () if lead is None else ((0, lead),)
+    layouts = jax.tree.map(lambda x, k: leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k,
+                                                    split=split), abstract, axes)
+    zero = config.zero_optimization
+    if zero.zero_hpz_partition_size > 1:
+        _check_hpz(config, mesh, lead)
+        layouts = jax.tree.map(hpz_layout, layouts, is_leaf=is_layout)
+    _check_quantized(config)
+    layouts = jax.tree.map(lambda lay: _with_wire(lay, zero.zero_quantized_weights, zero.zero_quantized_gradients),
+                           layouts, is_leaf=is_layout)
+    rule = UpdateRule(tx, schedule, scaler_config(config), kernels, clip=config.gradient_clipping,
+                      adam=adam_settings(config.optimizer), strict=config.kernels == "pallas")
+    return Plan(mesh=mesh, stage=stage, batch=batch, policy=policy(config), rule=rule, abstract_params=abstract,
+                layouts=layouts, memory=memory_plan(config, mesh, kernels), step=step_rule(config),
+                seed=config.run.seed, hpz=zero.zero_hpz_partition_size, origin=origin)
+
+
+plan = make_plan  # the public name, `zerojax.plan`
+
+
+def step_rule(config: Config) -> StepRule:
+    """DeepSpeed's settings for the forward and backward pass.
+
+    Prefetch: `overlap_comm` turns it on (the default at stage 3); `stage3_prefetch_bucket_size` and
+    `stage3_max_live_parameters` bound what is gathered ahead. Averaging: stage 0 (engine.allreduce_bucket)
+    and stages 1-2 with `reduce_scatter: false` (stage_1_and_2.gradient_reduction_w_predivide) divide by
+    `gradient_predivide_factor` before the sum and multiply by factor/dp after, unless
+    `prescale_gradients`; stages 1-3 with `reduce_scatter: true` (stage_1_and_2.average_tensor, stage3's
+    reduce path) divide by dp before the sum.
+    """
+    zero = config.zero_optimization
+    prefetch = None
+    if zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0:
+        prefetch = Prefetch(bucket=zero.stage3_prefetch_bucket_size, max_live=zero.stage3_max_live_parameters,
+                            offload_carries=config.activation_checkpointing.cpu_checkpointing)
+    predivide = (zero.stage >= 1 and zero.reduce_scatter) or config.prescale_gradients
+    return StepRule(remat=remat_policy(config.activation_checkpointing), prefetch=prefetch, predivide=predivide,
+                    predivide_factor=config.gradient_predivide_factor)
+
+
+def _with_wire(lay: LeafLayout, quantize_weights: bool, quantize_gradients: bool) -> LeafLayout:
+    """How a sharded parameter is gathered: over the axis its placement names, quantized as
+    ZeRO++'s qwZ / qgZ keys say."""
+    axis = lay.param.axis if isinstance(lay.param, Shard) else None
+    return dataclasses.replace(lay, wire=Wire(axis, quantize_weights, quantize_gradients))
+
+
+
+
+
+def _check_hpz(config: Config, mesh: Mesh | AbstractMesh, lead: str | None) -> None:
+    """hpZ needs stage 3 and a hierarchical data axis whose inner size is the partition size."""
+    zero = config.zero_optimization
+    hpz = zero.zero_hpz_partition_size
+    key = f"zero_optimization.zero_hpz_partition_size: {hpz}"
+    if zero.stage != 3:
+        raise ConfigError(f"{key} needs stage 3 (hpZ keeps a secondary copy of partitioned parameters; stage "
+                          f"{zero.stage} does not partition them); set zero_optimization.stage: 3 or the size to 1")
+    if lead is not None:
+        raise ConfigError(f"{key}: hpZ does not combine with pipeline stages; set it to 1")
+    if zero.offload_param.device != "none":
+        raise ConfigError(f"{key}: hpZ does not combine with offload_param (the secondary copy would live on "
+                          f"the host); remove offload_param or set the size to 1")
+    if DATA_INNER not in mesh.shape:
+        raise ConfigError(f"{key} needs a hierarchical data axis: leave mesh.data_outer/mesh.data_inner unset "
+                          f"(zerojax.make_mesh then builds data_inner = {hpz}) or set mesh.data_inner: {hpz}")
+    if mesh.shape[DATA_INNER] != hpz:
+        raise ConfigError(f"{key}, but the mesh's data_inner axis has {mesh.shape[DATA_INNER]} devices; they must "
+                          f"be equal (the secondary partition is one inner group): set mesh.data_inner: {hpz}")
+
+
+
+def _check_quantized(config: Config) -> None:
+    zero = config.zero_optimization
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zero, key) and zero.stage != 3:
+            raise ConfigError(f"zero_optimization.{key}: ZeRO++ quantizes stage 3's parameter gathers and their "
+                              f"gradient reduce-scatters; stage {zero.stage} has none; set stage: 3 or remove it")
+
+
+
+def _layer_axes_per_leaf(layer_axes: Any, abstract: Any) -> Any:
+    """An int per leaf (-1: not known) from None, an int, or a pytree prefix of ints."""
+    if layer_axes is None:
+        layer_axes = -1
+    try:
+        return jax.tree.map(lambda k, sub: jax.tree.map(lambda x: int(k), sub), layer_axes, abstract)
+    except (ValueError, TypeError) as e:
+        reason = str(e).splitlines()[0].rstrip(":")  # JAX's first line; the rest repeats the trees
+        top = list(abstract) if isinstance(abstract, dict) else type(abstract).__name__
+        raise ValueError(f"plan: layer_axes={layer_axes!r} must be an int or a prefix of the parameter tree "
+                         f"(its top level: {top}; e.g. {{'layers': 1}}): {reason}") from None
