@@ -264,8 +264,8 @@ def read_checkpoint(path: str | os.PathLike) -> DeepSpeedCheckpoint:
     if not os.path.exists(model_file):
         model_file = stage3_model
     if not os.path.exists(model_file):
-        raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_00_model_states.pt nor "
-                                       "zero_pp_rank_0_mp_rank_00_model_states.pt; it is not a DeepSpeed checkpoint tag")
+        raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_00_model_states.pt nor zero_pp_rank_0_"
+                                       "mp_rank_00_model_states.pt; it is not a DeepSpeed checkpoint tag")
     model = _load(model_file)
     if not isinstance(model, dict) or "module" not in model:
         raise DeepSpeedCheckpointError(f"{model_file} is not a DeepSpeed model-states file (no 'module' key)")
@@ -282,13 +282,14 @@ def read_checkpoint(path: str | os.PathLike) -> DeepSpeedCheckpoint:
 
     prefix = next((p for p in prefixes if os.path.exists(os.path.join(tag_dir, optim_name(p, 0)))), None)
     if prefix is None:
-        raise DeepSpeedCheckpointError(f"{optim_name('', 0)} is missing in {tag_dir} (nor is there a bf16_ one): "
-                                       "the ZeRO optimizer shards were not saved, so the fp32 weights cannot be rebuilt")
+        raise DeepSpeedCheckpointError(f"{optim_name('', 0)} is missing in {tag_dir} (nor is there a bf16_ one): the "
+                                       "ZeRO optimizer shards were not saved, so the fp32 weights cannot be rebuilt")
     first_file = os.path.join(tag_dir, optim_name(prefix, 0))
     first = _load(first_file)
     opt0 = first.get("optimizer_state_dict") if isinstance(first, dict) else None
     if not isinstance(opt0, dict) or "zero_stage" not in opt0:
-        raise DeepSpeedCheckpointError(f"{first_file} is not a ZeRO optimizer file (no optimizer_state_dict.zero_stage)")
+        raise DeepSpeedCheckpointError(f"{first_file} is not a ZeRO optimizer file "
+                                       "(no optimizer_state_dict.zero_stage)")
     stage = int(opt0["zero_stage"])
     count = opt0.get("partition_count")
     dp = max(int(c) for c in count) if isinstance(count, (list, tuple)) else int(count)

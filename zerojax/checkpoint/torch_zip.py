@@ -255,6 +255,7 @@ class _Archive:
 
     def __init__(self, path: str, mmap: bool) -> None:
         self.path, self.mmap = path, mmap
+        self.size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(4)
         if head != b"PK\x03\x04":
@@ -279,12 +280,26 @@ class _Archive:
         self.big_endian = byteorder == b"big"
         self.storages: dict[str, _Storage] = {}
 
+    def _checked(self, full: str) -> zipfile.ZipInfo:
+        """The entry, after checking its declared size is one this file can hold, so a few forged
+        header bytes cannot make the reader allocate gigabytes (torch writes every entry stored)."""
+        info = self.zip.getinfo(full)
+        if info.compress_type == zipfile.ZIP_STORED:
+            fits = info.compress_size == info.file_size and info.header_offset + info.file_size <= self.size
+        else:
+            fits = info.file_size <= 1024 * max(info.compress_size, 1) + (1 << 20)
+        if not fits:
+            raise TorchFileError(f"{self.path}: entry {full!r} declares {info.file_size} bytes, more than the "
+                                 "archive can hold; the file is corrupt")
+        return info
+
     def record(self, name: str, required: bool = True) -> bytes | None:
         full = self.prefix + name
         if full not in self.names:
             if required:
                 raise TorchFileError(f"{self.path} has no {full!r} entry; it is not a complete torch.save file")
             return None
+        self._checked(full)
         return self.zip.read(full)
 
     def storage(self, key: str, dtype: np.dtype, numel: int) -> _Storage:
@@ -293,7 +308,7 @@ class _Archive:
         full = f"{self.prefix}data/{key}"
         if full not in self.names:
             raise TorchFileError(f"{self.path}: the pickle refers to storage {key!r} but there is no {full!r} entry")
-        info = self.zip.getinfo(full)
+        info = self._checked(full)
         nbytes = numel * dtype.itemsize
         if info.file_size != nbytes:
             raise TorchFileError(f"{self.path}: storage {full!r} holds {info.file_size} bytes, but the pickle "
@@ -335,6 +350,9 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+_MAX_BROADCAST = 1 << 24  # elements an expanded (stride-0) tensor may materialize beyond its storage
+
+
 def _tensor(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype | None = None) -> np.ndarray:
     """A tensor as a numpy array, after checking every element it addresses lies inside its storage."""
     if not isinstance(storage, _Storage):
@@ -349,8 +367,12 @@ def _tensor(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype |
         raise pickle.UnpicklingError(f"tensor size {size!r} and stride {stride!r} must be tuples of one length")
     size = tuple(_int(d, "tensor size") for d in size)
     stride = tuple(_int(s, "tensor stride") for s in stride)
-    if 0 in size:
+    numel = math.prod(size)
+    if numel == 0:
         return np.zeros(size, flat.dtype)
+    if numel > flat.size and numel > _MAX_BROADCAST:  # stride-0 (expanded) views are materialized
+        raise pickle.UnpicklingError(f"tensor of size {size} would expand storage {storage.key!r} of {flat.size} "
+                                     f"elements to {numel}")
     last = offset + sum((d - 1) * s for d, s in zip(size, stride))
     if last >= flat.size:
         raise pickle.UnpicklingError(f"tensor of size {size} stride {stride} at offset {offset} reaches element "
