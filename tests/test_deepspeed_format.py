@@ -351,6 +351,10 @@ def test_malicious_pickle_is_refused_without_running(tmp_path, payload, refused)
         tz.load(tmp_path / "evil.pt")
     assert "evil.pt" in str(err.value) and not marker.exists()
 
+    # opaque mode keeps it as an inert record of the call it would have made; still nothing runs
+    kept = tz.load(tmp_path / "evil.pt", opaque=True)["x"]
+    assert isinstance(kept, tz.PickledObject) and kept.name in ("system", "eval") and not marker.exists()
+
     # the same payload planted in a DeepSpeed checkpoint's rank file
     _write(tmp_path / "run", _params(), 2, 2)
     rank1 = tmp_path / "run" / "global_step12" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -358,6 +362,21 @@ def test_malicious_pickle_is_refused_without_running(tmp_path, payload, refused)
     with pytest.raises(ds.DeepSpeedCheckpointError, match=refused) as err:
         ds.read_checkpoint(tmp_path / "run")
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in str(err.value) and not marker.exists()
+
+
+def test_opaque_client_state(tmp_path):
+    """Megatron-DeepSpeed keeps numpy's RNG state in the client state: refused by default, inert with opaque."""
+    _write(tmp_path, _params(), 1, 1)
+    model_path = tmp_path / "global_step12" / "mp_rank_00_model_states.pt"
+    model = tz.load(model_path)
+    model["np_rng_state"] = tz.PickledObject.make("numpy.core.multiarray", "_reconstruct",
+                                                  args=(tz.PickledObject.make("numpy", "ndarray"), (0,), b"b"))
+    tz.save(model, model_path)
+    with pytest.raises(ds.DeepSpeedCheckpointError, match="mp_rank_00_model_states.pt: refused .*numpy.core.multiarray._reconstruct.*opaque=True"):
+        ds.read_checkpoint(tmp_path)
+    ck = ds.read_checkpoint(tmp_path, opaque=True)
+    assert ck.client_state["np_rng_state"].qualname == "numpy.core.multiarray._reconstruct"
+    np.testing.assert_array_equal(ck.params["block.bias"], _params()["block.bias"])
 
 
 def test_other_unlisted_globals_are_refused(tmp_path):

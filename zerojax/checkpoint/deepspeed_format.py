@@ -114,9 +114,9 @@ class DeepSpeedCheckpoint:
 
 # --------------------------------------------------------------------------- reading
 
-def _load(path: str) -> Any:
+def _load(path: str, opaque: bool = False) -> Any:
     try:
-        return torch_zip.load(path)
+        return torch_zip.load(path, opaque=opaque)
     except TorchFileError as e:
         raise DeepSpeedCheckpointError(str(e)) from None
 
@@ -247,12 +247,14 @@ def _bf16_enabled(ds_config: Any) -> bool:
     return isinstance(section, dict) and bool(section.get("enabled"))
 
 
-def read_checkpoint(path: str | os.PathLike) -> DeepSpeedCheckpoint:
+def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpeedCheckpoint:
     """Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint: the run folder (follows `latest`) or a tag folder.
 
     Raises `DeepSpeedCheckpointError` naming the file for a missing `latest` target or rank file,
     a truncated archive, shapes that do not add up, or a pickled global outside the allowlist.
     Tensor-parallel (mp_rank_01...) and stage-0 checkpoints are refused with a message saying so.
+    `opaque=True` reads model-states files whose client state holds other objects (Megatron-DeepSpeed's
+    numpy RNG state) as inert `PickledObject` records instead of refusing them; nothing runs either way.
     """
     tag, tag_dir = _resolve(os.fspath(path))
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
@@ -266,7 +268,7 @@ def read_checkpoint(path: str | os.PathLike) -> DeepSpeedCheckpoint:
     if not os.path.exists(model_file):
         raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_00_model_states.pt nor zero_pp_rank_0_"
                                        "mp_rank_00_model_states.pt; it is not a DeepSpeed checkpoint tag")
-    model = _load(model_file)
+    model = _load(model_file, opaque)
     if not isinstance(model, dict) or "module" not in model:
         raise DeepSpeedCheckpointError(f"{model_file} is not a DeepSpeed model-states file (no 'module' key)")
     shapes = model.get("param_shapes")
@@ -386,7 +388,7 @@ def read_checkpoint(path: str | os.PathLike) -> DeepSpeedCheckpoint:
             fragments = model.get("frozen_param_fragments") or {}
             frozen = {n: np.asarray(fragments[n]) for n in frozen_shapes if n in fragments}
         else:  # each rank saved its own slice; zero_to_fp32.py `_zero3_merge_frozen_params`
-            rank_models = [model] + [_load(f) for f in model_files[1:]]
+            rank_models = [model] + [_load(f, opaque) for f in model_files[1:]]
             for name, shape in frozen_shapes.items():
                 pieces = [np.asarray(m["frozen_param_fragments"][name]).reshape(-1) for m in rank_models]
                 frozen[name] = np.concatenate(pieces)[:_numel(shape)].reshape(tuple(shape))

@@ -320,8 +320,8 @@ class _Archive:
             buffer = bytearray(nbytes)
             with self.zip.open(info) as f:
                 view, done = memoryview(buffer), 0
-                while done < nbytes:
-                    n = f.readinto(view[done:])
+                while done < nbytes:  # in slices, so the transient copy stays small
+                    n = f.readinto(view[done:done + (16 << 20)])
                     if not n:
                         raise TorchFileError(f"{self.path}: storage {full!r} ends early; the file is truncated")
                     done += n
@@ -377,18 +377,21 @@ def _tensor(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype |
     if last >= flat.size:
         raise pickle.UnpicklingError(f"tensor of size {size} stride {stride} at offset {offset} reaches element "
                                      f"{last} of storage {storage.key!r}, which has {flat.size}")
+    contiguous = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
+    if offset == 0 and numel == flat.size and all(s == c for d, s, c in zip(size, stride, contiguous) if d > 1):
+        return flat.reshape(size)  # the common case, a tensor that is its whole storage: no copy
     itemsize = flat.dtype.itemsize
     view = np.lib.stride_tricks.as_strided(flat[offset:], shape=size, strides=tuple(s * itemsize for s in stride),
                                            writeable=False)
-    return np.array(view)  # a contiguous, writable copy: no aliasing between tensors that shared a storage
+    return np.array(view)  # a view into part of a storage: copied, contiguous and writable
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
     """Resolves globals only from the allowlist; storages come from the archive."""
 
-    def __init__(self, data: bytes, archive: _Archive) -> None:
+    def __init__(self, data: bytes, archive: _Archive, opaque: bool) -> None:
         super().__init__(io.BytesIO(data), encoding="utf-8")
-        self._archive = archive
+        self._archive, self._opaque = archive, opaque
         self._globals = self._allowed()
 
     def _allowed(self) -> dict[str, Any]:
@@ -456,7 +459,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
         module = _PY2_MODULES.get(module, module)
         qualname = f"{module}.{name}"
         if qualname not in self._globals:
-            raise _Refused(qualname)
+            if not self._opaque:
+                raise _Refused(qualname)
+            # An inert stand-in: calling or building it only records the arguments and state.
+            self._globals[qualname] = type(name, (PickledObject,), {"module": module, "name": name})
         return self._globals[qualname]
 
     def persistent_load(self, pid: Any) -> _Storage:
@@ -470,12 +476,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self._archive.storage(key, storage_type.dtype, _int(numel, "storage size"))
 
 
-def load(path: str | os.PathLike, *, mmap: bool = False) -> Any:
+def load(path: str | os.PathLike, *, mmap: bool = False, opaque: bool = False) -> Any:
     """The object `torch.save` stored in `path`, with tensors as numpy arrays.
 
     Only `ALLOWED_GLOBALS` are resolved; any other global raises `TorchFileError` naming the file
-    and the global, before anything of it is imported or called. `mmap=True` maps uncompressed
-    storages copy-on-write instead of reading them (large shards; no CRC check then).
+    and the global, before anything of it is imported or called. `opaque=True` instead keeps such
+    objects as inert `PickledObject` records of their arguments and state (for files whose extra
+    state holds other objects, e.g. Megatron's numpy RNG state); nothing is imported or run either
+    way. `mmap=True` maps uncompressed storages copy-on-write instead of reading them (large
+    shards; no CRC check then).
     """
     path = os.fspath(path)
     archive = _Archive(path, mmap)
@@ -484,14 +493,15 @@ def load(path: str | os.PathLike, *, mmap: bool = False) -> Any:
             data = archive.record("data.pkl")
             if not data.startswith(b"\x80\x02"):
                 raise pickle.UnpicklingError("data.pkl is not a protocol-2 pickle")
-            return _RestrictedUnpickler(data, archive).load()
+            return _RestrictedUnpickler(data, archive, opaque).load()
     except TorchFileError:
         raise
     except _Refused as e:
         raise TorchFileError(
             f"{path}: refused to unpickle global '{e.qualname}'. Only tensors, containers and the records "
             "DeepSpeed checkpoints hold are read; loading this global would import or run code from the file. "
-            "If you trust the file, load it with torch and re-save plain tensors.") from None
+            "Pass opaque=True to keep such objects as inert records instead, or, if you trust the file, load it "
+            "with torch and re-save plain tensors.") from None
     except (pickle.UnpicklingError, zipfile.BadZipFile, zlib.error, EOFError, struct.error, OSError,
             TypeError, ValueError, AttributeError, IndexError, KeyError, RecursionError, MemoryError) as e:
         raise TorchFileError(f"{path} is corrupt or not a torch checkpoint ({type(e).__name__}: {e})") from None
