@@ -143,6 +143,18 @@ def test_param_groups_buffers_bf16(tmp_path, stage):
         assert ck.module["a.w"].dtype == ml_dtypes.bfloat16
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_without_optimizer_moments(tmp_path, stage):
+    """Saved before the first optimizer step: no exp_avg/exp_avg_sq, step from the param group."""
+    params = _params()
+    ds.write_checkpoint(tmp_path, "global_step0", params, stage=stage, dp=3, step=0, global_steps=0, global_samples=0,
+                        skipped_steps=0, lr=1e-3, lr_scheduler=None, ds_config={"gradient_clipping": 1.0})
+    ck = ds.read_checkpoint(tmp_path)
+    assert ck.exp_avg is None and ck.exp_avg_sq is None and ck.step == 0 and ck.lr_scheduler is None
+    assert ck.ds_config == {"gradient_clipping": 1.0} and ck.client_state == {}
+    np.testing.assert_array_equal(ck.params["embed.weight"], params["embed.weight"])
+
+
 def test_stage12_layout_matches_deepspeed(tmp_path):
     """The bytes DeepSpeed's stage_1_and_2.py would hold, checked without our reader's reassembly."""
     params = _params()
