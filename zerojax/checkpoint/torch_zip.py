@@ -8,7 +8,7 @@ A `.pt` file written by torch >= 1.6 is a zip archive whose entries share one to
                                      requires_grad, backward_hooks[, metadata])` whose storage is a
                                      persistent id ('storage', torch.<Type>Storage, key, location, numel)
     <archive>/data/<key>             the raw bytes of one storage, little-endian, 64-byte aligned
-    <archive>/byteorder              "little" (absent in files older than torch 2.1: little then)
+    <archive>/byteorder              "little" (older files lack it; torch then reads little-endian)
     <archive>/version                "3\\n"
 
 (torch/serialization.py `_save`/`_load`, caffe2/serialize/inline_container.cc.)
@@ -18,8 +18,10 @@ the globals in `ALLOWED_GLOBALS` - the tensor rebuild functions, `collections.Or
 `torch.Size`, torch dtypes and the few DeepSpeed classes its checkpoints pickle (loss scalers,
 `ZeroStageEnum`, `fragment_address`), which become inert records (`PickledObject`, `PickledEnum`).
 Anything else - `os.system`, `builtins.eval`, a user class - is refused before it is looked up, with
-a `TorchFileError` naming the file and the global. Storages become numpy arrays: fp32/fp64/fp16,
-bf16 and fp8 (via ml_dtypes), signed/unsigned ints, bool and complex.
+a `TorchFileError` naming the file and the global (or, with `opaque=True`, kept as an inert record
+that is never imported or called). Storages become numpy arrays: fp32/fp64/fp16, bf16 and fp8 (via
+ml_dtypes), signed/unsigned ints, bool and complex; a tensor's offset and strides are checked
+against its storage before any element is read.
 
 Writing produces the same layout torch does (same entry order, alignment, protocol, persistent ids
 and reduce calls), so `torch.load` reads it, and the records read here are written back unchanged -
@@ -270,13 +272,18 @@ class _Archive:
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error) as e:
             raise TorchFileError(f"{path} is truncated or corrupt ({e}); the write that produced it did not "
                                  "finish - use an earlier checkpoint or save it again") from None
-        if not names or "/" not in names[0]:
-            raise TorchFileError(f"{path} is a zip archive but not torch.save's: its entries are not in one folder")
-        self.prefix = names[0].split("/", 1)[0] + "/"
-        self.names = set(names)
-        byteorder = self.record("byteorder", required=False)
-        if byteorder not in (None, b"little", b"big"):
-            raise TorchFileError(f"{path}: unknown byteorder record {byteorder!r}")
+        try:
+            if not names or "/" not in names[0]:
+                raise TorchFileError(f"{path} is a zip archive but not torch.save's: its entries are not in one "
+                                     "folder")
+            self.prefix = names[0].split("/", 1)[0] + "/"  # torch takes the first entry's folder
+            self.names = set(names)
+            byteorder = self.record("byteorder", required=False)
+            if byteorder not in (None, b"little", b"big"):
+                raise TorchFileError(f"{path}: unknown byteorder record {byteorder!r}")
+        except BaseException:
+            self.zip.close()
+            raise
         self.big_endian = byteorder == b"big"
         self.storages: dict[str, _Storage] = {}
 
@@ -487,14 +494,14 @@ def load(path: str | os.PathLike, *, mmap: bool = False, opaque: bool = False) -
     shards; no CRC check then).
     """
     path = os.fspath(path)
-    archive = _Archive(path, mmap)
     try:
+        archive = _Archive(path, mmap)
         with archive.zip:
             data = archive.record("data.pkl")
-            if not data.startswith(b"\x80\x02"):
-                raise pickle.UnpicklingError("data.pkl is not a protocol-2 pickle")
+            if len(data) < 2 or data[0] != 0x80 or not 2 <= data[1] <= 5:  # torch.save's pickle_protocol
+                raise pickle.UnpicklingError("data.pkl is not a pickle of protocol 2 to 5")
             return _RestrictedUnpickler(data, archive, opaque).load()
-    except TorchFileError:
+    except (TorchFileError, FileNotFoundError):
         raise
     except _Refused as e:
         raise TorchFileError(
