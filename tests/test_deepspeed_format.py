@@ -470,6 +470,10 @@ def test_shapes_that_do_not_add_up(tmp_path):
     tz.save(model, model_path)
     with pytest.raises(ds.DeepSpeedCheckpointError, match="mp_rank_00_model_states.pt.*do not belong"):
         ds.read_checkpoint(tmp_path)
+    model["param_shapes"] = [7]  # not DeepSpeed's structure at all
+    tz.save(model, model_path)
+    with pytest.raises(ds.DeepSpeedCheckpointError, match="global_step12: unexpected checkpoint contents"):
+        ds.read_checkpoint(tmp_path)
 
 
 def test_writer_rejects_what_it_cannot_represent(tmp_path):

@@ -257,6 +257,17 @@ def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpe
     numpy RNG state) as inert `PickledObject` records instead of refusing them; nothing runs either way.
     """
     tag, tag_dir = _resolve(os.fspath(path))
+    try:
+        return _read(tag, tag_dir, opaque)
+    except DeepSpeedCheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        raise DeepSpeedCheckpointError(
+            f"{tag_dir}: unexpected checkpoint contents ({type(e).__name__}: {e}); these files were not written "
+            "by a DeepSpeed ZeRO optimizer this reader knows") from e
+
+
+def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     stage3_model = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
     if any(os.path.exists(os.path.join(tag_dir, n)) for n in
@@ -294,7 +305,11 @@ def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpe
                                        "(no optimizer_state_dict.zero_stage)")
     stage = int(opt0["zero_stage"])
     count = opt0.get("partition_count")
-    dp = max(int(c) for c in count) if isinstance(count, (list, tuple)) else int(count)
+    counts = {int(c) for c in count} if isinstance(count, (list, tuple)) else {int(count)}
+    if len(counts) != 1:
+        raise DeepSpeedCheckpointError(f"{first_file}: param groups are partitioned over different rank counts "
+                                       f"({sorted(counts)}): expert-parallel (MoE) checkpoints are not supported")
+    dp = counts.pop()
     if stage not in (1, 2, 3):
         raise DeepSpeedCheckpointError(f"{first_file}: unsupported zero_stage {stage}")
 
