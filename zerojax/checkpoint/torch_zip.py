@@ -98,7 +98,8 @@ _ENUM_CLASSES = frozenset({"deepspeed.runtime.zero.config.ZeroStageEnum"})
 
 ALLOWED_GLOBALS: frozenset[str] = frozenset(
     {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_tensor",
-     "torch._utils._rebuild_parameter", "collections.OrderedDict", "torch.Size",
+     "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state", "collections.OrderedDict",
+     "torch.Size",
      "builtins.set", "builtins.frozenset", "builtins.bytes", "builtins.bytearray", "_codecs.encode"}
     | {f"torch.{name}" for name in _STORAGE_DTYPES}
     | {f"torch.{name}" for name in _TORCH_DTYPES}
@@ -414,7 +415,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         def rebuild_v1(storage, offset, size, stride):
             return _tensor(storage, offset, size, stride)
 
-        def rebuild_parameter(data, requires_grad=False, hooks=None):
+        def rebuild_parameter(data, requires_grad=False, hooks=None, state=None):
             if not isinstance(data, np.ndarray):
                 raise pickle.UnpicklingError("_rebuild_parameter needs a tensor")
             return data
@@ -447,6 +448,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         table: dict[str, Any] = {
             "torch._utils._rebuild_tensor_v2": rebuild_v2, "torch._utils._rebuild_tensor_v3": rebuild_v3,
             "torch._utils._rebuild_tensor": rebuild_v1, "torch._utils._rebuild_parameter": rebuild_parameter,
+            "torch._utils._rebuild_parameter_with_state": rebuild_parameter,
             "collections.OrderedDict": ordered_dict, "torch.Size": size,
             "builtins.set": of_list(set), "builtins.frozenset": of_list(frozenset),
             "builtins.bytearray": of_list(bytearray), "builtins.bytes": empty_bytes, "_codecs.encode": encode,
