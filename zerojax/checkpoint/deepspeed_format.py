@@ -1,0 +1,642 @@
+"""DeepSpeed's ZeRO checkpoint folders, read into and written from plain numpy, without torch.
+
+What `DeepSpeedEngine.save_checkpoint` leaves (deepspeed/runtime/engine.py `save_checkpoint`,
+`_save_checkpoint`, `_save_zero_checkpoint`, `_get_ckpt_name`, `_get_rank_zero_ckpt_name`)::
+
+    run/
+      latest                                        the tag, e.g. "global_step14" (no newline)
+      global_step14/
+        mp_rank_00_model_states.pt                  stages 1-2: module weights + bookkeeping
+        zero_pp_rank_R_mp_rank_00_model_states.pt   stage 3 instead: one per data-parallel rank
+        [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   one per rank R; "bf16_" when bf16 is on
+
+The model-states dict (engine.py `_common_checkpoint_state`) holds `module`, `param_shapes` (one
+OrderedDict name -> torch.Size per optimizer group, in flattening order), counters, `lr_scheduler`,
+`ds_config`, `ds_version` and, at the top level, the caller's client state.
+
+Each optimizer file holds {"optimizer_state_dict": ..., "ds_config", "ds_version"}; the inner dict is
+the ZeRO optimizer's `state_dict()`:
+
+* stages 1-2 (deepspeed/runtime/zero/stage_1_and_2.py `state_dict`): the fp32 master weights of a
+  group are its parameters flattened in `param_shapes` order, zero-padded to a multiple of
+  2 * dp (`nccl_start_alignment_factor` * world size), and cut into dp equal partitions - a cut may
+  fall inside a tensor. `single_partition_of_fp32_groups` is this rank's partition with the padding
+  removed (`_get_groups_without_padding`); `base_optimizer_state` is the wrapped optimizer's own
+  `state_dict()` over the still-padded partitions (or, with `elastic_checkpoint`, a list of lean
+  per-group states plus `base_optimizer_state_step`).
+* stage 3 (deepspeed/runtime/zero/stage3.py `_rigid_state_dict`): every parameter is split on its
+  own into ceil(numel / dp)-element slices (the last padded with zeros,
+  partition_parameters.py `_partition_param`); `fp32_flat_groups` holds, per sub-group, the
+  concatenation of this rank's slices; the wrapped optimizer's state is under
+  `optimizer_state_dict`.
+
+`deepspeed/utils/zero_to_fp32.py` is the reference reader these rules were taken from (its
+`zero3_partitioned_param_info` and the 2 * world_size alignment check). Every `.pt` is read through
+`torch_zip`'s restricted unpickler, so a checkpoint cannot run code when it is read.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from . import torch_zip
+from .torch_zip import LazyArray, PickledEnum, PickledObject, TorchDtype, TorchFileError, TorchSize
+
+__all__ = ["DS_VERSION", "DeepSpeedCheckpoint", "DeepSpeedCheckpointError", "read_checkpoint", "write_checkpoint",
+           "write_fp32_state_dict"]
+
+DS_VERSION = "0.19.6"
+"""The DeepSpeed release whose layout this module reads and writes (written as `ds_version`)."""
+
+
+class DeepSpeedCheckpointError(ValueError):
+    """A DeepSpeed checkpoint that cannot be read: the message names the file and what to do."""
+
+
+# Keys DeepSpeed itself writes into the model-states file (engine.py `_common_checkpoint_state`,
+# `_save_checkpoint`, `_save_moe_checkpoint`); every other top-level key is the caller's client state.
+_DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers", "autoep_layers", "folding",
+})
+
+_ZERO_STAGE_ENUM = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
+_LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """One tag of a DeepSpeed ZeRO checkpoint, reassembled: full-shape fp32 arrays by parameter name."""
+    path: str                                  # the tag folder read
+    tag: str
+    zero_stage: int
+    dp_world_size: int                         # ranks that wrote the optimizer shards
+    params: dict[str, np.ndarray]              # fp32 master weights, full shapes, `param_shapes` order
+    exp_avg: dict[str, np.ndarray] | None      # Adam first moments, same names/shapes; None if not saved
+    exp_avg_sq: dict[str, np.ndarray] | None
+    step: int | None                           # the optimizer's step count
+    lr: float | None                           # first param group's learning rate
+    param_groups: list[dict[str, Any]]         # optimizer hyperparameters per group (lr, betas, eps, ...)
+    group_names: list[list[str]]               # parameter names per optimizer group
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    lr_scheduler: dict[str, Any] | None        # e.g. {"last_batch_iteration": 13}
+    loss_scale: dict[str, Any] | None          # the loss scaler's fields, plus "type"
+    ds_config: Any
+    ds_version: str | None
+    client_state: dict[str, Any]
+    module: dict[str, np.ndarray]              # model-states weights (stage 3: empty placeholders)
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    frozen_params: dict[str, np.ndarray] = field(default_factory=dict)
+    shared_params: dict[str, str] = field(default_factory=dict)  # alias name -> name holding the data
+
+    def fp32_state_dict(self) -> OrderedDict[str, np.ndarray]:
+        """What `zero_to_fp32.py` produces: buffers (cast to fp32, as it does), frozen then trainable
+        parameters, and shared parameters under every name."""
+        out: OrderedDict[str, np.ndarray] = OrderedDict((k, v.astype(np.float32)) for k, v in self.buffers.items())
+        out.update(self.frozen_params)
+        out.update(self.params)
+        for alias, source in self.shared_params.items():
+            if source in out:
+                out[alias] = out[source]
+        return out
+
+
+# --------------------------------------------------------------------------- reading
+
+def _load(path: str, opaque: bool = False) -> Any:
+    try:
+        return torch_zip.load(path, opaque=opaque)
+    except TorchFileError as e:
+        raise DeepSpeedCheckpointError(str(e)) from None
+
+
+def _has_model_states(folder: str) -> bool:
+    try:
+        return any(n.endswith("_model_states.pt") for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def _resolve(path: str) -> tuple[str, str]:
+    """(tag, tag folder) from a run folder with `latest` or a tag folder itself."""
+    if not os.path.isdir(path):
+        raise DeepSpeedCheckpointError(f"{path} is not a folder: pass the folder save_checkpoint wrote (the one "
+                                       "holding `latest`) or one of its global_stepN folders")
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+        tag_dir = os.path.join(path, tag)
+        if not tag or not os.path.isdir(tag_dir):
+            raise DeepSpeedCheckpointError(
+                f"{latest} names tag {tag!r}, but {tag_dir} does not exist: the save was interrupted or the folder "
+                "was moved. Pass an existing tag folder (e.g. run/global_stepN) instead.")
+        return tag, tag_dir
+    if _has_model_states(path):
+        return os.path.basename(os.path.normpath(path)), path
+    tags = sorted(d for d in os.listdir(path) if _has_model_states(os.path.join(path, d)))
+    hint = (f"it holds tag folders {tags}: pass one of them" if tags
+            else "pass the folder DeepSpeed's save_checkpoint wrote")
+    raise DeepSpeedCheckpointError(f"{path} has no `latest` file and no *_model_states.pt: {hint}")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def _as_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray):  # torch.optim keeps `step` as a 0-d float tensor
+        return int(value.reshape(-1)[0]) if value.size == 1 else None
+    return int(value)
+
+
+def _split(flat: np.ndarray, shapes: Mapping[str, Sequence[int]], where: str) -> tuple[dict[str, np.ndarray], int]:
+    """Cut a flat vector into named tensors in order (stages 1-2 reassembly)."""
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        n = _numel(shape)
+        if offset + n > flat.size:
+            raise DeepSpeedCheckpointError(
+                f"{where}: param_shapes need more than the {flat.size} elements the ranks' partitions hold "
+                f"(ran out at {name!r}); the optimizer files do not belong to this model-states file")
+        out[name] = flat[offset:offset + n].reshape(tuple(int(d) for d in shape))
+        offset += n
+    return out, offset
+
+
+def _loss_scale(record: Any) -> dict[str, Any] | None:
+    if not isinstance(record, PickledObject):
+        return None
+    state = record.state if isinstance(record.state, dict) else {}
+    out = {"type": record.name}
+    out.update({k: (v.name if isinstance(v, TorchDtype) else v) for k, v in state.items()})
+    return out
+
+
+def _base_state(opt: dict, stage: int) -> tuple[list[dict], list[dict], Any]:
+    """Per-group optimizer state dicts, the param groups and any separately stored step."""
+    if stage <= 2:
+        base = opt.get("base_optimizer_state")
+        if isinstance(base, list):  # elastic_checkpoint: lean per-group states
+            return [dict(s) for s in base], [], opt.get("base_optimizer_state_step")
+    else:
+        base = opt.get("optimizer_state_dict")
+    if not isinstance(base, dict) or "state" not in base:
+        return [], [], None
+    groups = list(base.get("param_groups") or [])
+    order = [i for g in groups for i in g.get("params", [])]
+    if not order:
+        order = sorted(base["state"])
+    states = [dict(base["state"].get(i, {})) for i in order]
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    return states, hyper, None
+
+
+def _reassemble_stage12(rank_groups: list[list[np.ndarray]], shapes: list[Mapping], dp: int,
+                        where: str) -> dict[str, np.ndarray]:
+    params: dict[str, np.ndarray] = {}
+    for g, group_shapes in enumerate(shapes):
+        flat = np.concatenate([np.asarray(rank[g]).reshape(-1) for rank in rank_groups])
+        group, used = _split(flat, group_shapes, f"{where} group {g}")
+        align = 2 * dp  # zero_to_fp32.py `zero2_align`: padding up to 2 * world_size elements
+        if align * math.ceil(used / align) != align * math.ceil(flat.size / align):
+            raise DeepSpeedCheckpointError(
+                f"{where} group {g}: param_shapes account for {used} elements but the ranks' partitions hold "
+                f"{flat.size}; the optimizer files do not belong to this model-states file")
+        params.update(group)
+    return params
+
+
+def _reassemble_stage3(rank_flat: list[np.ndarray], shapes: list[tuple[str, Sequence[int]]], dp: int,
+                       where: str) -> dict[str, np.ndarray]:
+    params, offset = {}, 0
+    for name, shape in shapes:
+        n = _numel(shape)
+        part = math.ceil(n / dp)  # zero_to_fp32.py `zero3_partitioned_param_info`
+        if offset + part > rank_flat[0].size:
+            raise DeepSpeedCheckpointError(f"{where}: param_shapes need more elements than each rank's fp32 "
+                                           f"flat groups hold (ran out at {name!r}, {rank_flat[0].size} per rank)")
+        full = np.concatenate([flat[offset:offset + part] for flat in rank_flat])[:n]
+        params[name] = full.reshape(tuple(int(d) for d in shape))
+        offset += part
+    if offset != rank_flat[0].size:
+        raise DeepSpeedCheckpointError(f"{where}: param_shapes account for {offset} elements per rank but each "
+                                       f"rank's fp32 flat groups hold {rank_flat[0].size}; the optimizer files do "
+                                       "not belong to this model-states file")
+    return params
+
+
+def _bf16_enabled(ds_config: Any) -> bool:
+    """engine.py names the optimizer shards "bf16_zero_pp_rank_..." when bf16 is enabled."""
+    if not isinstance(ds_config, dict):
+        return False
+    section = ds_config.get("bf16") or ds_config.get("bfloat16")
+    return isinstance(section, dict) and bool(section.get("enabled"))
+
+
+def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpeedCheckpoint:
+    """Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint: the run folder (follows `latest`) or a tag folder.
+
+    Raises `DeepSpeedCheckpointError` naming the file for a missing `latest` target or rank file,
+    a truncated archive, shapes that do not add up, or a pickled global outside the allowlist.
+    Tensor-parallel (mp_rank_01...) and stage-0 checkpoints are refused with a message saying so.
+    `opaque=True` reads model-states files whose client state holds other objects (Megatron-DeepSpeed's
+    numpy RNG state) as inert `PickledObject` records instead of refusing them; nothing runs either way.
+    """
+    tag, tag_dir = _resolve(os.fspath(path))
+    try:
+        return _read(tag, tag_dir, opaque)
+    except DeepSpeedCheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        raise DeepSpeedCheckpointError(
+            f"{tag_dir}: unexpected checkpoint contents ({type(e).__name__}: {e}); these files were not written "
+            "by a DeepSpeed ZeRO optimizer this reader knows") from e
+
+
+def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
+    model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    stage3_model = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    if any(os.path.exists(os.path.join(tag_dir, n)) for n in
+           ("mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_model_states.pt")):
+        raise DeepSpeedCheckpointError(f"{tag_dir} was written with tensor/model parallelism (mp_rank_01 files); "
+                                       "only mp_rank_00 checkpoints are read - merge the model-parallel ranks first")
+    if not os.path.exists(model_file):
+        model_file = stage3_model
+    if not os.path.exists(model_file):
+        raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_00_model_states.pt nor zero_pp_rank_0_"
+                                       "mp_rank_00_model_states.pt; it is not a DeepSpeed checkpoint tag")
+    model = _load(model_file, opaque)
+    if not isinstance(model, dict) or "module" not in model:
+        raise DeepSpeedCheckpointError(f"{model_file} is not a DeepSpeed model-states file (no 'module' key)")
+    shapes = model.get("param_shapes")
+    if not shapes:
+        raise DeepSpeedCheckpointError(f"{model_file} has no param_shapes: it was saved without a ZeRO optimizer "
+                                       "(stage 0); read its 'module' and 'optimizer' with torch_zip.load instead")
+
+    ds_config = model.get("ds_config")
+    prefixes = ["bf16_", ""] if _bf16_enabled(ds_config) else ["", "bf16_"]
+
+    def optim_name(prefix: str, rank: int) -> str:
+        return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+    prefix = next((p for p in prefixes if os.path.exists(os.path.join(tag_dir, optim_name(p, 0)))), None)
+    if prefix is None:
+        raise DeepSpeedCheckpointError(f"{optim_name('', 0)} is missing in {tag_dir} (nor is there a bf16_ one): the "
+                                       "ZeRO optimizer shards were not saved, so the fp32 weights cannot be rebuilt")
+    first_file = os.path.join(tag_dir, optim_name(prefix, 0))
+    first = _load(first_file)
+    opt0 = first.get("optimizer_state_dict") if isinstance(first, dict) else None
+    if not isinstance(opt0, dict) or "zero_stage" not in opt0:
+        raise DeepSpeedCheckpointError(f"{first_file} is not a ZeRO optimizer file "
+                                       "(no optimizer_state_dict.zero_stage)")
+    stage = int(opt0["zero_stage"])
+    count = opt0.get("partition_count")
+    counts = {int(c) for c in count} if isinstance(count, (list, tuple)) else {int(count)}
+    if len(counts) != 1:
+        raise DeepSpeedCheckpointError(f"{first_file}: param groups are partitioned over different rank counts "
+                                       f"({sorted(counts)}): expert-parallel (MoE) checkpoints are not supported")
+    dp = counts.pop()
+    if stage not in (1, 2, 3):
+        raise DeepSpeedCheckpointError(f"{first_file}: unsupported zero_stage {stage}")
+
+    present = sorted(n for n in os.listdir(tag_dir) if n.startswith(prefix + "zero_pp_rank_")
+                     and n.endswith("_mp_rank_00_optim_states.pt"))
+    for rank in range(dp):
+        name = optim_name(prefix, rank)
+        if not os.path.exists(os.path.join(tag_dir, name)):
+            raise DeepSpeedCheckpointError(
+                f"{name} is missing in {tag_dir}; the checkpoint was written by {dp} ranks (partition_count in "
+                f"{os.path.basename(first_file)}), so files for ranks 0..{dp - 1} must all be present. Copy it from "
+                "the node that wrote it, or read another tag.")
+    if len(present) != dp:
+        raise DeepSpeedCheckpointError(
+            f"{tag_dir} holds {len(present)} optimizer files but partition_count says {dp} ranks: the folder mixes "
+            "checkpoints (an older save with more ranks was overwritten?); save again into a clean folder")
+    model_files = [model_file]
+    if stage == 3:
+        model_files = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(dp)]
+        for f in model_files:
+            if not os.path.exists(f):
+                raise DeepSpeedCheckpointError(
+                    f"{os.path.basename(f)} is missing in {tag_dir}; the stage-3 checkpoint was written by {dp} ranks "
+                    "and each saves its own model-states file. Copy it from the node that wrote it.")
+
+    opts = [opt0]
+    for rank in range(1, dp):
+        f = os.path.join(tag_dir, optim_name(prefix, rank))
+        loaded = _load(f)
+        opt = loaded.get("optimizer_state_dict") if isinstance(loaded, dict) else None
+        if not isinstance(opt, dict) or int(opt.get("zero_stage", -1)) != stage:
+            raise DeepSpeedCheckpointError(f"{f} does not match {os.path.basename(first_file)} (zero_stage differs or "
+                                           "missing): the folder mixes checkpoints")
+        opts.append(opt)
+
+    where = f"{model_file} with {prefix}zero_pp_rank_*_mp_rank_00_optim_states.pt"
+    group_names = [list(g.keys()) for g in shapes]
+    per_rank_states = [_base_state(o, stage) for o in opts]
+    moments: dict[str, dict[str, np.ndarray] | None] = {}
+    if stage <= 2:
+        fp32 = [o.get("single_partition_of_fp32_groups") for o in opts]
+        if any(not isinstance(g, list) or len(g) != len(shapes) for g in fp32):
+            raise DeepSpeedCheckpointError(f"{where}: single_partition_of_fp32_groups does not have one entry per "
+                                           f"param_shapes group ({len(shapes)}) in every rank's optimizer file")
+        params = _reassemble_stage12(fp32, shapes, dp, where)
+        for key in ("exp_avg", "exp_avg_sq"):
+            ranks = []
+            for r, (states, _, _) in enumerate(per_rank_states):
+                if len(states) != len(shapes) or any(key not in s for s in states):
+                    ranks = None
+                    break
+                # rigid state is over padded partitions: keep as many elements as the lean fp32 partition
+                ranks.append([np.asarray(s[key]).reshape(-1)[:np.asarray(fp32[r][g]).size]
+                              for g, s in enumerate(states)])
+            moments[key] = None if ranks is None else _reassemble_stage12(ranks, shapes, dp, f"{where} ({key})")
+    else:
+        flat_groups = [o.get("fp32_flat_groups") for o in opts]
+        if any(not isinstance(g, list) or not g for g in flat_groups):
+            raise DeepSpeedCheckpointError(f"{where}: an optimizer file has no fp32_flat_groups")
+        rank_flat = [np.concatenate([np.asarray(t).reshape(-1) for t in g]) for g in flat_groups]
+        if len({f.size for f in rank_flat}) != 1:
+            raise DeepSpeedCheckpointError(f"{where}: the ranks' fp32_flat_groups differ in size "
+                                           f"({[f.size for f in rank_flat]}); the folder mixes checkpoints")
+        merged = [(name, shape) for g in shapes for name, shape in g.items()]
+        params = _reassemble_stage3(rank_flat, merged, dp, where)
+        for key in ("exp_avg", "exp_avg_sq"):
+            ranks = []
+            for states, _, _ in per_rank_states:
+                if not states or any(key not in s for s in states):
+                    ranks = None
+                    break
+                ranks.append(np.concatenate([np.asarray(s[key]).reshape(-1) for s in states]))
+            if ranks is not None and any(r.size != rank_flat[0].size for r in ranks):
+                raise DeepSpeedCheckpointError(f"{where}: {key} does not match the fp32 flat groups in size")
+            moments[key] = None if ranks is None else _reassemble_stage3(ranks, merged, dp, f"{where} ({key})")
+
+    states0, hyper, separate_step = per_rank_states[0]
+    step = _as_int(separate_step)
+    if step is None and states0 and "step" in states0[0]:
+        step = _as_int(states0[0]["step"])
+    if step is None and hyper and "step" in hyper[0]:
+        step = _as_int(hyper[0]["step"])
+    lr = float(hyper[0]["lr"]) if hyper and "lr" in hyper[0] else None
+
+    module = dict(model.get("module") or {})
+    buffers = {n: module[n] for n in (model.get("buffer_names") or []) if n in module}
+    frozen: dict[str, np.ndarray] = {}
+    frozen_shapes = model.get("frozen_param_shapes") or {}
+    if frozen_shapes:
+        if stage <= 2:
+            fragments = model.get("frozen_param_fragments") or {}
+            frozen = {n: np.asarray(fragments[n]) for n in frozen_shapes if n in fragments}
+        else:  # each rank saved its own slice; zero_to_fp32.py `_zero3_merge_frozen_params`
+            rank_models = [model] + [_load(f, opaque) for f in model_files[1:]]
+            for name, shape in frozen_shapes.items():
+                pieces = [np.asarray(m["frozen_param_fragments"][name]).reshape(-1) for m in rank_models]
+                frozen[name] = np.concatenate(pieces)[:_numel(shape)].reshape(tuple(shape))
+
+    return DeepSpeedCheckpoint(
+        path=tag_dir, tag=tag, zero_stage=stage, dp_world_size=dp, params=params,
+        exp_avg=moments.get("exp_avg"), exp_avg_sq=moments.get("exp_avg_sq"), step=step, lr=lr,
+        param_groups=hyper, group_names=group_names,
+        global_steps=int(model.get("global_steps") or 0), global_samples=int(model.get("global_samples") or 0),
+        skipped_steps=int(model.get("skipped_steps") or 0), lr_scheduler=model.get("lr_scheduler"),
+        loss_scale=_loss_scale(opt0.get("loss_scaler")), ds_config=ds_config, ds_version=model.get("ds_version"),
+        client_state={k: v for k, v in model.items() if k not in _DEEPSPEED_KEYS}, module=module, buffers=buffers,
+        frozen_params=frozen, shared_params=dict(model.get("shared_params") or {}))
+
+
+# --------------------------------------------------------------------------- writing
+
+_PRECISIONS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+
+# DynamicLossScaler's attributes in the order its __init__ sets them (loss_scaler.py), DeepSpeed's
+# defaults (initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min_loss_scale 1).
+_DYNAMIC_DEFAULTS = {"cur_scale": 65536.0, "dynamic": True, "cur_iter": 0, "last_overflow_iter": -1,
+                     "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1, "delayed_shift": 2,
+                     "cur_hysteresis": 2, "consecutive_hysteresis": False, "raise_error_at_min_scale": True}
+
+
+def _loss_scaler_record(loss_scaler: Mapping[str, Any] | PickledObject | None, precision: str) -> PickledObject:
+    if isinstance(loss_scaler, PickledObject):
+        return loss_scaler
+    given = dict(loss_scaler or {})
+    kind = given.pop("type", None)
+    if kind is None:
+        dynamic_only = set(_DYNAMIC_DEFAULTS) - {"cur_scale", "dynamic"}
+        dynamic = (bool(given["dynamic"]) if "dynamic" in given
+                   else precision == "fp16" or bool(dynamic_only & set(given)))
+        kind = "DynamicLossScaler" if dynamic else "LossScaler"
+    if kind == "DynamicLossScaler":
+        state = dict(_DYNAMIC_DEFAULTS)
+        state.update(given)
+        dtype = state.get("dtype", "float16")
+        state["dtype"] = dtype if isinstance(dtype, TorchDtype) else TorchDtype(str(dtype))
+        state["dynamic"] = True
+    elif kind == "LossScaler":
+        state = {"cur_scale": float(given.pop("cur_scale", 1.0)), "dynamic": False}
+        state.update({k: v for k, v in given.items() if k != "dynamic"})
+    else:
+        raise ValueError(f"loss_scaler type must be LossScaler or DynamicLossScaler, got {kind!r}")
+    return PickledObject.make(_LOSS_SCALER_MODULE, kind, state)
+
+
+def _adam_group(lr: float, betas: Sequence[float], eps: float, weight_decay: float, step: int, index: int) -> dict:
+    # deepspeed/ops/adam/fused_adam.py defaults (lr, bias_correction, betas, eps, weight_decay) plus
+    # the group 'step' FusedAdam adds; torch's Optimizer.state_dict puts 'params' last.
+    return {"lr": float(lr), "bias_correction": True, "betas": tuple(float(b) for b in betas), "eps": float(eps),
+            "weight_decay": float(weight_decay), "step": int(step), "params": [index]}
+
+
+def write_checkpoint(out_dir: str | os.PathLike, tag: str, params: Mapping[str, np.ndarray],
+                     exp_avg: Mapping[str, np.ndarray] | None = None,
+                     exp_avg_sq: Mapping[str, np.ndarray] | None = None, *,
+                     stage: int, dp: int, step: int, global_steps: int, global_samples: int, skipped_steps: int,
+                     lr: float, lr_scheduler: Mapping[str, Any] | None,
+                     loss_scaler: Mapping[str, Any] | PickledObject | None = None, ds_config: Any = None,
+                     client_state: Mapping[str, Any] | None = None,
+                     param_groups: Sequence[Sequence[str]] | None = None, betas: Sequence[float] = (0.9, 0.999),
+                     eps: float = 1e-8, weight_decay: float = 0.0, precision: str = "fp32",
+                     buffers: Mapping[str, np.ndarray] | None = None, save_latest: bool = True,
+                     ds_version: str = DS_VERSION) -> str:
+    """Write `out_dir/tag/` exactly as DeepSpeed's save_checkpoint would for a ZeRO `stage` run on `dp`
+    data-parallel ranks with FusedAdam, and point `out_dir/latest` at it. Returns the tag folder.
+
+    `params` are the fp32 masters (any float dtype, cast to fp32), in flattening order; `param_groups`
+    splits their names into optimizer groups (default: one group). `precision` sets the module
+    weights' dtype, the default loss scaler (fp16: dynamic) and the "bf16_" optimizer-file prefix.
+    `loss_scaler` is a dict of the scaler's fields (plus optional "type") or a record read earlier.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
+    names = list(params)
+    groups = [list(g) for g in param_groups] if param_groups is not None else [names]
+    flat_names = [n for g in groups for n in g]
+    if sorted(flat_names) != sorted(names) or len(set(flat_names)) != len(flat_names):
+        raise ValueError("param_groups must list every parameter name exactly once")
+    masters = {n: np.asarray(params[n], dtype=np.float32) for n in names}
+    moments = {}
+    for key, values in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if values is None:
+            continue
+        if set(values) != set(names):
+            raise ValueError(f"{key} must have exactly the names of params")
+        moments[key] = {n: np.asarray(values[n], dtype=np.float32) for n in names}
+        for n in names:
+            if moments[key][n].shape != masters[n].shape:
+                raise ValueError(f"{key}[{n!r}] has shape {moments[key][n].shape}, params has {masters[n].shape}")
+    if ds_config is None:
+        ds_config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
+                     "fp16": {"enabled": precision == "fp16"}}
+    client_state = dict(client_state or {})
+    clash = sorted(set(client_state) & _DEEPSPEED_KEYS)
+    if clash:
+        raise ValueError(f"client_state keys {clash} are DeepSpeed's own checkpoint keys; rename them")
+
+    tag_dir = os.path.join(os.fspath(out_dir), str(tag))
+    os.makedirs(tag_dir, exist_ok=True)
+    module_dtype = _PRECISIONS[precision]
+    buffers = {k: np.asarray(v) for k, v in (buffers or {}).items()}
+    zero_stage = PickledEnum(*_ZERO_STAGE_ENUM, stage)
+    scaler = _loss_scaler_record(loss_scaler, precision)
+    clip = float(ds_config.get("gradient_clipping", 0.0)) if isinstance(ds_config, dict) else 0.0
+    hyper = [_adam_group(lr, betas, eps, weight_decay, step, g) for g in range(len(groups))]
+
+    def model_states(frozen_fragments: Any) -> dict:
+        if stage <= 2:
+            module = OrderedDict((n, masters[n].astype(module_dtype)) for n in names)
+        else:  # ZeRO-3 weights live in the shards; the module holds empty placeholders (free_param)
+            module = OrderedDict((n, np.zeros((0,), module_dtype)) for n in names)
+        module.update(buffers)
+        # engine.py `_common_checkpoint_state`, in its key order
+        state = {
+            "module": module, "buffer_names": list(buffers), "optimizer": None,
+            "param_shapes": [OrderedDict((n, TorchSize(masters[n].shape)) for n in g) for g in groups],
+            "frozen_param_shapes": None if stage == 1 else OrderedDict(),
+            "shared_params": {}, "frozen_param_fragments": frozen_fragments,
+            "lr_scheduler": dict(lr_scheduler) if lr_scheduler is not None else None,
+            "data_sampler": None, "random_ltd": None, "sparse_tensor_module_names": set(),
+            "skipped_steps": int(skipped_steps), "global_steps": int(global_steps),
+            "global_samples": int(global_samples), "dp_world_size": dp, "mp_world_size": 1,
+            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            "ds_config": ds_config, "ds_version": ds_version,
+        }
+        state.update(client_state)
+        return state
+
+    if stage <= 2:
+        torch_zip.save(model_states(None if stage == 1 else OrderedDict()),
+                       os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    else:
+        for rank in range(dp):
+            torch_zip.save(model_states(OrderedDict()),
+                           os.path.join(tag_dir, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
+
+    prefix = "bf16_" if precision == "bf16" else ""
+    for rank in range(dp):
+        if stage <= 2:
+            parts = _stage12_rank(groups, masters, moments, dp, rank, step, hyper)
+            # stage_1_and_2.py `state_dict`, in its key order (rigid: elastic_checkpoint defaults to off)
+            opt = {"loss_scaler": scaler, "dynamic_loss_scale": bool(scaler.get("dynamic", False)),
+                   "overflow": False, "clip_grad": clip, "base_optimizer_state": parts["base_optimizer_state"],
+                   "single_partition_of_fp32_groups": parts["single_partition_of_fp32_groups"],
+                   "zero_stage": zero_stage, "group_paddings": parts["group_paddings"],
+                   "partition_count": parts["partition_count"], "ds_version": ds_version,
+                   "param_slice_mappings": parts["param_slice_mappings"]}
+        else:
+            flat, states = _stage3_rank(groups, masters, moments, dp, rank, step)
+            opt = {"zero_stage": zero_stage, "loss_scaler": scaler,
+                   "dynamic_loss_scale": bool(scaler.get("dynamic", False)), "overflow": False,
+                   "partition_count": dp, "optimizer_state_dict": {"state": states, "param_groups": hyper},
+                   "fp32_flat_groups": flat}
+        torch_zip.save({"optimizer_state_dict": opt, "ds_config": ds_config, "ds_version": ds_version},
+                       os.path.join(tag_dir, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    if save_latest:
+        with open(os.path.join(os.fspath(out_dir), "latest"), "w", encoding="utf-8") as f:
+            f.write(str(tag))  # engine.py writes the bare tag
+    return tag_dir
+
+
+def _adam_state(step: int, moments: Mapping[str, np.ndarray]) -> dict:
+    return {"step": int(step), **moments} if moments else {}
+
+
+def _stage12_rank(groups: list[list[str]], masters: dict, moments: dict, dp: int, rank: int, step: int,
+                  hyper: list[dict]) -> dict:
+    fp32, paddings, mappings, states = [], [], [], {}
+    for g, names in enumerate(groups):
+        numel = sum(masters[n].size for n in names)
+        align = 2 * dp  # stage_1_and_2.py: nccl_start_alignment_factor (2) * dp world size
+        part = math.ceil(numel / align) * align // dp
+        start = rank * part
+        lean = max(0, min(part, numel - start))
+        paddings.append(part - lean)
+
+        def partition(values: dict) -> np.ndarray:
+            flat = np.concatenate([values[n].reshape(-1) for n in names]) if names else np.zeros(0, np.float32)
+            out = np.zeros(part, np.float32)
+            out[:lean] = flat[start:start + lean]
+            return out
+
+        fp32.append(partition(masters)[:lean].copy())  # `_get_groups_without_padding`
+        states[g] = _adam_state(step, {k: partition(v) for k, v in moments.items()})
+        mapping, offset = OrderedDict(), 0
+        for n in names:  # tensor_fragment.py `get_hp_fragment_mapping`: the overlap with this partition
+            lo, hi = max(offset, start), min(offset + masters[n].size, start + part)
+            if lo < hi:
+                mapping[n] = PickledObject.make("deepspeed.utils.tensor_fragment", "fragment_address",
+                                                {"numel": hi - lo, "start": lo - start})
+            offset += masters[n].size
+        mappings.append(mapping)
+    return {"base_optimizer_state": {"state": states, "param_groups": hyper},
+            "single_partition_of_fp32_groups": fp32, "group_paddings": paddings,
+            "partition_count": [dp] * len(groups), "param_slice_mappings": mappings}
+
+
+def _stage3_rank(groups: list[list[str]], masters: dict, moments: dict, dp: int, rank: int,
+                 step: int) -> tuple[list[np.ndarray], dict]:
+    def shard(values: dict, names: list[str]) -> np.ndarray:
+        pieces = []
+        for n in names:
+            flat = values[n].reshape(-1)
+            part = math.ceil(flat.size / dp)
+            piece = np.zeros(part, np.float32)
+            chunk = flat[rank * part:(rank + 1) * part]
+            piece[:chunk.size] = chunk
+            pieces.append(piece)
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+
+    flat = [shard(masters, names) for names in groups]
+    states = {g: _adam_state(step, {k: shard(v, names) for k, v in moments.items()}) for g, names in enumerate(groups)}
+    return flat, states
+
+
+def write_fp32_state_dict(path: str | os.PathLike, params: Mapping[str, np.ndarray]) -> str:
+    """Write what `zero_to_fp32.py` writes: a torch state dict of fp32 tensors (`pytorch_model.bin`
+    when `path` is a folder). Tensors are cast and written one at a time. Returns the file path."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "pytorch_model.bin")
+
+    def lazy(value: np.ndarray) -> LazyArray:
+        return LazyArray(np.shape(value), np.float32, lambda: np.asarray(value, dtype=np.float32))
+
+    torch_zip.save(OrderedDict((name, lazy(value)) for name, value in params.items()), path)
+    return path
