@@ -1,31 +1,16 @@
-"""DeepSpeed ZeRO checkpoints and torch.save files, read and written without torch.
-
-The two modules live in zerojax/checkpoint/ while zerojax/checkpoint.py is still a plain module, so
-they are loaded by file path as members of a stand-in package (their relative import then works).
-"""
-import importlib
+"""DeepSpeed ZeRO checkpoints and torch.save files, read and written without torch."""
 import os
 import pickle
 import pickletools
 import struct
-import sys
-import types
 import zipfile
 from collections import OrderedDict
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-_DIR = Path(__file__).resolve().parent.parent / "zerojax" / "checkpoint"
-_PKG = "_zerojax_checkpoint_files"
-if _PKG not in sys.modules:
-    _pkg = types.ModuleType(_PKG)
-    _pkg.__path__ = [str(_DIR)]
-    sys.modules[_PKG] = _pkg
-tz = importlib.import_module(f"{_PKG}.torch_zip")
-ds = importlib.import_module(f"{_PKG}.deepspeed_format")
+from zerojax.checkpoint import deepspeed_format as ds, torch_zip as tz
 
 
 # --------------------------------------------------------------------------- helpers
