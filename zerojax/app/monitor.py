@@ -104,7 +104,7 @@ class Monitor:
         show = step % cfg.steps_per_print == 0
         if not (self.enabled and self.fetches(step)):
             return None
-        values = {k: v.item() for k, v in jax.device_get(dict(metrics)).items()}
+        values = {k: v.item() for k, v in jax.device_get(dict(metrics)).items() if v.ndim == 0}
         now = time.perf_counter()
         elapsed = now - self._last_time
         tokens_per_s = self.tokens_per_step * (step - self._last_step) / elapsed if elapsed > 0 else 0.0

@@ -7,13 +7,15 @@ its folders from `--resume`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from zerojax.config import Config
 from zerojax.core.layout import Plan
 from zerojax.errors import ConfigError
 from zerojax.runtime.preflight import check_memory, check_resume_tag, check_writable, resume_target
+from zerojax.runtime.run_lock import RunLock
 
-__all__ = ["choose", "fresh_output_dir"]
+__all__ = ["RunFolders", "choose", "fresh_output_dir"]
 
 
 def _run_dirs(path: Path) -> list[Path]:
@@ -50,26 +52,68 @@ def _refuse_existing_checkpoints(ckpt_dir: Path) -> None:
                           f"another run.checkpoint_dir")
 
 
-def choose(config: Config, plan: Plan, resume: str | None, processes: int) -> tuple[Path, Path, str | None]:
-    """(output folder, checkpoint folder, tag to resume or None), every check done before any batch or
-    compile: memory for this process's rows, the folders writable, a resume target that exists."""
+class RunFolders(NamedTuple):
+    """A run's folders, the tag it resumes (or None), and the lock process 0 holds on the output folder."""
+    out: Path
+    ckpt_dir: Path
+    tag: str | None
+    lock: RunLock | None
+    created: tuple[Path, ...]   # folders this start made, deepest last
+
+    def abandon(self) -> None:
+        """A start that failed: the lock goes, and so do the folders it made that are still empty."""
+        if self.lock is not None:
+            self.lock.release(remove=True)
+        for folder in reversed(self.created):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # not empty (or gone): something else is in it
+
+
+def _missing(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, outermost first."""
+    out = []
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        out.append(p)
+    return out[::-1]
+
+
+def choose(config: Config, plan: Plan, resume: str | None, processes: int) -> RunFolders:
+    """The run's folders, with every check done before any batch or compile: memory for this
+    process's rows, the folders writable, a resume target that exists, and no other run writing to
+    the output folder (a lock held until the run ends). A check that fails leaves no new folder."""
     rows = plan.batch.train_batch_size
     check_memory(config, plan, rows // processes)
     base = Path(config.run.output_dir)
     shared = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else None
+    created: list[Path] = []
+    lock = None
     tag = None
     try:
+        try:
+            if resume:
+                runs = [d for d in _run_dirs(base) if _has_run(d)]
+                out, ckpt_dir, tag = resume_target(runs, base, resume, shared)
+            else:
+                created += _missing(base)
+                out = fresh_output_dir(base)
+                created += [out] if out != base and out not in created else []
+                ckpt_dir = shared or out / "checkpoints"
+        except OSError as e:
+            raise ConfigError(f"run.output_dir: cannot create {base} ({e.strerror or e}); choose a writable "
+                              f"folder, e.g. --set run.output_dir=/path/you/own") from None
+        check_writable(out, "run.output_dir")
+        lock = RunLock(out)
         if resume:
-            runs = [d for d in _run_dirs(base) if _has_run(d)]
-            out, ckpt_dir, tag = resume_target(runs, base, resume, shared)
             check_resume_tag(ckpt_dir, tag, config.run.steps, config.run.save_every)
         else:
-            out = fresh_output_dir(base)
-            ckpt_dir = shared or out / "checkpoints"
             _refuse_existing_checkpoints(ckpt_dir)
-    except OSError as e:
-        raise ConfigError(f"run.output_dir: cannot create {base} ({e.strerror or e}); choose a writable "
-                          f"folder, e.g. --set run.output_dir=/path/you/own") from None
-    check_writable(out, "run.output_dir")
-    check_writable(ckpt_dir, "run.checkpoint_dir")
-    return out, ckpt_dir, tag
+        created += [p for p in _missing(ckpt_dir) if p not in created]
+        check_writable(ckpt_dir, "run.checkpoint_dir")
+    except BaseException:
+        RunFolders(base, base, None, lock, tuple(created)).abandon()
+        raise
+    return RunFolders(out, ckpt_dir, tag, lock, tuple(created))

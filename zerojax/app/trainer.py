@@ -122,20 +122,53 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
                           '--set optimizer.type=AdamW optimizer.params.lr=3e-4')
     mesh = make_mesh(config)
     model = build_model(config, mesh)
-    plan, rows = model.plan, model.plan.batch.train_batch_size
+    plan = model.plan
 
-    # Process 0 picks the folders (it alone writes run files); every process writes checkpoint shards.
+    # Process 0 picks the folders (it alone writes run files) and holds the run's lock; every process
+    # writes checkpoint shards.
+    folders: list[run_dirs.RunFolders] = []
+
     def choose() -> str:
-        out, ckpt_dir, tag = run_dirs.choose(config, plan, resume, jax.process_count())
-        return json.dumps([str(out), str(ckpt_dir), tag])
+        folders.append(run_dirs.choose(config, plan, resume, jax.process_count()))
+        return json.dumps([str(folders[0].out), str(folders[0].ckpt_dir), folders[0].tag])
 
     out_name, ckpt_name, resume_tag = json.loads(agreed(choose))
     out, ckpt_dir = Path(out_name), Path(ckpt_name)
+    try:
+        run = _start(config, mesh, model, out, ckpt_dir, resume, resume_tag)
+    except BaseException:
+        for f in folders:  # nothing was written: leave no empty folder and no lock behind
+            f.abandon()
+        raise
+    del model
+    try:
+        first, last, val_loss = run.train()
+        engine = run.engine
+        summary = {"steps": engine.global_steps, "first_loss": first, "last_loss": last, "val_loss": val_loss,
+                   "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out),
+                   "checkpoint_dir": str(ckpt_dir)}
+        if is_primary():
+            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        losses = f"loss {first:.4f} -> {last:.4f}" if first is not None else "no steps run"
+        _say(f"done: {summary['steps']} steps, {losses}, validation loss "
+             f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}")
+        _print_sample(config, engine)
+    finally:
+        for f in folders:
+            if f.lock is not None:
+                f.lock.release()
+    return summary
+
+
+def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, resume: str | None,
+           resume_tag: str | None) -> "Run":
+    """Data, engine and (resuming) the checkpoint, then the compiled step: every start-up check runs
+    here, before the run writes anything."""
+    plan, rows = model.plan, model.plan.batch.train_batch_size
     mine = local_rows(plan.batch_sharding, rows)  # this process builds only its own rows
     # every data error (missing file, vocabulary, too short) is raised here, before compiling
     train_batches, val_batches = make_batches(config.data, rows, config.model.seq_len, config.model.vocab_size, mine)
     engine = build_engine(config, mesh, model)
-    del model
     data_state = None
     if resume:
         beat(f"loading checkpoint {resume_tag or 'latest'} from {ckpt_dir}", allowance=FIRST_STEP_ALLOWANCE)
@@ -143,18 +176,7 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))
         data_state = engine.loaded_extra.get("data_state")  # the grain iterator's state, where saved
         _say(f"resumed from {path} at step {engine.global_steps}")
-    run = Run(config, engine, out, ckpt_dir, train_batches, data_state)
-    first, last, val_loss = run.train(val_batches)
-    summary = {"steps": engine.global_steps, "first_loss": first, "last_loss": last, "val_loss": val_loss,
-               "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out),
-               "checkpoint_dir": str(ckpt_dir)}
-    if is_primary():
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    losses = f"loss {first:.4f} -> {last:.4f}" if first is not None else "no steps run"
-    _say(f"done: {summary['steps']} steps, {losses}, validation loss "
-         f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}")
-    _print_sample(config, engine)
-    return summary
+    return Run(config, engine, out, ckpt_dir, train_batches, val_batches, data_state)
 
 
 class Run:
@@ -163,13 +185,14 @@ class Run:
     loss), each of which leaves the last good checkpoint complete."""
 
     def __init__(self, config: Config, engine: Engine, out: Path, ckpt_dir: Path, batches: BatchSource,
-                 data_state: Any):
+                 val_batches: BatchSource, data_state: Any):
         self.config, self.engine, self.out, self.ckpt_dir = config, engine, out, ckpt_dir
+        self.val_batches = val_batches
         self.first_step = engine.global_steps + 1
-        if is_primary() and not (out / "config.json").exists():
-            (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         beat("compiling the train step", allowance=FIRST_STEP_ALLOWANCE)
         compiled = compile_step(engine, batches.batch(batches.position, batches.local))
+        if is_primary() and not (out / "config.json").exists():  # the first file of the run, once it can start
+            (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         _say(startup_table(engine, compiled=compiled))
         self.comms_text = compiled.as_text() if config.comms_logger.enabled else None
         if config.dump_state:
@@ -216,7 +239,7 @@ class Run:
             self.save(async_save=False)
         self.engine.wait_for_checkpoint()
 
-    def train(self, val_batches: BatchSource) -> tuple[float | None, float | None, float | None]:
+    def train(self) -> tuple[float | None, float | None, float | None]:
         """Run the steps and end the run; (first logged loss, last logged loss, validation loss)."""
         config, monitor = self.config, self.monitor
         stopped = False  # all processes agreed to stop early (multi-process SIGTERM or Ctrl-C)
@@ -242,7 +265,11 @@ class Run:
             monitor.close()
             raise
         try:  # every way out closes the writers (progress bar, metrics, TensorBoard, CSV)
-            return self.first, self.last, self.end(signals, stopped, val_batches)
+            val_loss = self.end(signals, stopped)
+            final = self.engine.last_metrics
+            if final is not None and self.engine.global_steps >= self.first_step:
+                self.last = float(jax.device_get(final["loss"]))  # the last step's, logged or not
+            return self.first, self.last, val_loss
         finally:
             monitor.close()
 
@@ -295,7 +322,7 @@ class Run:
         elif is_primary():  # DeepSpeed writes it there instead of stdout
             Path(output).write_text(profile + "\n")
 
-    def end(self, signals: Any, stopped: bool, val_batches: BatchSource) -> float | None:
+    def end(self, signals: Any, stopped: bool) -> float | None:
         """After the loop: a stop signal or an agreed stop saves and raises; otherwise the final save,
         the comms summary and the evaluation. Returns the validation loss."""
         config, engine, monitor = self.config, self.engine, self.monitor
@@ -322,7 +349,7 @@ class Run:
                     monitor.print(comms_report(self.comms_text, config.comms_logger, steps=ran))
                 beat("evaluating (compiles the eval step) and waiting for the last checkpoint",
                      f"step {engine.global_steps}", allowance=FIRST_STEP_ALLOWANCE)
-                val_loss = evaluate(engine, val_batches, config.run.eval_batches)
+                val_loss = evaluate(engine, self.val_batches, config.run.eval_batches)
             engine.wait_for_checkpoint()
         if late.received is not None:
             monitor.print(f"{late.name} during the final save: the checkpoint is complete; exiting")

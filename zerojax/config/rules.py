@@ -119,7 +119,16 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
 
 
 def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
-    """`run.non_finite: skip_step` is bf16's skip-on-overflow, for bf16 and fp32 alike."""
+    """`run.non_finite: skip_step` (the default) is bf16's skip-on-overflow, for bf16 and fp32 alike. A
+    config that turns DeepSpeed's `bf16.check_grad_overflow` off itself asks for DeepSpeed's behaviour
+    (non-finite steps applied): `run.non_finite` then defaults to stop."""
+    given_check = "bf16.check_grad_overflow" in sources
+    if config.run.non_finite == "skip_step" and given_check and not config.bf16.check_grad_overflow:
+        if "run.non_finite" in sources:
+            raise ConfigError("run.non_finite: skip_step skips non-finite steps, but bf16.check_grad_overflow: "
+                              "false asks to apply them; remove one of the two")
+        sources["run.non_finite"] = "derived (bf16.check_grad_overflow: false)"
+        return dataclasses.replace(config, run=dataclasses.replace(config.run, non_finite="stop"))
     if config.run.non_finite != "skip_step" or config.bf16.check_grad_overflow:
         return config
     sources["bf16.check_grad_overflow"] = "derived (run.non_finite: skip_step)"

@@ -213,7 +213,7 @@ KEY_STATUS: dict[str, str] = {
     **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed", "dtype", "tokenizer",
                                    "text_key", "eos_id", "mask_boundaries")},
     **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",
-                                  "checkpoint_dir", "save_every", "non_finite", "signal_save_seconds",
+                                  "checkpoint_dir", "save_every", "non_finite", "non_finite_limit", "signal_save_seconds",
                                   "sample_tokens")},
     **{f"distributed.{k}": HONOURED for k in ("coordinator_address", "num_processes", "process_id", "join",
                                               "initialization_timeout", "check_consistency", "hang_timeout")},

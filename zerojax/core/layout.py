@@ -51,12 +51,15 @@ class LeafLayout:
             expert or sequence axis is one more pair). ZeRO then shards another dimension, and
             every sharding composes the two.
     wire:   how a sharded parameter is gathered (its axis; ZeRO++'s quantized gathers and reductions).
+    names:  the logical axis names the model annotated the leaf with (`nnx.with_partitioning`), one
+            per dimension, or None: where they name a mesh axis the layout follows them.
     """
     param: Placement
     grad: Placement
     update: Placement
     split: tuple[tuple[int, str], ...] = ()
     wire: Wire = Wire()
+    names: tuple[Any, ...] | None = None
 
     @property
     def lead(self) -> str | None:
@@ -69,7 +72,7 @@ class LeafLayout:
 
 
 def choose_dim(shape: tuple[int, ...], n: int, layer_axes: int | None = None,
-               taken: tuple[int, ...] = ()) -> int | None:
+               taken: tuple[int, ...] = (), prefer: int | None = None) -> int | None:
     """The dimension to shard over `n` devices: the most major one they divide, outside the layer axes.
 
     Most major, so that each device's block is contiguous: every gather and reduce-scatter then
@@ -80,25 +83,28 @@ def choose_dim(shape: tuple[int, ...], n: int, layer_axes: int | None = None,
     taken to stack layers (a matrix is a matrix, `[layers, in, out]` a stack, `[groups, layers,
     in, out]` a nested one). Failing those, the most major divisible dimension but the first;
     dimension 0 only when nothing else divides. Dimensions in `taken` are split over another
-    mesh axis already (a leaf's second role) and are never chosen.
+    mesh axis already (a leaf's second role) and are never chosen; `prefer` (a dimension the model
+    annotated with the data axis) wins whenever the devices divide it.
     """
     if n == 1:
         return None
     candidates = [d for d, s in enumerate(shape) if s % n == 0 and s >= n and d not in taken]
     if not candidates:
         return None
+    if prefer in candidates:
+        return prefer
     skip = max(len(shape) - 2, 0) if layer_axes is None else layer_axes
     return ([d for d in candidates if d >= skip] or [d for d in candidates if d > 0] or candidates)[0]
 
 
 def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
                 persistence_threshold: int, layer_axes: int | None = None, *,
-                split: tuple[tuple[int, str], ...] = ()) -> LeafLayout:
+                split: tuple[tuple[int, str], ...] = (), prefer: int | None = None) -> LeafLayout:
     """`layer_axes` leading dimensions stack layers (a scanned stack; None: not known): the
     persistence threshold is compared with one layer's slice, which is what the loss holds whole
     at a time. `split` dimensions are split by other mesh axes (the pipeline's stage rows), so
-    ZeRO shards another one."""
-    dim = choose_dim(shape, n, layer_axes, taken=tuple(d for d, _ in split))
+    ZeRO shards another one; `prefer` is a dimension the model asked to split over the data axis."""
+    dim = choose_dim(shape, n, layer_axes, taken=tuple(d for d, _ in split), prefer=prefer)
     sharded: Placement = REPLICATED if dim is None else Shard(dim)
     keep_param_whole = math.prod(shape[layer_axes or 0:]) < persistence_threshold
     param = sharded if PARAMETERS in partitions and not keep_param_whole else REPLICATED
@@ -266,6 +272,22 @@ class Plan:
     @property
     def data_size(self) -> int:
         return data_size(self.mesh)
+
+    def annotations(self) -> str | None:
+        """One line on the model's own sharding annotations (None when it has none): which leaves
+        carry logical axis names, and whether the layout follows them here."""
+        lays = jax.tree.leaves(self.layouts, is_leaf=is_layout)
+        named = [lay for lay in lays if lay.names is not None]
+        if not named:
+            return None
+        words = sorted({w for lay in named for n in lay.names for w in ((n,) if isinstance(n, str) else n or ())})
+        mesh_axes = set(self.mesh.axis_names)
+        used = sorted(set(words) & mesh_axes)
+        head = f"model annotations: {len(named)} of {len(lays)} leaves name logical axes ({', '.join(words)})"
+        if used:
+            return f"{head}; the data-axis shard follows the ones naming mesh axes ({', '.join(used)})"
+        return (f"{head}; none names an axis of this mesh ({', '.join(self.mesh.axis_names)}), so they are kept "
+                f"in the plan and ZeRO shards each leaf along its most major divisible dimension")
 
     @functools.cached_property
     def n_leaves(self) -> int:

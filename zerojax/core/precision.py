@@ -39,7 +39,9 @@ class ScalerConfig(NamedTuple):
     """Static settings of the loss scaler (from the `fp16` section).
 
     dynamic:      DeepSpeed's DynamicLossScaler (fp16 with loss_scale 0); otherwise the scale is fixed.
-    check_finite: skip steps whose gradients are not finite (fp16, or bf16.check_grad_overflow).
+    check_finite: skip steps whose loss or gradients are not finite (fp16, or bf16.check_grad_overflow).
+    limit:        consecutive skipped steps after which training stops (`run.non_finite_limit`; 0: never;
+                  a dynamic fp16 scaler stops at its minimum scale instead, as DeepSpeed does).
     """
     dynamic: bool
     check_finite: bool
@@ -48,6 +50,7 @@ class ScalerConfig(NamedTuple):
     hysteresis: int
     consecutive: bool
     min_scale: float
+    limit: int = 0
 
 
 class LossScaleState(NamedTuple):

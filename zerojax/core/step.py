@@ -189,7 +189,19 @@ GradFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     """(params, global batch, loss scale, key) -> (mean loss, scaled gradients in the update
-    placement), not yet jitted.
+    placement), not yet jitted; see `micro_grad_fn`."""
+    micro_fn = micro_grad_fn(plan, loss_fn)
+
+    def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
+        losses, grads = micro_fn(params, batch, scale, key)
+        return jnp.mean(losses), grads
+
+    return grad_fn
+
+
+def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
+    """(params, global batch, loss scale, key) -> (each micro-batch's loss, averaged over the data
+    shards; scaled gradients in the update placement), not yet jitted.
 
     Micro-batch i is rows [i*m*dp, (i+1)*m*dp) of the global batch and data shard d gets its d-th
     block of m rows (DeepSpeed's order). The gradient is that of the global mean loss times
@@ -237,7 +249,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
         acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
         grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm,
                                                 pre=avg.pre, post=avg.post), layouts, acc)
-        return jax.lax.pmean(jnp.mean(values), data_axis()), grads
+        return jax.lax.pmean(values, data_axis()), grads
 
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(None, data_axes(plan.mesh)), P(), P()),
                            out_specs=(P(), plan.update_specs), check_vma=_checks_vma(plan, loss_fn))
@@ -288,7 +300,8 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
                  ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step from gradients in the update placement that carry the loss scale.
 
-    Unscale in fp32, check every leaf is finite (fp16, or bf16.check_grad_overflow), clip by the
+    Unscale in fp32, check the loss and every leaf are finite (fp16; bf16 and fp32 unless
+    `run.non_finite: stop`), clip by the
     global norm, run the optimizer update on the master copy (on the host when the plan offloads
     it there: `offload.run_update`), and - on overflow - keep the previous
     master and optimizer state (so the schedule, driven by the optimizer's count, does not move
@@ -302,7 +315,9 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     old_master = (state.master if pol.mixed else
                   _constrain(bring_in(state.params, plan.memory.params), plan.update_shardings))
     update = _optax_update if plan.kernels == XLA else _fused_update
-    grad_norm, finite, overflow, master, opt_state, shards = update(plan, state, grads, inv_scale, old_master)
+    loss_ok = jnp.isfinite(loss)
+    grad_norm, finite, overflow, master, opt_state, shards = update(plan, state, grads, inv_scale, old_master,
+                                                                    loss_ok)
     scaler = (update_loss_scale(sc, state.scaler, overflow, state.step, ~finite) if sc.check_finite
               else _note_non_finite(state.scaler, finite, state.step))
     position = state.step - state.skipped
@@ -311,7 +326,8 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
                      opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
                      scaler=scaler, rng=state.rng)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
-               "loss_scale": scale, "skipped": overflow}
+               "loss_scale": scale, "skipped": overflow, "non_finite": ~(jnp.all(finite) & loss_ok),
+               "skipped_streak": scaler.streak}
     return new, metrics
 
 
@@ -328,21 +344,21 @@ def _note_non_finite(s: LossScaleState, finite: jax.Array, step: jax.Array) -> L
 UpdateResult = tuple[jax.Array, jax.Array, jax.Array, Any, Any, Any]
 
 
-def _overflow(plan: Plan, state: TrainState, finite: jax.Array) -> jax.Array:
-    """Skip the step: a non-finite gradient anywhere, or the scaler stuck at its minimum."""
+def _overflow(plan: Plan, state: TrainState, finite: jax.Array, loss_ok: jax.Array) -> jax.Array:
+    """Skip the step: a non-finite loss or gradient anywhere, or the scaler stuck at its minimum."""
     if not plan.scaler.check_finite:
         return jnp.zeros((), jnp.bool_)
-    return ~jnp.all(finite) | state.scaler.stuck
+    return ~jnp.all(finite) | ~loss_ok | state.scaler.stuck
 
 
-def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any
-                  ) -> UpdateResult:
+def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any,
+                  loss_ok: jax.Array) -> UpdateResult:
     """The update with optax, under XLA's automatic partitioner."""
     pol = plan.policy
     grads = jax.tree.map(lambda g: g.astype(pol.master) * inv_scale, grads)
     grad_norm = optax.tree.norm(grads)
     finite = leaf_finite(grads)
-    overflow = _overflow(plan, state, finite)
+    overflow = _overflow(plan, state, finite, loss_ok)
 
     def optimize(master: Any, opt_state: Any, grads: Any, grad_norm: jax.Array, overflow: jax.Array
                  ) -> tuple[Any, Any]:
@@ -359,8 +375,8 @@ def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Arra
     return grad_norm, finite, overflow, master, opt_state, master
 
 
-def _fused_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any
-                  ) -> UpdateResult:
+def _fused_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any,
+                  loss_ok: jax.Array) -> UpdateResult:
     """The same with the Pallas kernels, on each device's shards: one read of the gradients for
     norm and finiteness, then one fused Adam pass that unscales, clips, skips on overflow and
     writes the compute-dtype copy the all-gather sends."""
@@ -368,7 +384,7 @@ def _fused_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Arra
     fused = FusedUpdate(plan)
     stats = fused.grad_stats(grads, inv_scale)
     coef = clip_coefficient(stats.norm, plan.rule.clip)
-    overflow = _overflow(plan, state, stats.leaf_finite)
+    overflow = _overflow(plan, state, stats.leaf_finite, loss_ok)
     # The kernels run on the device: offloaded state comes in for them (the plan never puts a fused
     # update on the host).
     old_master, opt_state = bring_in((old_master, state.opt_state), plan.memory.optimizer)
@@ -403,14 +419,16 @@ def make_train_step(plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], 
     named `rng` receives a PRNG key). Under ZeRO-3 the loss is evaluated with each sharded
     parameter all-gathered where it is used (`zerojax.core.gather_at_use`); loss functions marked with
     `zerojax.gathers_params` receive `ParamShard`s and gather them themselves.
-    metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped.
+    metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped, and micro_losses
+    (each micro-batch's mean loss, in DeepSpeed's order).
     """
     plan = checked_kernels(plan)
-    grad_fn = make_grad_fn(plan, loss_fn)
+    grad_fn = micro_grad_fn(plan, loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads = grad_fn(state.params, batch, state.scaler.scale, step_key(state))
-        return apply_update(plan, state, grads, loss)
+        losses, grads = grad_fn(state.params, batch, state.scaler.scale, step_key(state))
+        state, metrics = apply_update(plan, state, grads, jnp.mean(losses))
+        return state, {**metrics, "micro_losses": losses}
 
     shardings = state_shardings(plan)
     return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),

@@ -20,8 +20,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import Config, load_config
+from zerojax.engine.deepspeed_api import DeepSpeedAPI
 from zerojax.runtime.distributed import InFlight, check_consistency, global_array
-from zerojax.errors import LossScaleError
+from zerojax.errors import LossScaleError, NonFiniteError
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from zerojax.checkpoint import PendingSave
 
 
-class Engine:
+class Engine(DeepSpeedAPI):
     """Training state plus compiled train/eval steps for one config, mesh and model."""
 
     def __init__(self, config: Config | Mapping[str, Any] | str, params: Any, loss_fn: LossFn, mesh: Mesh, *,
@@ -46,7 +47,7 @@ class Engine:
         config = load_config(config)  # a Config, a dict or a file path, as `initialize` takes it
         if plan is None:
             plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                             layer_axes=layer_axes)
+                             layer_axes=layer_axes, logical_axes=getattr(loss_fn, "logical_axes", None))
         else:
             if optimizer is not None or lr_scheduler is not None or layer_axes is not None:
                 raise TypeError("Engine: with plan= the optimizer, scheduler and layer axes are the plan's; "
@@ -67,6 +68,8 @@ class Engine:
         self._in_flight = InFlight()  # multi-process: no process runs steps ahead of its devices
         self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
         self.loaded_extra: dict[str, Any] = {}
+        self._start_trio()
+        self._last_metrics: dict[str, jax.Array] | None = None
 
     # -- training ---------------------------------------------------------------------------
     def place_batch(self, batch: Any, rows: int | None = None) -> Any:
@@ -97,12 +100,17 @@ class Engine:
         Returns once the step is dispatched and the previous one has finished, so the host builds
         and sends the next batch while this step runs (`dispatch_ahead`). With dynamic fp16 an
         overflow at the minimum loss scale still raises `LossScaleError` from the call of the very
-        step that overflowed, as DeepSpeed does.
+        step that overflowed, as DeepSpeed does. A non-finite loss or gradient is skipped (counted in
+        `skipped_steps`) and `run.non_finite_limit` of them in a row raise `NonFiniteError` from the
+        call of the step that reached the limit; with `run.non_finite: stop` the step is applied and
+        the next call raises, naming the step and the first non-finite leaf.
         """
         batch = self._checked(batch, check_batch, self.plan.batch.train_batch_size)
         risk = self._stuck_risk() if self.dispatch_ahead else None  # read before the step donates the state
+        previous = self._last_metrics
         self.state, metrics = self._train_step(self.state, batch)
         self._in_flight.add(metrics)
+        self._last_metrics = metrics
         if not self.dispatch_ahead:
             jax.block_until_ready(metrics)
         # Only a step whose input scale already sits at the minimum with its hysteresis spent can set
@@ -114,7 +122,21 @@ class Engine:
             # sticky and forces the overflow path in step._overflow): nothing is applied, and the
             # next call raises again.
             raise LossScaleError(loss_scale_message(self.plan, self.state))
+        self._check_non_finite(previous, metrics)
         return metrics
+
+    def _check_non_finite(self, previous: dict[str, jax.Array] | None, metrics: dict[str, jax.Array]) -> None:
+        """`run.non_finite`'s stop, read from the previous step's metrics (finished by now, so no extra
+        wait) and from this step's only when it could be the one that reaches the limit."""
+        sc = self.plan.scaler
+        if sc.dynamic or "non_finite" not in metrics:
+            return
+        if sc.check_finite:
+            if sc.limit and (previous is None or int(previous["skipped_streak"]) >= sc.limit - 1) \
+                    and int(metrics["skipped_streak"]) >= sc.limit:
+                raise NonFiniteError(non_finite_message(self.plan, self.state, int(metrics["skipped_streak"])))
+        elif previous is not None and bool(previous["non_finite"]):
+            raise NonFiniteError(non_finite_message(self.plan, self.state, 0))
 
     #: False: `train_batch` waits for its own step before returning (one host sync per step, the
     #: behaviour before dispatch-ahead); for timing comparisons and debugging.
@@ -138,6 +160,11 @@ class Engine:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
         batch = self._checked(batch, check_eval_batch)
         return self._eval_step(self.state.params, batch)
+
+    @property
+    def last_metrics(self) -> dict[str, jax.Array] | None:
+        """The metrics of the latest `train_batch` (None before one): loss, grad_norm, lr, ..."""
+        return self._last_metrics
 
     @property
     def train_step_fn(self) -> Callable[[TrainState, Any], Any]:
@@ -248,6 +275,19 @@ def loss_scale_message(plan: Plan, state: TrainState) -> str:
             f"skipped; the first of them had non-finite gradients in {shown or 'no leaf (forced)'}. "
             f"Train with bf16.enabled: true instead of fp16 (no loss scaling needed), or lower the "
             f"learning rate / check the data for inf and NaN")
+
+
+def non_finite_message(plan: Plan, state: TrainState, streak: int) -> str:
+    """Where training went non-finite: the step, the first non-finite leaves, and what to change."""
+    scaler = jax.device_get(state.scaler)
+    paths = plan.leaf_paths
+    bad = [paths[i] for i in np.flatnonzero(scaler.first_bad)]
+    where = (", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")) if bad else "the loss only"
+    first = int(scaler.last_overflow) + 1 if streak == 0 else int(state.step) - streak + 1
+    what = (f"{streak} consecutive steps skipped (run.non_finite_limit) with a non-finite loss or gradients, "
+            f"the first at step {first}" if streak else f"a non-finite loss or gradients at step {first} (run.non_finite: stop)")
+    return (f"{what}; non-finite first in {where}. Lower optimizer.params.lr (or warm it up), check the data "
+            f"for inf and NaN, or raise run.non_finite_limit")
 
 
 def validate_tag(mine: str, process0: str, mode: str) -> None:

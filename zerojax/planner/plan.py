@@ -18,7 +18,7 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
-from zerojax.core.mesh import DATA_INNER, STAGE, data_size
+from zerojax.core.mesh import DATA_INNER, STAGE, data_axes, data_size
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
@@ -30,7 +30,7 @@ __all__ = ["make_plan", "plan", "step_rule"]
 
 def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None,
               layer_axes: Any = None, optimizer: ClientOptimizer | None = None,
-              lr_scheduler: ScheduleFn | None = None) -> Plan:
+              lr_scheduler: ScheduleFn | None = None, logical_axes: Any = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 
     `params` may be real arrays, `jax.ShapeDtypeStruct`s or an unbuilt `init_params(...)`; only
@@ -43,6 +43,9 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     the loss), so `stage3_param_persistence_threshold` compares with one layer's slice.
     `optimizer` / `lr_scheduler` are DeepSpeed's client optimizer and scheduler (see
     `zerojax.optim.transforms.update_rule`); the config's optimizer section is used without them.
+    `logical_axes`: the model's own annotations, a tuple of logical axis names per leaf (None for a
+    leaf without); default: those `zerojax.from_nnx` found (`params.logical_axes`). A leaf whose names
+    include the mesh's data axis is sharded along that dimension; the others are kept in the plan.
     `config` is a Config, a dict or a config file path.
     `mesh` may be a `jax.sharding.AbstractMesh` (sizes and axis names, no devices): the plan then
     serves byte counting only (`Plan.report()`, `zerojax.tools.estimate`) for a cluster that need not
@@ -51,6 +54,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     config = as_config(config)
     check_supported(config)
     origin = fingerprint(config)
+    if logical_axes is None:
+        logical_axes = getattr(params, "logical_axes", None)
     params = abstract_params(params)
     tx, schedule, opt = update_rule(config, optimizer, lr_scheduler)
     config = dataclasses.replace(config, optimizer=opt)  # "client" for an optimizer from code
@@ -90,8 +95,16 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
                 raise ValueError(f"plan: with lead={lead!r} every leaf's dimension 0 must be the "
                                  f"{lead} axis size {mesh.shape[lead]}, got shape {x.shape}")
     split = () if lead is None else ((0, lead),)
-    layouts = jax.tree.map(lambda x, k: leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k,
-                                                    split=split), abstract, axes)
+    names = _names_per_leaf(logical_axes, abstract)
+    data = set(data_axes(mesh)) if isinstance(data_axes(mesh), tuple) else {data_axes(mesh)}
+
+    def layout(x: Any, k: int, leaf_names: Any) -> LeafLayout:
+        prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
+                       (isinstance(n, tuple) and set(n) & data)), None)
+        lay = leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k, split=split, prefer=prefer)
+        return dataclasses.replace(lay, names=leaf_names)
+
+    layouts = jax.tree.map(layout, abstract, axes, names)
     zero = config.zero_optimization
     if zero.zero_hpz_partition_size > 1:
         _check_hpz(config, mesh, lead)
@@ -168,6 +181,24 @@ def _check_quantized(config: Config) -> None:
             raise ConfigError(f"zero_optimization.{key}: ZeRO++ quantizes stage 3's parameter gathers and their "
                               f"gradient reduce-scatters; stage {zero.stage} has none; set stage: 3 or remove it")
 
+
+
+def _names_per_leaf(logical_axes: Any, abstract: Any) -> Any:
+    """A tuple of names (or None) per leaf; a tree that does not match the parameters is one error."""
+    if logical_axes is None:
+        return jax.tree.map(lambda _: None, abstract)
+    is_names = lambda x: x is None or isinstance(x, tuple)  # noqa: E731
+    try:
+        names = jax.tree.map(lambda a, x: a, logical_axes, abstract, is_leaf=is_names)
+    except (ValueError, TypeError) as e:
+        reason = str(e).splitlines()[0].rstrip(":")
+        raise ValueError(f"plan: logical_axes must be shaped like the parameters (a tuple of names or None per "
+                         f"leaf): {reason}") from None
+    for (path, x), leaf in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(names, is_leaf=is_names)):
+        if leaf is not None and len(leaf) != len(x.shape):
+            raise ValueError(f"plan: logical_axes{jax.tree_util.keystr(path)} = {leaf} names {len(leaf)} dimensions "
+                             f"but the parameter has shape {tuple(x.shape)}")
+    return names
 
 
 def _layer_axes_per_leaf(layer_axes: Any, abstract: Any) -> Any:

@@ -50,9 +50,11 @@ def scaler_config(config: Config) -> ScalerConfig:
         initial = 2.0 ** fp16.initial_scale_power
     else:
         initial = fp16.loss_scale if fp16.enabled else 1.0
-    return ScalerConfig(dynamic=dynamic, check_finite=fp16.enabled or config.bf16.check_grad_overflow,
+    check = fp16.enabled or config.bf16.check_grad_overflow
+    return ScalerConfig(dynamic=dynamic, check_finite=check,
                         initial=float(initial), window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                        consecutive=fp16.consecutive_hysteresis, min_scale=float(fp16.min_loss_scale))
+                        consecutive=fp16.consecutive_hysteresis, min_scale=float(fp16.min_loss_scale),
+                        limit=config.run.non_finite_limit if check and not dynamic else 0)
 
 
 def _kind(pin_memory: bool) -> str:

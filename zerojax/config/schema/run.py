@@ -91,12 +91,18 @@ class RunConfig:
         None, "Where checkpoints go (default: <output_dir>/checkpoints of this run).")
     save_every: Optional[int] = option(None, "Steps between checkpoints (a final one is always saved; "
                                              "null: only the final one).", gt=0)
-    non_finite: str = option("stop", "A non-finite loss or gradient norm in a bf16/fp32 run. stop: the run "
-                                     "stops when the metrics are next fetched (print steps, saves), naming the "
-                                     "step and the first non-finite gradients, saves nothing past it and exits 1. "
-                                     "skip_step: the step is skipped as fp16 skips overflows (sets "
-                                     "bf16.check_grad_overflow); the run stops only if the parameters themselves "
-                                     "turn non-finite.", choices=("stop", "skip_step"))
+    non_finite: str = option("skip_step", "A non-finite loss or gradient in a bf16/fp32 run (on every path: train.py, "
+                                          "the engine and the library step). skip_step: the update is skipped and "
+                                          "counted in skipped_steps, as fp16 skips overflows (sets "
+                                          "bf16.check_grad_overflow); after run.non_finite_limit consecutive ones "
+                                          "training stops, naming the step and the first non-finite leaf. stop: "
+                                          "the update is applied (DeepSpeed's bf16 default) and training stops at "
+                                          "the next check (train.py: when metrics are fetched; the engine: at the "
+                                          "next train_batch), saving nothing past it.",
+                             choices=("stop", "skip_step"))
+    non_finite_limit: int = option(8, "With run.non_finite: skip_step, consecutive skipped non-finite steps after "
+                                      "which training stops (train.py exits 1; engine.train_batch raises "
+                                      "NonFiniteError); 0: never.", ge=0)
     signal_save_seconds: int = option(120, "On SIGINT, SIGTERM or SIGUSR1: at most this many seconds to save a "
                                            "checkpoint before the run exits (130, 143, 138).", gt=0)
     sample_tokens: int = option(48, "Tokens of text generated from the trained model and printed at the end of "

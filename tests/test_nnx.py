@@ -1,0 +1,157 @@
+"""A Flax model written the way the Flax examples write one, trained with no glue.
+
+`LM` follows the style of flax's `examples/lm1b_nnx` TransformerLM (written here, not copied): kernels
+annotated with `nnx.with_partitioning` logical axes, an `nnx.MultiHeadAttention` with its `decode`
+attribute, Dropout holding the `nnx.Rngs` it was built with, and the embedding reused as the output
+layer. (Attention without biases: a key bias has no effect on softmax attention, so its gradient is
+rounding noise that Adam would amplify into different values at every stage.) No `jax.set_mesh`, no wrapper: `from_nnx` and `initialize` take it as it is.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zerojax
+from helpers import assert_tree_close, data_mesh, to_numpy
+from zerojax.core.collectives import Shard
+
+VOCAB, D, HEADS, LAYERS, SEQ = 64, 32, 2, 2, 8
+
+
+def part(init, names):
+    return nnx.with_partitioning(init, names)
+
+
+class Block(nnx.Module):
+    def __init__(self, dropout: float, *, rngs: nnx.Rngs):
+        dense = nnx.initializers.xavier_uniform()
+        self.attention = nnx.MultiHeadAttention(
+            HEADS, D, qkv_features=D, decode=False, dropout_rate=0.0, use_bias=False, rngs=rngs,
+            kernel_init=part(dense, ("embed", "heads", "kv")), out_kernel_init=part(dense, ("heads", "kv", "embed")))
+        self.up = nnx.Linear(D, 4 * D, kernel_init=part(dense, ("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(4 * D, D, kernel_init=part(dense, ("mlp", "embed")), rngs=rngs)
+        self.norm1 = nnx.LayerNorm(D, scale_init=part(nnx.initializers.ones, ("embed",)), rngs=rngs)
+        self.norm2 = nnx.LayerNorm(D, scale_init=part(nnx.initializers.ones, ("embed",)), rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.dropout(self.attention(self.norm1(x), mask=mask, decode=False))
+        return x + self.dropout(self.down(nnx.relu(self.up(self.norm2(x)))))
+
+
+class LM(nnx.Module):
+    def __init__(self, dropout: float = 0.1, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(nnx.initializers.normal(0.02), ("vocab", "embed")),
+                               rngs=rngs)
+        self.blocks = nnx.List([Block(dropout, rngs=rngs) for _ in range(LAYERS)])
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.dropout(self.embed(tokens))
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.embed.attend(x)
+
+
+def loss(model: LM, batch: dict) -> jax.Array:
+    logits = model(batch["tokens"][:, :-1])
+    labels = batch["tokens"][:, 1:]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+
+
+def config(stage: int, **extra) -> dict:
+    return {"train_batch_size": 16, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "gradient_clipping": 1.0, **extra}
+
+
+def batches(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [{"tokens": rng.integers(0, VOCAB, size=(16, SEQ + 1)).astype(np.int32)} for _ in range(n)]
+
+
+def train(stage: int, steps: int, dropout: float = 0.1, model_loss=loss) -> tuple[list[float], zerojax.Engine]:
+    params, loss_fn = zerojax.from_nnx(lambda: LM(dropout, rngs=nnx.Rngs(0)), model_loss)
+    engine = zerojax.initialize(config(stage), params=params, loss_fn=loss_fn, mesh=data_mesh())
+    return [float(engine.train_batch(b)["loss"]) for b in batches(steps)], engine
+
+
+def test_annotated_model_needs_no_mesh_context_and_keeps_its_annotations() -> None:
+    params, loss_fn = zerojax.from_nnx(lambda: LM(rngs=nnx.Rngs(0)), loss)
+    assert loss_fn.logical_axes["embed"]["embedding"] == ("vocab", "embed")
+    assert loss_fn.logical_axes["blocks"][0]["up"]["kernel"] == ("embed", "mlp")
+    assert loss_fn.logical_axes["blocks"][0]["up"]["bias"] is None
+    plan = zerojax.plan(config(3), data_mesh(), params)
+    assert plan.layouts["blocks"][0]["up"]["kernel"].names == ("embed", "mlp")
+    note = plan.annotations()
+    assert note.startswith("model annotations: ") and "embed, heads, kv, mlp, vocab" in note
+    assert "none names an axis of this mesh (data)" in note
+
+
+def test_an_annotation_naming_the_data_axis_is_honoured() -> None:
+    """A kernel annotated ("embed", "data") is sharded along its second dimension, where ZeRO's own rule
+    would pick the first."""
+    class Tiny(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.a = nnx.Linear(16, 32, kernel_init=part(nnx.initializers.lecun_normal(), ("embed", "data")), rngs=rngs)
+            self.b = nnx.Linear(16, 32, rngs=rngs)
+
+    params, _ = zerojax.from_nnx(lambda: Tiny(nnx.Rngs(0)), lambda m, b: 0.0)
+    plan = zerojax.plan(config(3), data_mesh(), params)
+    assert plan.layouts["a"]["kernel"].param == Shard(1)
+    assert plan.layouts["b"]["kernel"].param == Shard(0)
+    assert "follows the ones naming mesh axes (data)" in plan.annotations()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_stage_3_equals_stage_0_with_and_without_dropout(dropout: float) -> None:
+    l0, e0 = train(0, 3, dropout)
+    l3, e3 = train(3, 3, dropout)
+    np.testing.assert_allclose(l3, l0, rtol=2e-5)
+    assert_tree_close(to_numpy(e3.params), to_numpy(e0.params), rtol=1e-4, atol=1e-6, what=f"dropout {dropout}")
+
+
+def test_dropout_masks_change_every_step_and_are_off_in_evaluation() -> None:
+    """Same batch, same parameters: a different loss on each step's draw, one deterministic eval loss."""
+    params, loss_fn = zerojax.from_nnx(lambda: LM(0.5, rngs=nnx.Rngs(0)), loss)
+    plan = zerojax.plan(config(0, optimizer={"type": "SGD", "params": {"lr": 0.0}}, zero_allow_untested_optimizer=True),
+                        data_mesh(), params)
+    state = zerojax.init_state(plan, params)
+    step = zerojax.make_train_step(plan, loss_fn)
+    batch = batches(1)[0]
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert len(set(losses)) == 3, losses
+    evaluate = zerojax.make_eval_step(plan, loss_fn)
+    assert float(evaluate(state.params, batch)) == float(evaluate(state.params, batch))
+    assert float(evaluate(state.params, batch)) not in losses
+
+
+def test_a_resumed_run_draws_the_masks_an_uninterrupted_one_draws(tmp_path) -> None:
+    full, engine = train(3, 4)
+    params, loss_fn = zerojax.from_nnx(lambda: LM(0.1, rngs=nnx.Rngs(0)), loss)
+    first = zerojax.initialize(config(3), params=params, loss_fn=loss_fn, mesh=data_mesh())
+    for b in batches(2):
+        first.train_batch(b)
+    first.save_checkpoint(str(tmp_path))
+    first.wait_for_checkpoint()
+    resumed = zerojax.initialize(config(3), params=params, loss_fn=loss_fn, mesh=data_mesh())
+    resumed.load_checkpoint(str(tmp_path))
+    rest = [float(resumed.train_batch(b)["loss"]) for b in batches(4)[2:]]
+    np.testing.assert_allclose(rest, full[2:], rtol=1e-6)
+    assert_tree_close(to_numpy(resumed.params), to_numpy(engine.params), rtol=1e-6, atol=1e-7, what="resumed")
+
+
+def test_a_loss_taking_rngs_gets_fresh_keys() -> None:
+    """`loss(model, batch, rngs)`: the keys come from the step, so the noise differs per step."""
+    def noisy(model: LM, batch: dict, rngs: nnx.Rngs) -> jax.Array:
+        return loss(model, batch) + 0.1 * jax.random.normal(rngs.noise(), ())
+
+    losses, _ = train(0, 3, dropout=0.0, model_loss=noisy)
+    plain, _ = train(0, 3, dropout=0.0)
+    assert abs(losses[0] - plain[0]) > 1e-6 and len(set(np.round(np.subtract(losses, plain), 6))) == 3
