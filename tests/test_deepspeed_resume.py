@@ -1,5 +1,7 @@
 """Continuing a DeepSpeed run: a ZeRO checkpoint in DeepSpeed's layout (written by the project's own
 writer, as torch is not a dependency) imported and continued on 8 devices at every stage, exactly."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -163,3 +165,46 @@ def test_export_deepspeed_fp32_state_dict(tmp_path, run):
     assert list(exported) == sorted(expected, key=list(exported).index) and set(exported) == set(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
+def test_train_py_resumes_a_deepspeed_folder_and_cli(tmp_path):
+    """`train.py --resume DS/global_stepN` imports into a new run and continues; `zerojax
+    import-deepspeed` and `export --format deepspeed` as a user runs them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zerojax.config import load_config as load
+
+    root = Path(__file__).resolve().parents[1]
+    sets = ["run.steps=5", "run.log_every=1", "model.d_model=32", "model.n_layers=2", "model.seq_len=16",
+            "data.max_bytes=50000", "run.eval_batches=1", "run.progress=false", "run.sample_tokens=0",
+            "scheduler.params.total_num_steps=5", "scheduler.params.warmup_num_steps=3"]
+    cfg = load(str(root / "configs" / "zero2.yaml"), sets)
+    params = jax.device_get(jax.jit(lambda: gpt.init_params(cfg.model, 1))())
+    named = hf_named(cfg, params)
+    zeros = {k: np.zeros_like(v) for k, v in named.items()}
+    ds.write_checkpoint(tmp_path / "ds", "global_step3", named, zeros, zeros, stage=3, dp=2, step=3, global_steps=3,
+                        global_samples=3 * cfg.train_batch_size, skipped_steps=0, lr=1e-3,
+                        lr_scheduler={"last_batch_iteration": 2})
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+
+    def run(*args):
+        done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    out = run("train.py", "--config", "configs/zero2.yaml", "--set", *sets, f"run.output_dir={tmp_path / 'run'}",
+              "--resume", str(tmp_path / "ds" / "global_step3")).stdout
+    assert "imported DeepSpeed checkpoint" in out and "at step 3" in out
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [4, 5]
+    done = run("-m", "zerojax.cli", "import-deepspeed", str(tmp_path / "ds"), str(tmp_path / "zj"), "--config",
+               "configs/zero2.yaml", "--set", *sets)
+    assert "--resume" in done.stdout and (tmp_path / "zj" / "global_step3" / "meta.json").is_file()
+    run("-m", "zerojax.cli", "export", str(tmp_path / "zj"), "--format", "deepspeed", "--out", str(tmp_path / "sd.bin"))
+    exported = torch_zip.load(tmp_path / "sd.bin")
+    assert set(exported) == set(named)
+    np.testing.assert_array_equal(exported["transformer.h.1.attn.c_attn.weight"], named["transformer.h.1.attn.c_attn.weight"])
