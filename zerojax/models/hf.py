@@ -427,7 +427,8 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
         raise ConfigError(f"export --format hf: the parameters in {tag_dir} are not those of the {cfg.name} model "
                           f"its config names (a custom model?); export it with --format safetensors")
     shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
-    sources = [ck.join(meta["truth"], name) for name in saved]
+    from zerojax.core.names import join
+    sources = [join(meta["truth"], name) for name in saved]
     leaves = ((tuple(name.split(".")), array) for (name, _), (_, array) in
               zip(saved.items(), ck.read_leaves(tag_dir / ck.STATE_DIR, sources)))
     return write_params(out, cfg, leaves, shapes, hf_dtype,
