@@ -1,4 +1,4 @@
-"""`zerojax train | launch | export | import-hf | tokenize | plot | sample | config explain`: the command line over
+"""`zerojax train | launch | export | import-hf | import-deepspeed | tokenize | plot | sample | config explain`: the command line over
 load_config and the trainer."""
 from __future__ import annotations
 
@@ -36,13 +36,27 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     export.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     export.add_argument("--force", action="store_true", help="replace --out if it already exists")
-    export.add_argument("--format", default="safetensors", choices=("safetensors", "hf"),
+    export.add_argument("--format", default="safetensors", choices=("safetensors", "hf", "deepspeed"),
                         help="safetensors: zerojax's parameter names in one file; hf: config.json + "
-                             "model.safetensors with transformers' names (llama and gpt models)")
+                             "model.safetensors with transformers' names (llama and gpt models); deepspeed: "
+                             "the fp32 state dict DeepSpeed's zero_to_fp32.py writes (pytorch_model.bin; "
+                             "--out a file or folder)")
 
     import_hf = sub.add_parser("import-hf", help="check a local Hugging Face transformers checkpoint folder and "
                                                  "print the model keys that train from it")
     import_hf.add_argument("directory", help="folder with config.json and model.safetensors (or its index)")
+
+    import_ds = sub.add_parser("import-deepspeed", help="turn a DeepSpeed ZeRO checkpoint (global_stepN/ or the folder "
+                                                        "holding `latest`) into a zerojax checkpoint that --resume "
+                                                        "continues on any mesh and stage")
+    import_ds.add_argument("source", help="DeepSpeed's save_checkpoint folder, or one of its global_stepN folders")
+    import_ds.add_argument("destination", help="the zerojax checkpoint folder to write (e.g. runs/x/checkpoints)")
+    import_ds.add_argument("--config", required=True, action="append",
+                           help="the run's config: the model (model.*), optimizer and scheduler it continues with")
+    import_ds.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
+    import_ds.add_argument("--tag", default=None, help="tag to write (default: DeepSpeed's, e.g. global_step100)")
+    import_ds.add_argument("--weights-only", action="store_true",
+                           help="weights and counters only, a fresh optimizer state (a non-Adam DeepSpeed optimizer)")
 
     tok = sub.add_parser("tokenize", help="tokenize a JSONL or text corpus once into a flat token file "
                                           "(data.source: tokens), so runs do not re-tokenize it at every start")
@@ -126,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _export(args)
         if args.command == "import-hf":
             return _import_hf(args)
+        if args.command == "import-deepspeed":
+            return _import_deepspeed(args)
         if args.command == "tokenize":
             return _tokenize(args)
         if args.command in ("plot", "sample"):
@@ -170,6 +186,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from zerojax.app.deepspeed import check_not_deepspeed
+    check_not_deepspeed(args.checkpoint_dir)
+    if args.format == "deepspeed":
+        if args.dtype != "fp32":
+            raise ConfigError("export --format deepspeed: zero_to_fp32.py's state dict is fp32; drop --dtype")
+        from zerojax.app.deepspeed import export_fp32_state_dict
+        print(f"wrote {export_fp32_state_dict(args.checkpoint_dir, args.tag, args.out, overwrite=args.force)}")
+        return 0
     if args.format == "hf":
         from zerojax.models.hf import export_checkpoint
         path = export_checkpoint(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force)
@@ -184,6 +208,21 @@ def _export(args: argparse.Namespace) -> int:
 def _import_hf(args: argparse.Namespace) -> int:
     from zerojax.models.hf import describe
     print(describe(args.directory))
+    return 0
+
+
+def _import_deepspeed(args: argparse.Namespace) -> int:
+    config = load_config(_one_config(args.config), args.set)
+    _start(config)
+    if config.mesh.stage > 1:
+        raise ConfigError("import-deepspeed: mesh.stage > 1 (a pipeline) is not imported; import with mesh.stage: 1 "
+                          "(the checkpoint then resumes on any data-parallel mesh and ZeRO stage)")
+    from zerojax.app.deepspeed import import_into
+    from zerojax.app.trainer import build_model
+    from zerojax.planner.mesh import make_mesh
+    plan = build_model(config, make_mesh(config)).plan
+    tag_dir = import_into(args.source, args.destination, plan, config, tag=args.tag, weights_only=args.weights_only)
+    print(f"wrote {tag_dir}; continue the run with: python train.py --config {args.config[0]} --resume {tag_dir}")
     return 0
 
 

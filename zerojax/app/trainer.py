@@ -107,7 +107,9 @@ def train(config: Config, resume: str | None = None) -> dict[str, Any]:
 
     `resume` is None for a fresh run; "latest", a checkpoint tag, or the path of a run, checkpoint or
     tag folder to continue a run under `run.output_dir` exactly where its checkpoint left off (state,
-    schedule and data position): `preflight.resume_target` says which run that is.
+    schedule and data position): `preflight.resume_target` says which run that is. A DeepSpeed
+    checkpoint folder (`global_stepN/` or the folder holding `latest`) is imported into a new run's
+    checkpoint folder first (app/deepspeed.py), then resumed the same way.
     A run that makes no progress for `distributed.hang_timeout` seconds fails (zerojax.runtime.watchdog).
     """
     with watching(config.distributed.hang_timeout):
@@ -123,18 +125,29 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     mesh = make_mesh(config)
     model = build_model(config, mesh)
     plan = model.plan
+    # `--resume PATH` of a DeepSpeed checkpoint: a fresh run whose first checkpoint is that one, imported.
+    from zerojax.app.deepspeed import is_deepspeed_checkpoint
+    deepspeed = resume if resume and is_deepspeed_checkpoint(resume) else None
+    if deepspeed and model.pipeline is not None:
+        raise ConfigError(f"--resume {deepspeed}: a DeepSpeed checkpoint continues with mesh.stage: 1 (any data "
+                          f"mesh and ZeRO stage), not in a pipeline")
 
     # Process 0 picks the folders (it alone writes run files) and holds the run's lock; every process
     # writes checkpoint shards.
     folders: list[run_dirs.RunFolders] = []
 
     def choose() -> str:
-        folders.append(run_dirs.choose(config, plan, resume, jax.process_count()))
+        folders.append(run_dirs.choose(config, plan, None if deepspeed else resume, jax.process_count()))
         return json.dumps([str(folders[0].out), str(folders[0].ckpt_dir), folders[0].tag])
 
     out_name, ckpt_name, resume_tag = json.loads(agreed(choose))
     out, ckpt_dir = Path(out_name), Path(ckpt_name)
     try:
+        if deepspeed:  # every process places its shards; the tag is then resumed like any other
+            from zerojax.app.deepspeed import import_into
+            beat(f"importing DeepSpeed checkpoint {deepspeed}", allowance=FIRST_STEP_ALLOWANCE)
+            resume_tag = import_into(deepspeed, ckpt_dir, plan, config).name
+            _say(f"imported DeepSpeed checkpoint {deepspeed} as {ckpt_dir / resume_tag}")
         run = _start(config, mesh, model, out, ckpt_dir, resume, resume_tag)
     except BaseException:
         for f in folders:  # nothing was written: leave no empty folder and no lock behind

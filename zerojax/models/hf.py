@@ -46,9 +46,11 @@ SINGLE_FILE = "model.safetensors"
 
 class Source(NamedTuple):
     """One zerojax leaf's transformers tensor: `name` (with `{i}` for a stacked layer's index),
-    stored transposed ([out, in], torch's Linear) or not."""
+    stored transposed ([out, in], torch's Linear) or not. `prefix_rows`: the tensor may have more
+    rows than the leaf, which takes the first ones (GPT-2's position table, n_positions >= seq_len)."""
     name: str
     transpose: bool = False
+    prefix_rows: bool = False
 
 
 def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
@@ -69,7 +71,8 @@ def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
 def _gpt2_names(prefix: str, head: str | None) -> dict[tuple[str, ...], Source]:
     """`prefix`: "transformer." (GPT2LMHeadModel) or "" (GPT2Model, as the original uploads are)."""
     block = prefix + "h.{i}."
-    names = {("embed", "embedding"): Source(prefix + "wte.weight"), ("pos",): Source(prefix + "wpe.weight"),
+    names = {("embed", "embedding"): Source(prefix + "wte.weight"),
+             ("pos",): Source(prefix + "wpe.weight", prefix_rows=True),
              ("ln_f", "scale"): Source(prefix + "ln_f.weight"), ("ln_f", "bias"): Source(prefix + "ln_f.bias"),
              ("head", "kernel"): Source(head or prefix + "wte.weight", transpose=True)}
     for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
@@ -171,6 +174,27 @@ def _names_for(cfg: Any, ckpt: Checkpoint) -> dict[tuple[str, ...], Source]:
     return _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in ckpt else None)
 
 
+def deepspeed_sources(cfg: Any, names: Any) -> dict[str, Source]:
+    """The name table for a DeepSpeed checkpoint of this model written by the Hugging Face Trainer:
+    zerojax leaf (dotted) -> the DeepSpeed parameter name it comes from (`names`: the checkpoint's
+    parameter names, e.g. `model.layers.0.self_attn.q_proj.weight`, `transformer.h.0.attn.c_attn.weight`).
+    The table is `model.hf_checkpoint`'s; GPT-2 with tied embeddings (no `lm_head.weight`: DeepSpeed
+    saves a tied parameter once) fills the GPT's own head from `wte`, as an import does."""
+    present = set(names)
+    if cfg.name == "llama":
+        table = _llama_names(cfg)
+    else:
+        prefix = "transformer." if "transformer.wte.weight" in present else ""
+        table = _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in present else None)
+    return {".".join(path): source for path, source in table.items()}
+
+
+def named_tensors(cfg: Any, path: tuple[str, ...], array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """(transformers / HF Trainer name, tensor) of one zerojax leaf of the embedded GPT or Llama: one
+    per layer for a stacked leaf, transposed to torch's [out, in] where the table says so."""
+    yield from _pieces(path, _export_names(cfg)[path], array)
+
+
 def _expected(path: tuple[str, ...], shape: tuple[int, ...], source: Source) -> tuple[int, ...]:
     """The transformers shape of one layer of a zerojax leaf."""
     one = shape[1:] if _stacked(path) else shape
@@ -186,7 +210,7 @@ def _check_shapes(cfg: Any, ckpt: Checkpoint, abstract: Mapping[str, Any],
         for i in range(leaf.shape[0]) if _stacked(path) else [None]:
             name = source.name.format(i=i)
             got = ckpt.shape(name)
-            ok = got == want or (path == ("pos",) and len(got) == 2 and got[1] == want[1] and got[0] >= want[0])
+            ok = got == want or (source.prefix_rows and len(got) == 2 and got[1] == want[1] and got[0] >= want[0])
             if not ok:
                 raise HFError(f"model.hf_checkpoint: tensor {name} in {ckpt.file(name)} has shape {list(got)}, but "
                               f"the model the config describes (model.{_key_of(path)}) needs {list(want)}; the "
@@ -403,7 +427,8 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
         raise ConfigError(f"export --format hf: the parameters in {tag_dir} are not those of the {cfg.name} model "
                           f"its config names (a custom model?); export it with --format safetensors")
     shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
-    sources = [ck.join(meta["truth"], name) for name in saved]
+    from zerojax.core.names import join
+    sources = [join(meta["truth"], name) for name in saved]
     leaves = ((tuple(name.split(".")), array) for (name, _), (_, array) in
               zip(saved.items(), ck.read_leaves(tag_dir / ck.STATE_DIR, sources)))
     return write_params(out, cfg, leaves, shapes, hf_dtype,
