@@ -12,7 +12,7 @@ import pytest
 
 from zerojax import config as cfg
 from zerojax.config import BatchSize, Config, ConfigError, check_supported, load_config, resolve_batch
-from zerojax.config import unsupported_features
+from zerojax.config import ConfigWarning, unsupported_features
 
 ROOT = Path(__file__).resolve().parents[1]
 DP_SIZES = (1, 2, 8)
@@ -876,3 +876,27 @@ def test_config_explain_command_shows_the_auto_fills(capsys: pytest.CaptureFixtu
     assert "derived ('auto': 10 * hidden" in rows["zero_optimization.stage3_param_persistence_threshold"]
     assert "derived ('auto': the Trainer's max_grad_norm default, 1.0)" in rows["gradient_clipping"]
     assert rows["bf16.enabled"].split()[1:] == ["true", "override"]
+
+
+def test_deprecated_offload_keys_warn_with_deepspeeds_words_at_the_users_line(tmp_path) -> None:
+    path = tmp_path / "ds.yaml"
+    path.write_text("train_batch_size: 8\nzero_optimization:\n  stage: 2\n  cpu_offload: true\n"
+                    "  cpu_offload_use_pin_memory: true\n")
+    with pytest.warns(ConfigWarning) as caught:
+        config = load_config(path)
+    assert config.zero_optimization.offload_optimizer.device == "cpu"
+    found = {str(w.message).split(":")[0]: w for w in caught}
+    w = found["zero_optimization.cpu_offload"]
+    assert "Config parameter cpu_offload is deprecated use offload_optimizer instead; mapped to " \
+           "offload_optimizer.device: cpu" in str(w.message)
+    assert (w.filename, w.lineno) == (str(path), 4)
+    assert found["zero_optimization.cpu_offload_use_pin_memory"].lineno == 5
+    with pytest.warns(ConfigWarning) as caught:  # a dict in code: the warning points at this line
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "cpu_offload_param": True}})
+    assert caught[0].filename == __file__
+
+
+def test_a_loss_scaling_key_under_bf16_is_not_sent_to_fp16() -> None:
+    with pytest.raises(ConfigError, match=r"^unknown key 'bf16.loss_scale'; bf16 trains without loss scaling .*"
+                                          r"remove it \(fp16.loss_scale applies to fp16 runs only\)$"):
+        load_config({"train_batch_size": 8, "bf16": {"enabled": True, "loss_scale": 0}})

@@ -226,6 +226,16 @@ def test_cli_estimate_prints_both_modes_and_a_recommendation(tmp_path: Path, cap
     best = E.recommend(list(exact.values()), 16 * 2**30)
     assert f"recommendation: {best.choice.label}" in out
     assert "model states only" in out
+    assert "note: every parameter has fewer than" not in out   # a 7B model's leaves are partitioned
+
+
+def test_estimate_says_when_the_persistence_threshold_keeps_every_leaf_whole(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({**TINY, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10**9}}))
+    assert main(["estimate", "--config", str(cfg), "--devices", "8", "--no-step-time"]) == 0
+    out = capsys.readouterr().out
+    assert "note: every parameter has fewer than zero_optimization.stage3_param_persistence_threshold = " \
+           "1,000,000,000 elements" in out and "set zero_optimization.stage3_param_persistence_threshold=0" in out
 
 
 def test_cli_estimate_errors(tmp_path: Path, capsys) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 import zerojax
 from zerojax.core.nonfinite import NonFiniteGuard
+from zerojax.errors import NonFiniteError
 from zerojax.runtime.preemption import stop_signals
 
 from helpers import data_mesh, make_batch, make_config, mlp_params, mse_loss
@@ -32,19 +33,62 @@ def _nan_batch(rows: int, seed: int) -> dict:
     return batch
 
 
-def test_guard_names_the_first_non_finite_step_and_leaves() -> None:
-    engine = _engine()
+def test_stop_applies_the_step_and_the_next_call_names_it() -> None:
+    """`run.non_finite: stop` (DeepSpeed's bf16 behaviour: non-finite updates are applied): the engine
+    raises from the next train_batch, and the trainer's guard names the same step and leaves."""
+    engine = _engine(run={"non_finite": "stop"})
+    assert not engine.plan.scaler.check_finite
     guard = NonFiniteGuard(engine)
     engine.train_batch(make_batch(16, 0))
     assert guard.problem() is None
-    engine.train_batch(_nan_batch(16, 1))  # step 2: NaN gradients, applied (no skipping by default)
-    engine.train_batch(make_batch(16, 2))
+    engine.train_batch(_nan_batch(16, 1))  # step 2: NaN gradients, applied
+    with pytest.raises(NonFiniteError, match=r"^a non-finite loss or gradients at step 2 \(run.non_finite: stop\); "
+                                             r"non-finite first in \['b_in'\]"):
+        engine.train_batch(make_batch(16, 2))
     problem = guard.problem()
     assert problem is not None and problem.startswith("non-finite gradients at step 2, first in ['b_in']")
 
 
+def test_bf16_check_grad_overflow_false_means_deepspeeds_behaviour() -> None:
+    engine = _engine(bf16={"enabled": True, "check_grad_overflow": False})
+    assert engine.config.run.non_finite == "stop" and not engine.plan.scaler.check_finite
+    with pytest.raises(zerojax.ConfigError, match="run.non_finite: skip_step skips non-finite steps, but "
+                                                  "bf16.check_grad_overflow: false"):
+        _engine(bf16={"enabled": True, "check_grad_overflow": False}, run={"non_finite": "skip_step"})
+
+
+def test_the_limit_of_consecutive_skipped_steps_stops_the_engine() -> None:
+    engine = _engine(run={"non_finite_limit": 3})
+    engine.train_batch(_nan_batch(16, 0))
+    engine.train_batch(_nan_batch(16, 1))
+    engine.train_batch(make_batch(16, 2))              # a clean step ends the streak
+    engine.train_batch(_nan_batch(16, 3))
+    engine.train_batch(_nan_batch(16, 4))
+    with pytest.raises(NonFiniteError, match=r"^3 consecutive steps skipped \(run.non_finite_limit\) with a "
+                                             r"non-finite loss or gradients, the first at step 4; non-finite first "
+                                             r"in \['b_in'\]"):
+        engine.train_batch(_nan_batch(16, 5))        # raised by the call of the step that reached it
+    assert engine.skipped_steps == 5 and engine.global_steps == 6
+
+
+def test_the_library_step_skips_a_non_finite_batch_by_default() -> None:
+    """A hand-written loop over zerojax.make_train_step: one NaN batch no longer poisons later steps."""
+    config = make_config(3, dtype="bf16", train_batch_size=16)
+    plan = zerojax.plan(config, data_mesh(), mlp_params(0))
+    state = zerojax.init_state(plan, mlp_params(0))
+    step = zerojax.make_train_step(plan, mse_loss)
+    state, _ = step(state, make_batch(16, 0))
+    before = jax.device_get(state.master)
+    state, metrics = step(state, _nan_batch(16, 1))
+    assert bool(metrics["skipped"]) and bool(metrics["non_finite"]) and int(metrics["skipped_streak"]) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.master), before)
+    state, metrics = step(state, make_batch(16, 2))
+    assert not bool(metrics["skipped"]) and int(metrics["skipped_streak"]) == 0 and int(state.skipped) == 1
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
+
+
 def test_skip_step_skips_non_finite_gradients() -> None:
-    engine = _engine(run={"non_finite": "skip_step"})
+    engine = _engine()  # skip_step is the default
     assert engine.config.bf16.check_grad_overflow and engine.plan.scaler.check_finite
     engine.train_batch(make_batch(16, 0))
     before = jax.device_get(engine.params)
@@ -64,7 +108,7 @@ def test_infinite_lr_stops_the_run_and_saves_nothing_past_it(tmp_path: Path) -> 
     assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     # lr is 0 at step 1 of the warmup, inf at step 2: the save at step 2 finds inf parameters
     assert err[0].startswith("zerojax: error: non-finite parameters by step 2 in ['blocks']"), err[0]
-    assert "stopped at step 2 without saving" in err[0] and "run.non_finite: skip_step" in err[0]
+    assert "stopped at step 2 without saving" in err[0] and "lower optimizer.params.lr" in err[0]
     assert "no checkpoint was saved" in err[0]
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
     assert not (out / "summary.json").exists()

@@ -3,24 +3,68 @@ checks in the dataclass field metadata, which the loader and the generated docs 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import re
+import sys
 import warnings
 from dataclasses import field
-from typing import Any, Sequence
-
-
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 MISSING = dataclasses.MISSING
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # zerojax/: frames inside it are not the user's
+
+# The config file being loaded, so that a warning points at the user's file and line.
+_SOURCE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("zerojax_config_source", default=None)
 
 
 class ConfigWarning(UserWarning):
     """A key that loads but means nothing here (DeepSpeed ignores it too, or it is not built)."""
 
 
+@contextlib.contextmanager
+def reading(path: Path | None) -> Iterator[None]:
+    """Warnings raised while loading come from `path` (None: a dict given in code)."""
+    token = _SOURCE.set(path)
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
+
+
+def _line_of(text: str, key: str) -> int:
+    """The first line naming the key's last part as a key (JSON, hjson or YAML); 1 if none does."""
+    name = re.escape(key.rsplit(".", 1)[-1])
+    for i, line in enumerate(text.splitlines(), 1):
+        if re.search(rf"(^|[\s{{,])[\"']?{name}[\"']?\s*:", line):
+            return i
+    return 1
+
+
+def warn(path: str, message: str) -> None:
+    """A ConfigWarning that points at the user's config file and the key's line (or at the config
+    given in code), not at the loader's own source."""
+    source = _SOURCE.get()
+    if source is None:  # a config given in code: the caller's line outside zerojax
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+            frame = frame.f_back
+        warnings.warn_explicit(f"{path}: {message}", ConfigWarning, frame.f_code.co_filename, frame.f_lineno,
+                               module=frame.f_globals.get("__name__", "zerojax.config"))
+        return
+    try:
+        line = _line_of(source.read_text(errors="replace"), path)
+    except OSError:
+        line = 1
+    warnings.warn_explicit(f"{path}: {message}", ConfigWarning, str(source), line, module="zerojax.config")
+
+
 def warn_ignored(sources: dict[str, str], path: str, message: str, label: str) -> None:
     """One warning line per ignored key, and its source label for `config explain`."""
     sources[path] = label
-    warnings.warn(f"{path}: {message}", ConfigWarning, stacklevel=4)
+    warn(path, message)
 
 
 def option(default: Any = MISSING, doc: str = "", *, choices: Sequence[Any] | None = None,

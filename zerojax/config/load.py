@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 
 from zerojax.errors import ConfigError
 from zerojax.config.auto import fill_auto
+from zerojax.config.fields import reading
 from zerojax.config.files import load_yaml, reject_duplicates, read_config_file
 from zerojax.config.paths import flatten, show
 from zerojax.config.rules import check_rules, derive
@@ -42,11 +43,12 @@ def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
             del origin[stale]  # the override replaced the whole section
         origin[path] = "override"
     sources: dict[str, str] = {}
-    fills = fill_auto(raw, hidden_size)
-    config = build_section(Config, raw, "", sources, origin)
-    sources.update(fills)
-    config = derive(config, sources)
-    check_rules(config, sources)
+    with reading(Path(src).expanduser().absolute() if isinstance(src, (str, os.PathLike)) else None):
+        fills = fill_auto(raw, hidden_size)
+        config = build_section(Config, raw, "", sources, origin)
+        sources.update(fills)
+        config = derive(config, sources)
+        check_rules(config, sources)
     return dataclasses.replace(config, sources=sources)
 
 

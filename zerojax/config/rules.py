@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from zerojax.config.hf import model_keys
 from zerojax.config.schema.monitoring import OP_NAMES
 from zerojax.errors import ConfigError
-from zerojax.config.fields import ConfigWarning, warn_ignored
+from zerojax.config.fields import warn, warn_ignored
 from zerojax.config.schema.optimizer import AdamParams, LambParams, SGDParams, ZERO_TESTED_OPTIMIZERS
 from zerojax.config.schema.root import BATCH_KEYS
 from zerojax.config.schema.scheduler import OneCycleParams, WarmupLRParams
@@ -56,6 +55,12 @@ def derive(config: Config, sources: dict[str, str]) -> Config:
     if zero.overlap_comm is None:
         zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
         sources["zero_optimization.overlap_comm"] = "derived (true for stage 3)"
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"),
+                     ("cpu_offload_use_pin_memory", "offload_param or offload_optimizer")):
+        if getattr(zero, old) is not None:  # DeepSpeed's words (runtime/config_utils.py), then what it did
+            mapped = ("not mapped: pin_memory is true by default there" if old.endswith("pin_memory") else
+                      f"mapped to {new}.device: cpu" if getattr(zero, old) else "false: nothing to map")
+            warn(f"zero_optimization.{old}", f"Config parameter {old} is deprecated use {new} instead; {mapped}")
     if zero.cpu_offload:
         if zero.offload_optimizer.device not in ("none", "cpu"):
             raise ConfigError("zero_optimization.cpu_offload: true contradicts offload_optimizer.device="
@@ -211,9 +216,9 @@ def _check_averaging(config: Config) -> None:
                           f"run between a gradient and its sum; remove it, or use stage 2 with "
                           f"reduce_scatter: false")
     if zero.stage == 1 and zero.reduce_scatter:
-        warnings.warn(f"{key}: ignored at ZeRO stage 1 with reduce_scatter (DeepSpeed's reduce-scatter path "
-                      f"divides by the data-parallel size before the sum and ignores it too); set "
-                      f"zero_optimization.reduce_scatter: false to use it", ConfigWarning, stacklevel=4)
+        warn(key, "ignored at ZeRO stage 1 with reduce_scatter (DeepSpeed's reduce-scatter path divides by the "
+                  "data-parallel size before the sum and ignores it too); set zero_optimization.reduce_scatter: "
+                  "false to use it")
 
 
 def _check_sections(config: Config) -> None:

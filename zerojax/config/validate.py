@@ -86,6 +86,9 @@ def _did_you_mean(key: str, valid: Sequence[str], noun: str = "keys", where: str
         close = [lowered[key.lower()]] if key.lower() in lowered else []
     if close:
         return f"; did you mean '{close[0]}'?"
+    if where == "bf16" and f"fp16.{key}" in schema_paths():  # a loss-scaling key: not a typo to move
+        return (f"; bf16 trains without loss scaling (its range needs none, and DeepSpeed's bf16 section has no "
+                f"{key}): remove it (fp16.{key} applies to fp16 runs only)")
     if where is not None:
         homes = [p for p in schema_paths() if p.rsplit(".", 1)[-1] == key and p != join_path(where, key)]
         if homes:

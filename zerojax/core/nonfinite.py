@@ -1,11 +1,12 @@
 """Stopping a run whose loss, gradients or parameters went non-finite, without a per-step host sync.
 
-The step itself records the first step with non-finite gradients and their leaves in the scaler
-state (`step._note_non_finite`); the trainer looks at it only where it fetches metrics anyway (logged
-and printed steps) and before every save, so a NaN run stops at the next such point and no
-checkpoint after the bad step is ever written. With skipping on (fp16, bf16.check_grad_overflow,
-`run.non_finite: skip_step`) bad steps leave the state untouched, so only the parameters themselves
-going non-finite (e.g. an infinite learning rate) stops the run.
+By default (`run.non_finite: skip_step`, and always with fp16) a step whose loss or gradients are not
+finite is skipped and leaves the state untouched; the engine stops after `run.non_finite_limit` in a
+row. So here only the parameters themselves going non-finite (e.g. an infinite learning rate) stops
+the run, checked before every save and where the trainer fetches metrics anyway. With
+`run.non_finite: stop` the step records the first step with non-finite gradients and their leaves
+in the scaler state (`step._note_non_finite`), and the run stops at the next such point; no
+checkpoint after the bad step is ever written.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import numpy as np
 from zerojax.core.offload import to_device
 from zerojax.core.precision import leaf_finite
 
-FIX = ("lower optimizer.params.lr (or warm it up), check the data for bad values, or set "
-       "run.non_finite: skip_step to skip steps whose gradients are not finite")
+FIX = ("lower optimizer.params.lr (or warm it up) and check the data for bad values; with "
+       "run.non_finite: stop, set it back to skip_step to skip steps whose gradients are not finite")
 
 
 def _names(paths: list[str], bad: np.ndarray) -> str:

@@ -105,7 +105,7 @@ class DeepSpeedAPI:
         self._backwarded = 0                  # of those, how many went through backward()
         self._micro_losses: dict[int, np.ndarray] = {}  # step -> each micro-batch's loss
         self._training = True
-        self.micro_steps = 0                  # micro-batches through forward and backward (DeepSpeed)
+        self.micro_steps = 0                  # micro-batches through engine.step() (DeepSpeed's count)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the micro-batch being processed ends an optimizer step (DeepSpeed's count)."""
@@ -138,7 +138,6 @@ class DeepSpeedAPI:
             raise RuntimeError("engine.backward(loss): pass the loss engine(batch) returned for the current "
                                "micro-batch; zerojax differentiates the engine's own loss function")
         self._backwarded += 1
-        self.micro_steps += 1
         return loss
 
     def step(self, lr_kwargs: Any = None) -> None:
@@ -148,6 +147,7 @@ class DeepSpeedAPI:
         del lr_kwargs
         if self._backwarded != len(self._queued):
             raise RuntimeError("engine.step(): a micro-batch went through engine(batch) but not engine.backward(loss)")
+        self.micro_steps += 1  # DeepSpeed counts the micro-step here, at the end of its step()
         if len(self._queued) < self.gradient_accumulation_steps():
             return
         batch = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *self._queued)

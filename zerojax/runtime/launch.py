@@ -35,6 +35,8 @@ from zerojax.runtime.watchdog import ENV_HANG_TIMEOUT, EXIT_HUNG, REPORT_PREFIX
 from zerojax.runtime.distributed import (ENV_COORDINATOR, ENV_DEVICES_PER_PROCESS, ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
 _LINE_END = re.compile(rb"(?<=[\r\n])")
+# gloo's per-connection chatter (one line per rank and mesh group at start-up): not the program's output
+_GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's default, used when ports on other hosts cannot be probed
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -319,8 +321,11 @@ class Launcher:
             if lines:
                 with self._lock:
                     for line in lines:
-                        sink.write(prefix + line)
                         text = line.strip()
+                        if _GLOO_CONNECTED.match(text):
+                            continue
+                        # a bare \r or \n (a progress bar redrawing) gets no prefix of its own
+                        sink.write(prefix + line if text else line)
                         if text:
                             child.last.append(text.decode(errors="replace"))
                             if text.startswith(REPORT_PREFIX.encode()) and child.hang_report is None:

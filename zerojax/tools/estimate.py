@@ -119,6 +119,14 @@ class ModelShape:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_params))
 
     @property
+    def largest_leaf_params(self) -> int:
+        """Elements of the largest parameter (one layer's slice of a stacked one): what the stage-3
+        persistence threshold is compared with."""
+        axes = _per_leaf(0 if self.layer_axes is None else self.layer_axes, self.abstract_params)
+        return max(math.prod(x.shape[k:]) for x, k in zip(jax.tree.leaves(self.abstract_params),
+                                                         jax.tree.leaves(axes)))
+
+    @property
     def largest_layer_params(self) -> int:
         """The most parameters one module holds itself (DeepSpeed's `model_to_params`: a module's
         own parameters, without its children's): leaves are grouped by their parent, and a
@@ -563,6 +571,12 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
               f"estimate_zero3_model_states_mem_needs "
               f"(stage 3, zero_init={int(req.zero_init)}), additional_buffer_factor={req.additional_buffer_factor}; "
               f"no estimator for stage 0."]
+    threshold = config.zero_optimization.stage3_param_persistence_threshold
+    if model.largest_leaf_params < threshold:
+        lines += ["", f"note: every parameter has fewer than zero_optimization.stage3_param_persistence_threshold = "
+                      f"{threshold:,} elements (the largest: {model.largest_leaf_params:,}), so ZeRO-3 keeps them all "
+                      f"whole on every device, as DeepSpeed does, and its parameters cost what stage 2's do; set "
+                      f"zero_optimization.stage3_param_persistence_threshold=0 to partition them"]
     activations = req.activations
     act_note = "given"
     if activations is None:
