@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", default="safetensors", choices=("safetensors", "hf"),
                         help="safetensors: zerojax's parameter names in one file; hf: config.json + "
                              "model.safetensors with transformers' names (llama and gpt models)")
+    export.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="--format hf: largest weight file, as transformers' max_shard_size (default 5GB); a "
+                             "larger model is written as shards with model.safetensors.index.json")
+    export.add_argument("--hf-source", default=None, metavar="DIR",
+                        help="--format hf: the transformers folder the run was imported from (default: the one its "
+                             "checkpoint records); tensors the model does not train are copied from it. 'none': "
+                             "write only the model's own tensors")
 
     import_hf = sub.add_parser("import-hf", help="check a local Hugging Face transformers checkpoint folder and "
                                                  "print the model keys that train from it")
@@ -170,10 +177,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format != "hf" and (args.max_shard_size or args.hf_source):
+        raise ConfigError("export: --max-shard-size and --hf-source are options of --format hf; add --format hf "
+                          "or drop them")
     if args.format == "hf":
-        from zerojax.models.hf import export_checkpoint
-        path = export_checkpoint(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force)
-        print(f"wrote {path} (config.json, model.safetensors)")
+        from zerojax.models.hf import DEFAULT_MAX_SHARD_SIZE, export_checkpoint
+        args.max_shard_size = args.max_shard_size or DEFAULT_MAX_SHARD_SIZE
+        path = export_checkpoint(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force,
+                                 source=args.hf_source, max_shard_size=args.max_shard_size)
+        weights = sorted(p.name for p in path.iterdir() if p.name.startswith("model") and p.suffix == ".safetensors")
+        print(f"wrote {path} (config.json, {', '.join(weights) if len(weights) < 4 else f'{len(weights)} shards'})")
         return 0
     from zerojax.checkpoint import export_safetensors
     path = export_safetensors(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force)

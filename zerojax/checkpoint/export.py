@@ -142,3 +142,40 @@ def load_exported(path: PathLike) -> dict[str, Any]:
                 node = node.setdefault(key, {})
             node[leaf] = f.get_tensor(name)
     return params
+
+
+class LeafReader:
+    """Parts of saved arrays read on the host without reading the rest: `read(name, (i,))` is one
+    layer of a stacked leaf, so a caller holds one tensor at a time, not one leaf. Arrays are read
+    with tensorstore from orbax's OCDBT store; a store it cannot open is read through orbax, one
+    whole leaf at a time (the last one is kept for the next part)."""
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = Path(state_dir)
+        self._open: dict[str, Any] = {}
+        self._whole: tuple[str, np.ndarray] | None = None
+
+    def _store(self, name: str) -> Any:
+        if name not in self._open:
+            import tensorstore as ts
+            store = None
+            for driver in ("zarr", "zarr3"):
+                try:
+                    store = ts.open({"driver": driver, "kvstore": {"driver": "ocdbt", "base": f"file://{self.state_dir}/",
+                                                                   "path": name}}, open=True, read=True).result()
+                    break
+                except Exception:  # noqa: BLE001 - not this driver, or not an OCDBT store
+                    continue
+            self._open[name] = store
+        return self._open[name]
+
+    def read(self, name: str, index: tuple[Any, ...] = ()) -> np.ndarray:
+        store = self._store(name)
+        if store is not None:
+            with reading(self.state_dir.parent):
+                return np.asarray(store[index].read().result() if index else store.read().result())
+        if self._whole is None or self._whole[0] != name:
+            self._whole = None  # the previous leaf goes before the next is read
+            (_, array), = read_leaves(self.state_dir, [name])
+            self._whole = (name, array)
+        return np.asarray(self._whole[1][index])
