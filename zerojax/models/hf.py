@@ -328,11 +328,12 @@ def parse_size(size: int | str) -> int:
 
 
 class Tensor(NamedTuple):
-    """One tensor to write: its name, safetensors dtype and shape, and how to make it (when written)."""
+    """One tensor to write: its name, safetensors dtype and shape, and `make(rows)`, which gives the rows
+    `rows` (a slice of the first dimension; `()` for a scalar) when they are written, in any dtype."""
     name: str
     dtype: str
     shape: tuple[int, ...]
-    make: Callable[[], np.ndarray]
+    make: Callable[[Any], np.ndarray]
 
 
 def _header(tensors: list[Tensor], metadata: Mapping[str, str]) -> bytes:
@@ -349,8 +350,43 @@ def _header(tensors: list[Tensor], metadata: Mapping[str, str]) -> bytes:
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
+_WRITE_BLOCK = 16 * 2 ** 20  # bytes converted and copied at a time while writing a tensor
+
+
 def _nbytes(t: Tensor) -> int:
     return math.prod(t.shape) * _ITEMSIZE[t.dtype]
+
+
+def _st_numpy(code: str) -> np.dtype:
+    import ml_dtypes
+    floats = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+    return np.dtype(floats.get(code) or _ST_INTEGERS[code])
+
+
+def _release_freed() -> None:
+    """Hand freed heap memory back to the system (glibc's malloc_trim): the blocks of a large tensor,
+    freed in the reading threads' arenas, would otherwise stay resident until reused."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _write_tensor(f: Any, t: Tensor) -> None:
+    """`t`'s bytes, made, converted and written a block of rows at a time (about `_WRITE_BLOCK`)."""
+    dtype = _st_numpy(t.dtype)
+    if not t.shape:
+        np.ascontiguousarray(t.make(()), dtype=dtype).tofile(f)
+        return
+    step = max(1, _WRITE_BLOCK // max(1, math.prod(t.shape[1:]) * dtype.itemsize))
+    for start in range(0, t.shape[0], step):
+        rows = slice(start, min(start + step, t.shape[0]))
+        block = np.asarray(t.make(rows))
+        if tuple(block.shape) != (rows.stop - start,) + t.shape[1:]:
+            raise ValueError(f"write_safetensors: rows {start}:{rows.stop} of {t.name} are {block.shape}, its header "
+                             f"says {t.shape}")
+        np.ascontiguousarray(block, dtype=dtype).tofile(f)
 
 
 def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -381,11 +417,9 @@ def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | st
                 f.write(struct.pack("<Q", len(blob)))
                 f.write(blob)
                 for t in shard:
-                    array = np.asarray(t.make())
-                    if tuple(array.shape) != t.shape:
-                        raise ValueError(f"write_safetensors: {t.name} is {array.shape}, its header says {t.shape}")
-                    np.ascontiguousarray(array).tofile(f)
-                    del array
+                    _write_tensor(f, t)
+                    if _nbytes(t) > _WRITE_BLOCK:
+                        _release_freed()
                 f.flush()
                 os.fsync(f.fileno())
         for old in out.iterdir():  # an earlier export's shards must not mix with these
@@ -431,20 +465,30 @@ def _layers(path: tuple[str, ...], shape: tuple[int, ...]) -> list[int | None]:
     return list(range(shape[0])) if _stacked(path) else [None]
 
 
-def _model_tensors(cfg: Any, read: Callable[[tuple[str, ...], int | None], np.ndarray],
-                   shapes: Mapping[tuple[str, ...], tuple[int, ...]], dtype: str) -> list[Tensor]:
-    """Every zerojax leaf under its transformers name(s), no source checkpoint: `read(path, layer)`
-    gives one layer of a leaf (the whole leaf for `None`)."""
-    names, np_dtype = _export_names(cfg), _np_dtype(dtype)
+Reader = Callable[[tuple[str, ...], tuple[Any, ...]], np.ndarray]  # (zerojax path, index) -> that part of the leaf
+
+
+def _rows(read: Reader, path: tuple[str, ...], i: int | None, transpose: bool, rows: Any) -> np.ndarray:
+    """Rows `rows` of the transformers tensor that layer `i` of leaf `path` is: read from the leaf
+    alone (its columns, where the tensor is the leaf transposed)."""
+    layer = () if i is None else (i,)
+    if transpose:
+        return read(path, layer + (slice(None), rows)).T
+    return read(path, layer + ((rows,) if rows != () else ()))
+
+
+def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+                   dtype: str) -> list[Tensor]:
+    """Every zerojax leaf under its transformers name(s), no source checkpoint."""
+    names = _export_names(cfg)
     out = []
     for path, shape in shapes.items():
         source = names[path]
         one = tuple(shape[1:]) if _stacked(path) else tuple(shape)
         one = tuple(reversed(one)) if source.transpose else one
         for i in _layers(path, shape):
-            def make(path=path, i=i, source=source) -> np.ndarray:
-                part = read(path, i)
-                return (part.T if source.transpose else part).astype(np_dtype, copy=False)
+            def make(rows: Any, path=path, i=i, source=source) -> np.ndarray:
+                return _rows(read, path, i, source.transpose, rows)
             out.append(Tensor(source.name.format(i=i), _ST_DTYPES[dtype], one, make))
     return out
 
@@ -455,8 +499,7 @@ def save_params(out_dir: str | os.PathLike[str], cfg: Any, params: Mapping[str, 
     flat = dict(_paths(params))
     shapes = {path: tuple(np.shape(x)) for path, x in flat.items()}
     out = Path(out_dir)
-    tensors = _model_tensors(cfg, lambda path, i: np.asarray(flat[path] if i is None else flat[path][i]),
-                             shapes, dtype)
+    tensors = _model_tensors(cfg, lambda path, index: np.asarray(flat[path][index]), shapes, dtype)
     write_safetensors(out, tensors, max_shard_size)
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     return out
@@ -492,15 +535,7 @@ def _changed(record: Mapping[str, Any], now: Mapping[str, Any], where: Mapping[s
     return None
 
 
-def _cast(array: np.ndarray, np_dtype: np.dtype) -> np.ndarray:
-    """Floating tensors in the export's dtype; integer and boolean ones (buffers) as they are."""
-    import ml_dtypes
-    floating = np.issubdtype(array.dtype, np.floating) or array.dtype == np.dtype(ml_dtypes.bfloat16)
-    return array.astype(np_dtype, copy=False) if floating else array
-
-
-def _source_tensors(cfg: Any, src: Checkpoint, read: Callable[[tuple[str, ...], int | None], np.ndarray],
-                    dtype: str) -> tuple[list[Tensor], bool]:
+def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tuple[list[Tensor], bool]:
     """Every tensor of the source checkpoint under its own name and full shape: the parts the model
     trains from the zerojax checkpoint (`read`), the rest (positions past the model's context, buffers,
     tensors the model does not use) copied from the source. GPT-2's tied head: the source stays tied
@@ -516,24 +551,29 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Callable[[tuple[str, ...], 
     for path, leaf in _paths(abstract):
         source = names[path]
         if cfg.name == "gpt" and path == ("head", "kernel") and source.name == names[("embed", "embedding")].name:
-            untied = not np.array_equal(read(path, None).T, read(("embed", "embedding"), None))
+            vocab = leaf.shape[1]
+            step = max(1, _WRITE_BLOCK // (4 * leaf.shape[0]))
+            blocks = [slice(s, min(s + step, vocab)) for s in range(0, vocab, step)]
+            untied = any(not np.array_equal(_rows(read, path, None, True, rows), read(("embed", "embedding"), (rows,)))
+                         for rows in blocks)
             if untied:
-                trained.append(Tensor("lm_head.weight", st_dtype, (leaf.shape[1], leaf.shape[0]),
-                                      lambda: read(("head", "kernel"), None).T.astype(np_dtype)))
+                trained.append(Tensor("lm_head.weight", st_dtype, (vocab, leaf.shape[0]),
+                                      lambda rows: _rows(read, ("head", "kernel"), None, True, rows)))
             continue
         for i in _layers(path, tuple(leaf.shape)):
             name = source.name.format(i=i)
             full = src.shape(name)
 
-            def make(path=path, i=i, source=source, name=name, full=full) -> np.ndarray:
-                part = read(path, i)
-                part = (part.T if source.transpose else part).astype(np_dtype, copy=False)
-                if tuple(part.shape) == full:
-                    return part
-                whole = np.empty(full, np_dtype)  # GPT-2's positions past seq_len: the source's rows
-                whole[:part.shape[0]] = part
-                whole[part.shape[0]:] = _cast(src.read(name, (slice(part.shape[0], None),)), np_dtype)
-                return whole
+            held = _expected(path, tuple(leaf.shape), source)[0]  # rows the model has (GPT-2: seq_len positions)
+
+            def make(rows: Any, path=path, i=i, source=source, name=name, held=held) -> np.ndarray:
+                if rows == () or rows.stop <= held:
+                    return _rows(read, path, i, source.transpose, rows)
+                past = src.read(name, (slice(max(rows.start, held), rows.stop),))  # rows past the model's: the source's
+                if rows.start >= held:
+                    return past
+                return np.concatenate([_rows(read, path, i, source.transpose, slice(rows.start, held)).astype(np_dtype),
+                                       past.astype(np_dtype)])
             trained.append(Tensor(name, st_dtype, full, make))
             taken.add(name)
     copied = []
@@ -545,7 +585,7 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Callable[[tuple[str, ...], 
             raise HFError(f"export --format hf: tensor {name} in {src.root / src.file(name)} has dtype {kind}, "
                           f"which the export cannot copy; export with --hf-source none (only the model's tensors)")
         copied.append(Tensor(name, st_dtype if kind in _ST_FLOATS else kind, src.shape(name),
-                             lambda name=name: _cast(src.read(name, ()), np_dtype)))
+                             lambda rows, name=name: src.read(name, (rows,) if rows != () else ())))
     return trained + copied, untied
 
 
@@ -610,8 +650,8 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
     shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
     reader = LeafReader(tag_dir / ck.STATE_DIR)
 
-    def read(path: tuple[str, ...], i: int | None) -> np.ndarray:
-        return reader.read(join(meta["truth"], ".".join(path)), () if i is None else (i,))
+    def read(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
+        return reader.read(join(meta["truth"], ".".join(path)), index)
 
     record = extra.get("hf_source")
     if source is not None and str(source).lower() == "none":
