@@ -79,8 +79,10 @@ def test_imported_logits_match_transformers(name: str, stage: int) -> None:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_export_then_import_gives_the_exact_weights(name: str, tmp_path: Path) -> None:
-    """Train a step from the checkpoint, save, `zerojax export --format hf`, read it back."""
-    cfg = config(name, 3)
+    """Train a step from the checkpoint, save, `zerojax export --format hf`, read it back. GPT-2 trains
+    16 of its 32 positions: the other rows come back from the source; its own head has moved away
+    from the tied embedding, so the export adds lm_head.weight and unties config.json."""
+    cfg = config(name, 3, **({"seq_len": 16} if name == "gpt2" else {}))
     mesh = data_mesh()
     layout = make_plan(cfg, mesh, hf.abstract_params(cfg.model))
     params = hf.load_params(cfg.model.hf_checkpoint, cfg.model, layout.update_shardings)
@@ -91,9 +93,17 @@ def test_export_then_import_gives_the_exact_weights(name: str, tmp_path: Path) -
     engine.wait_for_checkpoint()
     trained = to_numpy(engine.params)
     out = hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     exported = json.loads((out / "config.json").read_text())
-    assert exported["model_type"] == {"llama": "llama", "gpt2": "gpt2"}[name]
+    source = json.loads((FIXTURES / name / "config.json").read_text())
+    assert exported == ({**source, "tie_word_embeddings": False} if name == "gpt2" else source)
+    with hf.Checkpoint(FIXTURES / name) as src, hf.Checkpoint(out) as got:
+        assert set(got.where) == set(src.where) | ({"lm_head.weight"} if name == "gpt2" else set())
+        if name == "gpt2":  # positions 16-31, which the model does not hold, are the source's
+            wpe = got.read("transformer.wpe.weight", ())
+            np.testing.assert_array_equal(wpe[16:], src.read("transformer.wpe.weight", ())[16:])
+            np.testing.assert_array_equal(wpe[:16], trained["pos"])
+            np.testing.assert_array_equal(got.read("lm_head.weight", ()), trained["head"]["kernel"].T)
     back_cfg = cfg.model
     keys, _ = hf.model_keys(out, back_cfg.seq_len)
     assert all(getattr(back_cfg, k) == v for k, v in keys.items()), keys  # the same model again
@@ -220,9 +230,15 @@ def test_import_hf_command_and_training_from_a_checkpoint(tmp_path: Path) -> Non
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert np.isfinite(records[0]["loss"]) and records[0]["loss"] < 10.0  # not the NaN of out-of-range tokens
     proc = run("-m", "zerojax.cli", "export", str(tmp_path / "run" / "checkpoints"), "--format", "hf",
-               "--out", str(tmp_path / "exported"))
+               "--out", str(tmp_path / "exported"), "--max-shard-size", "100KB")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "4 shards" in proc.stdout
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["num_key_value_heads"] == 2
+    index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    bad = run("-m", "zerojax.cli", "export", str(tmp_path / "run" / "checkpoints"), "--format", "hf",
+              "--out", str(tmp_path / "x"), "--max-shard-size", "5 parsecs")
+    assert bad.returncode == 2 and "--max-shard-size '5 parsecs': give bytes or a size such as 5GB" in bad.stderr
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -253,3 +269,83 @@ def test_gpt2_imports_into_a_shorter_context(stage: int) -> None:
     assert params["pos"].shape[0] == 16
     np.testing.assert_array_equal(to_numpy(params)["pos"], whole["pos"][:16])
     assert hf.read_params(FIXTURES / "gpt2", cfg.model)["pos"].shape[0] == 16
+
+
+def _with_extras(name: str, dst: Path) -> Path:
+    """A fixture as published checkpoints often are. gpt2: with buffers the model does not use (the
+    causal mask as booleans, a float scalar). tied: the Llama fixture tied (no lm_head.weight,
+    tie_word_embeddings true) with a rotary buffer."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    src = FIXTURES / ("gpt2" if name == "gpt2" else "llama")
+    shutil.copytree(src, dst)
+    with safe_open(str(src / "model.safetensors"), "numpy") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    if name == "gpt2":
+        tensors["transformer.h.0.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.bool_))
+        tensors["transformer.h.0.attn.masked_bias"] = np.array(-1e4, np.float32)
+    else:
+        del tensors["lm_head.weight"]
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = (1e4 ** -(np.arange(8) / 8)).astype(np.float32)
+        hf_cfg = json.loads((src / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**hf_cfg, "tie_word_embeddings": True}, indent=2))
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "tied"])
+def test_lr0_export_gives_the_source_back_bit_for_bit(name: str, tmp_path: Path, monkeypatch: Any) -> None:
+    """Import -> one step at learning rate 0 -> export: the source's tensor names, dtypes and values,
+    bit for bit, and its config.json. GPT-2 (tied, 32 positions) trains at seq_len 16 with buffers it
+    does not use; Llama plain; Llama tied with a rotary buffer. Sharded, the same tensors again."""
+    src = FIXTURES / "llama" if name == "llama" else _with_extras(name, tmp_path / "source")
+    cfg = zerojax.load_config({
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "model": {"hf_checkpoint": str(src), **({"seq_len": 16} if name == "gpt2" else {})}})
+    mesh = data_mesh()
+    layout = make_plan(cfg, mesh, hf.abstract_params(cfg.model))
+    params = hf.load_params(src, cfg.model, layout.update_shardings)
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn(cfg.model), mesh=mesh)
+    tokens = np.load(src / "tokens.npy")
+    engine.train_batch({"tokens": np.tile(tokens, (4, 1))})
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.wait_for_checkpoint()
+    meta = json.loads(next((tmp_path / "ckpt").glob("*/meta.json")).read_text())
+    assert meta["extra"]["hf_source"]["dir"] == str(src)  # what the import read, recorded
+    third = (src / "model.safetensors").stat().st_size // 3
+    for out, size in ((tmp_path / "hf", "5GB"), (tmp_path / "sharded", third), (tmp_path / "orbax", "5GB")):
+        if out.name == "orbax":  # a store tensorstore cannot open is read through orbax, leaf by leaf
+            from zerojax.checkpoint.export import LeafReader
+            monkeypatch.setattr(LeafReader, "_store", lambda self, name: None)
+        hf.export_checkpoint(tmp_path / "ckpt", None, out, max_shard_size=size)
+        assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+        assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+        files = sorted(p.name for p in out.glob("*.safetensors"))
+        if size == "5GB":
+            assert files == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+        else:  # as transformers shards: each file within the limit, an index naming every tensor's file
+            assert len(files) >= 3 and all((out / f).stat().st_size <= third + 4096 for f in files)
+            index = json.loads((out / "model.safetensors.index.json").read_text())
+            assert sorted(set(index["weight_map"].values())) == files
+        with hf.Checkpoint(src) as want, hf.Checkpoint(out) as got:
+            assert sorted(got.where) == sorted(want.where)
+            for tensor in want.where:
+                a, b = want.read(tensor, ()), got.read(tensor, ())
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), tensor
+    if name != "tied":
+        return
+    # The source folder changed after the run read it: one clear error, and the two ways out.
+    hf_cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**hf_cfg, "vocab_size": 256}))
+    with pytest.raises(zerojax.ConfigError, match=f"{src} no longer holds the checkpoint the run was imported from: "
+                                                  f"its config.json has changed; pass --hf-source DIR"):
+        hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "again")
+    hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "own", source="none")
+    with hf.Checkpoint(tmp_path / "own") as own:  # the model's tensors only: no buffer
+        assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in own and "lm_head.weight" not in own
+    shutil.rmtree(src)
+    with pytest.raises(zerojax.ConfigError, match=f"imported from {src}, which the export reads .* cannot be read"):
+        hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "again")
+    with pytest.raises(zerojax.ConfigError, match="--max-shard-size '5XB'"):
+        hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "again", max_shard_size="5XB")

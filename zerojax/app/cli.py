@@ -41,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
                              "model.safetensors with transformers' names (llama and gpt models); deepspeed: "
                              "the fp32 state dict DeepSpeed's zero_to_fp32.py writes (pytorch_model.bin; "
                              "--out a file or folder)")
+    export.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="--format hf: largest weight file, as transformers' max_shard_size (default 5GB); a "
+                             "larger model is written as shards with model.safetensors.index.json")
+    export.add_argument("--hf-source", default=None, metavar="DIR",
+                        help="--format hf: the transformers folder the run was imported from (default: the one its "
+                             "checkpoint records); tensors the model does not train are copied from it. 'none': "
+                             "write only the model's own tensors")
 
     import_hf = sub.add_parser("import-hf", help="check a local Hugging Face transformers checkpoint folder and "
                                                  "print the model keys that train from it")
@@ -188,6 +195,9 @@ def _train(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from zerojax.app.deepspeed import check_not_deepspeed
     check_not_deepspeed(args.checkpoint_dir)
+    if args.format != "hf" and (args.max_shard_size or args.hf_source):
+        raise ConfigError("export: --max-shard-size and --hf-source are options of --format hf; add --format hf "
+                          "or drop them")
     if args.format == "deepspeed":
         if args.dtype != "fp32":
             raise ConfigError("export --format deepspeed: zero_to_fp32.py's state dict is fp32; drop --dtype")
@@ -195,9 +205,12 @@ def _export(args: argparse.Namespace) -> int:
         print(f"wrote {export_fp32_state_dict(args.checkpoint_dir, args.tag, args.out, overwrite=args.force)}")
         return 0
     if args.format == "hf":
-        from zerojax.models.hf import export_checkpoint
-        path = export_checkpoint(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force)
-        print(f"wrote {path} (config.json, model.safetensors)")
+        from zerojax.models.hf import DEFAULT_MAX_SHARD_SIZE, export_checkpoint
+        args.max_shard_size = args.max_shard_size or DEFAULT_MAX_SHARD_SIZE
+        path = export_checkpoint(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force,
+                                 source=args.hf_source, max_shard_size=args.max_shard_size)
+        weights = sorted(p.name for p in path.iterdir() if p.name.startswith("model") and p.suffix == ".safetensors")
+        print(f"wrote {path} (config.json, {', '.join(weights) if len(weights) < 4 else f'{len(weights)} shards'})")
         return 0
     from zerojax.checkpoint import export_safetensors
     path = export_safetensors(args.checkpoint_dir, args.tag, args.out, dtype=args.dtype, overwrite=args.force)

@@ -3,6 +3,7 @@ numpy trees.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -142,3 +143,73 @@ def load_exported(path: PathLike) -> dict[str, Any]:
                 node = node.setdefault(key, {})
             node[leaf] = f.get_tensor(name)
     return params
+
+
+def _read_by_chunks(store: Any, index: tuple[Any, ...]) -> np.ndarray:
+    """`store[index]` (integers and unit-step slices) read one storage chunk at a time: a compressed
+    chunk is decoded whole for any part of it, and a read spanning many chunks would hold them all."""
+    box = []
+    for d, n in enumerate(store.shape):
+        ix = index[d] if d < len(index) else slice(None)
+        if isinstance(ix, slice):
+            start, stop, step = ix.indices(n)
+            if step != 1:
+                raise ValueError(f"LeafReader: step {step} in {index}")
+            box.append((start, max(start, stop), False))
+        else:
+            box.append((int(ix), int(ix) + 1, True))
+    chunk = [c or n for c, n in zip(store.chunk_layout.read_chunk.shape, store.shape)]
+    out = np.empty([b - a for a, b, _ in box], dtype=store.dtype.numpy_dtype)
+    for corner in itertools.product(*[range(a - a % c, b, c) for (a, b, _), c in zip(box, chunk)]):
+        part = tuple(slice(max(a, k), min(b, k + c)) for (a, b, _), k, c in zip(box, corner, chunk))
+        out[tuple(slice(p.start - a, p.stop - a) for p, (a, _, _) in zip(part, box))] = store[part].read().result()
+    return out[tuple(0 if single else slice(None) for _, _, single in box)]
+
+
+class LeafReader:
+    """Parts of saved arrays read on the host without reading the rest: `read(name, (i,))` is one
+    layer of a stacked leaf, so a caller holds one tensor at a time, not one leaf. Arrays are read
+    with tensorstore from orbax's OCDBT store; a store it cannot open is read through orbax, one
+    whole leaf at a time (the last one is kept for the next part)."""
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = Path(state_dir)
+        self._open: dict[str, Any] = {}
+        self._whole: tuple[str, np.ndarray] | None = None
+        self._context: Any = None
+
+    def _ts_context(self) -> Any:
+        """One chunk decoded at a time, nothing cached: with more, the decoding threads' buffers
+        (a compressed chunk is decoded whole for any part of it) stay resident in their allocator
+        arenas, several chunks' worth."""
+        if self._context is None:
+            import tensorstore as ts
+            self._context = ts.Context({"data_copy_concurrency": {"limit": 1}, "file_io_concurrency": {"limit": 1},
+                                        "cache_pool": {"total_bytes_limit": 0}})
+        return self._context
+
+    def _store(self, name: str) -> Any:
+        if name not in self._open:
+            import tensorstore as ts
+            store = None
+            for driver in ("zarr", "zarr3"):
+                try:
+                    store = ts.open({"driver": driver, "kvstore": {"driver": "ocdbt", "base": f"file://{self.state_dir}/",
+                                                                   "path": name}},
+                                    context=self._ts_context(), open=True, read=True).result()
+                    break
+                except Exception:  # noqa: BLE001 - not this driver, or not an OCDBT store
+                    continue
+            self._open[name] = store
+        return self._open[name]
+
+    def read(self, name: str, index: tuple[Any, ...] = ()) -> np.ndarray:
+        store = self._store(name)
+        if store is not None:
+            with reading(self.state_dir.parent):
+                return _read_by_chunks(store, index)
+        if self._whole is None or self._whole[0] != name:
+            self._whole = None  # the previous leaf goes before the next is read
+            (_, array), = read_leaves(self.state_dir, [name])
+            self._whole = (name, array)
+        return np.asarray(self._whole[1][index])

@@ -70,6 +70,12 @@ class Engine(DeepSpeedAPI):
         self.loaded_extra: dict[str, Any] = {}
         self._start_trio()
         self._last_metrics: dict[str, jax.Array] | None = None
+        # A run imported from a transformers checkpoint records what it read, so `zerojax export --format hf`
+        # can give back the tensors the model does not train (read now: the folder as it was imported).
+        self._hf_source: dict[str, Any] | None = None
+        if config.model.hf_checkpoint:
+            from zerojax.models.hf import source_record
+            self._hf_source = source_record(config.model.hf_checkpoint)
 
     # -- training ---------------------------------------------------------------------------
     def place_batch(self, batch: Any, rows: int | None = None) -> Any:
@@ -211,7 +217,8 @@ class Engine(DeepSpeedAPI):
         self.wait_for_checkpoint()
         self._pending = checkpoint.save(
             save_dir, tag, self.state, self.plan,
-            extra={"client_state": client_state, "config": self.config.to_dict(), **(extra or {})},
+            extra={"client_state": client_state, "config": self.config.to_dict(),
+                   **({"hf_source": self._hf_source} if getattr(self, "_hf_source", None) else {}), **(extra or {})},
             async_save=cfg.async_save if async_save is None else async_save,
             max_to_keep=cfg.max_to_keep, keep_every_n_steps=cfg.keep_every_n_steps)
         return self._pending.tag

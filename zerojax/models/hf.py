@@ -10,15 +10,22 @@ device, and no host buffer beyond one layer's block, ever holds a whole paramete
 shards - DeepSpeed's `zero.Init` loading a pretrained model, without the whole-model detour.
 
 Out: `zerojax export --format hf` writes a checkpoint's parameters as a folder that
-`transformers.AutoModelForCausalLM.from_pretrained` loads: config.json and one model.safetensors,
-written leaf by leaf (host memory stays near the largest stacked leaf).
+`transformers.AutoModelForCausalLM.from_pretrained` loads: config.json and model.safetensors, or
+shards of at most `--max-shard-size` with model.safetensors.index.json, each written one tensor at a
+time (one layer of a stacked leaf read from the zerojax checkpoint when it is written), so host
+memory stays near one tensor whatever the model size. A run that was imported (its checkpoints
+record the folder and every tensor's dtype and full shape, `source_record`) goes back as that
+checkpoint: the same tensor names and shapes and the same config.json, with what the model trains
+taken from the zerojax checkpoint and everything else copied unchanged from the source.
 
 GPT-2 goes into the embedded GPT, which has GPT-2's shape (learned positions, pre-norm LayerNorm,
 tanh-approximated GELU, fused qkv, biases) with `model.norm_eps` at GPT-2's 1e-5. Two differences
 are bridged here: the GPT keeps its own LM head, so an import copies GPT-2's tied token embedding
-into it (an export writes it as `lm_head.weight` with `tie_word_embeddings: false`, exact either
+into it (an export keeps the checkpoint tied while that head still equals the embedding, and adds
+`lm_head.weight` with `tie_word_embeddings: false` once training has made them differ, exact either
 way), and its position table is `model.seq_len` rows (an import keeps the first seq_len of
-n_positions). GPT-2's Conv1D weights are already stored [in, out] and are not transposed.
+n_positions; an export writes those back and copies the rows past them from the source).
+GPT-2's Conv1D weights are already stored [in, out] and are not transposed.
 """
 from __future__ import annotations
 
@@ -27,9 +34,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import struct
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
@@ -161,9 +169,15 @@ class Checkpoint:
     def file(self, name: str) -> str:
         return self.where[name].name
 
+    def dtype(self, name: str) -> str:
+        """safetensors' dtype code ("F32", "BF16", ...)."""
+        return str(self._slice(name).get_dtype())
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Only `index` of tensor `name` is read from disk."""
         import ml_dtypes  # noqa: F401  (numpy knows bfloat16, the dtype of most published checkpoints, by it)
+        if not index:
+            return np.asarray(self._files[self.where[name]].get_tensor(name))
         return np.asarray(self._slice(name)[index])
 
 
@@ -192,7 +206,9 @@ def deepspeed_sources(cfg: Any, names: Any) -> dict[str, Source]:
 def named_tensors(cfg: Any, path: tuple[str, ...], array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """(transformers / HF Trainer name, tensor) of one zerojax leaf of the embedded GPT or Llama: one
     per layer for a stacked leaf, transposed to torch's [out, in] where the table says so."""
-    yield from _pieces(path, _export_names(cfg)[path], array)
+    source = _export_names(cfg)[path]
+    for i, part in enumerate(array) if _stacked(path) else [(None, array)]:
+        yield source.name.format(i=i), (part.T if source.transpose else part)
 
 
 def _expected(path: tuple[str, ...], shape: tuple[int, ...], source: Source) -> tuple[int, ...]:
@@ -309,11 +325,148 @@ def describe(directory: str | os.PathLike[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Writing.
 
+EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_ST_INTEGERS = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_ST_FLOATS = ("F64", "F32", "F16", "BF16")
+# Files of a transformers folder other than weights that an export carries over (tokenizer, generation).
+_CARRIED_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def _np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+            "float16": np.dtype(np.float16)}[name]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of `max_shard_size` as transformers takes it: an int, or "5GB", "500MB", "2GiB"."""
+    import re
+    if isinstance(size, int) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(size).upper())
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(f"export --max-shard-size {size!r}: give bytes or a size such as 5GB, 500MB or 2GiB")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_"))
+
+
+class Tensor(NamedTuple):
+    """One tensor to write: its name, safetensors dtype and shape, and `make(rows)`, which gives the rows
+    `rows` (a slice of the first dimension; `()` for a scalar) when they are written, in any dtype."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    make: Callable[[Any], np.ndarray]
+
+
+def _header(tensors: list[Tensor], metadata: Mapping[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for t in tensors:
+        size = _nbytes(t)
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-len(blob) % 8)  # 8-byte aligned data, as the format recommends
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+_WRITE_BLOCK = 16 * 2 ** 20  # bytes converted and copied at a time while writing a tensor
+
+
+def _nbytes(t: Tensor) -> int:
+    return math.prod(t.shape) * _ITEMSIZE[t.dtype]
+
+
+def _st_numpy(code: str) -> np.dtype:
+    import ml_dtypes
+    floats = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+    return np.dtype(floats.get(code) or _ST_INTEGERS[code])
+
+
+def _release_freed() -> None:
+    """Hand freed heap memory back to the system (glibc's malloc_trim): the blocks of a large tensor,
+    freed in the reading threads' arenas, would otherwise stay resident until reused."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _write_tensor(f: Any, t: Tensor) -> None:
+    """`t`'s bytes, made, converted and written a block of rows at a time (about `_WRITE_BLOCK`)."""
+    dtype = _st_numpy(t.dtype)
+    if not t.shape:
+        np.ascontiguousarray(t.make(()), dtype=dtype).tofile(f)
+        return
+    step = max(1, _WRITE_BLOCK // max(1, math.prod(t.shape[1:]) * dtype.itemsize))
+    for start in range(0, t.shape[0], step):
+        rows = slice(start, min(start + step, t.shape[0]))
+        block = np.asarray(t.make(rows))
+        if tuple(block.shape) != (rows.stop - start,) + t.shape[1:]:
+            raise ValueError(f"write_safetensors: rows {start}:{rows.stop} of {t.name} are {block.shape}, its header "
+                             f"says {t.shape}")
+        np.ascontiguousarray(block, dtype=dtype).tofile(f)
+
+
+def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                      metadata: Mapping[str, str] | None = None) -> list[str]:
+    """Write `tensors` in their order as model.safetensors, or as shards of at most `max_shard_size`
+    bytes (a tensor larger than that alone in its shard) with model.safetensors.index.json, as
+    transformers' `save_pretrained` does. Each file is written as its tensors are made, one tensor at a
+    time, under a temporary name; the files are renamed only when all are complete, and weight files
+    of an earlier export that the new one does not have are removed. Returns the files written."""
+    limit = parse_size(max_shard_size)
+    metadata = {"format": "pt", **(metadata or {})}
+    shards: list[list[Tensor]] = [[]]
+    used = 0
+    for t in tensors:
+        if shards[-1] and used + _nbytes(t) > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(t)
+        used += _nbytes(t)
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    out.mkdir(parents=True, exist_ok=True)
+    temps = [out / f".{file}.tmp-{os.getpid()}" for file in files]
+    try:
+        for tmp, shard in zip(temps, shards):
+            with open(tmp, "wb") as f:
+                blob = _header(shard, metadata)
+                f.write(struct.pack("<Q", len(blob)))
+                f.write(blob)
+                for t in shard:
+                    _write_tensor(f, t)
+                    if _nbytes(t) > _WRITE_BLOCK:
+                        _release_freed()
+                f.flush()
+                os.fsync(f.fileno())
+        for old in out.iterdir():  # an earlier export's shards must not mix with these
+            if (old.name == INDEX_FILE or (old.name.startswith("model") and old.suffix == ".safetensors")) \
+                    and old.name not in files:
+                old.unlink()
+        for tmp, file in zip(temps, files):
+            os.replace(tmp, out / file)
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+    if n > 1:
+        index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors)},
+                 "weight_map": {t.name: file for file, shard in zip(files, shards) for t in shard}}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return files
 
 
 def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
-    """config.json of the transformers model equal to the zerojax model `cfg`."""
+    """config.json of the transformers model equal to the zerojax model `cfg` (an export with no
+    source checkpoint: a model trained from scratch)."""
     if cfg.name == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
@@ -334,88 +487,182 @@ def _export_names(cfg: Any) -> dict[tuple[str, ...], Source]:
     return _llama_names(cfg) if cfg.name == "llama" else _gpt2_names("transformer.", "lm_head.weight")
 
 
-def _pieces(path: tuple[str, ...], source: Source, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
-    """(transformers name, tensor) of one zerojax leaf: one per layer for a stacked leaf."""
-    for i, part in enumerate(array) if _stacked(path) else [(None, array)]:
-        yield source.name.format(i=i), (part.T if source.transpose else part)
+def _layers(path: tuple[str, ...], shape: tuple[int, ...]) -> list[int | None]:
+    return list(range(shape[0])) if _stacked(path) else [None]
 
 
-def write_params(out_dir: str | os.PathLike[str], cfg: Any, leaves: Iterator[tuple[tuple[str, ...], np.ndarray]],
-                 shapes: Mapping[tuple[str, ...], tuple[int, ...]], dtype: str = "float32",
-                 metadata: Mapping[str, str] | None = None) -> Path:
-    """Write config.json and model.safetensors into `out_dir` from `leaves` (zerojax path, array),
-    given in the order of `shapes`; only one leaf is held at a time."""
-    import ml_dtypes
+Reader = Callable[[tuple[str, ...], tuple[Any, ...]], np.ndarray]  # (zerojax path, index) -> that part of the leaf
 
-    np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-                "float16": np.dtype(np.float16)}[dtype]
+
+def _rows(read: Reader, path: tuple[str, ...], i: int | None, transpose: bool, rows: Any) -> np.ndarray:
+    """Rows `rows` of the transformers tensor that layer `i` of leaf `path` is: read from the leaf
+    alone (its columns, where the tensor is the leaf transposed)."""
+    layer = () if i is None else (i,)
+    if transpose:
+        return read(path, layer + (slice(None), rows)).T
+    return read(path, layer + ((rows,) if rows != () else ()))
+
+
+def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+                   dtype: str) -> list[Tensor]:
+    """Every zerojax leaf under its transformers name(s), no source checkpoint."""
     names = _export_names(cfg)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
+    out = []
     for path, shape in shapes.items():
         source = names[path]
         one = tuple(shape[1:]) if _stacked(path) else tuple(shape)
         one = tuple(reversed(one)) if source.transpose else one
-        for i in range(shape[0]) if _stacked(path) else [None]:
-            size = math.prod(one) * np_dtype.itemsize
-            header[source.name.format(i=i)] = {"dtype": _ST_DTYPES[dtype], "shape": list(one),
-                                               "data_offsets": [offset, offset + size]}
-            offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+        for i in _layers(path, shape):
+            def make(rows: Any, path=path, i=i, source=source) -> np.ndarray:
+                return _rows(read, path, i, source.transpose, rows)
+            out.append(Tensor(source.name.format(i=i), _ST_DTYPES[dtype], one, make))
+    return out
+
+
+def save_params(out_dir: str | os.PathLike[str], cfg: Any, params: Mapping[str, Any], dtype: str = "float32",
+                max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write an in-memory params tree (numpy or jax arrays) as a transformers folder."""
+    flat = dict(_paths(params))
+    shapes = {path: tuple(np.shape(x)) for path, x in flat.items()}
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{SINGLE_FILE}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            order = list(shapes)
-            for n, (path, array) in enumerate(leaves):
-                if path != order[n] or tuple(array.shape) != tuple(shapes[path]):
-                    raise ValueError(f"write_params: leaf {'.'.join(path)} {array.shape} out of order")
-                for _, piece in _pieces(path, names[path], np.asarray(array)):
-                    np.ascontiguousarray(piece.astype(np_dtype, copy=False)).tofile(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out / SINGLE_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
+    tensors = _model_tensors(cfg, lambda path, index: np.asarray(flat[path][index]), shapes, dtype)
+    write_safetensors(out, tensors, max_shard_size)
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     return out
 
 
-def save_params(out_dir: str | os.PathLike[str], cfg: Any, params: Mapping[str, Any], dtype: str = "float32") -> Path:
-    """Write an in-memory params tree (numpy or jax arrays) as a transformers folder."""
-    flat = dict(_paths(params))
-    shapes = {path: tuple(np.shape(x)) for path, x in flat.items()}
-    return write_params(out_dir, cfg, ((p, np.asarray(x)) for p, x in flat.items()), shapes, dtype)
+# What an export copies back from the checkpoint the run was imported from.
+
+def source_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a run imported from `model.hf_checkpoint`, kept in its checkpoints (`meta.json`'s extra
+    `hf_source`): the folder, every tensor's dtype and full shape, and config.json's digest, so an export
+    can tell whether the folder still holds what was read."""
+    import hashlib
+    root = Path(directory).expanduser().absolute()
+    with Checkpoint(root) as ckpt:
+        tensors = {name: [ckpt.dtype(name), list(ckpt.shape(name))] for name in ckpt.where}
+    digest = hashlib.sha256((root / "config.json").read_bytes()).hexdigest()
+    return {"dir": str(root), "config_sha256": digest, "tensors": tensors}
+
+
+def _changed(record: Mapping[str, Any], now: Mapping[str, Any], where: Mapping[str, Path]) -> str | None:
+    """How the folder differs from what the run read, or None."""
+    for name, entry in record["tensors"].items():
+        if name not in now["tensors"]:
+            return f"tensor {name} is no longer there"
+        if list(now["tensors"][name]) != list(entry):
+            return (f"tensor {name} in {where[name].name} is {now['tensors'][name]} (dtype, shape), the run read "
+                    f"{list(entry)}")
+    extra = sorted(set(now["tensors"]) - set(record["tensors"]))
+    if extra:
+        return f"tensor {extra[0]} was not there when the run read it"
+    if now["config_sha256"] != record["config_sha256"]:
+        return "its config.json has changed"
+    return None
+
+
+def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tuple[list[Tensor], bool]:
+    """Every tensor of the source checkpoint under its own name and full shape: the parts the model
+    trains from the zerojax checkpoint (`read`), the rest (positions past the model's context, buffers,
+    tensors the model does not use) copied from the source. GPT-2's tied head: the source stays tied
+    while the model's own head equals its token embedding; once it differs, `lm_head.weight` is added
+    (the second value is then True: config.json's tie_word_embeddings must become false)."""
+    np_dtype, st_dtype = _np_dtype(dtype), _ST_DTYPES[dtype]
+    abstract = abstract_params(cfg)
+    names = _names_for(cfg, src)
+    _check_shapes(cfg, src, abstract, names)
+    trained: list[Tensor] = []
+    taken: set[str] = set()
+    untied = False
+    for path, leaf in _paths(abstract):
+        source = names[path]
+        if cfg.name == "gpt" and path == ("head", "kernel") and source.name == names[("embed", "embedding")].name:
+            vocab = leaf.shape[1]
+            step = max(1, _WRITE_BLOCK // (4 * leaf.shape[0]))
+            blocks = [slice(s, min(s + step, vocab)) for s in range(0, vocab, step)]
+            untied = any(not np.array_equal(_rows(read, path, None, True, rows), read(("embed", "embedding"), (rows,)))
+                         for rows in blocks)
+            if untied:
+                trained.append(Tensor("lm_head.weight", st_dtype, (vocab, leaf.shape[0]),
+                                      lambda rows: _rows(read, ("head", "kernel"), None, True, rows)))
+            continue
+        for i in _layers(path, tuple(leaf.shape)):
+            name = source.name.format(i=i)
+            full = src.shape(name)
+
+            held = _expected(path, tuple(leaf.shape), source)[0]  # rows the model has (GPT-2: seq_len positions)
+
+            def make(rows: Any, path=path, i=i, source=source, name=name, held=held) -> np.ndarray:
+                if rows == () or rows.stop <= held:
+                    return _rows(read, path, i, source.transpose, rows)
+                past = src.read(name, (slice(max(rows.start, held), rows.stop),))  # rows past the model's: the source's
+                if rows.start >= held:
+                    return past
+                return np.concatenate([_rows(read, path, i, source.transpose, slice(rows.start, held)).astype(np_dtype),
+                                       past.astype(np_dtype)])
+            trained.append(Tensor(name, st_dtype, full, make))
+            taken.add(name)
+    copied = []
+    for name in src.where:
+        if name in taken:
+            continue
+        kind = src.dtype(name)
+        if kind not in _ST_FLOATS and kind not in _ST_INTEGERS:
+            raise HFError(f"export --format hf: tensor {name} in {src.root / src.file(name)} has dtype {kind}, "
+                          f"which the export cannot copy; export with --hf-source none (only the model's tensors)")
+        copied.append(Tensor(name, st_dtype if kind in _ST_FLOATS else kind, src.shape(name),
+                             lambda rows, name=name: src.read(name, (rows,) if rows != () else ())))
+    return trained + copied, untied
+
+
+def _config_from_source(src: Path, dtype: str, untied: bool) -> str:
+    """The source's config.json, unchanged but for what the export changed: the dtype, the tie."""
+    text = (src / "config.json").read_text()
+    hf = json.loads(text)
+    changes: dict[str, Any] = {key: dtype for key in ("torch_dtype", "dtype") if key in hf and hf[key] != dtype}
+    if untied:
+        changes["tie_word_embeddings"] = False
+    return json.dumps({**hf, **changes}, indent=2) + "\n" if changes else text
 
 
 def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_dir: str | os.PathLike[str],
-                      dtype: str = "fp32", *, overwrite: bool = False) -> Path:
+                      dtype: str = "fp32", *, overwrite: bool = False, source: str | os.PathLike[str] | None = None,
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """`zerojax export --format hf`: a zerojax checkpoint's parameters (the fp32 master when there is
-    one) as a transformers folder, read and written leaf by leaf. The model is the one the run's
-    saved config names (`model.*`)."""
+    one) as a transformers folder. The model is the one the run's saved config names (`model.*`).
+
+    A run imported from a transformers checkpoint (`model.hf_checkpoint`, recorded at import; or
+    `source`) is written back as that checkpoint: its tensor names, full shapes and config.json, with
+    what the model trains from the zerojax checkpoint and everything else (GPT-2's positions past
+    `model.seq_len`, buffers, tensors the model does not use) copied unchanged; a tied checkpoint stays
+    tied. `source="none"`: only the model's own tensors, config.json made from the model keys.
+
+    Written shard by shard (`max_shard_size`, as transformers' `save_pretrained`), one tensor at a time:
+    one layer of a stacked leaf is read from the checkpoint when it is written, so host memory stays
+    near one tensor whatever the model size."""
     from zerojax import checkpoint as ck
+    from zerojax.checkpoint.export import LeafReader
+    from zerojax.core.names import join
     from zerojax.config import ModelConfig
 
-    hf_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype)
+    hf_dtype = EXPORT_DTYPES.get(dtype)
     if hf_dtype is None:
         raise ConfigError(f"export dtype {dtype!r}: use one of fp32, bf16, fp16")
+    parse_size(max_shard_size)
     out = ck.absolute(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"export --format hf: --out {out} is a file; name a folder to write")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"export --format hf: {out} is not empty and is never overwritten silently; pass "
-                              f"--force to replace its config.json and model.safetensors, or choose another --out")
+                              f"--force to replace its config.json and weights, or choose another --out")
     tag_dir = ck.resolve_tag(ck.absolute(directory), tag)
     meta = ck.read_meta(tag_dir)
     ck.verified(tag_dir, meta)
-    if meta.get("extra", {}).get(ck.PIPELINE_ROWS):
+    extra = meta.get("extra", {})
+    if extra.get(ck.PIPELINE_ROWS):
         raise ConfigError("export --format hf: this checkpoint is of a pipelined run (mesh.stage > 1); export it "
                           "with --format safetensors (the default) instead")
-    model = meta.get("extra", {}).get("config", {}).get("model")
+    model = extra.get("config", {}).get("model")
     if not model:
         raise ConfigError(f"export --format hf: {tag_dir} does not record the run's config (model.*), so the "
                           f"transformers architecture is unknown; export it with --format safetensors")
@@ -427,9 +674,47 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
         raise ConfigError(f"export --format hf: the parameters in {tag_dir} are not those of the {cfg.name} model "
                           f"its config names (a custom model?); export it with --format safetensors")
     shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
-    from zerojax.core.names import join
-    sources = [join(meta["truth"], name) for name in saved]
-    leaves = ((tuple(name.split(".")), array) for (name, _), (_, array) in
-              zip(saved.items(), ck.read_leaves(tag_dir / ck.STATE_DIR, sources)))
-    return write_params(out, cfg, leaves, shapes, hf_dtype,
-                        {"source": str(tag_dir), "step": str(meta["step"])})
+    reader = LeafReader(tag_dir / ck.STATE_DIR)
+
+    def read(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
+        return reader.read(join(meta["truth"], ".".join(path)), index)
+
+    record = extra.get("hf_source")
+    if source is not None and str(source).lower() == "none":
+        src_dir = None
+    else:
+        src_dir = source or (record or {}).get("dir") or cfg.hf_checkpoint
+    metadata = {"source": str(tag_dir), "step": str(meta["step"])}
+    if src_dir is None:
+        write_safetensors(out, _model_tensors(cfg, read, shapes, hf_dtype), max_shard_size, metadata)
+        (out / "config.json").write_text(json.dumps(hf_config(cfg, hf_dtype), indent=2) + "\n")
+        return out
+    fix = ("pass --hf-source DIR naming the folder the run was imported from, or --hf-source none to write only "
+           "the model's own tensors")
+    src_path = Path(src_dir).expanduser().absolute()
+    try:
+        src = Checkpoint(src_path)
+        if not (src_path / "config.json").is_file():
+            raise HFError(f"{src_path / 'config.json'} not found")
+    except (HFError, OSError) as e:
+        raise HFError(f"export --format hf: the run was imported from {src_path}, which the export reads for the "
+                      f"tensors the model does not train, but it cannot be read ({str(e).removeprefix('model.hf_checkpoint: ')}); "
+                      f"{fix}") from None
+    with src:
+        if record and source is None:
+            why = _changed(record, source_record(src_path), src.where)
+            if why:
+                raise HFError(f"export --format hf: {src_path} no longer holds the checkpoint the run was imported "
+                              f"from: {why}; {fix}")
+        try:
+            tensors, untied = _source_tensors(cfg, src, read, hf_dtype)
+        except HFError as e:
+            raise HFError(f"export --format hf: {src_path} is not the checkpoint this model was imported from "
+                          f"({str(e).removeprefix('model.hf_checkpoint: ')}); {fix}") from None
+        write_safetensors(out, tensors, max_shard_size, metadata)
+    (out / "config.json").write_text(_config_from_source(src_path, hf_dtype, untied))
+    for extra_file in sorted(src_path.iterdir()):  # tokenizer and generation settings travel with the weights
+        if (extra_file.is_file() and extra_file.suffix in _CARRIED_SUFFIXES and extra_file.suffix not in _WEIGHT_SUFFIXES
+                and extra_file.name not in ("config.json", INDEX_FILE)):
+            shutil.copyfile(extra_file, out / extra_file.name)
+    return out
