@@ -5,6 +5,7 @@
     zerojax launch -n 2 tests/multiprocess_worker.py mismatch
     zerojax launch -n 2 --hang-timeout S tests/multiprocess_worker.py stall
     zerojax launch -n 2 tests/multiprocess_worker.py saveload OUT
+    zerojax launch -n 2 tests/multiprocess_worker.py diverge KEY
 
 `train`: the tiny MLP of helpers.py, STEPS steps per ZeRO stage on an 8-device mesh split over the
 processes, each process feeding only its own rows; then a checkpoint (every process writes its
@@ -14,6 +15,9 @@ shards) and, from process 0, the final parameters gathered into OUT/stage<S>.npz
 `saveload`: save (asynchronously, as the engine does by default), train on while it commits, then
 load the latest tag, three times, on a slow shared file system (process 0's meta.json/`latest` writes take a second):
 every process must load the tag just saved.
+`diverge`: process 1 sets one key differently (KEY: threshold, a stage-3 persistence threshold that keeps
+its layers whole; stage, ZeRO stage 3 against 2) with the consistency check off, as a run whose hosts
+disagree would: the first train_batch must be refused on both processes, in seconds, not hang.
 `stall`: ZeRO-3 steps under the hang watchdog, process 1 deliberately stalls before step 4 (the
 other then waits in that step's collectives); both must report and the launcher must name them.
 """
@@ -93,6 +97,26 @@ def mismatch() -> None:
     print("no mismatch found", flush=True)
 
 
+def diverge(key: str) -> None:
+    from helpers import layerwise_loss, make_batch, mlp_params
+    other = int(os.environ["ZEROJAX_PROCESS_ID"]) == 1
+    zero = {"threshold": {"stage3_param_persistence_threshold": 10**6 if other else 0},
+            "stage": {"stage": 2 if other else 3}}[key]
+    config = config_for(3, distributed={"check_consistency": False})
+    config = zerojax.load_config({**config.to_dict(), "zero_optimization": {**config.to_dict()["zero_optimization"],
+                                                                            **zero}})
+    start(config)
+    engine = zerojax.initialize(config, params=mlp_params(0), loss_fn=layerwise_loss)
+    mine = local_rows(engine.plan.batch_sharding, engine.train_batch_size())
+    started = time.perf_counter()
+    try:
+        engine.train_batch(jax.tree.map(lambda x: x[mine], make_batch(32, seed=0)))
+    except Exception as e:
+        print(f"refused after {time.perf_counter() - started:.1f} s: {type(e).__name__}: {e}", flush=True)
+        raise SystemExit(3)
+    print("no divergence found", flush=True)
+
+
 def stall() -> None:
     from helpers import layerwise_loss, make_batch, mlp_params
     from zerojax.runtime.watchdog import beat, watching
@@ -143,6 +167,8 @@ if __name__ == "__main__":
         mismatch()
     elif mode == "stall":
         stall()
+    elif mode == "diverge":
+        diverge(sys.argv[2])
     elif mode == "saveload":
         saveload(Path(sys.argv[2]))
     else:

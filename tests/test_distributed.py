@@ -213,6 +213,24 @@ def test_consistency_check_names_the_differing_process() -> None:
     assert "config.optimizer.params.lr: here 0.02, process 0 0.01" in text
 
 
+@pytest.mark.parametrize("key, effect", [
+    ("threshold", "zero_optimization.stage3_param_persistence_threshold: process 0 0, process 1 1000000"),
+    ("stage", "zero_optimization.stage: process 0 3, process 1 2"),
+])
+def test_processes_that_compiled_different_steps_are_refused_before_step_0(key: str, effect: str) -> None:
+    """What hangs a DeepSpeed ZeRO-3 run (ranks whose programs differ) is refused in seconds, on both
+    processes, naming the key and where the collectives part."""
+    proc = launch("-n", "2", "--grace", "2", "tests/multiprocess_worker.py", "diverge", key, timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no divergence found" not in text, text[-3000:]
+    for p in (0, 1):
+        line = next((l for l in text.splitlines() if l.startswith(f"[{p}] refused after")), None)
+        assert line is not None, text[-3000:]
+        assert float(line.split("after ")[1].split(" s")[0]) < 60, line
+        assert "ProgramMismatch: train step: process(es) [1] would run a different program than process 0" in line
+        assert effect in line and "The programs part at collective #" in line, line
+
+
 def test_train_py_under_launch_stops_together_and_resumes(tmp_path: Path) -> None:
     """`zerojax launch -n 2 train.py --config configs/zero3.yaml` (tiny model): one set of run files from
     process 0, checkpoint shards from both; Ctrl-C stops both after the same step with a checkpoint,

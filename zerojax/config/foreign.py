@@ -154,8 +154,11 @@ FOREIGN_KEYS: dict[str, Foreign] = {
                                                        "nothing to do"),
     "zero_optimization.log_trace_cache_warnings": Foreign("trace-cache logging", "none", "nothing to do"),
     "zero_optimization.enable_sanity_checks": Foreign("internal ZeRO-3 checks", "none", "nothing to do"),
-    "zero_optimization.leaf_module": Foreign("modules fetched as one unit at stage 3", _NO_EFFECT,
-                                             "nothing to do"),
+    "zero_optimization.leaf_module": Foreign("modules fetched as one unit at stage 3 (DeepSpeed's fix for MoE "
+                                             "hangs: ranks whose experts differ fetch different parameters)",
+                                             "none by design: stage-3 gathers follow the loss's jaxpr, whose order "
+                                             "is fixed and the same on every process (and processes whose programs "
+                                             "differ are refused before step 0)", "nothing to do"),
     "zero_optimization.mics_hierarchical_params_gather": Foreign("MiCS's hierarchical all-gather",
                                                                  _NO_EFFECT, "nothing to do"),
     "zero_optimization.save_muon_momentum_buffer_in_memory": Foreign("Muon buffers outside NVMe",

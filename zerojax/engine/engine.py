@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 
 from zerojax.config import Config, load_config
 from zerojax.engine.deepspeed_api import DeepSpeedAPI
-from zerojax.runtime.distributed import InFlight, check_consistency, global_array
+from zerojax.runtime.agreement import agree_on_program
+from zerojax.runtime.distributed import InFlight, check_consistency, config_items, global_array
 from zerojax.errors import LossScaleError, NonFiniteError
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.planner.api import check_origin
@@ -69,6 +70,7 @@ class Engine(DeepSpeedAPI):
         self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
         self.loaded_extra: dict[str, Any] = {}
         self._start_trio()
+        self._agreed_steps: set[str] = set()  # steps whose programs every process has compared
         self._last_metrics: dict[str, jax.Array] | None = None
         # A run imported from a transformers checkpoint records what it read, so `zerojax export --format hf`
         # can give back the tensors the model does not train (read now: the folder as it was imported).
@@ -114,7 +116,8 @@ class Engine(DeepSpeedAPI):
         batch = self._checked(batch, check_batch, self.plan.batch.train_batch_size)
         risk = self._stuck_risk() if self.dispatch_ahead else None  # read before the step donates the state
         previous = self._last_metrics
-        self.state, metrics = self._train_step(self.state, batch)
+        step = self._agreed("train step", self._train_step, self.state, batch)
+        self.state, metrics = step(self.state, batch)
         self._in_flight.add(metrics)
         self._last_metrics = metrics
         if not self.dispatch_ahead:
@@ -165,7 +168,20 @@ class Engine(DeepSpeedAPI):
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
         batch = self._checked(batch, check_eval_batch)
-        return self._eval_step(self.state.params, batch)
+        return self._agreed("eval step", self._eval_step, self.state.params, batch)(self.state.params, batch)
+
+    def _agreed(self, name: str, fn: Any, *args: Any) -> Any:
+        """`fn`, once every process of a multi-process run has shown it compiled the same program for
+        these arguments (`runtime.agreement`): the first call of each step is compiled here and its
+        executable used; a mismatch is refused on every process before any collective runs."""
+        if jax.process_count() == 1 or name in self._agreed_steps:
+            return fn
+        lowered = fn.lower(*args)
+        compiled = lowered.compile()
+        agree_on_program(name, lowered.as_text(), compiled.as_text(), config=config_items(self.config),
+                         timeout_s=self.config.distributed.hang_timeout or 300.0)
+        self._agreed_steps.add(name)
+        return compiled
 
     @property
     def last_metrics(self) -> dict[str, jax.Array] | None:

@@ -220,6 +220,7 @@ def start(config: Config | None = None, *, environ: Mapping[str, str] | None = N
         request_cpu_devices(procs.devices_per_process)
     if procs is None or jax.distributed.is_initialized():
         return procs
+    arm_collective_timeout(dist.hang_timeout)
     where = procs.coordinator_address or f"the coordinator {procs.origin} names"
     try:
         jax.distributed.initialize(
@@ -235,6 +236,17 @@ def start(config: Config | None = None, *, environ: Mapping[str, str] | None = N
             f"that process 0 can listen on that port, and that start() runs before any JAX computation."
         ) from e
     return procs
+
+
+def arm_collective_timeout(seconds: float, environ: Any = None) -> None:
+    """On GPU, XLA waits inside a stuck NCCL collective forever by default
+    (`xla_gpu_nccl_termination_timeout_seconds` is -1): give it `distributed.hang_timeout`, so such a
+    collective ends the process with an error instead. Set before the backend starts, unless XLA_FLAGS
+    already names it; CPU and TPU backends ignore the flag."""
+    environ = os.environ if environ is None else environ
+    flags = environ.get("XLA_FLAGS", "")
+    if "xla_gpu_nccl_termination_timeout_seconds" not in flags and seconds > 0:
+        environ["XLA_FLAGS"] = f"{flags} --xla_gpu_nccl_termination_timeout_seconds={int(seconds)}".strip()
 
 
 def is_primary() -> bool:
@@ -341,6 +353,12 @@ def fingerprint(config: Config, abstract_params: Any) -> dict[str, Any]:
     leaves = {jax.tree_util.keystr(path): [list(x.shape), np.dtype(x.dtype).name]
               for path, x in jax.tree_util.tree_leaves_with_path(abstract_params)}
     return {"config": cfg, "model": {"structure": str(jax.tree.structure(abstract_params)), "leaves": leaves}}
+
+
+def config_items(config: Config) -> dict[str, Any]:
+    """The config as dotted keys and JSON values, less what differs by design between processes."""
+    return {k: v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, default=str)
+            for k, v in _flat(fingerprint(config, {})["config"]).items()}
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
