@@ -207,6 +207,7 @@ class UpdateRule(NamedTuple):
     clip: float = 0.0              # global L2 norm the gradients are clipped to (0: no clipping)
     adam: AdamSettings | None = None  # Adam's constants, for the fused kernel (None: not Adam)
     strict: bool = False           # kernels forced (`pallas`): a failed self-check is an error, not XLA
+    checked: bool = False          # the backend needs no self-check (XLA, or chosen in code: `with_kernels`)
 
 
 class StepRule(NamedTuple):
@@ -265,8 +266,9 @@ class Plan:
         return self.rule.kernels
 
     def with_kernels(self, kernels: str) -> "Plan":
-        """The same plan with the update run by another backend (e.g. "xla" or "triton")."""
-        return dataclasses.replace(self, rule=self.rule._replace(kernels=kernels))
+        """The same plan with the update run by another backend (e.g. "xla" or "triton"), as the caller
+        chose it: no self-check runs for it (e.g. lowering for CUDA on a machine without a GPU)."""
+        return dataclasses.replace(self, rule=self.rule._replace(kernels=kernels, checked=True))
 
     # -- where state lives ---------------------------------------------------------------------
     @property

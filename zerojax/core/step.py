@@ -406,10 +406,10 @@ def checked_kernels(plan: Plan) -> Plan:
     """The plan with its update backend confirmed by the kernels' self-check, run where a step is
     first made (it compiles, once per process and backend): a failed check falls back to the XLA
     update, or is an error when the kernels were forced (`kernels: pallas`)."""
-    if plan.kernels == XLA or isinstance(plan.mesh, jax.sharding.AbstractMesh):
+    if plan.kernels == XLA or plan.rule.checked or isinstance(plan.mesh, jax.sharding.AbstractMesh):
         return plan
     settled = settle("pallas" if plan.rule.strict else "auto", plan.kernels, plan.mesh.local_devices[0])
-    return plan if settled == plan.kernels else plan.with_kernels(settled)
+    return plan.with_kernels(settled)
 
 
 def make_train_step(plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], Any]:
