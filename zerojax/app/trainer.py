@@ -378,7 +378,7 @@ def _print_sample(config: Config, engine: Engine) -> None:
         return
     from zerojax.app.sample import end_of_run_sample
     try:
-        text = end_of_run_sample(config, engine.params)
+        text = end_of_run_sample(config, engine.params, engine.plan)
     except Exception as e:  # noqa: BLE001 - the run itself succeeded
         print(f"sample: not generated ({type(e).__name__}: {e})", flush=True)
         return

@@ -74,6 +74,12 @@ class _Decoder:
         self.cfg = cfg
         self.head_dim = cfg.d_model // cfg.n_heads
 
+    def __eq__(self, other: object) -> bool:  # one compiled program per model config, not per object
+        return type(other) is type(self) and other.cfg == self.cfg
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.cfg))
+
     def cache_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
         """[layers, batch, max_len, kv_heads, head_dim], of each of "k" and "v"."""
         return (self.cfg.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
