@@ -12,6 +12,7 @@ run's `data.tokenizer`.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -76,15 +77,19 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
         out = cached(decoder(cfg), params, [list(prompt)], None, n, temperature=temperature,
                      top_k=top_k if temperature > 0 else None, seed=seed, plan=plan)
         return [int(t) for t in np.asarray(out.tokens)[0]]
+    return generate_recompute(cfg, params, prompt, n, temperature=temperature, top_k=top_k, seed=seed)
+
+
+def generate_recompute(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, temperature: float = 0.8,
+                       top_k: int | None = 40, seed: int = 0) -> list[int]:
+    """`generate` without a cache: the whole window of the last seq_len tokens recomputed for every
+    new token, sampled on the host (what texts longer than the window use; benchmarks/generate.py
+    compares it with the cache)."""
+    window = cfg.seq_len
     device = jax.devices()[0]
     params = jax.device_put(jax.tree.map(lambda x: np.asarray(x), params), device)
 
-    apply = _apply(cfg)
-
-    @jax.jit
-    def logits_at(params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(apply(cfg, params, tokens)[0], pos, keepdims=False)
-
+    logits_at = _logits_at(cfg)
     rng = np.random.default_rng(seed)
     ids, out = list(prompt), []
     for _ in range(n):
@@ -138,6 +143,18 @@ def load_run(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Any, 
         raise ConfigError(f"sample: the checkpoint in {where} does not hold the {config.model.name} model of its "
                           f"config.json (a pipelined or user model); export it and generate with your own code")
     return config, params, where
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_at(cfg: ModelConfig) -> Any:
+    """`(params, tokens [1, seq_len], pos) -> logits at pos`, jitted once per model config."""
+    apply = _apply(cfg)
+
+    @jax.jit
+    def logits_at(params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(apply(cfg, params, tokens)[0], pos, keepdims=False)
+
+    return logits_at
 
 
 def _apply(cfg: ModelConfig) -> Any:
