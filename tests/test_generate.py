@@ -154,3 +154,48 @@ def test_without_a_decoder_or_in_a_pipeline_generate_says_what_to_do() -> None:
         engine("gpt", 0, with_decoder=False).generate(PROMPTS, N)
     with pytest.raises(NotImplementedError, match="mesh.stage: 1"):
         PipelineEngine.generate(object.__new__(PipelineEngine), PROMPTS, N)
+
+
+def test_generate_reads_the_live_state_and_leaves_nothing_behind() -> None:
+    """After a train step at ZeRO-3, generation follows the updated shards; the state is untouched and
+    only the three results outlive the call (the gathered weights and the cache are gone)."""
+    cfg = config("gpt", 3)
+    eng = zerojax.initialize(cfg, params=gpt.init_params(cfg.model, 1), loss_fn=gpt.make_loss_fn(cfg.model),
+                             mesh=data_mesh(), decode=decode.decoder(cfg.model))
+    rng = np.random.default_rng(0)
+    eng.train_batch({"tokens": rng.integers(0, 64, (8, 33), dtype=np.int32)})
+    before = jax.device_get(eng.state.params)
+    jax.block_until_ready(eng.state)
+    live = {id(x) for x in jax.live_arrays()}
+    out = eng.generate(PROMPTS[:3], N)
+    jax.block_until_ready(out)
+    assert {id(x) for x in jax.live_arrays()} - live == {id(x) for x in out}
+    toks, logps = reference("gpt", eng.state.params, PROMPTS[:3], N)
+    np.testing.assert_array_equal(np.asarray(out.tokens), toks)
+    np.testing.assert_allclose(np.asarray(out.logprobs), logps, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(eng.state.params))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bf16_weights_and_tied_llama_embeddings() -> None:
+    """bf16 compute weights decode with a bf16 cache (half the bytes); a Llama with tied embeddings
+    decodes as its full forward does."""
+    cfg = zerojax.load_config(config("gpt", 3), ["bf16.enabled=true"])
+    eng = zerojax.initialize(cfg, params=gpt.init_params(cfg.model, 0), loss_fn=gpt.make_loss_fn(cfg.model),
+                             mesh=data_mesh(), decode=decode.decoder(cfg.model))
+    out = eng.generate(PROMPTS, N, temperature=0.7, top_k=8, top_p=0.9, seed=5)
+    assert out.tokens.shape == out.logprobs.shape == (8, N) and np.all(np.asarray(out.logprobs) <= 0)
+    assert gen.cache_bytes(eng.decoder, eng.state.params, 8, 24) == 2 * 2 * 8 * 24 * 4 * 8 * 2
+
+    tied = zerojax.load_config(config("llama", 0), ["model.tie_embeddings=true"]).model
+    from flax import nnx
+    params = nnx.to_pure_dict(nnx.state(llama.constructor(tied, 2)(), nnx.Param))
+    assert "head" not in params
+    got = gen.generate(decode.decoder(tied), params, PROMPTS[:2], None, 4)
+    want = []
+    for p in PROMPTS[:2]:
+        seq = list(p)
+        for _ in range(4):
+            seq.append(int(np.argmax(np.asarray(llama.apply(tied, params, jnp.asarray([seq]))[0, -1]))))
+        want.append(seq[len(p):])
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want))
