@@ -132,7 +132,8 @@ def test_sampling_is_seeded_top_k_1_is_greedy_and_compiles_once() -> None:
     compiled = gen._program._cache_size()
     b = eng.generate(prompts, N, temperature=1.0, seed=1)
     c = eng.generate(prompts, N, temperature=1.0, seed=2)
-    assert gen._program._cache_size() == compiled  # same shapes, another seed: no new program
+    eng.generate([p + [1] for p in prompts], N, temperature=1.0, seed=1)  # longer prompts, same width bucket
+    assert gen._program._cache_size() == compiled  # same shapes, another seed or length: no new program
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))

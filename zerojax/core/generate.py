@@ -25,7 +25,7 @@ Nothing here reads a config: the decoder and plan carry everything (docs/archite
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
