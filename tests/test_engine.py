@@ -51,7 +51,8 @@ def test_training_counts_steps_and_learns(engine: zerojax.Engine) -> None:
     for i in range(15):
         metrics = engine.train_batch(data(32, i))
     assert engine.global_steps == start + 15 and engine.skipped_steps == 0
-    assert set(metrics) == {"loss", "grad_norm", "lr", "loss_scale", "skipped"}
+    assert set(metrics) == {"loss", "grad_norm", "lr", "loss_scale", "skipped", "non_finite", "skipped_streak",
+                            "micro_losses"}
     assert float(engine.eval_batch(data(64, 99))) < 0.7 * before
 
 

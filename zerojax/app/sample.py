@@ -1,15 +1,18 @@
 """A short generation from a run's model (the embedded GPT or the Llama): `zerojax sample --run RUN_DIR`,
 and the end of train.py.
 
-A loss curve says a run learned; a few generated lines show what. Generation recomputes the whole
-window for every new token (no KV cache): one compiled forward pass of [1, seq_len] tokens, with
-the context left-aligned and the logits read at its last position (causal attention makes what
-follows irrelevant), so nothing recompiles as the text grows. Sampling draws on the host from a
-seeded numpy generator: the same seed gives the same text. Text is bytes (UTF-8) for the byte-level
-corpus, or goes through the run's `data.tokenizer`.
+A loss curve says a run learned; a few generated lines show what. When the prompt and the new tokens
+fit in the model's `seq_len` window, generation is `zerojax.core.generate`: a KV cache, one compiled
+program for the whole text, sampled on the device from a key made from the seed. Longer, the window
+slides (the GPT's learned positions stop at seq_len), so the whole window is recomputed for every new
+token: one compiled forward pass of [1, seq_len] tokens, with the context left-aligned and the
+logits read at its last position, sampled on the host from a seeded numpy generator. Either way the
+same seed gives the same text. Text is bytes (UTF-8) for the byte-level corpus, or goes through the
+run's `data.tokenizer`.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,6 +21,7 @@ import jax
 import numpy as np
 
 from zerojax.config import Config, DataConfig, ModelConfig, load_config
+from zerojax.core.layout import Plan
 from zerojax.errors import ConfigError
 from zerojax.models import abstract_params, gpt
 
@@ -56,23 +60,36 @@ class Codec:
 
 
 def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, temperature: float = 0.8,
-             top_k: int | None = 40, seed: int = 0) -> list[int]:
+             top_k: int | None = 40, seed: int = 0, plan: Plan | None = None) -> list[int]:
     """`n` new token ids after `prompt` (greedy at temperature 0); the context is the last
-    seq_len tokens. `params` are whole arrays (numpy or on one device)."""
+    seq_len tokens. `params` are whole arrays (numpy or on one device), or laid out by `plan`
+    (a run's sharded weights, read where they lie when the text fits the window)."""
     if n <= 0:
         return []
     if not prompt:
         raise ValueError("generate: the prompt needs at least one token")
     window = cfg.seq_len
+    if len(prompt) + n <= window:  # the KV-cache path: one program for the whole text
+        from zerojax.core.generate import generate as cached
+        from zerojax.models.decode import decoder
+        if plan is None:
+            params = jax.device_put(jax.tree.map(np.asarray, params), jax.devices()[0])
+        out = cached(decoder(cfg), params, [list(prompt)], None, n, temperature=temperature,
+                     top_k=top_k if temperature > 0 else None, seed=seed, plan=plan)
+        return [int(t) for t in np.asarray(out.tokens)[0]]
+    return generate_recompute(cfg, params, prompt, n, temperature=temperature, top_k=top_k, seed=seed)
+
+
+def generate_recompute(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, temperature: float = 0.8,
+                       top_k: int | None = 40, seed: int = 0) -> list[int]:
+    """`generate` without a cache: the whole window of the last seq_len tokens recomputed for every
+    new token, sampled on the host (what texts longer than the window use; benchmarks/generate.py
+    compares it with the cache)."""
+    window = cfg.seq_len
     device = jax.devices()[0]
     params = jax.device_put(jax.tree.map(lambda x: np.asarray(x), params), device)
 
-    apply = _apply(cfg)
-
-    @jax.jit
-    def logits_at(params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(apply(cfg, params, tokens)[0], pos, keepdims=False)
-
+    logits_at = _logits_at(cfg)
     rng = np.random.default_rng(seed)
     ids, out = list(prompt), []
     for _ in range(n):
@@ -94,13 +111,14 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
 
 
 def sample_text(config: Config, params: Any, prompt: str | None = None, n: int = 64, *,
-                temperature: float = 0.8, seed: int = 0, tokenizer: str | None = None) -> str:
+                temperature: float = 0.8, seed: int = 0, tokenizer: str | None = None,
+                plan: Plan | None = None) -> str:
     """The prompt and its continuation, as text (through `tokenizer`, a tokenizer.json, when given;
-    else the run's own `data.tokenizer`, or bytes)."""
+    else the run's own `data.tokenizer`, or bytes). `plan`: the one `params` are laid out by, if any."""
     codec = Codec(config.data, config.model.vocab_size, tokenizer)
     prompt = DEFAULT_PROMPT if prompt is None and config.data.source == "stdlib" else (prompt or "")
     ids = codec.encode(prompt)
-    new = generate(config.model, params, ids, n, temperature=temperature, seed=seed)
+    new = generate(config.model, params, ids, n, temperature=temperature, seed=seed, plan=plan)
     return codec.decode(ids if prompt else []) + codec.decode(new)
 
 
@@ -127,6 +145,18 @@ def load_run(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Any, 
     return config, params, where
 
 
+@functools.lru_cache(maxsize=None)
+def _logits_at(cfg: ModelConfig) -> Any:
+    """`(params, tokens [1, seq_len], pos) -> logits at pos`, jitted once per model config."""
+    apply = _apply(cfg)
+
+    @jax.jit
+    def logits_at(params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(apply(cfg, params, tokens)[0], pos, keepdims=False)
+
+    return logits_at
+
+
 def _apply(cfg: ModelConfig) -> Any:
     """`apply(cfg, params, tokens) -> logits` of the model `model.name` names."""
     if cfg.name == "llama":
@@ -140,15 +170,25 @@ def _flat(tree: Any) -> dict[str, Any]:
     return {dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def end_of_run_sample(config: Config, params: Any) -> str | None:
+def end_of_run_sample(config: Config, params: Any, plan: Plan | None = None) -> str | None:
     """The sample printed at the end of train.py (None when it is off or cannot be made here:
-    several processes, a pipelined model, or parameters too large to gather onto one device)."""
+    several processes, a pipelined model, or a text longer than the window from parameters too large
+    to gather onto one device). With the run's `plan`, a text that fits the window is generated from
+    the sharded weights where they lie (gathered once inside the program, not onto the host)."""
     n = config.run.sample_tokens
     if not n or jax.process_count() > 1 or config.mesh.stage > 1 or config.model.name not in ("gpt", "llama"):
         return None
+    if plan is not None and len(_prompt_ids(config)) + n <= config.model.seq_len:
+        return sample_text(config, params, None, n, seed=config.run.seed, plan=plan)
     if sum(x.size * 4 for x in jax.tree.leaves(params)) > 2 ** 31:
         return None
     host = jax.device_get(params)
     return sample_text(config, jax.tree.map(lambda x: np.asarray(x, np.float32), host), None, n,
                        seed=config.run.seed)
 
+
+
+def _prompt_ids(config: Config) -> list[int]:
+    """The end-of-run sample's prompt, as token ids."""
+    codec = Codec(config.data, config.model.vocab_size)
+    return codec.encode(DEFAULT_PROMPT if config.data.source == "stdlib" else "")

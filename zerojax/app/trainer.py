@@ -99,7 +99,8 @@ def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
         params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
                          out_shardings=plan.update_shardings)()
     loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
-    return Engine(config, params, loss_fn, mesh, plan=plan)
+    from zerojax.models.decode import decoder
+    return Engine(config, params, loss_fn, mesh, plan=plan, decode=decoder(model_cfg))
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
@@ -377,7 +378,7 @@ def _print_sample(config: Config, engine: Engine) -> None:
         return
     from zerojax.app.sample import end_of_run_sample
     try:
-        text = end_of_run_sample(config, engine.params)
+        text = end_of_run_sample(config, engine.params, engine.plan)
     except Exception as e:  # noqa: BLE001 - the run itself succeeded
         print(f"sample: not generated ({type(e).__name__}: {e})", flush=True)
         return

@@ -24,6 +24,7 @@ from zerojax.engine.deepspeed_api import DeepSpeedAPI
 from zerojax.runtime.agreement import agree_on_program
 from zerojax.runtime.distributed import InFlight, check_consistency, config_items, global_array
 from zerojax.errors import LossScaleError, NonFiniteError
+from zerojax.core.generate import Decoder, Generation, generate
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
@@ -42,9 +43,13 @@ class Engine(DeepSpeedAPI):
 
     def __init__(self, config: Config | Mapping[str, Any] | str, params: Any, loss_fn: LossFn, mesh: Mesh, *,
                  optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None,
-                 layer_axes: Any = None, plan: Plan | None = None):
+                 layer_axes: Any = None, plan: Plan | None = None, decode: Decoder | None = None):
         """`plan`: one already made from this config and mesh (`zerojax.plan`), so it is not made twice;
-        without it the engine makes its own from `optimizer`, `lr_scheduler` and `layer_axes`."""
+        without it the engine makes its own from `optimizer`, `lr_scheduler` and `layer_axes`.
+        `decode`: the model's KV-cache forward (`zerojax.core.generate.Decoder`: `init_cache`, `prefill`,
+        `decode_step` over these params), which `generate` runs; train.py passes the shipped GPT's or
+        Llama's (`zerojax.models.decode.decoder(config.model)`)."""
+        self.decoder = decode
         config = load_config(config)  # a Config, a dict or a file path, as `initialize` takes it
         if plan is None:
             plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -192,6 +197,33 @@ class Engine(DeepSpeedAPI):
     def train_step_fn(self) -> Callable[[TrainState, Any], Any]:
         """The jitted pure step, for `.lower(state, batch)` and HLO inspection."""
         return self._train_step
+
+    # -- generation -------------------------------------------------------------------------
+    #: The model's KV-cache forward (`Engine(decode=...)`); None: `generate` explains what to pass.
+    decoder: Decoder | None = None
+
+    def generate(self, prompts: Any, max_new_tokens: int, *, lengths: Any = None, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 eos_id: int | None = None) -> Generation:
+        """New tokens after each prompt from the live training weights (`zerojax.core.generate`).
+
+        `prompts`: a list of token lists, or an int array [B, T] right-padded with `lengths` [B].
+        Greedy at temperature 0, else sampled (`top_k`, `top_p`, `seed`); a row stops at `eos_id`.
+        Returns tokens, log-probabilities (of the model at temperature 1) and lengths (`Generation`).
+        The parameters are read where the ZeRO stage keeps them (`state.params`, the compute dtype):
+        at stage 3 they are gathered once per call inside the one compiled program, not per token,
+        and the gathered copy is gone when the call returns; nothing of the state changes.
+        """
+        if self.decoder is None:
+            raise TypeError("generate: this engine has no decoder; pass decode= to zerojax.initialize(...) or "
+                            "Engine(...): an object with init_cache / prefill / decode_step over these params "
+                            "(zerojax.core.generate.Decoder), e.g. zerojax.models.decode.decoder(model_config) for "
+                            "the shipped GPT or Llama")
+        if jax.process_count() > 1:
+            raise NotImplementedError("generate: one process only for now (prompts are host arrays given to every "
+                                      "device); in a multi-process run, generate from an exported checkpoint")
+        return generate(self.decoder, self.state.params, prompts, lengths, max_new_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, plan=self.plan)
 
     # -- state ------------------------------------------------------------------------------
     @property

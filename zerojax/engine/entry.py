@@ -21,7 +21,7 @@ from zerojax.core.step import LossFn
 def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, loss_fn: LossFn | None = None,
                mesh: Mesh | None = None, *, model: Any = None, optimizer: ClientOptimizer | None = None,
                lr_scheduler: ScheduleFn | None = None, hidden_size: int | None = None,
-               layer_axes: Any = None) -> Engine:
+               layer_axes: Any = None, decode: Any = None) -> Engine:
     """DeepSpeed's `initialize`, returning the engine alone.
 
     `config` is a Config, a dict or a JSON/hjson/YAML path (DeepSpeed keys mean what they mean in
@@ -37,7 +37,8 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
     model's width, for the Hugging Face "auto" values derived from it. `layer_axes` is `plan`'s: the
     leading axes of each leaf that stack layers (`zerojax.find_layer_axes(loss_fn, params, batch)`
     reads them off the loss), so ZeRO-3 keeps them whole and compares the persistence threshold
-    with one layer.
+    with one layer. `decode` is the model's KV-cache forward (`zerojax.core.generate.Decoder`) that
+    `engine.generate` runs; `zerojax.models.decode.decoder(model_config)` is the shipped GPT's or Llama's.
     """
     if model is not None:
         if loss_fn is not None:
@@ -59,4 +60,4 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
                         "params, loss_fn = zerojax.from_nnx(model, loss)), or model=PipelineModule(...)")
     config = load_config(config, hidden_size=hidden_size)
     return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config), optimizer=optimizer,
-                  lr_scheduler=lr_scheduler, layer_axes=layer_axes)
+                  lr_scheduler=lr_scheduler, layer_axes=layer_axes, decode=decode)

@@ -46,6 +46,13 @@ class PipelineEngine(Engine):
         extra = {PIPELINE_ROWS: {"array": ROWS, "leaves": self.pipeline.rows.manifest()}, **(extra or {})}
         return super().save_checkpoint(save_dir, tag, client_state, extra=extra, async_save=async_save)
 
+    def generate(self, prompts: Any, max_new_tokens: int, **kwargs: Any) -> Any:
+        """Refused: a pipeline's layers live on different stages, and generation here runs the whole model."""
+        raise NotImplementedError("generate: a pipeline engine (mesh.stage > 1) cannot generate, its layers live on "
+                                  "different stages; train with mesh.stage: 1 (ZeRO-3 shards the model over the data "
+                                  "axis and engine.generate gathers it once per call), or export the checkpoint "
+                                  "and use `zerojax sample`")
+
     def memory_report(self) -> MemoryReport:
         return self.pipeline.memory_report()
 

@@ -1,0 +1,202 @@
+"""Generation with a KV cache from the training engine's own (sharded) weights: zerojax.core.generate,
+zerojax.models.decode and `engine.generate`, checked against greedy decoding by full recomputation."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zerojax
+from helpers import computations_with, data_mesh, while_bodies
+from zerojax.core import generate as gen
+from zerojax.engine.pipeline import PipelineEngine
+from zerojax.models import decode, gpt, llama
+
+GPT = dict(name="gpt", vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_layers=2)
+LLAMA = dict(name="llama", vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2)
+MODELS = {"gpt": GPT, "llama": LLAMA}
+N = 6
+#: Eight prompts of different lengths (rows split one per device over the data axis).
+PROMPTS = [[(7 * r + 3 * i) % 64 for i in range(n)] for r, n in enumerate([5, 2, 9, 1, 3, 7, 4, 6])]
+
+
+def config(model: str, stage: int) -> zerojax.Config:
+    return zerojax.load_config({
+        "train_batch_size": 8, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "model": MODELS[model]})
+
+
+@functools.lru_cache(maxsize=None)
+def engine(model: str, stage: int, with_decoder: bool = True) -> zerojax.Engine:
+    cfg = config(model, stage)
+    if model == "llama":
+        params, loss_fn = llama.build(cfg.model, seed=0)
+    else:
+        params, loss_fn = gpt.init_params(cfg.model, 0), gpt.make_loss_fn(cfg.model)
+    return zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=data_mesh(),
+                              decode=decode.decoder(cfg.model) if with_decoder else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward(model: str) -> Any:
+    cfg = config(model, 0).model
+    apply = llama.apply if model == "llama" else gpt.apply
+    return jax.jit(lambda p, t: apply(cfg, p, t))
+
+
+def reference(model: str, params: Any, prompts: list[list[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy tokens and their log-probabilities by full recomputation: the model's own `apply` on
+    each row's growing sequence (left-aligned in a fixed window, logits read at its last token)."""
+    params = jax.device_get(params)
+    width = config(model, 0).model.seq_len
+    seqs = [list(p) for p in prompts]
+    toks, logps = np.zeros((len(seqs), n), np.int32), np.zeros((len(seqs), n), np.float32)
+    for i in range(n):
+        buf = np.zeros((len(seqs), width), np.int32)
+        for r, s in enumerate(seqs):
+            buf[r, :len(s)] = s
+        logits = np.asarray(_forward(model)(params, buf))
+        for r, s in enumerate(seqs):
+            row = logits[r, len(s) - 1]
+            toks[r, i] = int(np.argmax(row))
+            logps[r, i] = np.asarray(jax.nn.log_softmax(jnp.asarray(row)))[toks[r, i]]
+            s.append(int(toks[r, i]))
+    return toks, logps
+
+
+def stop_at(toks: np.ndarray, logps: np.ndarray, eos: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What a per-row stop at `eos` makes of full greedy rows: eos repeated after it, log-prob 0."""
+    toks, logps = toks.copy(), logps.copy()
+    lengths = np.full(len(toks), toks.shape[1], np.int32)
+    for r in range(len(toks)):
+        hits = np.flatnonzero(toks[r] == eos)
+        if hits.size:
+            lengths[r] = hits[0] + 1
+            toks[r, hits[0] + 1:], logps[r, hits[0] + 1:] = eos, 0.0
+    return toks, logps, lengths
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_greedy_equals_full_recomputation(model: str, stage: int) -> None:
+    eng = engine(model, stage)
+    leaf = jax.tree.leaves(eng.state.params)[-1]
+    assert leaf.sharding.is_fully_replicated == (stage == 0)  # stage 3: generated from the shards
+    toks, logps = reference(model, eng.state.params, PROMPTS, N)
+    eos = int(toks[0, 2])  # row 0 stops at its third token at the latest; the others run on (or stop too)
+    want_toks, want_logps, want_lengths = stop_at(toks, logps, eos)
+    assert want_lengths[0] <= 3 and want_lengths.max() == N
+    out = eng.generate(PROMPTS, N, eos_id=eos)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want_toks)
+    np.testing.assert_array_equal(np.asarray(out.lengths), want_lengths)
+    np.testing.assert_allclose(np.asarray(out.logprobs), want_logps, atol=1e-5, rtol=0)
+
+
+def test_zero3_gathers_once_per_call_not_per_token() -> None:
+    """At ZeRO-3 the program's all-gathers sit outside every loop: once per call, never per token."""
+    eng = engine("gpt", 3)
+    tokens, lengths = gen.pad_prompts(PROMPTS)
+    width = gen.bucket(int(lengths.max()), N, eng.decoder.max_positions)
+    padded = np.zeros((len(PROMPTS), width), np.int32)
+    padded[:, :tokens.shape[1]] = tokens
+    rows, replicated = gen._shardings(eng.plan, len(PROMPTS))
+    hlo = gen._program.lower(eng.decoder, eng.state.params, padded, lengths, jnp.uint32(0), N, 0.0, None, None,
+                             None, rows, replicated).compile().as_text()
+    gathers = computations_with(hlo, "all-gather")
+    assert gathers and not gathers & while_bodies(hlo)
+
+
+def test_cache_bytes_are_its_shape() -> None:
+    for model, kv in (("gpt", 4), ("llama", 2)):
+        cfg = config(model, 0).model
+        dec = decode.decoder(cfg)
+        params = engine(model, 0).state.params
+        cache = dec.init_cache(params, 3, 20)
+        shape = (cfg.n_layers, 3, 20, kv, cfg.d_model // cfg.n_heads)
+        assert cache["k"].shape == cache["v"].shape == shape
+        assert gen.cache_bytes(dec, params, 3, 20) == 2 * int(np.prod(shape)) * 4
+        assert sum(x.nbytes for x in jax.tree.leaves(cache)) == gen.cache_bytes(dec, params, 3, 20)
+
+
+def test_sampling_is_seeded_top_k_1_is_greedy_and_compiles_once() -> None:
+    eng = engine("gpt", 0)
+    prompts = PROMPTS[:3]  # a batch the 8 devices do not divide: every device decodes it whole
+    greedy = eng.generate(prompts, N)
+    a = eng.generate(prompts, N, temperature=1.0, seed=1)
+    compiled = gen._program._cache_size()
+    b = eng.generate(prompts, N, temperature=1.0, seed=1)
+    c = eng.generate(prompts, N, temperature=1.0, seed=2)
+    eng.generate([p + [1] for p in prompts], N, temperature=1.0, seed=1)  # longer prompts, same width bucket
+    assert gen._program._cache_size() == compiled  # same shapes, another seed or length: no new program
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    one = eng.generate(prompts, N, temperature=1.0, top_k=1, seed=3)
+    np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(greedy.tokens))
+    nucleus = eng.generate(prompts, N, temperature=1.0, top_p=1e-6, seed=4)  # only the likeliest survives
+    np.testing.assert_array_equal(np.asarray(nucleus.tokens), np.asarray(greedy.tokens))
+
+
+def test_prompt_lengths_share_a_bucket() -> None:
+    assert [gen.bucket(n, 4, None) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 32]
+    assert gen.bucket(20, 4, 32) == 28  # within the GPT's learned positions
+    with pytest.raises(ValueError, match="positions"):
+        gen.bucket(30, 4, 32)
+
+
+def test_without_a_decoder_or_in_a_pipeline_generate_says_what_to_do() -> None:
+    with pytest.raises(TypeError, match="decode="):
+        engine("gpt", 0, with_decoder=False).generate(PROMPTS, N)
+    with pytest.raises(NotImplementedError, match="mesh.stage: 1"):
+        PipelineEngine.generate(object.__new__(PipelineEngine), PROMPTS, N)
+
+
+def test_generate_reads_the_live_state_and_leaves_nothing_behind() -> None:
+    """After a train step at ZeRO-3, generation follows the updated shards; the state is untouched and
+    only the three results outlive the call (the gathered weights and the cache are gone)."""
+    cfg = config("gpt", 3)
+    eng = zerojax.initialize(cfg, params=gpt.init_params(cfg.model, 1), loss_fn=gpt.make_loss_fn(cfg.model),
+                             mesh=data_mesh(), decode=decode.decoder(cfg.model))
+    rng = np.random.default_rng(0)
+    eng.train_batch({"tokens": rng.integers(0, 64, (8, 33), dtype=np.int32)})
+    before = jax.device_get(eng.state.params)
+    jax.block_until_ready(eng.state)
+    live = {id(x) for x in jax.live_arrays()}
+    out = eng.generate(PROMPTS[:3], N)
+    jax.block_until_ready(out)
+    assert {id(x) for x in jax.live_arrays()} - live == {id(x) for x in out}
+    toks, logps = reference("gpt", eng.state.params, PROMPTS[:3], N)
+    np.testing.assert_array_equal(np.asarray(out.tokens), toks)
+    np.testing.assert_allclose(np.asarray(out.logprobs), logps, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(eng.state.params))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bf16_weights_and_tied_llama_embeddings() -> None:
+    """bf16 compute weights decode with a bf16 cache (half the bytes); a Llama with tied embeddings
+    decodes as its full forward does."""
+    cfg = zerojax.load_config(config("gpt", 3), ["bf16.enabled=true"])
+    eng = zerojax.initialize(cfg, params=gpt.init_params(cfg.model, 0), loss_fn=gpt.make_loss_fn(cfg.model),
+                             mesh=data_mesh(), decode=decode.decoder(cfg.model))
+    out = eng.generate(PROMPTS, N, temperature=0.7, top_k=8, top_p=0.9, seed=5)
+    assert out.tokens.shape == out.logprobs.shape == (8, N) and np.all(np.asarray(out.logprobs) <= 0)
+    assert gen.cache_bytes(eng.decoder, eng.state.params, 8, 24) == 2 * 2 * 8 * 24 * 4 * 8 * 2
+
+    tied = zerojax.load_config(config("llama", 0), ["model.tie_embeddings=true"]).model
+    from flax import nnx
+    params = nnx.to_pure_dict(nnx.state(llama.constructor(tied, 2)(), nnx.Param))
+    assert "head" not in params
+    got = gen.generate(decode.decoder(tied), params, PROMPTS[:2], None, 4)
+    want = []
+    for p in PROMPTS[:2]:
+        seq = list(p)
+        for _ in range(4):
+            seq.append(int(np.argmax(np.asarray(llama.apply(tied, params, jnp.asarray([seq]))[0, -1]))))
+        want.append(seq[len(p):])
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want))

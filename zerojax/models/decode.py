@@ -1,0 +1,221 @@
+"""KV-cache decoding of the shipped GPT and Llama, as pure functions over the training params.
+
+The params are the very pytree training uses (`gpt.init_params`, the Llama's `from_nnx` dict, an
+engine's `state.params`); nothing is converted. Each decoder answers the protocol
+`zerojax.core.generate.Decoder`:
+
+    init_cache(params, batch, max_len) -> cache   {"k", "v"}: [layers, batch, max_len, kv_heads, head_dim]
+    prefill(params, cache, tokens [B, T], lengths [B]) -> (logits [B, vocab] at position lengths - 1, cache)
+    decode_step(params, cache, tokens [B], positions [B]) -> (logits [B, vocab], cache)
+    max_positions: the longest sequence the model can place (the GPT's learned positions), or None
+
+Both are one function, `_forward`: embed the tokens at their positions, and in each layer write
+their keys and values into the cache at those positions and attend to every cached position at or
+before the query's. The prefill runs the right-padded prompts in one call (positions 0..T-1); a
+pad's keys sit beyond its row's length and are overwritten by the row's own next token before any
+query reaches them, so they are never read. Layers run through the same NNX submodules training
+uses (rebuilt per layer from its slice of the stacked params, as `gpt.apply` does), so the
+projections and norms are the training ones; logits are float32.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zerojax.config import ModelConfig
+from zerojax.models import gpt, llama
+
+Cache = dict[str, jax.Array]
+
+
+def _rebuild(make: Callable[[], nnx.Module], layer: dict[str, Any]) -> Any:
+    """An NNX module made abstractly by `make`, holding the parameter dict `layer` (trace-time only)."""
+    graphdef, state = nnx.split(nnx.eval_shape(make))
+    nnx.replace_by_pure_dict(state, layer)
+    return nnx.merge(graphdef, state)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal attention of queries q [B, T, heads, hd] at `positions` [B, T] over a whole cache
+    k, v [B, S, kv_heads, hd]: a query sees the cache slots at or before its position. Query heads
+    are grouped under the key/value head they share (GPT: one each). Returns [B, T, heads * hd]."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(hd))
+    mask = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -1e30), axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * hd)
+
+
+def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """cache [B, S, kv, hd] with new [B, T, kv, hd] written at `positions` [B, T]: one token per row at
+    its own position (a select, which splits cleanly over rows sharded on the data axis), or, for
+    T > 1, the prefill's positions 0..T-1 of every row."""
+    new = new.astype(cache.dtype)
+    if new.shape[1] == 1:
+        at = jnp.arange(cache.shape[1])[None, :] == positions  # [B, S]
+        return jnp.where(at[:, :, None, None], new, cache)
+    return jax.lax.dynamic_update_slice_in_dim(cache, new, 0, axis=1)
+
+
+class _Decoder:
+    """What both models share: the cache, prefill and decode_step over `_forward`."""
+
+    cfg: ModelConfig
+    n_kv_heads: int
+    max_positions: int | None = None
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.head_dim = cfg.d_model // cfg.n_heads
+
+    def __eq__(self, other: object) -> bool:  # one compiled program per model config, not per object
+        return type(other) is type(self) and other.cfg == self.cfg
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.cfg))
+
+    def cache_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
+        """[layers, batch, max_len, kv_heads, head_dim], of each of "k" and "v"."""
+        return (self.cfg.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
+
+    def init_cache(self, params: Any, batch: int, max_len: int) -> Cache:
+        """A zero cache in the params' compute dtype (the embedding's)."""
+        dtype = self.embedding(params).dtype
+        shape = self.cache_shape(batch, max_len)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def prefill(self, params: Any, cache: Cache, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, Cache]:
+        """Run the right-padded prompts `tokens` [B, T] (row b's first `lengths[b]` are real) into the
+        cache; float32 logits [B, vocab] of the next token after each prompt."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x, cache = self._forward(params, cache, tokens, positions)
+        last = jnp.take_along_axis(x, (lengths.astype(jnp.int32) - 1)[:, None, None], axis=1)
+        return self._logits(params, last)[:, 0], cache
+
+    def decode_step(self, params: Any, cache: Cache, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Cache]:
+        """One token per row, `tokens` [B] at `positions` [B]: float32 logits [B, vocab] of the next."""
+        x, cache = self._forward(params, cache, tokens[:, None], positions[:, None].astype(jnp.int32))
+        return self._logits(params, x)[:, 0], cache
+
+    def _forward(self, params: Any, cache: Cache, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Cache]:
+        x = self._embed(params, tokens, positions)
+        extra = self._extra(positions)
+
+        def body(x: jax.Array, xs: tuple[Any, jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            layer, k_cache, v_cache = xs
+            x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, extra)
+            return x, (k_cache, v_cache)
+
+        x, (k, v) = jax.lax.scan(body, x, (self.layers(params), cache["k"], cache["v"]))
+        return x, {"k": k, "v": v}
+
+    def _extra(self, positions: jax.Array) -> Any:
+        return None
+
+    # per model: embedding(params), layers(params), _embed, _layer, _logits
+
+
+class GPTDecoder(_Decoder):
+    """The embedded GPT (`zerojax.models.gpt`): learned positions, so at most `seq_len` of them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.n_kv_heads = cfg.n_heads
+        self.max_positions = cfg.seq_len
+        self._make = lambda: gpt.Block(cfg, rngs=nnx.Rngs(0))
+
+    def embedding(self, params: Any) -> jax.Array:
+        return params["embed"]["embedding"]
+
+    def layers(self, params: Any) -> Any:
+        return params["blocks"]
+
+    def _embed(self, params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        pos = jnp.take(params["pos"], jnp.minimum(positions, self.cfg.seq_len - 1), axis=0)
+        return jnp.take(params["embed"]["embedding"], tokens, axis=0) + pos
+
+    def _layer(self, layer: Any, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+               extra: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        blk = _rebuild(self._make, layer)
+        b, t, d = x.shape
+        h = self.cfg.n_heads
+        q, k, v = (y.reshape(b, t, h, d // h) for y in jnp.split(blk.qkv(blk.ln1(x)), 3, axis=-1))
+        k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
+        x = x + blk.proj(attend(q, k_cache, v_cache, positions))
+        return x + blk.out(jax.nn.gelu(blk.fc(blk.ln2(x)))), k_cache, v_cache
+
+    def _logits(self, params: Any, x: jax.Array) -> jax.Array:
+        x = gpt._layer_norm(params["ln_f"], x, gpt.norm_eps(self.cfg))
+        return jnp.einsum("btd,dv->btv", x, params["head"]["kernel"], preferred_element_type=jnp.float32)
+
+
+class LlamaDecoder(_Decoder):
+    """The Llama (`zerojax.models.llama`): rotary positions (no length bound), grouped-query cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.n_kv_heads = llama._kv_heads(cfg)
+        self._make = lambda: llama.Layer(cfg, rngs=nnx.Rngs(0))
+
+    def embedding(self, params: Any) -> jax.Array:
+        return params["embed"]["embedding"]
+
+    def layers(self, params: Any) -> Any:
+        return params["layers"]
+
+    def _embed(self, params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        return jnp.take(params["embed"]["embedding"], tokens, axis=0)
+
+    def _extra(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos and sin [B, T, head_dim] at each token's position (llama.rotary's maths)."""
+        hd = self.head_dim
+        inv_freq = 1.0 / self.cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        return jnp.cos(emb), jnp.sin(emb)
+
+    def _layer(self, layer: Any, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+               extra: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        lay = _rebuild(self._make, layer)
+        cos, sin = extra
+        b, t, _ = x.shape
+        h, kv, hd = self.cfg.n_heads, self.n_kv_heads, self.head_dim
+        y = lay.attn_norm(x)
+        q = _rotate(lay.q(y).reshape(b, t, h, hd), cos, sin)
+        k = _rotate(lay.k(y).reshape(b, t, kv, hd), cos, sin)
+        v = lay.v(y).reshape(b, t, kv, hd)
+        k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
+        x = x + lay.o(attend(q, k_cache, v_cache, positions))
+        y = lay.mlp_norm(x)
+        return x + lay.down(jax.nn.silu(lay.gate(y)) * lay.up(y)), k_cache, v_cache
+
+    def _logits(self, params: Any, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        eps = llama._eps(self.cfg)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+        x = params["norm"]["scale"] * y.astype(x.dtype)
+        if self.cfg.tie_embeddings:
+            w = params["embed"]["embedding"]
+            return jnp.einsum("btd,vd->btv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", x, params["head"]["kernel"].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """llama._rotate with a per-row angle: x [B, T, heads, hd], cos and sin [B, T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def decoder(cfg: ModelConfig) -> GPTDecoder | LlamaDecoder:
+    """The decoder of the model `cfg.name` names (what train.py hands its engine as `decode=`)."""
+    return LlamaDecoder(cfg) if cfg.name == "llama" else GPTDecoder(cfg)
