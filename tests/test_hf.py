@@ -52,7 +52,8 @@ def test_config_json_fills_the_model_keys() -> None:
     assert (m.name, m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.norm_eps,
             m.tie_embeddings) == ("llama", 128, 64, 2, 4, 2, 96, 1e-5, False)
     g = config("gpt2").model
-    assert (g.name, g.d_model, g.n_layers, g.n_heads, g.d_ff, g.seq_len, g.norm_eps) == ("gpt", 32, 2, 4, 128, 32, 1e-5)
+    assert (g.name, g.d_model, g.n_layers, g.n_heads, g.d_ff, g.seq_len, g.norm_eps, g.tie_embeddings) == \
+        ("gpt", 32, 2, 4, 128, 32, 1e-5, True)
     assert config("gpt2", seq_len=16).model.seq_len == 16  # fewer positions than the checkpoint's: fine
 
 
@@ -80,8 +81,8 @@ def test_imported_logits_match_transformers(name: str, stage: int) -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_export_then_import_gives_the_exact_weights(name: str, tmp_path: Path) -> None:
     """Train a step from the checkpoint, save, `zerojax export --format hf`, read it back. GPT-2 trains
-    16 of its 32 positions: the other rows come back from the source; its own head has moved away
-    from the tied embedding, so the export adds lm_head.weight and unties config.json."""
+    16 of its 32 positions: the other rows come back from the source; it trains tied, as its
+    config.json says, so the export is tied too (no lm_head.weight, config.json unchanged)."""
     cfg = config(name, 3, **({"seq_len": 16} if name == "gpt2" else {}))
     mesh = data_mesh()
     layout = make_plan(cfg, mesh, hf.abstract_params(cfg.model))
@@ -96,14 +97,14 @@ def test_export_then_import_gives_the_exact_weights(name: str, tmp_path: Path) -
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     exported = json.loads((out / "config.json").read_text())
     source = json.loads((FIXTURES / name / "config.json").read_text())
-    assert exported == ({**source, "tie_word_embeddings": False} if name == "gpt2" else source)
+    assert exported == source
     with hf.Checkpoint(FIXTURES / name) as src, hf.Checkpoint(out) as got:
-        assert set(got.where) == set(src.where) | ({"lm_head.weight"} if name == "gpt2" else set())
+        assert set(got.where) == set(src.where)
         if name == "gpt2":  # positions 16-31, which the model does not hold, are the source's
+            assert "head" not in trained and "lm_head.weight" not in got.where  # tied, and stays tied
             wpe = got.read("transformer.wpe.weight", ())
             np.testing.assert_array_equal(wpe[16:], src.read("transformer.wpe.weight", ())[16:])
             np.testing.assert_array_equal(wpe[:16], trained["pos"])
-            np.testing.assert_array_equal(got.read("lm_head.weight", ()), trained["head"]["kernel"].T)
     back_cfg = cfg.model
     keys, _ = hf.model_keys(out, back_cfg.seq_len)
     assert all(getattr(back_cfg, k) == v for k, v in keys.items()), keys  # the same model again
@@ -117,6 +118,24 @@ def test_export_then_import_gives_the_exact_weights(name: str, tmp_path: Path) -
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), got_l))  # it trained
     with pytest.raises(FileExistsError, match="--force"):
         hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
+
+
+def test_a_gpt_told_to_keep_its_own_head_unties_the_export_once_it_trained(tmp_path: Path) -> None:
+    """`model.tie_embeddings: false` on tied GPT-2: the head starts as the embedding, trains apart, and
+    the export then adds lm_head.weight and unties config.json (dropping it would lose the training)."""
+    cfg = config("gpt2", 0, tie_embeddings=False)
+    mesh = data_mesh()
+    params = hf.load_params(cfg.model.hf_checkpoint, cfg.model, make_plan(cfg, mesh, hf.abstract_params(cfg.model))
+                            .update_shardings)
+    np.testing.assert_array_equal(np.asarray(params["head"]["kernel"]).T, np.asarray(params["embed"]["embedding"]))
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn(cfg.model), mesh=mesh)
+    engine.train_batch({"tokens": np.tile(np.load(FIXTURES / "gpt2" / "tokens.npy"), (4, 1))})
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.wait_for_checkpoint()
+    out = hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    with hf.Checkpoint(out) as got:
+        np.testing.assert_array_equal(got.read("lm_head.weight", ()), to_numpy(engine.params)["head"]["kernel"].T)
 
 
 def test_tied_llama_round_trip(tmp_path: Path) -> None:

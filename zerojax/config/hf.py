@@ -92,7 +92,8 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
         keys = {"name": "gpt", "vocab_size": int(need("vocab_size")), "d_model": d,
                 "n_layers": int(need("n_layer", "num_hidden_layers")),
                 "n_heads": int(need("n_head", "num_attention_heads")),
-                "d_ff": int(hf.get("n_inner") or 4 * d), "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5))}
+                "d_ff": int(hf.get("n_inner") or 4 * d), "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+                "tie_embeddings": bool(hf.get("tie_word_embeddings", True))}  # transformers' GPT-2 default
         if seq_len is None:
             keys["seq_len"] = positions
     else:

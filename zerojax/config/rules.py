@@ -99,6 +99,8 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
         changes = {}
         for key, value in found.items():
             path = f"model.{key}"
+            if key == "tie_embeddings" and path in sources and value and not m.tie_embeddings:
+                continue  # untying a tied checkpoint: the model's own head starts as the embedding
             if path in sources and getattr(m, key) != value:
                 raise ConfigError(f"{path}: {getattr(m, key)} given, but the checkpoint model.hf_checkpoint "
                                   f"names has {value} ({where}); remove {path} from the config to take the "
@@ -266,9 +268,9 @@ def _check_sections(config: Config) -> None:
     if m.name == "gpt" and m.n_kv_heads not in (None, m.n_heads):
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} differs from n_heads, but the gpt model has "
                           f"plain multi-head attention; remove it, or set model.name: llama")
-    if m.name == "gpt" and m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings: the gpt model keeps its own LM head; remove it, or set "
-                          "model.name: llama")
+    if m.name == "gpt" and m.tie_embeddings and config.mesh.stage > 1:
+        raise ConfigError(f"model.tie_embeddings: the pipelined gpt model (mesh.stage {config.mesh.stage}) keeps "
+                          f"its own LM head on the last stage; set model.tie_embeddings: false, or mesh.stage: 1")
     data = config.data
     if data.source != "stdlib" and not data.path:
         kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file"}[data.source]

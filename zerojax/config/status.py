@@ -206,7 +206,8 @@ KEY_STATUS: dict[str, str] = {
     "mesh.cpu_devices": HONOURED,
     **{f"model.{k}": _GPT for k in ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                                     "remat", "init_std", "norm_eps")},
-    **{f"model.{k}": _LLAMA for k in ("n_kv_heads", "tie_embeddings")},
+    "model.n_kv_heads": _LLAMA,
+    "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",
     "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",
     "model.hf_checkpoint": f"{HONOURED} (train.py and `zerojax train`: the run starts from the checkpoint's "
                            f"weights, read into the plan's shards)",

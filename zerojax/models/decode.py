@@ -153,7 +153,7 @@ class GPTDecoder(_Decoder):
 
     def _logits(self, params: Any, x: jax.Array) -> jax.Array:
         x = gpt._layer_norm(params["ln_f"], x, gpt.norm_eps(self.cfg))
-        return jnp.einsum("btd,dv->btv", x, params["head"]["kernel"], preferred_element_type=jnp.float32)
+        return gpt.logits(params, x)
 
 
 class LlamaDecoder(_Decoder):

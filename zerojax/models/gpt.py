@@ -80,8 +80,9 @@ class GPT(nnx.Module):
 
         self.blocks = stacked(rngs)
         self.ln_f = nnx.LayerNorm(d, epsilon=norm_eps(cfg), rngs=rngs)
-        self.head = nnx.Linear(d, cfg.vocab_size, use_bias=False,
-                               kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+        if not cfg.tie_embeddings:  # tied (GPT-2's default): the head is the token embedding, transposed
+            self.head = nnx.Linear(d, cfg.vocab_size, use_bias=False,
+                                   kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array | int = 0) -> dict[str, Any]:
@@ -137,7 +138,15 @@ def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array,
         body = remat.wrap(body)
     x, _ = jax.lax.scan(body, x, params["blocks"])
     x = _layer_norm(top["ln_f"], x, norm_eps(cfg))
-    return jnp.einsum("btd,dv->btv", x, top["head"]["kernel"], preferred_element_type=jnp.float32)
+    return logits(top, x)
+
+
+def logits(params: dict[str, Any], x: jax.Array) -> jax.Array:
+    """float32 logits of the final hidden states: the LM head, or the token embedding transposed when
+    the embeddings are tied (`model.tie_embeddings`, GPT-2's default)."""
+    if "head" in params:
+        return jnp.einsum("btd,dv->btv", x, params["head"]["kernel"], preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,vd->btv", x, params["embed"]["embedding"], preferred_element_type=jnp.float32)
 
 
 def make_loss_fn(cfg: ModelConfig, checkpointing: Optional[ActivationCheckpointingConfig] = None) -> Any:

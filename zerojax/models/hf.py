@@ -19,12 +19,13 @@ checkpoint: the same tensor names and shapes and the same config.json, with what
 taken from the zerojax checkpoint and everything else copied unchanged from the source.
 
 GPT-2 goes into the embedded GPT, which has GPT-2's shape (learned positions, pre-norm LayerNorm,
-tanh-approximated GELU, fused qkv, biases) with `model.norm_eps` at GPT-2's 1e-5. Two differences
-are bridged here: the GPT keeps its own LM head, so an import copies GPT-2's tied token embedding
-into it (an export keeps the checkpoint tied while that head still equals the embedding, and adds
-`lm_head.weight` with `tie_word_embeddings: false` once training has made them differ, exact either
-way), and its position table is `model.seq_len` rows (an import keeps the first seq_len of
-n_positions; an export writes those back and copies the rows past them from the source).
+tanh-approximated GELU, fused qkv, biases) with `model.norm_eps` at GPT-2's 1e-5, and ties its LM
+head to the token embedding as config.json's `tie_word_embeddings` says (GPT-2's default), so a tied
+checkpoint trains tied and exports tied. A GPT told to keep its own head (`model.tie_embeddings:
+false`) gets the tied embedding copied into it; its export keeps the checkpoint tied while that head
+still equals the embedding, and adds `lm_head.weight` with `tie_word_embeddings: false` once training
+has made them differ. Its position table is `model.seq_len` rows (an import keeps the first seq_len
+of n_positions; an export writes those back and copies the rows past them from the source).
 GPT-2's Conv1D weights are already stored [in, out] and are not transposed.
 """
 from __future__ import annotations
@@ -76,13 +77,16 @@ def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
     return names
 
 
-def _gpt2_names(prefix: str, head: str | None) -> dict[tuple[str, ...], Source]:
-    """`prefix`: "transformer." (GPT2LMHeadModel) or "" (GPT2Model, as the original uploads are)."""
+def _gpt2_names(prefix: str, head: str | None, tied: bool = False) -> dict[tuple[str, ...], Source]:
+    """`prefix`: "transformer." (GPT2LMHeadModel) or "" (GPT2Model, as the original uploads are).
+    `tied`: the model has no head of its own (`model.tie_embeddings`); otherwise its head comes from
+    `head`, or from the token embedding where the checkpoint ties them."""
     block = prefix + "h.{i}."
     names = {("embed", "embedding"): Source(prefix + "wte.weight"),
              ("pos",): Source(prefix + "wpe.weight", prefix_rows=True),
-             ("ln_f", "scale"): Source(prefix + "ln_f.weight"), ("ln_f", "bias"): Source(prefix + "ln_f.bias"),
-             ("head", "kernel"): Source(head or prefix + "wte.weight", transpose=True)}
+             ("ln_f", "scale"): Source(prefix + "ln_f.weight"), ("ln_f", "bias"): Source(prefix + "ln_f.bias")}
+    if not tied:
+        names[("head", "kernel")] = Source(head or prefix + "wte.weight", transpose=True)
     for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
         names[("blocks", ours, "scale")] = Source(block + theirs + ".weight")
         names[("blocks", ours, "bias")] = Source(block + theirs + ".bias")
@@ -185,21 +189,21 @@ def _names_for(cfg: Any, ckpt: Checkpoint) -> dict[tuple[str, ...], Source]:
     if cfg.name == "llama":
         return _llama_names(cfg)
     prefix = "transformer." if "transformer.wte.weight" in ckpt else ""
-    return _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in ckpt else None)
+    return _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in ckpt else None, cfg.tie_embeddings)
 
 
 def deepspeed_sources(cfg: Any, names: Any) -> dict[str, Source]:
     """The name table for a DeepSpeed checkpoint of this model written by the Hugging Face Trainer:
     zerojax leaf (dotted) -> the DeepSpeed parameter name it comes from (`names`: the checkpoint's
     parameter names, e.g. `model.layers.0.self_attn.q_proj.weight`, `transformer.h.0.attn.c_attn.weight`).
-    The table is `model.hf_checkpoint`'s; GPT-2 with tied embeddings (no `lm_head.weight`: DeepSpeed
-    saves a tied parameter once) fills the GPT's own head from `wte`, as an import does."""
+    The table is `model.hf_checkpoint`'s: a tied GPT-2 (no `lm_head.weight`: DeepSpeed saves a tied
+    parameter once) trains tied; a GPT with its own head gets it from `wte`, as an import does."""
     present = set(names)
     if cfg.name == "llama":
         table = _llama_names(cfg)
     else:
         prefix = "transformer." if "transformer.wte.weight" in present else ""
-        table = _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in present else None)
+        table = _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in present else None, cfg.tie_embeddings)
     return {".".join(path): source for path, source in table.items()}
 
 
@@ -479,12 +483,13 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
             "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
             "n_inner": cfg.d_ff or 4 * cfg.d_model, "n_positions": cfg.seq_len,
             "layer_norm_epsilon": cfg.norm_eps if cfg.norm_eps is not None else 1e-6,
-            "activation_function": "gelu_new", "tie_word_embeddings": False,
+            "activation_function": "gelu_new", "tie_word_embeddings": bool(cfg.tie_embeddings),
             "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "torch_dtype": dtype}
 
 
 def _export_names(cfg: Any) -> dict[tuple[str, ...], Source]:
-    return _llama_names(cfg) if cfg.name == "llama" else _gpt2_names("transformer.", "lm_head.weight")
+    return (_llama_names(cfg) if cfg.name == "llama" else
+            _gpt2_names("transformer.", "lm_head.weight", cfg.tie_embeddings))
 
 
 def _layers(path: tuple[str, ...], shape: tuple[int, ...]) -> list[int | None]:

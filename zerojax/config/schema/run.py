@@ -43,8 +43,9 @@ class ModelConfig:
     rope_theta: float = option(10000.0, "llama: base of the rotary position embedding frequencies.", gt=0)
     norm_eps: Optional[float] = option(None, "Epsilon of the norms (default: 1e-6 for gpt, 1e-5 for llama; "
                                              "GPT-2 uses 1e-5).", gt=0)
-    tie_embeddings: bool = option(False, "llama: the LM head is the transposed token embedding (no head "
-                                         "parameter).")
+    tie_embeddings: bool = option(False, "The LM head is the transposed token embedding (no head parameter), "
+                                         "as GPT-2 and tied Llama checkpoints have it (model.hf_checkpoint fills "
+                                         "it from config.json's tie_word_embeddings).")
     hf_checkpoint: Optional[str] = option(
         None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
               "not; Llama-family or GPT-2) to start from: its weights are read straight into the plan's "
