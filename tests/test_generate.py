@@ -200,3 +200,24 @@ def test_bf16_weights_and_tied_llama_embeddings() -> None:
             seq.append(int(np.argmax(np.asarray(llama.apply(tied, params, jnp.asarray([seq]))[0, -1]))))
         want.append(seq[len(p):])
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want))
+
+
+def test_deepspeeds_hybrid_engine_keys_load_and_bound_the_request() -> None:
+    """hybrid_engine.max_out_tokens bounds prompt + new tokens; inference_tp_size > 1 is refused with the
+    reason; the keys with no effect by design load without a warning."""
+    import warnings
+    base = config("gpt", 0).to_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = zerojax.load_config({**base, "hybrid_engine": {"enabled": True, "max_out_tokens": 12,
+                                                              "release_inference_cache": True, "pin_parameters": True,
+                                                              "tp_gather_partition_size": 8}})
+    eng = zerojax.initialize(cfg, params=gpt.init_params(cfg.model, 0), loss_fn=gpt.make_loss_fn(cfg.model),
+                             mesh=data_mesh(), decode=decode.decoder(cfg.model))
+    assert eng.generate([[1, 2, 3, 4]], 8).tokens.shape == (1, 8)
+    with pytest.raises(ValueError, match=r"a prompt of 4 tokens plus max_new_tokens=9 exceeds "
+                                         r"hybrid_engine.max_out_tokens=12"):
+        eng.generate([[1, 2, 3, 4]], 9)
+    with pytest.raises(zerojax.ConfigError, match=r"^hybrid_engine.inference_tp_size: 2, but zerojax generates on "
+                                                  r"the training layout"):
+        zerojax.load_config({**base, "hybrid_engine": {"inference_tp_size": 2}})

@@ -15,7 +15,7 @@ from zerojax.config.schema.precision import BF16Config, DataTypesConfig, FP16Con
 from zerojax.config.schema.zero import (ActivationCheckpointingConfig, OffloadOptimizerConfig, OffloadParamConfig, POLICY_CHOICES, ZeroConfig)
 from zerojax.config.schema.monitoring import (COLLECTIVE_KINDS, OP_NAMES, CommsLoggerConfig, FlopsProfilerConfig,
     MonitorConfig, WandbConfig)
-from zerojax.config.schema.parallel import DistributedConfig, MeshConfig, PipelineConfig
+from zerojax.config.schema.parallel import DistributedConfig, HybridEngineConfig, MeshConfig, PipelineConfig
 from zerojax.config.schema.run import CheckpointConfig, DataConfig, ModelConfig, RunConfig
 from zerojax.config.batch import BatchSize, resolve_batch
 from zerojax.config.files import read_config_file

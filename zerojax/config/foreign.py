@@ -90,8 +90,6 @@ FOREIGN_KEYS: dict[str, Foreign] = {
     "datastates": Foreign("the DataStates asynchronous checkpoint engine", "none on training",
                           "checkpoint.async_save"),
     "eigenvalue": Foreign("Hessian eigenvalue estimation (for MoQ)", "none on the update", "nothing to do"),
-    "hybrid_engine": Foreign("the RLHF inference/training hybrid engine", "none on training steps",
-                             "nothing to do"),
     "weight_quantization": Foreign("post-training weight quantization for inference", "none on training",
                                    "nothing to do"),
     "dataloader_drop_last": Foreign("DeepSpeed's own data loader", "none: zerojax takes whole batches from "

@@ -271,6 +271,10 @@ def _check_sections(config: Config) -> None:
     if m.name == "gpt" and m.tie_embeddings and config.mesh.stage > 1:
         raise ConfigError(f"model.tie_embeddings: the pipelined gpt model (mesh.stage {config.mesh.stage}) keeps "
                           f"its own LM head on the last stage; set model.tie_embeddings: false, or mesh.stage: 1")
+    if config.hybrid_engine.inference_tp_size > 1:
+        raise ConfigError(f"hybrid_engine.inference_tp_size: {config.hybrid_engine.inference_tp_size}, but zerojax "
+                          f"generates on the training layout (no tensor axis yet; ZeRO-3 shards are gathered once per "
+                          f"generate call); set it to 1")
     data = config.data
     if data.source != "stdlib" and not data.path:
         kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file"}[data.source]

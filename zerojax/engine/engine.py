@@ -219,6 +219,11 @@ class Engine(DeepSpeedAPI):
                             "Engine(...): an object with init_cache / prefill / decode_step over these params "
                             "(zerojax.core.generate.Decoder), e.g. zerojax.models.decode.decoder(model_config) for "
                             "the shipped GPT or Llama")
+        bound = self.config.hybrid_engine.max_out_tokens
+        widest = max((len(p) for p in prompts), default=0) if lengths is None else int(np.max(lengths))
+        if widest + max_new_tokens > bound:
+            raise ValueError(f"generate: a prompt of {widest} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                             f"hybrid_engine.max_out_tokens={bound}; raise it in the config or ask for fewer tokens")
         if jax.process_count() > 1:
             raise NotImplementedError("generate: one process only for now (prompts are host arrays given to every "
                                       "device); in a multi-process run, generate from an exported checkpoint")

@@ -9,6 +9,21 @@ from zerojax.config.fields import option
 
 
 @dataclass(frozen=True)
+class HybridEngineConfig:
+    """DeepSpeed's hybrid engine (train and generate in one engine, for RLHF). zerojax's engine always
+    generates on its training weights (`engine.generate`); these keys say how."""
+    enabled: bool = option(False, "Accepted: engine.generate works on every engine whose model brings a decoder.")
+    max_out_tokens: int = option(512, "Prompt plus new tokens one generate call may hold (the KV cache's length "
+                                      "bound): a longer request is one error naming both numbers.", gt=0)
+    inference_tp_size: int = option(1, "Tensor-parallel degree of generation: 1 (generation runs on the "
+                                       "training layout; ZeRO-3 shards are gathered once per call).", ge=1)
+    release_inference_cache: bool = option(False, "Accepted: the KV cache and the gathered weights live only "
+                                                  "inside one generate call, so they are always released.")
+    pin_parameters: bool = option(True, "Accepted: there is no separate inference copy of the weights to pin.")
+    tp_gather_partition_size: int = option(8, "Accepted: weights are gathered once per call, whole.", ge=1)
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     """DeepSpeed's pipeline section; the stage count comes from mesh.stage."""
     stages: str = option("auto", "Accepted; set mesh.stage instead.")

@@ -11,7 +11,7 @@ from zerojax.config.fields import option, section
 from zerojax.config.paths import flatten, to_plain
 from zerojax.config.schema.monitoring import CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, WandbConfig
 from zerojax.config.schema.optimizer import OptimizerConfig
-from zerojax.config.schema.parallel import DistributedConfig, MeshConfig, PipelineConfig
+from zerojax.config.schema.parallel import DistributedConfig, HybridEngineConfig, MeshConfig, PipelineConfig
 from zerojax.config.schema.precision import BF16Config, DataTypesConfig, FP16Config
 from zerojax.config.schema.run import CheckpointConfig, DataConfig, ModelConfig, RunConfig
 from zerojax.config.schema.scheduler import SchedulerConfig
@@ -66,6 +66,7 @@ class Config:
     flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig)
     comms_logger: CommsLoggerConfig = section(CommsLoggerConfig)
     pipeline: PipelineConfig = section(PipelineConfig)
+    hybrid_engine: HybridEngineConfig = section(HybridEngineConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     kernels: str = option("auto", "Optimizer update: auto (Pallas kernels on GPU for Adam/AdamW, XLA "
                                   "elsewhere) | pallas (Triton on GPU, interpret mode on CPU) | xla (optax).",
