@@ -188,10 +188,10 @@ KEY_STATUS: dict[str, str] = {
                              f"(the shipped GPT and Llama do; decode= for your own)",
     "hybrid_engine.max_out_tokens": f"{HONOURED} (a generate call's prompt plus new tokens)",
     "hybrid_engine.inference_tp_size": f"{HONOURED} as 1; larger values are refused (no tensor axis yet)",
-    "hybrid_engine.release_inference_cache": f"{NO_EFFECT} by design: the KV cache and gathered weights live "
+    "hybrid_engine.release_inference_cache": f"{NO_EFFECT}: the KV cache and gathered weights live "
                                              f"inside one generate call",
-    "hybrid_engine.pin_parameters": f"{NO_EFFECT} by design: there is no separate inference copy of the weights",
-    "hybrid_engine.tp_gather_partition_size": f"{NO_EFFECT} by design: weights are gathered once per call",
+    "hybrid_engine.pin_parameters": f"{NO_EFFECT}: there is no separate inference copy of the weights",
+    "hybrid_engine.tp_gather_partition_size": f"{NO_EFFECT}: weights are gathered once per call",
     "pipeline.stages": f"{NO_EFFECT}: mesh.stage sets the stage count",
     "pipeline.partition": HONOURED,
     "pipeline.seed_layers": f"{NO_EFFECT}: each stage's layers come from one seeded initialization",
