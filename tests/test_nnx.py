@@ -106,12 +106,12 @@ def test_an_annotation_naming_the_data_axis_is_honoured() -> None:
     assert "follows the ones naming mesh axes (data)" in plan.annotations()
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_stage_3_equals_stage_0_with_and_without_dropout(dropout: float) -> None:
-    l0, e0 = train(0, 3, dropout)
-    l3, e3 = train(3, 3, dropout)
+def test_stage_3_equals_stage_0_with_dropout() -> None:
+    """Dropout 0.1 draws the same masks at every stage: the keys follow the data shard and micro-batch."""
+    l0, e0 = train(0, 3)
+    l3, e3 = train(3, 3)
     np.testing.assert_allclose(l3, l0, rtol=2e-5)
-    assert_tree_close(to_numpy(e3.params), to_numpy(e0.params), rtol=1e-4, atol=1e-6, what=f"dropout {dropout}")
+    assert_tree_close(to_numpy(e3.params), to_numpy(e0.params), rtol=1e-4, atol=1e-6, what="dropout 0.1")
 
 
 def test_dropout_masks_change_every_step_and_are_off_in_evaluation() -> None:
