@@ -145,8 +145,8 @@ def test_stage3_gathers_one_layer_at_a_time() -> None:
 def test_config_rejects_bad_grouping() -> None:
     with pytest.raises(zerojax.ConfigError, match="model.n_kv_heads"):
         zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_kv_heads": 3}})
-    with pytest.raises(zerojax.ConfigError, match="model.tie_embeddings"):
-        zerojax.load_config({"train_batch_size": 8, "model": {"tie_embeddings": True}})
+    with pytest.raises(zerojax.ConfigError, match="model.tie_embeddings: the pipelined gpt model"):
+        zerojax.load_config({"train_batch_size": 8, "mesh": {"stage": 2}, "model": {"tie_embeddings": True}})
 
 
 def test_llama_yaml_trains(tmp_path: Path) -> None:

@@ -123,10 +123,10 @@ def test_scaler_config_from_deepspeed_keys() -> None:
                           mlp_params()).scaler
     assert not static.dynamic and static.initial == 512.0 and static.check_finite
     bf16 = zerojax.plan(make_config(0, dtype="bf16"), data_mesh(), mlp_params()).scaler
-    assert not bf16.dynamic and not bf16.check_finite and bf16.initial == 1.0
-    checked = zerojax.plan(make_config(0, dtype="bf16", bf16={"enabled": True, "check_grad_overflow": True}),
-                           data_mesh(), mlp_params()).scaler
-    assert checked.check_finite and not checked.dynamic
+    assert not bf16.dynamic and bf16.check_finite and bf16.initial == 1.0 and bf16.limit == 8  # skip_step
+    unchecked = zerojax.plan(make_config(0, dtype="bf16", bf16={"enabled": True, "check_grad_overflow": False}),
+                             data_mesh(), mlp_params()).scaler
+    assert not unchecked.check_finite and not unchecked.dynamic and unchecked.limit == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,8 +183,9 @@ def test_bf16_check_grad_overflow_skips_without_a_scale() -> None:
 
 
 def test_unchecked_bf16_applies_non_finite_steps() -> None:
-    """Without the check, a NaN step is applied, as in DeepSpeed's bf16 default: it is not skipped."""
-    cfg = make_config(1, dtype="bf16", optimizer=ADAM)
+    """Without the check (`bf16.check_grad_overflow: false`, DeepSpeed's bf16 default), a NaN step is
+    applied: it is not skipped."""
+    cfg = make_config(1, dtype="bf16", optimizer=ADAM, bf16={"enabled": True, "check_grad_overflow": False})
     _, state, metrics = train_steps(cfg, [poisoned(GOOD[0])])
     assert not bool(metrics[0]["skipped"]) and int(state.skipped) == 0
     assert not np.all(np.isfinite(np.asarray(jax.device_get(state.master["w_in"]))))

@@ -34,10 +34,13 @@ SGD = {"type": "SGD", "params": {"lr": 0.1}}
 
 def config(stage: int, *, dtype: str = "fp32", gas: int = 1, optimizer: dict | None = None,
            **zero: Any) -> zerojax.Config:
+    # run.non_finite: stop measures the ZeRO-3 floor itself: skipping non-finite steps (the default)
+    # selects between the old and new optimizer state, which holds one more copy of its shards.
     raw: dict[str, Any] = {
         "train_batch_size": ROWS, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
         "optimizer": optimizer or ADAMW, "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+        "run": {"non_finite": "stop"},
     }
     if dtype == "bf16":
         raw["bf16"] = {"enabled": True}

@@ -5,10 +5,10 @@ a nondeterministic compile) enter different collectives and wait for each other 
 ZeRO-3 users of DeepSpeed meet most. Before a step first runs, every process publishes what it is
 about to run through `jax.distributed`'s key-value store - a digest of the lowered program, a digest
 of the compiled one, the ordered list of its collectives (kind, result types, replica groups) and the
-config it came from - and reads everyone else's, with a timeout. On any difference every process
-fails at once, with one message naming the processes that differ, the config keys that differ, and
-the first collective where the programs part; lowered programs that agree with compiled ones that do
-not are the compiler's nondeterminism, and the message says so.
+config it came from - and reads everyone else's, with a timeout. When the collectives differ every
+process fails at once, with one message naming the processes that differ, the config keys that
+differ, and the first collective where the programs part; lowered programs that agree with compiled
+ones that do not are the compiler's nondeterminism, and the message says so.
 """
 from __future__ import annotations
 
@@ -83,7 +83,9 @@ def agree_on_program(name: str, lowered_text: str, compiled_text: str, *, config
                               f"(distributed.hang_timeout); it is stuck or gone before its first step "
                               f"({type(e).__name__})") from None
     reference = digests[0]
-    bad = [p for p, d in digests.items() if (d["lowered"], d["compiled"]) != (reference["lowered"], reference["compiled"])]
+    # What hangs is a collective one process enters and another does not: compare those. (The compiled
+    # text itself may differ in names when one process loads its executable from a compilation cache.)
+    bad = [p for p, d in digests.items() if d["collectives"] != reference["collectives"]]
     if not bad:
         return
     other = digests[bad[0]] if me == 0 else mine
