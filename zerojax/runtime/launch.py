@@ -428,7 +428,9 @@ class Launcher:
                 for child in self.children:
                     self._signal(child, sig)
             codes = [c.popen.poll() for c in self.children]
-            if all(code is not None for code in codes):
+            stuck = any(code == EXIT_HUNG or c.hang_report for c, code in zip(self.children, codes)
+                        if code not in (None, 0))
+            if all(code is not None for code in codes) and not (stuck and interrupted is None):
                 self._finish()
                 if interrupted is not None:
                     return 128 + interrupted
