@@ -19,7 +19,6 @@ from zerojax.checkpoint.deepspeed_import import (DeepSpeedImportError, import_st
                                                  mapping_sources, read, save_imported, schedule_count)
 from zerojax.config import Config
 from zerojax.core.layout import Plan
-from zerojax.errors import ConfigError
 
 __all__ = ["check_not_deepspeed", "export_fp32_state_dict", "import_into", "is_deepspeed_checkpoint", "sources_for"]
 
@@ -99,12 +98,7 @@ def export_fp32_state_dict(directory: str | os.PathLike, tag: str | None, out_pa
     if out.exists() and not overwrite:
         raise FileExistsError(f"export: {out} already exists and is never overwritten silently; pass --force "
                               f"(overwrite=True) to replace it, or choose another --out")
-    tag_dir = ck.resolve_tag(ck.absolute(directory), tag)
-    meta = ck.read_meta(tag_dir)
-    ck.verified(tag_dir, meta)
-    if meta.get("extra", {}).get(ck.PIPELINE_ROWS):
-        raise ConfigError("export --format deepspeed: this checkpoint is of a pipelined run (mesh.stage > 1); "
-                          "export it with --format safetensors instead")
+    tag_dir, meta = ck.unpipelined_tag(directory, tag, "export --format deepspeed")
     cfg = _model_config(meta)
     saved = {name: tuple(entry["shape"]) for name, entry in meta["params"].items()}
     state_dir = tag_dir / ck.STATE_DIR

@@ -21,7 +21,7 @@ The package in parts: `format` (the layout above: tags, meta.json, latest, leaf 
 (checksums, verification, finite parameters), `pending` (saves still being written in the background),
 `saving`, `loading` (onto any plan) and `export` (parameters out, one leaf at a time).
 """
-from zerojax.checkpoint.export import export_safetensors, load_exported, read_leaves, read_params
+from zerojax.checkpoint.export import export_safetensors, load_exported, read_leaves, read_params, unpipelined_tag
 from zerojax.checkpoint.format import (FORMAT, LATEST_FILE, META_FILE, PIPELINE_ROWS, STATE_DIR, VERSION, CheckpointError,
                                        PathLike, absolute, check_tag, default_tag, flatten_state, latest_tag,
                                        leaf_names, list_tags)
@@ -33,5 +33,5 @@ from zerojax.checkpoint.saving import prune, save
 __all__ = ["CheckpointError", "PendingSave", "absolute", "check_compatible", "check_tag", "default_tag",
            "export_safetensors", "file_checksums", "flatten_state", "latest_tag", "leaf_names", "list_tags", "load",
            "load_exported", "metadata", "nonfinite_params", "prune", "read_leaves", "read_meta", "read_params",
-           "resolve_tag", "save", "verified", "verify", "wait_all", "FORMAT", "LATEST_FILE", "META_FILE", "PIPELINE_ROWS",
+           "resolve_tag", "save", "unpipelined_tag", "verified", "verify", "wait_all", "FORMAT", "LATEST_FILE", "META_FILE", "PIPELINE_ROWS",
            "STATE_DIR", "VERSION", "PathLike"]

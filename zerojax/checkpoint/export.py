@@ -27,6 +27,18 @@ _SAFETENSORS_DTYPES = {"fp32": (np.dtype(np.float32), "F32"), "bf16": (np.dtype(
                        "fp16": (np.dtype(np.float16), "F16")}
 
 
+def unpipelined_tag(directory: PathLike, tag: str | None, what: str) -> tuple[Path, dict[str, Any]]:
+    """(folder, metadata) of a complete tag whose files verify, for an export by model names (`what`,
+    e.g. "export --format hf"): a pipelined run's flat stage rows have none, so it is one error."""
+    tag_dir = resolve_tag(absolute(directory), tag)
+    meta = read_meta(tag_dir)
+    verified(tag_dir, meta)
+    if meta.get("extra", {}).get(PIPELINE_ROWS):
+        raise ConfigError(f"{what}: this checkpoint is of a pipelined run (mesh.stage > 1); export it with "
+                          f"--format safetensors (the default) instead")
+    return tag_dir, meta
+
+
 def read_leaves(state_dir: Path, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
     """Each named array whole on the host, one at a time: memory stays near the largest leaf."""
     with reading(state_dir.parent), closing(ocp.PyTreeCheckpointer()) as ckptr:

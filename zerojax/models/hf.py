@@ -660,13 +660,8 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"export --format hf: {out} is not empty and is never overwritten silently; pass "
                               f"--force to replace its config.json and weights, or choose another --out")
-    tag_dir = ck.resolve_tag(ck.absolute(directory), tag)
-    meta = ck.read_meta(tag_dir)
-    ck.verified(tag_dir, meta)
+    tag_dir, meta = ck.unpipelined_tag(directory, tag, "export --format hf")
     extra = meta.get("extra", {})
-    if extra.get(ck.PIPELINE_ROWS):
-        raise ConfigError("export --format hf: this checkpoint is of a pipelined run (mesh.stage > 1); export it "
-                          "with --format safetensors (the default) instead")
     model = extra.get("config", {}).get("model")
     if not model:
         raise ConfigError(f"export --format hf: {tag_dir} does not record the run's config (model.*), so the "
