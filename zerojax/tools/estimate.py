@@ -32,6 +32,8 @@ import numpy as np
 
 from zerojax.config import Config, load_config
 from zerojax.errors import ConfigError
+from zerojax.tools import estimate_tensor as tp
+from zerojax.tools.estimate_tensor import Arch
 
 GIB = 2 ** 30
 
@@ -107,12 +109,14 @@ class ModelShape:
     `layer_axes` is the plan's argument (leading axes that stack layers; None: not known);
     `exact_shapes` is False
     for a model known only by its parameter counts (synthetic leaves of the right sizes);
-    `gpt` is the embedded GPT's config when the step itself can be compiled."""
+    `gpt` is the embedded GPT's config when the step itself can be compiled;
+    `arch` the sizes tensor-parallel rows need (None: not known, no such rows)."""
     name: str
     abstract_params: Any
     layer_axes: Any = None
     exact_shapes: bool = True
     gpt: Any = None
+    arch: Arch | None = None
 
     @property
     def total_params(self) -> int:
@@ -149,13 +153,17 @@ def _sds(*shape: int) -> jax.ShapeDtypeStruct:
 def embedded_model(config: Config) -> ModelShape:
     """The embedded model of `config.model` (GPT or Llama), shapes from `jax.eval_shape` of its
     initializer (nothing allocated)."""
-    if config.model.name == "llama":
+    m = config.model
+    llama = m.name == "llama"
+    arch = Arch(m.n_layers, m.d_model, m.n_heads, (m.n_kv_heads or m.n_heads) if llama else m.n_heads,
+                m.d_model // m.n_heads, m.d_ff or 4 * m.d_model, m.vocab_size, gated=llama)
+    if llama:
         from zerojax.models import abstract_params
-        return ModelShape(f"embedded Llama (d_model {config.model.d_model}, {config.model.n_layers} layers)",
-                          abstract_params(config.model))
+        return ModelShape(f"embedded Llama (d_model {m.d_model}, {m.n_layers} layers)", abstract_params(m),
+                          arch=arch)
     from zerojax.models import gpt
-    return ModelShape(f"embedded GPT (d_model {config.model.d_model}, {config.model.n_layers} layers)",
-                      gpt.abstract_params(config.model), gpt=config.model)
+    return ModelShape(f"embedded GPT (d_model {m.d_model}, {m.n_layers} layers)", gpt.abstract_params(m),
+                      gpt=m, arch=arch)
 
 
 def _get(cfg: Mapping[str, Any], path: str, *names: str, default: Any = None) -> Any:
@@ -204,6 +212,8 @@ def hf_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> ModelShape:
                   "layers": block, "ln_f": {"scale": _sds(h), "bias": _sds(h)}}
         if not cfg.get("tie_word_embeddings", True):
             params["lm_head"] = {"kernel": _sds(h, vocab)}
+        heads = _get(cfg, path, "n_head", "num_attention_heads")
+        arch = Arch(layers, h, heads, heads, h // heads, inner, vocab, gated=False)
     else:
         h = _get(cfg, path, "hidden_size")
         layers = _get(cfg, path, "num_hidden_layers")
@@ -226,9 +236,10 @@ def hf_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> ModelShape:
         params = {"embed": {"embedding": _sds(vocab, h)}, "layers": block, "norm": {"scale": _sds(h)}}
         if not cfg.get("tie_word_embeddings", False):
             params["lm_head"] = {"kernel": _sds(h, vocab)}
+        arch = Arch(layers, h, heads, kv, d, inter, vocab, gated=True)
     axes = {k: (1 if k == "layers" else 0) for k in params}
     name = Path(path).parent.name if path != "<dict>" else kind
-    return ModelShape(f"Hugging Face {kind} ({name}, {layers} layers, hidden {h})", params, axes)
+    return ModelShape(f"Hugging Face {kind} ({name}, {layers} layers, hidden {h})", params, axes, arch=arch)
 
 
 def counts_model(total_params: int, largest_layer_params: int) -> ModelShape:
@@ -444,10 +455,17 @@ def analytic_costs(config: Config, model: ModelShape, stage: int, devices: int) 
     passes = 4 if config.model.remat else 3
     flops = 2 * passes * psi * tokens
     hbm = psi * pol.param.itemsize * passes * b.gradient_accumulation_steps + psi * 16
+    comm = zero_comm_bytes(psi, stage, devices, (pol.comm or pol.accum).itemsize, pol.param.itemsize)
+    return float(flops), float(hbm), comm
+
+
+def zero_comm_bytes(psi: int, stage: int, devices: int, comm_itemsize: int, param_itemsize: int) -> float:
+    """The ZeRO paper's per-device volume for Ψ parameters over `devices`: a gradient all-reduce
+    (2 x Ψ(N-1)/N) at stage 0; a reduce-scatter and a gather of the updated parameters at stages
+    1-2; one more parameter gather at stage 3 (forward and backward each gather)."""
     frac = (devices - 1) / devices
-    comm_dtype = (pol.comm or pol.accum).itemsize
-    comm = psi * frac * (2 * comm_dtype if stage == 0 else comm_dtype + (2 if stage == 3 else 1) * pol.param.itemsize)
-    return float(flops), float(hbm), float(comm)
+    per_param = 2 * comm_itemsize if stage == 0 else comm_itemsize + (2 if stage == 3 else 1) * param_itemsize
+    return float(psi * frac * per_param)
 
 
 def step_time(flops: float, hbm_bytes: float, comm_bytes: float, device: DeviceSpec, devices: int,
@@ -468,6 +486,149 @@ def scale_comm(comm_bytes: float, compiled_n: int, devices: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# Tensor parallelism: mesh data x tensor, tensor innermost (within a host), ZeRO over data.
+
+@dataclasses.dataclass(frozen=True)
+class TensorRow:
+    """One (T, ZeRO stage) layout: bytes per device and what one device sends per optimizer step,
+    over its tensor group (within a host) and its data group (between hosts when it spans them)."""
+    tensor: int
+    data: int
+    choice: Choice
+    state_bytes: int          # plan-exact model state of one tensor slice, ZeRO-sharded over data
+    activation_bytes: int
+    tensor_bytes: float
+    data_bytes: float
+    tensor_s: float
+    data_s: float
+    tokens: int               # tokens the whole mesh trains per optimizer step
+
+    @property
+    def device_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def comm_s(self) -> float:
+        return self.tensor_s + self.data_s
+
+    @property
+    def comm_s_per_token(self) -> float:
+        """Communication time per token trained: with the micro-batch per model replica fixed, a
+        T-way row's step trains 1/T of the tokens, so per-step times compare layouts unfairly."""
+        return self.comm_s / self.tokens
+
+    @property
+    def label(self) -> str:
+        return f"T={self.tensor} x data {self.data}, stage {self.choice.stage}"
+
+
+def tensor_sizes(req: "Request", arch: Arch) -> tuple[list[int], list[str]]:
+    """The tensor sizes to show (`req.tensor`, else every divisor of the devices per host that
+    divides the device count) and why any was left out."""
+    per_host = min(req.devices_per_host, req.devices)
+    asked = req.tensor or tuple(t for t in range(1, per_host + 1) if per_host % t == 0 and req.devices % t == 0)
+    sizes, skipped = [], []
+    for t in asked:
+        why = tp.invalid(arch, t)
+        if why is None and (req.devices % t or per_host % t):
+            why = (f"T={t} must divide --devices {req.devices} and --devices-per-host {per_host} "
+                   f"(tensor stays in a host)")
+        if why is None:
+            sizes.append(t)
+        else:
+            skipped.append(why)
+    return sizes, skipped
+
+
+def shard_model(model: ModelShape, t: int) -> ModelShape:
+    """One device's tensor slice as a model of its own, for the plan-exact counter."""
+    if t == 1:
+        return model
+    return dataclasses.replace(model, name=f"{model.name}, one of {t} tensor slices",
+                               abstract_params=tp.shard_params(model.abstract_params, model.arch, t))
+
+
+def tensor_row(config: Config, model: ModelShape, req: "Request", t: int, choice: Choice,
+               device: DeviceSpec) -> TensorRow:
+    """The model state from the plan of one tensor slice on an abstract data mesh of devices / T
+    (so T=1 is exactly the plan-exact table), activations and bytes moved from the formulas of
+    `zerojax.tools.estimate_tensor`, ZeRO's volumes on the slice's Ψ over the data group."""
+    from zerojax.planner.settings import policy
+    data = req.devices // t
+    shard = shard_model(model, t)
+    state = plan_exact(config, shard, data, max(min(req.devices_per_host, req.devices) // t, 1), choice).device_bytes
+    cfg = variant(config, choice)
+    b = cfg.batch(data)
+    width = {"bf16": 2, "fp16": 2}.get(config.compute_dtype, 4)
+    seq, remat = config.model.seq_len, bool(config.model.remat)
+    act = req.activations if req.activations is not None else \
+        tp.activation_bytes(model.arch, b.micro_batch_size, seq, width, remat, t)
+    tensor_bytes = tp.tensor_comm_bytes(model.arch, b.micro_batch_size, seq, width, remat, t,
+                                        b.gradient_accumulation_steps)
+    pol = policy(cfg)
+    data_bytes = zero_comm_bytes(shard.total_params, choice.stage, data, (pol.comm or pol.accum).itemsize,
+                                 pol.param.itemsize) if data > 1 else 0.0
+    data_link = device.inter if req.devices > req.devices_per_host else device.intra
+    tokens = data * b.micro_batch_size * b.gradient_accumulation_steps * seq
+    return TensorRow(t, data, choice, state, act, tensor_bytes, data_bytes, tensor_bytes / device.intra,
+                     data_bytes / data_link, tokens)
+
+
+def tensor_rows(config: Config, model: ModelShape, req: "Request") -> tuple[list[TensorRow], list[str]]:
+    """Every shown tensor size with ZeRO stages 0-3 (no offload), and the sizes left out."""
+    sizes, skipped = tensor_sizes(req, model.arch)
+    device = req.device or PRESETS["h100"]
+    return [tensor_row(config, model, req, t, c, device) for t in sizes for c in CHOICES[:4]], skipped
+
+
+def recommend_tensor(rows: Sequence[TensorRow], device_memory: float) -> TensorRow | None:
+    """Of the rows whose model state + activations fit `device_memory`, the least communication
+    time per token; ties go to the cheaper ZeRO stage, then the smaller T."""
+    fits = [r for r in rows if r.device_bytes <= device_memory]
+    return min(fits, key=lambda r: (r.comm_s_per_token, r.choice.stage, r.tensor), default=None)
+
+
+def tensor_lines(config: Config, model: ModelShape, req: "Request", memory: float | None) -> list[str]:
+    """The tensor-parallel table, its assumptions and its recommendation."""
+    rows, skipped = tensor_rows(config, model, req)
+    if not rows:
+        return ["tensor parallelism: no tensor size applies" + (f" ({'; '.join(skipped)})" if skipped else "")]
+    device = req.device or PRESETS["h100"]
+    unit, scale = _unit([r.device_bytes for r in rows])
+    lines = [f"tensor parallelism (mesh data x tensor, tensor innermost within a host; Megatron slicing; "
+             f"ZeRO over data on each device's slice), {unit} per device, bytes sent per device per step:",
+             f"{'layout':<28}{'states':>9}{'activ.':>9}{'total':>9}{'tensor GiB':>12}{'data GiB':>10}"
+             f"{'tensor ms':>11}{'data ms':>10}{'tokens/step':>13}{'comm ms/1k tok':>16}"
+             + ("  fits" if memory is not None else "")]
+    for r in rows:
+        fits = ("   yes" if r.device_bytes <= memory else "    no") if memory is not None else ""
+        lines.append(f"{r.label:<28}{r.state_bytes / scale:9.2f}{r.activation_bytes / scale:9.2f}"
+                     f"{r.device_bytes / scale:9.2f}{r.tensor_bytes / GIB:12.2f}{r.data_bytes / GIB:10.2f}"
+                     f"{r.tensor_s * 1e3:11.1f}{r.data_s * 1e3:10.1f}{r.tokens:13,}"
+                     f"{r.comm_s_per_token * 1e6:16.3f}{fits}")
+    across = req.devices > req.devices_per_host
+    act = "given (--activations), the same for every T" if req.activations is not None else \
+        "per micro-batch, attention and MLP tensors split over T, residual stream whole"
+    lines += [f"links: tensor {device.intra / 1e9:.0f} GB/s within a host, data "
+              f"{(device.inter if across else device.intra) / 1e9:.0f} GB/s "
+              f"{'between hosts' if across else 'within a host'} per device ({device.name}"
+              f"{'' if req.device else ' preset, assumed: pass --device to choose'}); activations {act}; "
+              f"no sequence parallelism, pipeline or offload in these rows; docs/estimate.md"]
+    if skipped:
+        lines.append("left out: " + "; ".join(skipped))
+    if memory is not None:
+        best = recommend_tensor(rows, memory)
+        if best is None:
+            lines.append(f"tensor-parallel recommendation: no row fits {memory / GIB:.2f} GiB per device")
+        else:
+            lines.append(f"tensor-parallel recommendation: {best.label} - fits ({best.device_bytes / GIB:.2f} GiB) "
+                         f"with the least communication per token; set mesh.tensor={best.tensor} "
+                         f"(DeepSpeed: tensor_parallel.autotp_size={best.tensor}) "
+                         f"zero_optimization.stage={best.choice.stage}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # Text.
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -484,6 +645,20 @@ def parse_bytes(text: str, what: str = "--device-memory") -> float:
     power = "kmgt".index(unit[0]) + 1
     decimal = unit.endswith("b") and "i" not in unit
     return value * (1000 ** power if decimal else 1024 ** power)
+
+
+def parse_tensor(value: str | int | Sequence[Any] | None) -> tuple[int, ...] | None:
+    """`--tensor 8`, `--tensor 1,2,4` or `--tensor 1 2 4` as sizes (None: not given)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (str, int)) else list(value)
+    try:
+        sizes = tuple(int(x) for item in items for x in str(item).replace(",", " ").split())
+    except ValueError:
+        raise ConfigError(f"--tensor {value!r}: expected sizes such as 8 or 1,2,4,8") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--tensor {value!r}: sizes must be positive")
+    return tuple(sorted(set(sizes)))
 
 
 def _unit(values: Sequence[float]) -> tuple[str, float]:
@@ -506,6 +681,7 @@ class Request:
     zero_init: bool = True
     additional_buffer_factor: float = 1.5
     step_time: bool = True
+    tensor: tuple[int, ...] | None = None   # tensor sizes to show (None: divisors of devices per host)
 
 
 def choose_model(config: Config, model: str | None = None, hf_config: str | None = None,
@@ -598,6 +774,8 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
             lines.append(f"recommendation: {best.choice.label} - the cheapest layout whose model state + activations "
                          f"({(best.device_bytes + activations) / GIB:.2f} GiB) fits {memory / GIB:.2f} GiB per device; "
                          f"set {' '.join(best.choice.overrides())}")
+    if model.arch is not None and req.tensor != (1,):
+        lines += [""] + tensor_lines(config, model, req, memory)
     if req.step_time and req.device is not None:
         lines += [""] + step_time_lines(config, model, req)
     return "\n".join(lines)
@@ -658,4 +836,4 @@ def build_request(config: Config, args: Any) -> Request:
                    host_memory=parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None,
                    activations=int(parse_bytes(args.activations, "--activations")) if args.activations else None,
                    zero_init=not args.no_zero_init, additional_buffer_factor=args.buffer_factor,
-                   step_time=not args.no_step_time)
+                   step_time=not args.no_step_time, tensor=parse_tensor(getattr(args, "tensor", None)))
