@@ -1,5 +1,6 @@
 """`zerojax estimate`: DeepSpeed's estimator formulas, plan-exact bytes against the compiled step,
-Hugging Face parameter counts, the recommendation, HLO work counting and the step-time model."""
+Hugging Face parameter counts, the recommendation, HLO work counting, the step-time model and the
+tensor-parallel rows."""
 import json
 import math
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from zerojax.tools import estimate as E
+from zerojax.tools import estimate_tensor as TP
 from zerojax.core import hlo
 from zerojax.app.cli import main
 from zerojax.config import load_config
@@ -298,3 +300,119 @@ def test_step_time_arithmetic() -> None:
     pol = policy(load_config(TINY))
     assert math.isclose(E.analytic_costs(load_config(TINY), E.counts_model(1000, 100), 0, 8)[2],
                         1000 * 7 / 8 * 2 * pol.accum.itemsize)  # stage 0: one all-reduce in the accumulation dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism.
+
+# A small Llama with grouped-query attention: one KV head, so at T=2 each device holds it whole.
+SMALL_LLAMA = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1}
+LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}
+
+
+def _request(devices: int, per_host: int, **kw) -> E.Request:
+    return E.Request(devices=devices, devices_per_host=per_host, device=E.PRESETS["h100"], **kw)
+
+
+def test_tensor_slice_bytes_by_hand() -> None:
+    """T=2 over 16 devices (data 8): one device's slice, by hand from Megatron's slicing, then ZeRO's
+    (param + gradient + 12) bytes per slice parameter over data at stage 3, and 2 + 2 whole plus 12 / data
+    at stage 1; activations and both kinds of bytes sent from their formulas."""
+    cfg = load_config(TINY)
+    model = E.hf_model(SMALL_LLAMA)
+    h, inter, vocab, layers, heads, d, t, data = 64, 128, 96, 2, 4, 16, 2, 8
+    per_layer = (h * h // t          # q: heads split
+                 + 2 * h * d         # k, v: the one KV head, replicated
+                 + (h // t) * h      # o: input split
+                 + 3 * h * inter // t  # gate, up (output split), down (input split)
+                 + 2 * h)            # the two norms, whole
+    psi_t = layers * per_layer + 2 * (vocab // t) * h + h  # embedding and head split by vocabulary; final norm
+    assert TP.local_params(model.abstract_params, model.arch, t) == psi_t
+    assert E.shard_model(model, t).total_params == psi_t
+
+    pol = policy(cfg)
+    p = make_plan(cfg, make_mesh(cfg), model.abstract_params, layer_axes=model.layer_axes)
+    counters = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(p.abstract_opt_state) if x.size <= 1)
+    req = _request(16, 8)
+    s3 = E.tensor_row(cfg, model, req, t, E.Choice(3), E.PRESETS["h100"])
+    assert s3.data == data
+    assert s3.state_bytes == (pol.param.itemsize + pol.accum.itemsize + 12) * psi_t // data + counters
+    s1 = E.tensor_row(cfg, model, req, t, E.Choice(1), E.PRESETS["h100"])
+    assert s1.state_bytes == (pol.param.itemsize + pol.accum.itemsize) * psi_t + 12 * psi_t // data + counters
+
+    # Activations (bf16, remat, micro-batch 1 x 8 tokens): block inputs kept per layer, one block in
+    # full (6 whole hidden-wide tensors; q and the attention output split, k and v one head each; 3 MLP
+    # tensors split; scores and probabilities split by head), fp32 logits and gradient split by vocabulary.
+    seq, w = cfg.model.seq_len, 2
+    assert cfg.model.remat and cfg.compute_dtype == "bf16"
+    block = seq * (6 * h + 2 * h // t + 2 * d + 3 * inter // t + 2 * heads * seq // t) * w
+    assert s3.activation_bytes == layers * seq * h * w + block + seq * (vocab // t) * 8
+    # Tensor group: (6 per layer with recomputation + 2) all-reduces of [1, seq, h] bf16, 2(T-1)/T each.
+    assert s3.tensor_bytes == (6 * layers + 2) * 2 * (t - 1) / t * seq * h * w
+    # Data group (bf16 reductions and gathers): stage 3 reduce-scatters gradients and gathers twice.
+    assert s3.data_bytes == pytest.approx(psi_t * (data - 1) / data * (2 + 2 * 2))
+    assert s1.data_bytes == pytest.approx(psi_t * (data - 1) / data * (2 + 2))
+    assert s3.tensor_s == s3.tensor_bytes / 450e9 and s3.data_s == s3.data_bytes / 50e9  # data spans hosts
+    assert s3.tokens == data * seq
+
+
+def test_tensor_rows_at_t1_are_the_plan_exact_rows() -> None:
+    cfg = load_config(TINY)
+    for model in (E.hf_model(LLAMA_7B), E.embedded_model(cfg)):
+        req = _request(64, 8)
+        rows = [r for r in E.tensor_rows(cfg, model, req)[0] if r.tensor == 1]
+        assert [r.choice for r in rows] == list(E.CHOICES[:4])
+        for r in rows:
+            assert r.state_bytes == E.plan_exact(cfg, model, 64, 8, r.choice).device_bytes
+            assert r.tensor_bytes == 0 and r.data == 64
+            assert r.data_bytes == E.analytic_costs(E.variant(cfg, r.choice), model, r.choice.stage, 64)[2]
+    from zerojax.runtime.preflight import activation_bytes
+    gpt_row = E.tensor_row(cfg, E.embedded_model(cfg), _request(8, 8), 1, E.Choice(0), E.PRESETS["h100"])
+    assert gpt_row.activation_bytes == activation_bytes(cfg, 1)  # the trainer's pre-flight estimate
+
+
+def test_tensor_sizes_follow_the_host_and_the_heads() -> None:
+    arch = E.hf_model(SMALL_LLAMA).arch
+    assert E.tensor_sizes(_request(16, 8), arch) == ([1, 2, 4], ["4 attention heads do not divide by T=8"])
+    assert E.tensor_sizes(_request(16, 8, tensor=(2,)), arch) == ([2], [])
+    assert "tensor stays in a host" in E.tensor_sizes(_request(16, 2, tensor=(4,)), arch)[1][0]
+    gqa = E.hf_model(dict(LLAMA_7B, num_key_value_heads=8)).arch
+    assert (TP.local_kv_heads(gqa, 4), TP.local_kv_heads(gqa, 16)) == (2, 1)  # split, then one each
+    odd = E.hf_model(dict(LLAMA_7B, num_key_value_heads=6, num_attention_heads=48)).arch
+    assert TP.invalid(odd, 4) == "6 key/value heads neither divide by T=4 nor divide it"
+    assert E.parse_tensor("1,2, 4") == E.parse_tensor(["4", "2 1"]) == (1, 2, 4)
+    assert E.parse_tensor(8) == (8,) and E.parse_tensor(None) is None
+    with pytest.raises(ConfigError, match="--tensor"):
+        E.parse_tensor("two")
+
+
+def test_tensor_recommendation_picks_a_tensor_row_when_data_parallel_does_not_fit() -> None:
+    cfg = load_config(dict(TINY, model=dict(TINY["model"], seq_len=2048)))
+    rows, _ = E.tensor_rows(cfg, E.hf_model(LLAMA_7B), _request(8, 8))
+    tight = min(r.device_bytes for r in rows if r.tensor == 1) - 1
+    best = E.recommend_tensor(rows, tight)
+    assert best is not None and best.tensor > 1 and best.device_bytes <= tight
+    fitting = [r for r in rows if r.device_bytes <= tight]
+    assert best.comm_s_per_token == min(r.comm_s_per_token for r in fitting)
+    # With room for everything, data parallelism alone sends the least per token.
+    assert E.recommend_tensor(rows, 10 ** 15).tensor == 1
+    assert E.recommend_tensor(rows, min(r.device_bytes for r in rows) - 1) is None
+
+
+def test_cli_estimate_prints_tensor_rows(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(TINY))
+    llama = tmp_path / "config.json"
+    llama.write_text(json.dumps(LLAMA_7B))
+    assert main(["estimate", "--config", str(cfg), "--hf-config", str(llama), "--devices", "64",
+                 "--devices-per-host", "8", "--device", "h100", "--no-step-time"]) == 0
+    out = capsys.readouterr().out
+    rows, _ = E.tensor_rows(load_config(TINY), E.hf_model(llama), _request(64, 8))
+    assert [r.tensor for r in rows] == [1] * 4 + [2] * 4 + [4] * 4 + [8] * 4
+    line = [l for l in out.splitlines() if l.startswith("T=8 x data 8, stage 3")][0].split()
+    assert float(line[6]) == round(rows[-1].state_bytes / 2**30, 2)
+    best = E.recommend_tensor(rows, 80 * 2**30)
+    assert f"tensor-parallel recommendation: {best.label}" in out and f"mesh.tensor={best.tensor}" in out
+    assert "no sequence parallelism" in out
