@@ -1,6 +1,7 @@
 """Plan-exact estimates (`zerojax estimate`) against the compiled step, for every stage and offload choice.
 
     python -m benchmarks.estimate            (or: python benchmarks/estimate.py)
+    python -m benchmarks.estimate --llama-70b   (the tensor-parallel table only; no compiling)
 
 For one GPT (bf16 mixed precision, AdamW) on 8 virtual CPU devices and each choice the estimate
 table lists, compares
@@ -13,6 +14,9 @@ table lists, compares
 
 and the gradient accumulator the plan gives against DeepSpeed's ZeRO formula. Writes the table
 into its section of docs/estimate.md.
+
+With `--llama-70b`, writes instead the tensor-parallel rows `zerojax estimate` gives for a 70B
+Llama on 64 H100s (8 hosts x 8) into their own section of docs/estimate.md: shapes only, seconds.
 """
 from __future__ import annotations
 
@@ -28,7 +32,13 @@ from benchmarks.report import gpt_args, output_args  # noqa: E402
 
 BEGIN = "<!-- benchmarks.estimate:begin -->"
 END = "<!-- benchmarks.estimate:end -->"
+TP_BEGIN = "<!-- benchmarks.estimate.tensor:begin -->"
+TP_END = "<!-- benchmarks.estimate.tensor:end -->"
 MiB = 2 ** 20
+GiB = 2 ** 30
+# Llama-2-70B's config.json sizes; Llama-3-70B differs only in its 128,256-token vocabulary.
+LLAMA_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
+             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,8 +116,75 @@ def render(args: argparse.Namespace, rows: list[dict], elapsed: float) -> str:
     return "\n".join(out)
 
 
+def tensor_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="tensor-parallel estimate of a 70B Llama")
+    ap.add_argument("--llama-70b", action="store_true", required=True)
+    ap.add_argument("--devices", type=int, default=64)
+    ap.add_argument("--devices-per-host", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--micro", type=int, default=1, help="rows per model replica per micro-step")
+    output_args(ap, "estimate.md")
+    return ap.parse_args(argv)
+
+
+def tensor_config(args: argparse.Namespace) -> dict:
+    return {"train_micro_batch_size_per_gpu": args.micro, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+            "model": {"seq_len": args.seq_len, "remat": True}}
+
+
+def tensor_measure(args: argparse.Namespace) -> dict:
+    """The rows and recommendation for Llama-2-70B, and the recommendation for Llama-3-70B."""
+    from zerojax.config import load_config
+    from zerojax.tools import estimate as E
+    cfg = load_config(tensor_config(args))
+    req = E.Request(devices=args.devices, devices_per_host=args.devices_per_host, device=E.PRESETS["h100"])
+    out = {}
+    for vocab in (32000, 128256):
+        model = E.hf_model(dict(LLAMA_70B, vocab_size=vocab))
+        rows, skipped = E.tensor_rows(cfg, model, req)
+        out[vocab] = dict(model=model, rows=rows, skipped=skipped,
+                          best=E.recommend_tensor(rows, E.PRESETS["h100"].memory))
+    return out
+
+
+def tensor_render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
+    main_, other = results[32000], results[128256]
+    best, best3 = main_["best"], other["best"]
+    out = [TP_BEGIN, "",
+           "## Estimated: a 70B Llama with tensor parallelism on 64 H100s", "",
+           f"`python -m benchmarks.estimate --llama-70b`: Llama-2-70B sizes (80 layers, hidden 8192, 64 heads, "
+           f"8 KV heads, MLP 28672, vocabulary 32,000: {main_['model'].total_params:,} parameters), "
+           f"{args.devices} H100 80GB ({args.devices // args.devices_per_host} hosts x {args.devices_per_host}), "
+           f"sequence {args.seq_len}, micro-batch {args.micro} per model replica, no accumulation, bf16 + AdamW, "
+           "activation checkpointing on (`model.remat`), the `h100` preset's links (450 GB/s NVLink for the tensor "
+           "group, 50 GB/s per GPU between hosts for the data group). Per device; bytes sent per device per "
+           f"optimizer step; comm per 1k tokens = (tensor + data time) / tokens the mesh trains per step x 1000. "
+           f"Shapes only ({elapsed:.1f} s).", "",
+           "| layout | model state GiB | activations GiB | total GiB | fits 80 GiB | tensor GiB sent | data GiB sent "
+           "| tensor ms | data ms | tokens / step | comm ms / 1k tokens |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in main_["rows"]:
+        mark = "**" if r is best else ""
+        out.append(f"| {mark}{r.label}{mark} | {r.state_bytes / GiB:.2f} | {r.activation_bytes / GiB:.2f} | "
+                   f"{r.device_bytes / GiB:.2f} | {'yes' if r.device_bytes <= 80 * GiB else 'no'} | "
+                   f"{r.tensor_bytes / GiB:.2f} | {r.data_bytes / GiB:.2f} | {r.tensor_s * 1e3:.1f} | "
+                   f"{r.data_s * 1e3:.1f} | {r.tokens:,} | {r.comm_s_per_token * 1e6:.3f} |")
+    out += ["", f"Recommendation: **{best.label}** (`mesh.tensor={best.tensor}`, DeepSpeed "
+                f"`tensor_parallel.autotp_size={best.tensor}`, `zero_optimization.stage={best.choice.stage}`): "
+                f"{best.device_bytes / GiB:.2f} GiB per device, {best.comm_s_per_token * 1e6:.3f} ms of "
+                f"communication per 1k tokens. With Llama-3-70B's 128,256-token vocabulary "
+                f"({other['model'].total_params:,} parameters) the recommendation is {best3.label} "
+                f"({best3.device_bytes / GiB:.2f} GiB, {best3.comm_s_per_token * 1e6:.3f} ms per 1k tokens).",
+            "", TP_END]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.report import run_section
+    if "--llama-70b" in (sys.argv[1:] if argv is None else argv):
+        return run_section(argv, tensor_args, tensor_measure, tensor_render, TP_BEGIN, TP_END,
+                           "tensor-parallel estimate")
     return run_section(argv, parse_args, measure, render, BEGIN, END, "plan-exact estimate")
 
 
