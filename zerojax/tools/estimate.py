@@ -594,16 +594,16 @@ def tensor_lines(config: Config, model: ModelShape, req: "Request", memory: floa
     if not rows:
         return ["tensor parallelism: no tensor size applies" + (f" ({'; '.join(skipped)})" if skipped else "")]
     device = req.device or PRESETS["h100"]
-    unit, scale = _unit([r.device_bytes for r in rows])
+    unit, scale = _unit([r.device_bytes for r in rows] + [r.tensor_bytes + r.data_bytes for r in rows])
     lines = [f"tensor parallelism (mesh data x tensor, tensor innermost within a host; Megatron slicing; "
              f"ZeRO over data on each device's slice), {unit} per device, bytes sent per device per step:",
-             f"{'layout':<28}{'states':>9}{'activ.':>9}{'total':>9}{'tensor GiB':>12}{'data GiB':>10}"
+             f"{'layout':<28}{'states':>9}{'activ.':>9}{'total':>9}{'tensor ' + unit:>12}{'data ' + unit:>10}"
              f"{'tensor ms':>11}{'data ms':>10}{'tokens/step':>13}{'comm ms/1k tok':>16}"
              + ("  fits" if memory is not None else "")]
     for r in rows:
         fits = ("   yes" if r.device_bytes <= memory else "    no") if memory is not None else ""
         lines.append(f"{r.label:<28}{r.state_bytes / scale:9.2f}{r.activation_bytes / scale:9.2f}"
-                     f"{r.device_bytes / scale:9.2f}{r.tensor_bytes / GIB:12.2f}{r.data_bytes / GIB:10.2f}"
+                     f"{r.device_bytes / scale:9.2f}{r.tensor_bytes / scale:12.2f}{r.data_bytes / scale:10.2f}"
                      f"{r.tensor_s * 1e3:11.1f}{r.data_s * 1e3:10.1f}{r.tokens:13,}"
                      f"{r.comm_s_per_token * 1e6:16.3f}{fits}")
     across = req.devices > req.devices_per_host
@@ -621,7 +621,7 @@ def tensor_lines(config: Config, model: ModelShape, req: "Request", memory: floa
         if best is None:
             lines.append(f"tensor-parallel recommendation: no row fits {memory / GIB:.2f} GiB per device")
         else:
-            lines.append(f"tensor-parallel recommendation: {best.label} - fits ({best.device_bytes / GIB:.2f} GiB) "
+            lines.append(f"tensor-parallel recommendation: {best.label} - fits ({best.device_bytes / scale:.2f} {unit}) "
                          f"with the least communication per token; set mesh.tensor={best.tensor} "
                          f"(DeepSpeed: tensor_parallel.autotp_size={best.tensor}) "
                          f"zero_optimization.stage={best.choice.stage}")
