@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="parameters of the largest layer (DeepSpeed's largest_layer_params)")
     est.add_argument("--devices", type=int, default=None, help="data-parallel devices in all (default: the "
                                                                  "config's mesh.data, or the local device count)")
+    est.add_argument("--tensor", default=None, metavar="T[,T...]",
+                     help="tensor-parallel sizes to show (default: the divisors of --devices-per-host)")
     est.add_argument("--devices-per-host", type=int, default=None, help="devices per host (default: --devices)")
     est.add_argument("--device", default=None, help="preset for memory and step time: "
                                                     "h100, a100 or tpu-v5p")

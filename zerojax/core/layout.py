@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax.core.collectives import PARTIAL, REPLICATED, Placement, Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.measure import planned_bytes
-from zerojax.core.mesh import DATA, DATA_INNER, DATA_OUTER, DataAxis, data_axes, data_size
+from zerojax.core.mesh import DATA, DATA_INNER, DATA_OUTER, TENSOR, DataAxis, data_axes, data_size, tensor_size
 from zerojax.core.offload import Memory
 from zerojax.core.precision import Policy, ScalerConfig
 from zerojax.core.remat import Remat
@@ -69,6 +69,10 @@ class LeafLayout:
     @property
     def split_dims(self) -> tuple[int, ...]:
         return tuple(d for d, _ in self.split)
+
+    def over(self, axis: str) -> int | None:
+        """The dimension split over mesh axis `axis` (None: not split over it)."""
+        return next((d for d, a in self.split if a == axis), None)
 
 
 def choose_dim(shape: tuple[int, ...], n: int, layer_axes: int | None = None,
@@ -247,6 +251,7 @@ class Plan:
     seed: int = 0                  # the run's seed: initial parameters and per-step keys
     hpz: int = 1                   # devices in ZeRO++ hpZ's secondary parameter partition (1: off)
     origin: tuple[tuple[str, str], ...] = ()  # fingerprint of the config the plan was made from
+    tensor_plan: str | None = None  # which weights the tensor axis splits, and why (a table to print)
 
     # -- the update rule, by name (what the step reads) ----------------------------------------
     @property
@@ -274,6 +279,20 @@ class Plan:
     @property
     def data_size(self) -> int:
         return data_size(self.mesh)
+
+    @property
+    def tensor_size(self) -> int:
+        return tensor_size(self.mesh)
+
+    @functools.cached_property
+    def tensor_dims(self) -> Any:
+        """Per leaf, the dimension split over the tensor axis (None: whole on every tensor device)."""
+        return map_layouts(lambda lay: lay.over(TENSOR), self.layouts)
+
+    @property
+    def sliced(self) -> bool:
+        """Some weight is split over the tensor axis: the loss runs on slices (`tensor_parallel`)."""
+        return any(d is not None for d in jax.tree.leaves(self.tensor_dims))
 
     def annotations(self) -> str | None:
         """One line on the model's own sharding annotations (None when it has none): which leaves

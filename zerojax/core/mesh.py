@@ -18,6 +18,7 @@ DATA = "data"
 STAGE = "stage"
 DATA_OUTER = "data_outer"
 DATA_INNER = "data_inner"
+TENSOR = "tensor"
 HIERARCHICAL = (DATA_OUTER, DATA_INNER)
 DataAxis = Union[str, tuple]
 
@@ -59,3 +60,8 @@ def data_size(mesh: Any) -> int:
     """Number of data-parallel shards (what the batch triad counts)."""
     axes = data_axes(mesh)
     return math.prod(int(mesh.shape[a]) for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def tensor_size(mesh: Any) -> int:
+    """Devices each tensor-sliced weight is split over (1: the mesh has no tensor axis)."""
+    return int(mesh.shape[TENSOR]) if TENSOR in tuple(mesh.axis_names) else 1

@@ -19,6 +19,7 @@ Anything that produces gradients in the update placement (the pipeline executor 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -27,10 +28,11 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zerojax.core import remat
-from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering, move, to_varying, unwrap, zeros_like_local)
-from zerojax.core.gather_at_use import Prefetch, gather_at_use
+from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering, move, to_varying, unwrap)
+from zerojax.core.gather_at_use import gather_at_use
 from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
-from zerojax.core.mesh import data_axes, data_axis
+from zerojax.core.mesh import TENSOR, data_axes, data_axis
+from zerojax.core.tensor_parallel import tensor_parallel
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
@@ -39,6 +41,7 @@ from zerojax.core.precision import LossScaleState, leaf_finite, update_loss_scal
 from zerojax.core.state import TrainState, state_shardings
 
 LossFn = Callable[..., jax.Array]
+_log = logging.getLogger(__name__)
 
 
 def handed_whole(lay: LeafLayout, marked: bool) -> bool:
@@ -96,12 +99,34 @@ def takes_rng(loss_fn: LossFn) -> bool:
         return False
 
 
-def _step_loss(loss_fn: LossFn, prefetch: Prefetch | None = None) -> Callable[[Any, Any, Any], jax.Array]:
+def gathers_own(plan: Plan, loss_fn: LossFn) -> bool:
+    """The loss gathers its own `ParamShard`s (`gathers_params`). Not when weights are tensor-sliced:
+    the loss is then re-run on slices (`tensor_parallel`), and its gathers on whole arrays do nothing."""
+    return is_gathering(loss_fn) and not plan.sliced
+
+
+def _on_slices(plan: Plan, loss_fn: LossFn) -> LossFn:
+    """The loss run on each device's tensor slices, Megatron's collectives placed by `tensor_parallel`;
+    an equation that needed its inputs gathered is logged once per trace (a split to reconsider)."""
+    if not plan.sliced:
+        return loss_fn
+
+    def report(fallbacks: dict[str, int]) -> None:
+        if fallbacks:
+            listed = ", ".join(f"{name} x{n}" for name, n in sorted(fallbacks.items()))
+            _log.warning("tensor parallel: %d equations ran on gathered activations (%s); the weights' splits "
+                         "do not form Megatron's column -> row pairs there", sum(fallbacks.values()), listed)
+
+    return tensor_parallel(loss_fn, plan.tensor_dims, TENSOR, plan.tensor_size, report=report)
+
+
+def _step_loss(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any, Any], jax.Array]:
     """`loss(params, batch, rng)` over the step's parameter blocks, passing `rng` only to loss
     functions that take one. A loss marked `gathers_params` gathers its `ParamShard`s itself; any
     other loss is evaluated with each sharded parameter gathered where it is used
-    (`gather_at_use`), so it never sees the whole model at once."""
-    fn = loss_fn if is_gathering(loss_fn) else gather_at_use(loss_fn, prefetch)
+    (`gather_at_use`), so it never sees the whole model at once; on tensor slices when the plan
+    splits weights over the tensor axis."""
+    fn = loss_fn if gathers_own(plan, loss_fn) else gather_at_use(_on_slices(plan, loss_fn), plan.step.prefetch)
     if takes_rng(loss_fn):
         return lambda params, batch, rng: fn(params, batch, rng=rng)
     return lambda params, batch, rng: fn(params, batch)
@@ -115,8 +140,9 @@ def _checks_vma(plan: Plan, loss_fn: LossFn) -> bool:
     are PARTIAL because they are taken inside the map, and every sharded parameter's gradient comes
     back through the transpose of its own tiled all-gather).
     """
-    interpreted = any(isinstance(lay.param, Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
-    return is_gathering(loss_fn) or not interpreted
+    interpreted = plan.sliced or any(isinstance(lay.param, Shard)
+                                     for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+    return gathers_own(plan, loss_fn) or not interpreted
 
 
 def check_batch(plan: Plan, batch: Any) -> None:
@@ -212,10 +238,10 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     """
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
                        plan.batch.micro_batch_size)
-    marked = is_gathering(loss_fn)
-    if not marked:  # a loss that gathers its own shards places its own remat too
+    marked = gathers_own(plan, loss_fn)
+    if not is_gathering(loss_fn):  # a loss that gathers its own shards places its own remat too
         loss_fn = remat.for_loss(plan.step.remat, loss_fn)
-    loss = _step_loss(loss_fn, plan.step.prefetch)
+    loss = _step_loss(plan, loss_fn)
     layouts = plan.layouts
     avg = grad_average(plan, marked)
 
@@ -240,12 +266,12 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
                 layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
 
-        def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct) -> jax.Array:
-            z = zeros_like_local(x.shape, pol.accum, lay.grad, dp)
+        def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+            z = jnp.zeros(sharding.shard_shape(x.shape), pol.accum)
             # Accumulators holding per-device values (PARTIAL, Shard) are typed as varying.
             return z if lay.grad == REPLICATED else to_varying(z)
 
-        acc0 = map_layouts(zeros, layouts, plan.abstract_params)
+        acc0 = map_layouts(zeros, layouts, plan.abstract_params, plan.grad_shardings)
         acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
         grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm,
                                                 pre=avg.pre, post=avg.post), layouts, acc)
@@ -440,8 +466,8 @@ def make_eval_step(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Arra
 
     A loss function that takes `rng` gets `rng=None` here: evaluation is deterministic.
     """
-    loss = _step_loss(loss_fn, plan.step.prefetch)
-    marked = is_gathering(loss_fn)
+    loss = _step_loss(plan, loss_fn)
+    marked = gathers_own(plan, loss_fn)
 
     def local(params: Any, batch: Any) -> jax.Array:
         value = loss(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None)

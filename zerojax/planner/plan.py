@@ -18,12 +18,13 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
-from zerojax.core.mesh import DATA_INNER, STAGE, data_axes, data_size
+from zerojax.core.mesh import DATA_INNER, STAGE, TENSOR, data_axes, data_size, tensor_size
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.planner.settings import memory_plan, policy, remat_policy, scaler_config
+from zerojax.planner.tensor import LayerSpec, TensorPlan, is_preset, tensor_plan
 
 __all__ = ["make_plan", "plan", "step_rule"]
 
@@ -97,14 +98,17 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     split = () if lead is None else ((0, lead),)
     names = _names_per_leaf(logical_axes, abstract)
     data = set(data_axes(mesh)) if isinstance(data_axes(mesh), tuple) else {data_axes(mesh)}
+    sliced = tensor_split(config, mesh, abstract, names, lead)
+    tensor_dims = jax.tree.unflatten(jax.tree.structure(abstract), list(sliced.dims))
 
-    def layout(x: Any, k: int, leaf_names: Any) -> LeafLayout:
+    def layout(x: Any, k: int, leaf_names: Any, tdim: int | None) -> LeafLayout:
         prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
                        (isinstance(n, tuple) and set(n) & data)), None)
-        lay = leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k, split=split, prefer=prefer)
+        pairs = split if tdim is None else (*split, (tdim, TENSOR))
+        lay = leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k, split=pairs, prefer=prefer)
         return dataclasses.replace(lay, names=leaf_names)
 
-    layouts = jax.tree.map(layout, abstract, axes, names)
+    layouts = jax.tree.map(layout, abstract, axes, names, tensor_dims, is_leaf=lambda x: x is None)
     zero = config.zero_optimization
     if zero.zero_hpz_partition_size > 1:
         _check_hpz(config, mesh, lead)
@@ -116,10 +120,28 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
                       adam=adam_settings(config.optimizer), strict=config.kernels == "pallas")
     return Plan(mesh=mesh, stage=stage, batch=batch, policy=policy(config), rule=rule, abstract_params=abstract,
                 layouts=layouts, memory=memory_plan(config, mesh, kernels), step=step_rule(config),
-                seed=config.run.seed, hpz=zero.zero_hpz_partition_size, origin=origin)
+                seed=config.run.seed, hpz=zero.zero_hpz_partition_size, origin=origin,
+                tensor_plan=sliced.describe(tensor_size(mesh)) if tensor_size(mesh) > 1 else None)
 
 
-plan = make_plan  # the public name, `zerojax.plan`
+plan = make_plan
+
+
+def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names: Any, lead: str | None) -> TensorPlan:
+    """The tensor-parallel plan (`zerojax.planner.tensor`) from the config's sources; nothing is split
+    without a tensor axis. A pipeline's stage rows are flat, so only annotations and patterns apply."""
+    size = tensor_size(mesh)
+    if size == 1:
+        return TensorPlan(tuple(None for _ in jax.tree.leaves(abstract)), ())
+    tp = getattr(config, "tensor_parallel", None)
+    model = config.model
+    preset = getattr(tp, "preset_model", None)
+    builtin = lead is None and (is_preset(preset) or model.name in ("gpt", "llama"))
+    heads = (model.n_heads, model.n_kv_heads or model.n_heads) if preset is None else None
+    specs = [LayerSpec(tuple(s.patterns), s.partition_type) for s in getattr(tp, "layer_specs", ())]
+    return tensor_plan(abstract, size, names=names, rules=dict(getattr(config.mesh, "logical_axis_rules", {}) or {}),
+                       layer_specs=specs, use_default_specs=getattr(tp, "use_default_specs", True), builtin=builtin,
+                       heads=heads, axis=TENSOR)  # the public name, `zerojax.plan`
 
 
 def step_rule(config: Config) -> StepRule:
