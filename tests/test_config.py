@@ -725,7 +725,7 @@ def test_deepspeed_field_names_load_like_their_aliases() -> None:
 
 def test_deepspeed_only_sections_load_with_one_warning_each() -> None:
     config, warned = load_warned(FIXTURES / "deepspeed_examples_zero3.json")
-    foreign = ["compile", "tensor_parallel", "aio", "seq_parallel_communication_data_type",
+    foreign = ["compile", "aio", "seq_parallel_communication_data_type",
                "zero_optimization.model_persistence_threshold",
                "zero_optimization.use_multi_rank_bucket_allreduce", "zero_optimization.memory_efficient_linear"]
     assert sorted(w.split(":")[0] for w in warned) == sorted(foreign)
@@ -734,13 +734,13 @@ def test_deepspeed_only_sections_load_with_one_warning_each() -> None:
         assert "\n" not in line
     assert explain_row(config, "compile") == ("-", "ignored (DeepSpeed-only key, not built)")
     assert "_comment" not in config.explain()
+    assert config.mesh.tensor == 1  # tensor_parallel.autotp_size: 1 is DeepSpeed's "no tensor parallelism"
 
 
 @pytest.mark.parametrize("raw, pattern", [
-    ({"tensor_parallel": {"autotp_size": 2}},
-     r"^tensor_parallel: DeepSpeed's AutoTP tensor parallelism is not built in zerojax, and autotp_size: 2 "
-     r"splits every layer over 2 devices.*alternative: ZeRO-3 or mesh\.stage"),
-    ({"tensor_parallel": {"tp": {"tp_size": 4}}}, r"^tensor_parallel: .*tp_size: 4 splits every layer"),
+    ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_group": "group"}}},
+     r"^tensor_parallel\.tp\.tp_group: DeepSpeed's tensor-parallel process group is not built in zerojax, and it "
+     r"is a torch process group; alternative: mesh\.tensor"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, r"^amp: DeepSpeed's NVIDIA Apex AMP .*enabled: it would "
                                                     r"train in Apex's mixed precision; alternative: bf16"),
     ({"data_efficiency": {"enabled": True, "data_sampling": {"enabled": True}}},
@@ -757,7 +757,7 @@ def test_deepspeed_only_keys_that_would_change_the_result_are_refused(raw: dict,
 
 
 def test_deepspeed_only_keys_turned_off_load() -> None:
-    config, warned = load_warned(with_batch(amp={"enabled": False}, tensor_parallel={"autotp_size": 1},
+    config, warned = load_warned(with_batch(amp={"enabled": False}, tensor_parallel={"tp": {"mpu": None}},
                                             data_efficiency={"enabled": False}, sequence_parallel_size=1,
                                             autotuning={"enabled": False}))
     assert len(warned) == 5

@@ -543,6 +543,9 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
     """The whole text `zerojax estimate` prints."""
     if config.mesh.stage > 1:
         raise ConfigError(f"estimate: mesh.stage {config.mesh.stage} (pipeline) is not estimated; set mesh.stage=1")
+    if config.mesh.tensor > 1:
+        raise ConfigError(f"estimate: mesh.tensor {config.mesh.tensor} (tensor parallelism) is not estimated; set "
+                          f"mesh.tensor=1 (and remove tensor_parallel.autotp_size)")
     if req.devices < 1 or req.devices_per_host < 1:
         raise ConfigError("estimate: --devices and --devices-per-host must be positive")
     exact, ds = estimate_all(config, model, req)
@@ -636,7 +639,7 @@ def build_request(config: Config, args: Any) -> Request:
     if args.devices is not None:
         devices = args.devices
     else:
-        devices = config.mesh.data or jax.device_count() // config.mesh.stage
+        devices = config.mesh.data_parallel(jax.device_count())
     per_host = args.devices_per_host or devices
     device = None
     if args.device is not None:
