@@ -1,4 +1,5 @@
-"""The device mesh: a `data` axis that ZeRO shards over (and, for pipelines, a `stage` axis).
+"""The device mesh: a `data` axis that ZeRO shards over (and, for pipelines, a `stage` axis; for tensor
+parallelism, a `tensor` axis, the innermost, so one tensor group is consecutive devices).
 
 The data axis may be hierarchical (`mesh.data_outer`): two mesh axes, `data_outer` across hosts or
 slices (slow links) and `data_inner` within one (fast links), that every layout and collective
@@ -16,6 +17,7 @@ from zerojax.errors import ConfigError
 
 DATA = "data"
 STAGE = "stage"
+TENSOR = "tensor"
 DATA_OUTER = "data_outer"
 DATA_INNER = "data_inner"
 HIERARCHICAL = (DATA_OUTER, DATA_INNER)
@@ -59,3 +61,14 @@ def data_size(mesh: Any) -> int:
     """Number of data-parallel shards (what the batch triad counts)."""
     axes = data_axes(mesh)
     return math.prod(int(mesh.shape[a]) for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def tensor_size(mesh: Any) -> int:
+    """Devices in one tensor-parallel group: the `tensor` axis's size, 1 on a mesh without one."""
+    return int(mesh.shape[TENSOR]) if TENSOR in tuple(mesh.axis_names) else 1
+
+
+def tensor_axis() -> str | None:
+    """The tensor axis of the mesh being traced (inside `shard_map`), or None on a mesh without one, for
+    the collectives of tensor-parallel model code."""
+    return TENSOR if TENSOR in tuple(jax.sharding.get_abstract_mesh().axis_names) else None
