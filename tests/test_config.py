@@ -855,6 +855,27 @@ def test_every_auto_only_the_trainer_can_fill_is_named_in_one_error() -> None:
     assert config.zero_optimization.reduce_bucket_size == 1024 * 1024
 
 
+def test_llama_factory_autotp_config_asks_for_two_way_tensor_parallelism() -> None:
+    """LLaMA-Factory's examples/deepspeed/ds_z2_autotp_config.json, as the project ships it: ZeRO-2 with
+    DeepSpeed's AutoTP over 2 devices, the rest Hugging Face "auto"s."""
+    path = FIXTURES / "llama_factory_ds_z2_autotp_config.json"
+    config, warned = load_warned(path, ["fp16.enabled=false", "bf16.enabled=true",
+                                        "train_micro_batch_size_per_gpu=2"], hidden_size=4096)
+    assert warned == []
+    assert config.mesh.tensor == 2 and config.tensor_parallel.autotp_size == 2
+    assert explain_row(config, "mesh.tensor") == ("2", "derived (tensor_parallel.autotp_size)")
+    assert config.tensor_parallel.layer_specs == () and config.tensor_parallel.use_default_specs
+    assert config.mesh.data_parallel(8) == 4  # 8 devices: 4 data-parallel replicas of 2 tensor shards
+    assert config.batch(config.mesh.data_parallel(8)) == BatchSize(8, 2, 1)
+    zero = config.zero_optimization
+    assert (zero.stage, zero.overlap_comm, zero.reduce_scatter, zero.contiguous_gradients) == (2, False, True, True)
+    assert zero.reduce_bucket_size == zero.allgather_bucket_size == 500_000_000
+    assert config.zero_allow_untested_optimizer and config.gradient_clipping == 1.0
+    assert config.bf16.enabled and not config.fp16.enabled
+    assert (config.fp16.loss_scale_window, config.fp16.initial_scale_power, config.fp16.hysteresis) == (1000, 16, 2)
+    check_supported(config)
+
+
 @pytest.mark.parametrize("section", ["fp16", "bf16", "bfloat16"])
 def test_precision_auto_is_never_fp32_in_silence(section: str) -> None:
     key = "bf16" if section == "bfloat16" else section
