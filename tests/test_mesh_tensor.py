@@ -279,3 +279,11 @@ def test_tensor_axis_inside_shard_map() -> None:
         out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(jnp.ones(8))
         assert float(out[0]) == expect
     assert seen == [TENSOR, None]
+
+
+def test_estimate_refuses_a_tensor_parallel_config() -> None:
+    """`zerojax estimate` counts ZeRO's shards over the data axis only; a tensor axis would be miscounted."""
+    from zerojax.tools.estimate import Request, report
+    with pytest.raises(ConfigError, match=r"^estimate: mesh\.tensor 2 \(tensor parallelism\) is not estimated; set "
+                                          r"mesh\.tensor=1"):
+        report(config(mesh={"tensor": 2}), None, Request(devices=8, devices_per_host=8))

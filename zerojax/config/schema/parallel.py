@@ -173,21 +173,21 @@ def parse_patterns(value: Any, path: str) -> tuple[str, ...]:
 
 def parse_shape(value: Any, path: str) -> Optional[tuple]:
     """AutoTP's logical shape: integers (-1: inferred), with at most one nested list of sizes."""
-    def one(v: Any, nested: bool) -> Any:
-        if isinstance(v, (list, tuple)) and not nested and v:
-            return tuple(one(x, True) for x in v)
+    bad = ConfigError(f"{path}: expected a list of positive integers or -1, with at most one nested list of "
+                      f"sizes (e.g. [2, -1] or [[4096, 1024, 1024], -1]), got {show(value)}")
+
+    def size(v: Any, nested: bool) -> Any:
+        if isinstance(v, (list, tuple)) and v and not nested:
+            return tuple(size(x, True) for x in v)
         if isinstance(v, int) and not isinstance(v, bool) and (v > 0 or (v == -1 and not nested)):
             return v
-        raise ConfigError(f"{path}: expected a list of positive integers or -1, with at most one nested list of "
-                          f"sizes (e.g. [2, -1] or [[4096, 1024, 1024], -1]), got {show(value)}")
+        raise bad
+
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not value:
-        one(object(), True)
-    return tuple(one(v, False) for v in value)
-
-
-_SPLIT_ONLY = "the split changes which collectives XLA inserts, never the values computed"
+        raise bad
+    return tuple(size(v, False) for v in value)
 
 
 @dataclass(frozen=True)
@@ -256,8 +256,3 @@ class TensorParallelConfig:
     @property
     def use_default_specs(self) -> bool:
         return self.partition_config.use_default_specs
-
-    @property
-    def size(self) -> int:
-        """The tensor-parallel size the section asks for (1: none): autotp_size, else the legacy tp_size."""
-        return self.autotp_size if self.autotp_size > 1 else self.tp.tp_size
