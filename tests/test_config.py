@@ -725,7 +725,7 @@ def test_deepspeed_field_names_load_like_their_aliases() -> None:
 
 def test_deepspeed_only_sections_load_with_one_warning_each() -> None:
     config, warned = load_warned(FIXTURES / "deepspeed_examples_zero3.json")
-    foreign = ["compile", "tensor_parallel", "aio", "seq_parallel_communication_data_type",
+    foreign = ["compile", "aio", "seq_parallel_communication_data_type",
                "zero_optimization.model_persistence_threshold",
                "zero_optimization.use_multi_rank_bucket_allreduce", "zero_optimization.memory_efficient_linear"]
     assert sorted(w.split(":")[0] for w in warned) == sorted(foreign)
@@ -734,13 +734,13 @@ def test_deepspeed_only_sections_load_with_one_warning_each() -> None:
         assert "\n" not in line
     assert explain_row(config, "compile") == ("-", "ignored (DeepSpeed-only key, not built)")
     assert "_comment" not in config.explain()
+    assert config.mesh.tensor == 1  # tensor_parallel.autotp_size: 1 is DeepSpeed's "no tensor parallelism"
 
 
 @pytest.mark.parametrize("raw, pattern", [
-    ({"tensor_parallel": {"autotp_size": 2}},
-     r"^tensor_parallel: DeepSpeed's AutoTP tensor parallelism is not built in zerojax, and autotp_size: 2 "
-     r"splits every layer over 2 devices.*alternative: ZeRO-3 or mesh\.stage"),
-    ({"tensor_parallel": {"tp": {"tp_size": 4}}}, r"^tensor_parallel: .*tp_size: 4 splits every layer"),
+    ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_group": "group"}}},
+     r"^tensor_parallel\.tp\.tp_group: DeepSpeed's tensor-parallel process group is not built in zerojax, and it "
+     r"is a torch process group; alternative: mesh\.tensor"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, r"^amp: DeepSpeed's NVIDIA Apex AMP .*enabled: it would "
                                                     r"train in Apex's mixed precision; alternative: bf16"),
     ({"data_efficiency": {"enabled": True, "data_sampling": {"enabled": True}}},
@@ -757,7 +757,7 @@ def test_deepspeed_only_keys_that_would_change_the_result_are_refused(raw: dict,
 
 
 def test_deepspeed_only_keys_turned_off_load() -> None:
-    config, warned = load_warned(with_batch(amp={"enabled": False}, tensor_parallel={"autotp_size": 1},
+    config, warned = load_warned(with_batch(amp={"enabled": False}, tensor_parallel={"tp": {"mpu": None}},
                                             data_efficiency={"enabled": False}, sequence_parallel_size=1,
                                             autotuning={"enabled": False}))
     assert len(warned) == 5
@@ -853,6 +853,27 @@ def test_every_auto_only_the_trainer_can_fill_is_named_in_one_error() -> None:
     assert explain_row(config, "scheduler.params.warmup_max_lr")[1] == (
         "derived ('auto': optimizer.params.lr, the Trainer's learning_rate)")
     assert config.zero_optimization.reduce_bucket_size == 1024 * 1024
+
+
+def test_llama_factory_autotp_config_asks_for_two_way_tensor_parallelism() -> None:
+    """LLaMA-Factory's examples/deepspeed/ds_z2_autotp_config.json, as the project ships it: ZeRO-2 with
+    DeepSpeed's AutoTP over 2 devices, the rest Hugging Face "auto"s."""
+    path = FIXTURES / "llama_factory_ds_z2_autotp_config.json"
+    config, warned = load_warned(path, ["fp16.enabled=false", "bf16.enabled=true",
+                                        "train_micro_batch_size_per_gpu=2"], hidden_size=4096)
+    assert warned == []
+    assert config.mesh.tensor == 2 and config.tensor_parallel.autotp_size == 2
+    assert explain_row(config, "mesh.tensor") == ("2", "derived (tensor_parallel.autotp_size)")
+    assert config.tensor_parallel.layer_specs == () and config.tensor_parallel.use_default_specs
+    assert config.mesh.data_parallel(8) == 4  # 8 devices: 4 data-parallel replicas of 2 tensor shards
+    assert config.batch(config.mesh.data_parallel(8)) == BatchSize(8, 2, 1)
+    zero = config.zero_optimization
+    assert (zero.stage, zero.overlap_comm, zero.reduce_scatter, zero.contiguous_gradients) == (2, False, True, True)
+    assert zero.reduce_bucket_size == zero.allgather_bucket_size == 500_000_000
+    assert config.zero_allow_untested_optimizer and config.gradient_clipping == 1.0
+    assert config.bf16.enabled and not config.fp16.enabled
+    assert (config.fp16.loss_scale_window, config.fp16.initial_scale_power, config.fp16.hysteresis) == (1000, 16, 2)
+    check_supported(config)
 
 
 @pytest.mark.parametrize("section", ["fp16", "bf16", "bfloat16"])

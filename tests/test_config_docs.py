@@ -109,6 +109,8 @@ def test_refused_statuses_are_refused() -> None:
         "zero_optimization.mics_shard_size": {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
         "zero_optimization.ignore_unused_parameters": {"zero_optimization": {"ignore_unused_parameters": False}},
         "wandb.enabled": {"wandb": {"enabled": True}},
+        "tensor_parallel.replace_with_kernel_inject": {"tensor_parallel": {"kernel_inject": True}},
+        "tensor_parallel.partition_config.strict_mode": {"tensor_parallel": {"partition_config": {"strict_mode": True}}},
     }
     assert sorted(samples) == sorted(k for k, v in KEY_STATUS.items() if v.startswith(REFUSED))
     for key, raw in samples.items():

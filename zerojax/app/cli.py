@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--largest-layer", type=int, default=None, metavar="N",
                      help="parameters of the largest layer (DeepSpeed's largest_layer_params)")
     est.add_argument("--devices", type=int, default=None, help="data-parallel devices in all (default: the "
-                                                                 "config's mesh.data, or the local device count)")
+                                                                 "config's mesh.data, or the local device count "
+                                                                 "over stage x tensor)")
     est.add_argument("--tensor", default=None, metavar="T[,T...]",
                      help="tensor-parallel sizes to show (default: the divisors of --devices-per-host)")
     est.add_argument("--devices-per-host", type=int, default=None, help="devices per host (default: --devices)")
@@ -290,7 +291,7 @@ def _explain(args: argparse.Namespace) -> int:
     from zerojax.core.mesh import request_cpu_devices
     request_cpu_devices(config.mesh.cpu_devices)
     import jax
-    dp = config.mesh.data or jax.device_count() // config.mesh.stage
+    dp = config.mesh.data_parallel(jax.device_count())
     print(config.explain(dp))
     return 0
 

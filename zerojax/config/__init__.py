@@ -15,7 +15,8 @@ from zerojax.config.schema.precision import BF16Config, DataTypesConfig, FP16Con
 from zerojax.config.schema.zero import (ActivationCheckpointingConfig, OffloadOptimizerConfig, OffloadParamConfig, POLICY_CHOICES, ZeroConfig)
 from zerojax.config.schema.monitoring import (COLLECTIVE_KINDS, OP_NAMES, CommsLoggerConfig, FlopsProfilerConfig,
     MonitorConfig, WandbConfig)
-from zerojax.config.schema.parallel import DistributedConfig, HybridEngineConfig, MeshConfig, PipelineConfig
+from zerojax.config.schema.parallel import (AxisRules, DistributedConfig, HybridEngineConfig, LayerSpec, MeshConfig,
+    PARTITION_TYPES, PartitionConfig, PipelineConfig, RULE_AXES, TPConfig, TensorParallelConfig)
 from zerojax.config.schema.run import CheckpointConfig, DataConfig, ModelConfig, RunConfig
 from zerojax.config.batch import BatchSize, resolve_batch
 from zerojax.config.files import read_config_file

@@ -69,10 +69,12 @@ def warn_ignored(sources: dict[str, str], path: str, message: str, label: str) -
 
 def option(default: Any = MISSING, doc: str = "", *, choices: Sequence[Any] | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None,
-           aliases: Sequence[str] = (), int_bool: bool = False, factory: Any = None) -> Any:
-    """A schema field: default, doc string and the checks the loader applies."""
+           aliases: Sequence[str] = (), int_bool: bool = False, factory: Any = None,
+           parse: Any = None) -> Any:
+    """A schema field: default, doc string and the checks the loader applies. `parse(value, path)`
+    reads a value no plain type describes (a mapping), raising ConfigError for a bad one."""
     meta = dict(doc=doc, choices=tuple(choices) if choices else None, ge=ge, gt=gt, le=le,
-                aliases=tuple(aliases), int_bool=int_bool)
+                aliases=tuple(aliases), int_bool=int_bool, parse=parse)
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

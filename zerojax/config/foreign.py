@@ -40,18 +40,13 @@ def _find(value: Any, names: Sequence[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def _refuse_tensor_parallel(value: Any) -> str | None:
-    for name, size in _find(value, ("autotp_size", "tp_size")):
-        if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 1:
-            return (f"{name}: {size} splits every layer over {size} devices, a different program; zerojax "
-                    f"shards model state with ZeRO-3 (zero_optimization.stage: 3) and layers with pipeline "
-                    f"stages (mesh.stage)")
-    return None
-
-
 def _refuse_above_one(why: str) -> Callable[[Any], str | None]:
     return lambda value: why if isinstance(value, (int, float)) and not isinstance(value, bool) \
         and value > 1 else None
+
+
+def _refuse_given(why: str) -> Callable[[Any], str | None]:
+    return lambda value: why if value is not None else None
 
 
 _NO_EFFECT = "none: it changes how fast or where DeepSpeed runs, not what it computes"
@@ -61,8 +56,6 @@ FOREIGN_KEYS: dict[str, Foreign] = {
     # top level
     "compile": Foreign("torch.compile of the model", "none: the whole step is always compiled by XLA "
                        "under jax.jit", "nothing to do"),
-    "tensor_parallel": Foreign("AutoTP tensor parallelism", "none at tp size 1", "ZeRO-3 or mesh.stage",
-                               _refuse_tensor_parallel, refused_when="autotp_size or tp_size above 1"),
     "autotuning": Foreign("the autotuner, which launches trial runs to pick batch size and ZeRO knobs",
                           "none on this run", "choose train_micro_batch_size_per_gpu and the stage yourself"),
     "data_efficiency": Foreign("curriculum learning and data routing", "none while disabled",
@@ -117,6 +110,18 @@ FOREIGN_KEYS: dict[str, Foreign] = {
                           _refuse_if_enabled("enabled: it chooses a different batch size"), refused_when="enabled"),
     "expert_parallel": Foreign("automatic expert parallelism", "none while disabled", "nothing to do",
                                _refuse_if_enabled("enabled: it shards experts over devices"), refused_when="enabled"),
+    # tensor_parallel: Python objects that deepspeed.initialize fills in, never a JSON value
+    "tensor_parallel.tp.mpu": Foreign("model-parallel unit (an mpu object)", "none while null",
+                                      "mesh.tensor: the mesh's tensor axis is the tensor group",
+                                      _refuse_given("it is a Python object of torch process groups"),
+                                      refused_when="not null"),
+    "tensor_parallel.tp.tp_group": Foreign("tensor-parallel process group", "none while null",
+                                           "mesh.tensor: the mesh's tensor axis is the tensor group",
+                                           _refuse_given("it is a torch process group"), refused_when="not null"),
+    "tensor_parallel.injection_policy_tuple": Foreign(
+        "AutoTP injection policy (torch module classes to replace)", "none while null",
+        "tensor_parallel.partition_config.layer_specs or preset_model",
+        _refuse_given("it names torch module classes"), refused_when="not null"),
     # zero_optimization
     "zero_optimization.use_multi_rank_bucket_allreduce": Foreign("one all-reduce for several ranks' "
                                                                  "buckets", _NO_EFFECT, "nothing to do"),

@@ -37,6 +37,8 @@ def to_plain(obj: Any) -> Any:
         return out
     if isinstance(obj, tuple):
         return [to_plain(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_plain(v) for k, v in obj.items()}
     return obj
 
 

@@ -83,12 +83,37 @@ def derive(config: Config, sources: dict[str, str]) -> Config:
         zero = dataclasses.replace(zero, offload_param=OffloadParamConfig())
     config = dataclasses.replace(config, zero_optimization=zero)
 
-    config = _derive_model(config, sources)
+    config = _derive_model(_derive_tensor(config, sources), sources)
     if config.run.log_every is None:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run,
                                                                      log_every=config.steps_per_print))
         sources["run.log_every"] = "derived (steps_per_print)"
     return _derive_non_finite(_derive_data_source(config, sources), sources)
+
+
+def _given(sources: Mapping[str, str], path: str) -> bool:
+    """Whether the user wrote the key (a file, dict or override; not a default or an "auto")."""
+    return not sources.get(path, "default").startswith(("default", "derived"))
+
+
+def _derive_tensor(config: Config, sources: dict[str, str]) -> Config:
+    """mesh.tensor from DeepSpeed's tensor_parallel.autotp_size (or the legacy tp.tp_size); sizes that
+    disagree are one error naming every key. A size of 0 or 1 is DeepSpeed's "off" and asks for nothing
+    (so a written-out config.json, which holds autotp_size 0 beside mesh.tensor, loads again)."""
+    tp = config.tensor_parallel
+    asked = {key: size for key, size in (("tensor_parallel.autotp_size", tp.autotp_size),
+                                          ("tensor_parallel.tp.tp_size", tp.tp.tp_size)) if size > 1}
+    if _given(sources, "mesh.tensor"):
+        asked["mesh.tensor"] = config.mesh.tensor
+    if len(set(asked.values())) > 1:
+        named = ", ".join(f"{k}: {v}" for k, v in asked.items())
+        raise ConfigError(f"{next(iter(asked))}: the tensor-parallel sizes disagree ({named}); give one size "
+                          f"(mesh.tensor, or DeepSpeed's tensor_parallel.autotp_size) or the same value in each")
+    if not asked or "mesh.tensor" in asked:
+        return config
+    key, size = next(iter(asked.items()))
+    sources["mesh.tensor"] = f"derived ({key})"
+    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, tensor=size))
 
 
 def _derive_model(config: Config, sources: dict[str, str]) -> Config:
@@ -273,8 +298,13 @@ def _check_sections(config: Config) -> None:
                           f"its own LM head on the last stage; set model.tie_embeddings: false, or mesh.stage: 1")
     if config.hybrid_engine.inference_tp_size > 1:
         raise ConfigError(f"hybrid_engine.inference_tp_size: {config.hybrid_engine.inference_tp_size}, but zerojax "
-                          f"generates on the training layout (no tensor axis yet; ZeRO-3 shards are gathered once per "
+                          f"generates on the training layout (not tensor-parallel yet; ZeRO-3 shards are gathered once per "
                           f"generate call); set it to 1")
+    for i, spec in enumerate(config.tensor_parallel.layer_specs):
+        if not spec.patterns:
+            raise ConfigError(f"tensor_parallel.partition_config.layer_specs[{i}].patterns: required (a spec without "
+                              f"patterns matches no parameter); give a list of regular expressions such as "
+                              f'[".*\\.o_proj\\.weight$"]')
     data = config.data
     if data.source != "stdlib" and not data.path:
         kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file"}[data.source]
@@ -327,6 +357,13 @@ def unsupported_features(config: Config) -> list[str]:
         out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
     if config.wandb.enabled:
         out.append("wandb.enabled: not supported (no network access); use tensorboard or csv_monitor")
+    tp = config.tensor_parallel
+    if tp.replace_with_kernel_inject:
+        out.append("tensor_parallel.replace_with_kernel_inject: DeepSpeed's inference kernels are not built in "
+                   "zerojax (XLA compiles the model's own layers); remove it or set it to false")
+    if tp.partition_config.strict_mode:
+        out.append("tensor_parallel.partition_config.strict_mode: not supported yet (parameters no layer spec "
+                   "matches are kept whole, not reported); remove it or set it to false")
     return out
 
 

@@ -18,6 +18,8 @@ _LOG = f"{HONOURED} (the run's metrics writer)"
 _GPT = f"{HONOURED} (the model that train.py and the CLI train: the embedded GPT or the Llama)"
 _LLAMA = f"{HONOURED} (the Llama model, `model.name: llama`; the GPT refuses a non-default value)"
 _RUN = f"{HONOURED} (train.py and `zerojax train`)"
+_TP_PLAN = f"{HONOURED} (the planner's tensor-parallel layouts: which parameters split over mesh.tensor, and how)"
+_SPLIT = "how a parameter is split over mesh.tensor changes the collectives XLA inserts, not the values computed"
 
 # Dotted key -> status. The first word group is one of KINDS; what follows says how or why.
 KEY_STATUS: dict[str, str] = {
@@ -56,6 +58,7 @@ KEY_STATUS: dict[str, str] = {
     "comms_logger": _SECTION,
     "pipeline": _SECTION,
     "hybrid_engine": _SECTION,
+    "tensor_parallel": _SECTION,
     "checkpoint": _SECTION,
     "kernels": HONOURED,
     "mesh": _SECTION,
@@ -148,8 +151,9 @@ KEY_STATUS: dict[str, str] = {
     "zero_optimization.offload_param.max_in_cpu": _NVME,
     # activation checkpointing
     "activation_checkpointing.partition_activations":
-        f"{NO_EFFECT}: DeepSpeed splits the activations that tensor-parallel ranks hold in copies; here every "
-        "activation is already only the device's own rows of the data axis, and there is no tensor-parallel axis",
+        f"{NO_EFFECT}: DeepSpeed splits the checkpointed activations that tensor-parallel ranks hold in copies, "
+        "which saves memory and changes no value; here XLA places every kept activation, and on the data axis "
+        "each device holds only its own rows",
     "activation_checkpointing.cpu_checkpointing":
         HONOURED + " (what each checkpointed layer keeps goes to pinned_host memory; the CPU backend runs the "
         "same program with host and device one RAM); refused with pipeline stages",
@@ -187,7 +191,8 @@ KEY_STATUS: dict[str, str] = {
     "hybrid_engine.enabled": f"{NO_EFFECT}: engine.generate works on every engine whose model brings a decoder "
                              f"(the shipped GPT and Llama do; decode= for your own)",
     "hybrid_engine.max_out_tokens": f"{HONOURED} (a generate call's prompt plus new tokens)",
-    "hybrid_engine.inference_tp_size": f"{HONOURED} as 1; larger values are refused (no tensor axis yet)",
+    "hybrid_engine.inference_tp_size": f"{HONOURED} as 1; larger values are refused (generation is not "
+                                       f"tensor-parallel yet)",
     "hybrid_engine.release_inference_cache": f"{NO_EFFECT}: the KV cache and gathered weights live "
                                              f"inside one generate call",
     "hybrid_engine.pin_parameters": f"{NO_EFFECT}: there is no separate inference copy of the weights",
@@ -200,6 +205,35 @@ KEY_STATUS: dict[str, str] = {
     "pipeline.grad_partitioned": f"{NO_EFFECT}: activation gradients between stages move as whole arrays",
     "pipeline.schedule": HONOURED,
     "pipeline.chunks": HONOURED,
+    # tensor_parallel (DeepSpeed's AutoTP training config)
+    "tensor_parallel.autotp_size": HONOURED + " (sets mesh.tensor; 0 and 1 mean none)",
+    "tensor_parallel.tp": _SECTION,
+    "tensor_parallel.tp.tp_size": HONOURED + " (1, or the same as autotp_size, as DeepSpeed checks; alone it sets "
+                                  "mesh.tensor, as tp_model_init's size)",
+    "tensor_parallel.tp.tp_grain_size": f"{NO_EFFECT}: shards are even splits; {_SPLIT}",
+    "tensor_parallel.partition_config": _SECTION,
+    "tensor_parallel.partition_config.use_default_specs": _TP_PLAN,
+    "tensor_parallel.partition_config.layer_specs": _TP_PLAN,
+    "tensor_parallel.partition_config.layer_specs[].patterns": _TP_PLAN,
+    "tensor_parallel.partition_config.layer_specs[].partition_type": _TP_PLAN,
+    **{f"tensor_parallel.partition_config.layer_specs[].{k}": f"{NO_EFFECT}: {_SPLIT}"
+       for k in ("shape", "partition_dim", "model_types")},
+    "tensor_parallel.partition_config.layer_specs[].gather_output":
+        f"{NO_EFFECT}: XLA gathers a split output wherever a later operation needs it whole",
+    "tensor_parallel.partition_config.layer_specs[].grad_allreduce":
+        f"{NO_EFFECT}: the step differentiates the whole program, so a whole parameter's gradient is already "
+        "summed over the tensor group",
+    "tensor_parallel.partition_config.tp_size": f"{NO_EFFECT}: DeepSpeed replaces it with autotp_size",
+    "tensor_parallel.partition_config.embedding_partition_dim": f"{NO_EFFECT}: {_SPLIT}",
+    "tensor_parallel.partition_config.lm_head_patterns": f"{NO_EFFECT}: {_SPLIT}",
+    "tensor_parallel.partition_config.strict_mode": f"{REFUSED} when true (not built yet)",
+    "tensor_parallel.preset_model": _TP_PLAN,
+    "tensor_parallel.dtype": f"{NO_EFFECT}: the model's dtype comes from bf16 / fp16, as DeepSpeed's engine trains "
+                             "in those",
+    "tensor_parallel.tp_overlap_comm": _BUCKETS,
+    "tensor_parallel.keep_module_on_host": f"{NO_EFFECT}: checkpoints are read slice by slice into each device's "
+                                           "shards",
+    "tensor_parallel.replace_with_kernel_inject": f"{REFUSED} when true (DeepSpeed's inference kernels)",
     # checkpoint
     "checkpoint.tag_validation": HONOURED + " (a tag passed to save_checkpoint is compared with process 0's)",
     "checkpoint.load_universal": f"{NO_EFFECT}: every checkpoint is universal",
@@ -212,6 +246,8 @@ KEY_STATUS: dict[str, str] = {
     "mesh.stage": HONOURED,
     "mesh.data_outer": HONOURED,
     "mesh.data_inner": HONOURED,
+    "mesh.tensor": HONOURED,
+    "mesh.logical_axis_rules": _TP_PLAN,
     "mesh.cpu_devices": HONOURED,
     **{f"model.{k}": _GPT for k in ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                                     "remat", "init_std", "norm_eps")},

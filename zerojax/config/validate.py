@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 from zerojax.errors import ConfigError
 from zerojax.config.fields import MISSING, schema_fields
 from zerojax.config.foreign import accept_foreign, foreign_keys_in
-from zerojax.config.paths import join_path, show
+from zerojax.config.paths import join_path, show, to_plain
 from zerojax.config.schema.optimizer import ONE_BIT_OPTIMIZERS, OPTIMIZER_PARAMS, OptimizerConfig, ParamGroup
 from zerojax.config.schema.root import BATCH_KEYS, Config
 from zerojax.config.schema.scheduler import REQUIRED_SCHEDULER_PARAMS, SCHEDULER_PARAMS, SchedulerConfig
@@ -53,10 +53,10 @@ def given_values(obj: Any, prefix: str, sources: Mapping[str, str],
                 out[f.name] = "auto"
             elif label.startswith("default"):
                 if value != _field_default(f):
-                    out[f.name] = value
+                    out[f.name] = to_plain(value)
                     origin[path] = "given"
             elif not label.startswith("derived"):
-                out[f.name] = value
+                out[f.name] = to_plain(value)
                 origin[path] = label
     return out
 
@@ -113,6 +113,8 @@ def schema_paths() -> tuple[str, ...]:
             nested = _dataclass_of(hints[f.name])
             if nested is not None:
                 queue.append((nested, path))
+            elif item_section(hints[f.name]) is not None:
+                queue.append((item_section(hints[f.name]), path + "[]"))
     paths += ["optimizer.type", "optimizer.params", "optimizer.no_decay", "optimizer.param_groups",
               "scheduler.type", "scheduler.params"]
     return tuple(paths)
@@ -189,7 +191,11 @@ def build_section(cls: type, raw: Any, prefix: str, sources: dict[str, str], ori
             # Hugging Face's placeholder: the batch triad derives it, everything else takes its default.
             sources[path] = "derived ('auto')" if path in BATCH_KEYS else "default ('auto')"
             continue
-        kwargs[name] = _coerce(value, tp, path, f.metadata)
+        item = item_section(tp)
+        if item is not None:
+            kwargs[name] = _build_items(item, value, path, origin)
+        else:
+            kwargs[name] = _coerce(value, tp, path, f.metadata)
         sources[path] = _origin_of(path, origin)
     return cls(**kwargs)
 
@@ -288,6 +294,23 @@ def _dataclass_of(tp: Any) -> type | None:
     return None
 
 
+def item_section(tp: Any) -> type | None:
+    """The section each item of a list-of-sections field holds (`layer_specs`), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and args[1:] == (Ellipsis,) and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def _build_items(cls: type, value: Any, path: str, origin: Mapping[str, str]) -> tuple:
+    """A list of sections, each checked like a section (unknown keys, types, choices) under `path[i]`."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list of sections ({{...}}, ...), got {show(value)}")
+    return tuple(build_section(cls, v, f"{path}[{i}]", {}, origin) for i, v in enumerate(value))
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -301,6 +324,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
+    if meta.get("parse") is not None:
+        return meta["parse"](value, path)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None:

@@ -1,4 +1,5 @@
-"""The device mesh: a `data` axis that ZeRO shards over (and, for pipelines, a `stage` axis).
+"""The device mesh: a `data` axis that ZeRO shards over (and, for pipelines, a `stage` axis; for tensor
+parallelism, a `tensor` axis, the innermost, so one tensor group is consecutive devices).
 
 The data axis may be hierarchical (`mesh.data_outer`): two mesh axes, `data_outer` across hosts or
 slices (slow links) and `data_inner` within one (fast links), that every layout and collective
@@ -16,9 +17,9 @@ from zerojax.errors import ConfigError
 
 DATA = "data"
 STAGE = "stage"
+TENSOR = "tensor"
 DATA_OUTER = "data_outer"
 DATA_INNER = "data_inner"
-TENSOR = "tensor"
 HIERARCHICAL = (DATA_OUTER, DATA_INNER)
 DataAxis = Union[str, tuple]
 
@@ -63,5 +64,11 @@ def data_size(mesh: Any) -> int:
 
 
 def tensor_size(mesh: Any) -> int:
-    """Devices each tensor-sliced weight is split over (1: the mesh has no tensor axis)."""
+    """Devices in one tensor-parallel group: the `tensor` axis's size, 1 on a mesh without one."""
     return int(mesh.shape[TENSOR]) if TENSOR in tuple(mesh.axis_names) else 1
+
+
+def tensor_axis() -> str | None:
+    """The tensor axis of the mesh being traced (inside `shard_map`), or None on a mesh without one, for
+    the collectives of tensor-parallel model code."""
+    return TENSOR if TENSOR in tuple(jax.sharding.get_abstract_mesh().axis_names) else None

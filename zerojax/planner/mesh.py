@@ -1,10 +1,11 @@
-"""The device mesh a config asks for: (`stage`, `data`) axes, or a hierarchical data axis.
+"""The device mesh a config asks for: (`stage`, `data`, `tensor`) axes, or a hierarchical data axis.
 
 The axis names and what the layouts ask of a mesh live in `zerojax.core.mesh`; this module reads the
 config's `mesh` section (and ZeRO++'s hpZ partition size) into a `jax.sharding.Mesh`.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -12,17 +13,20 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import Config, as_config
-from zerojax.core.mesh import DATA, HIERARCHICAL, STAGE
+from zerojax.core.mesh import DATA, HIERARCHICAL, STAGE, TENSOR
 from zerojax.errors import ConfigError
 
 __all__ = ["make_mesh", "hierarchical_sizes", "hierarchical_mesh"]
 
 
 def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Mesh from the config's `mesh` section: (`stage`, `data`) axes, `data` by default all devices;
-    with `mesh.data_outer` / `mesh.data_inner`, the data axis is (`data_outer`, `data_inner`)
-    (`hierarchical_mesh`); with neither, `zero_optimization.zero_hpz_partition_size` > 1 builds that
-    mesh with `data_inner` = the hpZ partition size.
+    """Mesh from the config's `mesh` section: (`stage`, `data`, `tensor`) axes, `stage` only with more
+    than one stage and `tensor` only with mesh.tensor above 1 (a config without them gets a plain
+    `data` mesh); `data` is by default every device stage x tensor leave over. `tensor` is innermost:
+    one tensor group is consecutive devices, the fastest links. With `mesh.data_outer` /
+    `mesh.data_inner` the data axis is (`data_outer`, `data_inner`) (`hierarchical_mesh`); with neither,
+    `zero_optimization.zero_hpz_partition_size` > 1 builds that mesh with `data_inner` = the hpZ
+    partition size.
 
     `config` is a Config, a dict or a config file path (as `initialize` takes it)."""
     config = as_config(config)
@@ -30,19 +34,29 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     if (config.mesh.data_outer is not None or config.mesh.data_inner is not None
             or config.zero_optimization.zero_hpz_partition_size > 1):
         return hierarchical_mesh(config, devices)
-    stage = config.mesh.stage
-    if len(devices) % stage:
-        raise ConfigError(f"mesh.stage: {stage} does not divide the {len(devices)} devices; "
-                          f"choose a divisor of {len(devices)}")
-    data = config.mesh.data or len(devices) // stage
-    if stage * data > len(devices):
-        raise ConfigError(
-            f"mesh.data: stage {stage} x data {data} = {stage * data} devices, but only {len(devices)} "
-            f"exist; lower mesh.data (on CPU, raise mesh.cpu_devices before JAX starts)")
-    grid = np.array(devices[: stage * data], dtype=object)
-    if stage == 1:
-        return Mesh(grid.reshape(data), (DATA,))
-    return Mesh(grid.reshape(stage, data), (STAGE, DATA))
+    m, n = config.mesh, len(devices)
+    _check_model_axes(m.stage, m.tensor, n)
+    sizes = {STAGE: m.stage, DATA: m.data_parallel(n), TENSOR: m.tensor}
+    used = math.prod(sizes.values())
+    if used > n:
+        named = " x ".join(f"{a} {k}" for a, k in sizes.items() if a != TENSOR or k > 1)
+        raise ConfigError(f"mesh.data: {named} = {used} devices, but only {n} exist; lower mesh.data"
+                          f"{' or mesh.tensor' if m.tensor > 1 else ''} (on CPU, raise mesh.cpu_devices before "
+                          f"JAX starts)")
+    axes = tuple(a for a, k in sizes.items() if a == DATA or k > 1)
+    grid = np.array(devices[:used], dtype=object).reshape([sizes[a] for a in axes])
+    return Mesh(grid, axes)
+
+
+def _check_model_axes(stage: int, tensor: int, n: int) -> None:
+    """stage x tensor must divide the devices, so that whole data-parallel replicas fill them."""
+    if n % (stage * tensor) == 0:
+        return
+    if tensor == 1:
+        raise ConfigError(f"mesh.stage: {stage} does not divide the {n} devices; choose a divisor of {n}")
+    raise ConfigError(f"mesh.tensor: stage {stage} x tensor {tensor} = {stage * tensor} does not divide the {n} "
+                      f"devices, so stage x data x tensor cannot fill them; choose mesh.tensor and mesh.stage "
+                      f"whose product divides {n}")
 
 
 def _granules(devices: Sequence[jax.Device]) -> tuple[str, int]:
@@ -53,15 +67,19 @@ def _granules(devices: Sequence[jax.Device]) -> tuple[str, int]:
 
 
 def hierarchical_sizes(config: Config, n_devices: int) -> tuple[int, int]:
-    """(data_outer, data_inner) from the config for `n_devices`, every device used exactly once."""
+    """(data_outer, data_inner) from the config for `n_devices`, every device used exactly once (the data
+    axis holds n_devices / mesh.tensor of them)."""
     m = config.mesh
     if m.stage != 1:
         raise ConfigError(f"mesh.data_outer: a hierarchical data axis does not combine with pipeline stages yet "
                           f"(mesh.stage is {m.stage}); set mesh.stage: 1 or remove mesh.data_outer")
-    data = m.data or n_devices
-    if data != n_devices:
-        raise ConfigError(f"mesh.data: {data} of the {n_devices} devices with a hierarchical data axis; it must use "
-                          f"every device (remove mesh.data, or run on {data} devices)")
+    _check_model_axes(m.stage, m.tensor, n_devices)
+    left = n_devices // m.tensor  # the data axis's devices
+    data = m.data or left
+    if data != left:
+        by = f" left by mesh.tensor {m.tensor}" if m.tensor > 1 else ""
+        raise ConfigError(f"mesh.data: {data} of the {left} devices{by} with a hierarchical data axis; it must use "
+                          f"every device (remove mesh.data, or run on {data * m.tensor} devices)")
     outer, inner = m.data_outer, m.data_inner
     hpz = config.zero_optimization.zero_hpz_partition_size
     if outer is None and inner is None and hpz > 1:
@@ -83,16 +101,18 @@ def hierarchical_sizes(config: Config, n_devices: int) -> tuple[int, int]:
 
 
 def hierarchical_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
-    """A (`data_outer`, `data_inner`) mesh over every device, from JAX's topology-aware helpers.
+    """A (`data_outer`, `data_inner`) mesh over every device, from JAX's topology-aware helpers, with a
+    `tensor` axis innermost when mesh.tensor is above 1.
 
     Across several slices (TPU `slice_index`) or processes, `create_hybrid_device_mesh` puts each
-    slice/process in one `data_outer` row, so `data_inner` collectives stay on fast links; it needs
-    `data_outer` equal to the number of slices/processes. Within one, `create_device_mesh` orders
-    the devices for the physical topology (ICI / NVLink) and `data_outer` subdivides it.
+    slice/process in one `data_outer` row, so `data_inner` and `tensor` collectives stay on fast links;
+    it needs `data_outer` equal to the number of slices/processes. Within one, `create_device_mesh`
+    orders the devices for the physical topology (ICI / NVLink) and `data_outer` subdivides it.
     """
     from jax.experimental import mesh_utils
     devices = list(devices)
     outer, inner = hierarchical_sizes(config, len(devices))
+    tail = (config.mesh.tensor,) if config.mesh.tensor > 1 else ()
     kind, granules = _granules(devices)
     try:
         if granules > 1:
@@ -101,16 +121,16 @@ def hierarchical_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
                                   f"set mesh.data_outer: {granules} (one outer row per {kind[:-1]}: slow links only "
                                   f"between rows)")
             grid = mesh_utils.create_hybrid_device_mesh(
-                (1, inner), (outer, 1), devices, process_is_granule=kind == "processes")
+                (1, inner, *tail), (outer, 1, *(1 for _ in tail)), devices, process_is_granule=kind == "processes")
         else:
-            grid = mesh_utils.create_device_mesh((outer, inner), devices, contiguous_submeshes=False)
+            grid = mesh_utils.create_device_mesh((outer, inner, *tail), devices, contiguous_submeshes=False)
     except ConfigError:
         raise
     except (ValueError, AssertionError, NotImplementedError) as e:
         raise ConfigError(f"mesh.data_outer x mesh.data_inner: {outer} x {inner} cannot be mapped onto the "
                           f"devices' topology ({e}); choose sizes that match the hosts/slices and their "
                           f"devices") from None
-    grid = np.asarray(grid, dtype=object).reshape(outer, inner)
+    grid = np.asarray(grid, dtype=object).reshape(outer, inner, *tail)
     if sorted(d.id for d in grid.flat) != sorted(d.id for d in devices):
         raise ConfigError("mesh.data_outer x mesh.data_inner: the mesh does not hold every device once")
-    return Mesh(grid, HIERARCHICAL)
+    return Mesh(grid, HIERARCHICAL + ((TENSOR,) if tail else ()))

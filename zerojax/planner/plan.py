@@ -24,7 +24,7 @@ from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.planner.settings import memory_plan, policy, remat_policy, scaler_config
-from zerojax.planner.tensor import LayerSpec, TensorPlan, is_preset, tensor_plan
+from zerojax.planner.tensor import LayerSpec, TensorPlan, tensor_plan
 
 __all__ = ["make_plan", "plan", "step_rule"]
 
@@ -133,15 +133,13 @@ def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names
     size = tensor_size(mesh)
     if size == 1:
         return TensorPlan(tuple(None for _ in jax.tree.leaves(abstract)), ())
-    tp = getattr(config, "tensor_parallel", None)
-    model = config.model
-    preset = getattr(tp, "preset_model", None)
-    builtin = lead is None and (is_preset(preset) or model.name in ("gpt", "llama"))
-    heads = (model.n_heads, model.n_kv_heads or model.n_heads) if preset is None else None
-    specs = [LayerSpec(tuple(s.patterns), s.partition_type) for s in getattr(tp, "layer_specs", ())]
-    return tensor_plan(abstract, size, names=names, rules=dict(getattr(config.mesh, "logical_axis_rules", {}) or {}),
-                       layer_specs=specs, use_default_specs=getattr(tp, "use_default_specs", True), builtin=builtin,
-                       heads=heads, axis=TENSOR)  # the public name, `zerojax.plan`
+    tp, model = config.tensor_parallel, config.model
+    builtin = tp.preset_model is not None or model.name in ("gpt", "llama")
+    heads = (model.n_heads, model.n_kv_heads or model.n_heads) if tp.preset_model is None else None
+    specs = [LayerSpec(tuple(s.patterns), s.partition_type) for s in tp.layer_specs]
+    return tensor_plan(abstract, size, names=names, rules=dict(config.mesh.logical_axis_rules), layer_specs=specs,
+                       use_default_specs=tp.use_default_specs, builtin=builtin and lead is None, heads=heads,
+                       axis=TENSOR)  # the public name, `zerojax.plan`
 
 
 def step_rule(config: Config) -> StepRule:

@@ -59,7 +59,6 @@ _COLUMN_NAMES = {"q", "k", "v", "gate", "up", "fc", "head", "q_proj", "k_proj", 
 _ROW_NAMES = {"o", "down", "out", "o_proj", "down_proj", "c_proj", "wo", "w2"}
 _KEY_VALUE = {"k", "v", "k_proj", "v_proj", "wk", "wv"}
 _VOCAB = {"embed", "embed_tokens", "wte", "tok_embeddings"}
-_PRESETS = ("llama", "gpt", "gpt2", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 
 
 def _path_names(path: Sequence[Any]) -> list[str]:
@@ -178,7 +177,3 @@ def _check_divides(where: str, shape: tuple[int, ...], dim: int, size: int, why:
         raise ConfigError(f"tensor parallel: {where} {shape} is split along dimension {dim} by {why}, but the "
                           f"tensor size {size} does not divide {shape[dim]}; choose a mesh.tensor that divides it, "
                           f"or keep the leaf whole (partition_type: skip)")
-
-
-def is_preset(name: str | None) -> bool:
-    return name is not None and name.lower() in _PRESETS

@@ -76,7 +76,9 @@ def _compatibility() -> str:
   `"auto"` is an ordinary value of the key (`kernels`, `pipeline.stages`).
 * **Batch triad.**
   `train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp`, where `dp`
-  is the number of data-parallel shards the batch is split over (`mesh.data`). All three given: they
+  is the number of data-parallel shards the batch is split over (`mesh.data`: by default the devices
+  over `mesh.stage` x `mesh.tensor`, as DeepSpeed divides its world size by the pipeline and
+  tensor-parallel sizes). All three given: they
   must agree. Two given: the third is derived (a division that is not exact is an error printing the
   arithmetic). Only `train_batch_size` or only `train_micro_batch_size_per_gpu`:
   `gradient_accumulation_steps` is 1. Only `gradient_accumulation_steps`, or none: an error.
@@ -201,6 +203,8 @@ def _section(path: str, cls: type, level: int) -> Iterator[str]:
         rows.append(_row(f.name, f, tp, section=sub is not None, path=f"{path}.{f.name}"))
         if sub is not None:
             nested.append((f"{path}.{f.name}", sub))
+        elif _items_of(tp) is not None:  # a list of sections: one table for the keys of each item
+            nested.append((f"{path}.{f.name}[]", _items_of(tp)))
     yield f"{'#' * level} `{path}`\n\n{_class_doc(cls)}\n\n{_table(rows)}"
     for sub_path, sub in nested:
         yield from _section(sub_path, sub, level + 1)
@@ -251,6 +255,14 @@ def _section_of(tp: Any) -> type | None:
     return None
 
 
+def _items_of(tp: Any) -> type | None:
+    """The section each item of a list-of-sections field holds (`layer_specs`), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and args[1:] == (Ellipsis,) and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
 def _union_args(tp: Any) -> tuple[Any, ...]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return typing.get_args(tp)
@@ -289,6 +301,8 @@ def _plain(value: Any) -> Any:
         return {f.name: _plain(getattr(value, f.name)) for f in schema.schema_fields(type(value))}
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
     return value
 
 
@@ -324,6 +338,10 @@ def _base_type(tp: Any) -> str:
                 return "list of {" + ", ".join(f.name for f in dataclasses.fields(item)) + "}"
             return "list of " + _base_type(item)
         return "[" + ", ".join(_base_type(a) for a in args) + "]"
+    if isinstance(tp, type) and issubclass(tp, Mapping):
+        return "mapping"
+    if tp is tuple:
+        return "list"
     return {bool: "bool", int: "int", float: "float", str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 

@@ -719,6 +719,9 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
     """The whole text `zerojax estimate` prints."""
     if config.mesh.stage > 1:
         raise ConfigError(f"estimate: mesh.stage {config.mesh.stage} (pipeline) is not estimated; set mesh.stage=1")
+    if config.mesh.tensor > 1:  # the config's tensor size is one of the rows; the data-parallel table is T=1
+        req = dataclasses.replace(req, tensor=req.tensor or tuple(sorted({1, config.mesh.tensor})))
+        config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, tensor=1))
     if req.devices < 1 or req.devices_per_host < 1:
         raise ConfigError("estimate: --devices and --devices-per-host must be positive")
     exact, ds = estimate_all(config, model, req)
@@ -814,7 +817,7 @@ def build_request(config: Config, args: Any) -> Request:
     if args.devices is not None:
         devices = args.devices
     else:
-        devices = config.mesh.data or jax.device_count() // config.mesh.stage
+        devices = config.mesh.data_parallel(jax.device_count())
     per_host = args.devices_per_host or devices
     device = None
     if args.device is not None:

@@ -11,7 +11,8 @@ from zerojax.config.fields import option, section
 from zerojax.config.paths import flatten, to_plain
 from zerojax.config.schema.monitoring import CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, WandbConfig
 from zerojax.config.schema.optimizer import OptimizerConfig
-from zerojax.config.schema.parallel import DistributedConfig, HybridEngineConfig, MeshConfig, PipelineConfig
+from zerojax.config.schema.parallel import (DistributedConfig, HybridEngineConfig, MeshConfig, PipelineConfig,
+                                            TensorParallelConfig)
 from zerojax.config.schema.precision import BF16Config, DataTypesConfig, FP16Config
 from zerojax.config.schema.run import CheckpointConfig, DataConfig, ModelConfig, RunConfig
 from zerojax.config.schema.scheduler import SchedulerConfig
@@ -67,6 +68,7 @@ class Config:
     comms_logger: CommsLoggerConfig = section(CommsLoggerConfig)
     pipeline: PipelineConfig = section(PipelineConfig)
     hybrid_engine: HybridEngineConfig = section(HybridEngineConfig)
+    tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     kernels: str = option("auto", "Optimizer update: auto (Pallas kernels on GPU for Adam/AdamW, XLA "
                                   "elsewhere) | pallas (Triton on GPU, interpret mode on CPU) | xla (optax).",
@@ -101,7 +103,7 @@ class Config:
         width = max(len(k) for k, _ in rows)
         lines = [f"{'key'.ljust(width)}  {'value':<24} source"]
         for key, value in rows:
-            src = self.sources.get(key, "default")
+            src = self._source_of(key)
             if dp_size is not None and key in BATCH_KEYS and getattr(self, key) is None:
                 auto = "'auto', " if src == "derived ('auto')" else ""
                 src = f"derived ({auto}data-parallel size {dp_size})"
@@ -110,3 +112,13 @@ class Config:
             if src.startswith("ignored"):
                 lines.append(f"{key.ljust(width)}  {'-':<24} {src}")
         return "\n".join(lines)
+
+    def _source_of(self, key: str) -> str:
+        """Where a row's value came from; a mapping's entries (mesh.logical_axis_rules.embed) share the
+        source of the mapping."""
+        obj, parts = self, key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            obj = getattr(obj, part, None)
+            if isinstance(obj, Mapping):
+                return self.sources.get(".".join(parts[:i + 1]), "default")
+        return self.sources.get(key, "default")
