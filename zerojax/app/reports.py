@@ -35,9 +35,9 @@ def startup_table(engine: Engine, batch: Any = None, compiled: Any = None) -> st
     report = engine.memory_report()
     lines = [engine.partition_report()] if hasattr(engine, "partition_report") else []
     lines += [report.table(), _measured_line(engine)]
-    note = engine.plan.annotations()
-    if note is not None:
-        lines.append(note)
+    for note in (engine.plan.annotations(), engine.plan.tensor_plan):
+        if note is not None:
+            lines.append(note)
     if compiled is None and batch is not None:
         compiled = compile_step(engine, batch)
     if compiled is not None:

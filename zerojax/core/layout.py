@@ -167,6 +167,7 @@ class MemoryReport(NamedTuple):
     params_host: int = 0        # of `params`, the bytes stored in host memory (offload)
     optimizer_host: int = 0     # of `optimizer`, the bytes stored in host memory (offload)
     memory: str = "no offload"  # Memory.describe() of the plan
+    tensor_size: int = 1        # devices a tensor-sliced weight is split over (the formula's Ψ is one slice)
 
     @property
     def total(self) -> int:
@@ -191,8 +192,8 @@ class MemoryReport(NamedTuple):
                 ("gradients", self.grads, 0, self.formula_grads),
                 ("optimizer state", self.optimizer, self.optimizer_host, self.formula_optimizer),
                 ("total", self.total, self.host, self.formula_total)]
-        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {self.data_size} data shards; "
-               f"{self.memory}",
+        over = f"{self.data_size} data shards" + (f" x {self.tensor_size} tensor slices" if self.tensor_size > 1 else "")
+        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {over}; {self.memory}",
                f"{'per device':<16} {'device MiB':>10} {'host MiB':>10} {'formula':>10} {'ratio':>7}"]
         for name, got, host, want in rows:
             ratio = got / want if want else float("nan")  # wherever the bytes live
@@ -407,6 +408,9 @@ def memory_report(p: Plan) -> MemoryReport:
     """
     n, pol = p.data_size, p.policy
     psi = sum(math.prod(x.shape) for x in jax.tree.leaves(p.abstract_params))
+    # One device's tensor slice of the model: ZeRO's formula divides that by the data-parallel size.
+    psi_slice = sum(math.prod(x.shape) / (1 if lay.over(TENSOR) is None else p.tensor_size)
+                    for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=is_layout), jax.tree.leaves(p.abstract_params)))
     params = planned_bytes(p.abstract_params, p.param_shardings, pol.param)
     grads = planned_bytes(p.abstract_params, p.grad_shardings, pol.accum)
     master = planned_bytes(p.abstract_params, p.update_shardings, pol.master) if pol.mixed else 0
@@ -437,9 +441,9 @@ def memory_report(p: Plan) -> MemoryReport:
     param_share = 1 / p.hpz if p.hpz > 1 else share(PARAMETERS)
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
-        formula_params=pol.param.itemsize * psi * param_share,
-        formula_grads=pol.accum.itemsize * psi * share(GRADIENTS),
-        formula_optimizer=k * psi * share(OPTIMIZER),
+        formula_params=pol.param.itemsize * psi_slice * param_share,
+        formula_grads=pol.accum.itemsize * psi_slice * share(GRADIENTS),
+        formula_optimizer=k * psi_slice * share(OPTIMIZER), tensor_size=p.tensor_size,
         replicated_fraction=kept / total if total else 0.0,
         params_host=planned_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
         optimizer_host=host_master + planned_bytes(opt_abstract, p.opt_state_storage, host_only=True),

@@ -60,6 +60,11 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     params = abstract_params(params)
     tx, schedule, opt = update_rule(config, optimizer, lr_scheduler)
     config = dataclasses.replace(config, optimizer=opt)  # "client" for an optimizer from code
+    if lead is not None and tensor_size(mesh) > 1:
+        raise ConfigError(f"mesh.tensor: {tensor_size(mesh)} with pipeline stages (mesh.stage: {mesh.shape[lead]}) is not "
+                          f"built yet: a pipeline stores each stage's weights as one flat row, which cannot be split "
+                          f"by columns or rows; use mesh.tensor with mesh.stage: 1 (ZeRO 0-3), or pipeline "
+                          f"stages with mesh.tensor: 1")
     if STAGE in mesh.shape and mesh.shape[STAGE] > 1 and lead != STAGE:
         raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
                           f"zerojax.initialize(config, model=zerojax.PipelineModule(...)); for a model "
@@ -134,7 +139,7 @@ def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names
     if size == 1:
         return TensorPlan(tuple(None for _ in jax.tree.leaves(abstract)), ())
     tp, model = config.tensor_parallel, config.model
-    builtin = tp.preset_model is not None or model.name in ("gpt", "llama")
+    builtin = tp.preset_model is not None or _shipped(abstract)
     heads = (model.n_heads, model.n_kv_heads or model.n_heads) if tp.preset_model is None else None
     specs = [LayerSpec(tuple(s.patterns), s.partition_type) for s in tp.layer_specs]
     return tensor_plan(abstract, size, names=names, rules=dict(config.mesh.logical_axis_rules), layer_specs=specs,
@@ -160,6 +165,12 @@ def step_rule(config: Config) -> StepRule:
     predivide = (zero.stage >= 1 and zero.reduce_scatter) or config.prescale_gradients
     return StepRule(remat=remat_policy(config.activation_checkpointing), prefetch=prefetch, predivide=predivide,
                     predivide_factor=config.gradient_predivide_factor)
+
+
+def _shipped(abstract: Any) -> bool:
+    """The tree is the shipped GPT's or Llama's (or a Hugging Face import into them): Megatron's names apply."""
+    keys = set(abstract) if isinstance(abstract, dict) else set()
+    return keys - {"head"} in ({"embed", "pos", "blocks", "ln_f"}, {"embed", "layers", "norm"})
 
 
 def _with_wire(lay: LeafLayout, quantize_weights: bool, quantize_gradients: bool) -> LeafLayout:

@@ -1,0 +1,312 @@
+"""Tensor slicing (Megatron) composed with ZeRO: the evaluator's collectives, equality with the
+single-device run for the GPT, the Llama and an annotated Flax model, and the all-reduces the compiled
+step holds against Megatron's count."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+import zerojax
+from helpers import assert_tree_close, to_numpy
+from zerojax.core import hlo
+from zerojax.core.tensor_parallel import tensor_parallel
+from zerojax.errors import ConfigError
+from zerojax.models import llama
+
+ROWS, SEQ, VOCAB = 16, 16, 64
+LLAMA = dict(name="llama", vocab_size=VOCAB, seq_len=SEQ, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, n_layers=2)
+GPT = dict(name="gpt", vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, d_ff=64, n_layers=2, tie_embeddings=False)
+
+
+def mesh(tensor: int, data: int | None = None) -> Mesh:
+    devices = np.array(jax.devices())
+    data = data or len(devices) // tensor
+    if tensor == 1:
+        return Mesh(devices[:data], ("data",))
+    return Mesh(devices[:data * tensor].reshape(data, tensor), ("data", "tensor"))
+
+
+def batch(i: int) -> dict[str, np.ndarray]:
+    return {"tokens": np.random.default_rng(7 + i).integers(0, VOCAB, size=(ROWS, SEQ + 1), dtype=np.int32)}
+
+
+# -- the evaluator on its own ---------------------------------------------------------------------------
+
+def _on_slices(loss_fn: Any, params: Any, dims: Any, x: Any, tensor: int = 2) -> tuple[Any, Any, dict, str]:
+    """(loss, gradients, fallbacks, compiled HLO) of `loss_fn` evaluated on `dims`-split slices."""
+    m = mesh(tensor, 8 // tensor)
+    spec = jax.tree.map(lambda p, d: P(*[("tensor" if i == d else None) for i in range(p.ndim)]), params, dims,
+                        is_leaf=lambda v: v is None)
+    seen: list[dict] = []
+    fn = tensor_parallel(loss_fn, dims, "tensor", tensor, report=seen.append)
+
+    def local(p: Any, x: Any) -> Any:
+        value, grads = jax.value_and_grad(lambda p: fn(p, x))(p)
+        return jax.lax.pmean(value, "data"), jax.tree.map(lambda g: jax.lax.pmean(g, "data"), grads)
+
+    step = jax.jit(jax.shard_map(local, mesh=m, in_specs=(spec, P("data")), out_specs=(P(), spec), check_vma=False))
+    value, grads = step(params, x)
+    return value, grads, seen[-1], step.lower(params, x).compile().as_text()
+
+
+def _tensor_allreduce_elems(text: str, tensor: int = 2) -> list[int]:
+    """Elements all-reduced over tensor groups, per execution (trip counts applied)."""
+    groups = {tuple(range(i, i + tensor)) for i in range(0, 8, tensor)}
+    return [c.result_elems for c in hlo.collectives(text) if c.kind == "all-reduce" and set(c.groups) == groups
+            for _ in range(c.count)]
+
+
+def mlp_loss(p: dict, x: jax.Array) -> jax.Array:
+    h = jax.nn.gelu((x * p["s"]) @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"]) ** 2)
+
+
+def mlp_params() -> dict:
+    k = jax.random.split(jax.random.key(0), 2)
+    return {"s": jnp.linspace(0.5, 1.5, 8), "w1": jax.random.normal(k[0], (8, 16)) * 0.3, "b1": jnp.full((16,), 0.1),
+            "w2": jax.random.normal(k[1], (16, 8)) * 0.3, "b2": jnp.full((8,), -0.1)}
+
+
+def test_a_column_row_pair_costs_one_all_reduce_each_way_and_equals_the_whole_loss() -> None:
+    params, x = mlp_params(), jax.random.normal(jax.random.key(1), (8, 4, 8))
+    want, want_g = jax.value_and_grad(mlp_loss)(params, x)
+    value, grads, fallbacks, text = _on_slices(mlp_loss, params, {"s": None, "w1": 1, "b1": 0, "w2": 0, "b2": None}, x)
+    assert fallbacks == {}
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+    assert_tree_close(to_numpy(grads), to_numpy(want_g), rtol=1e-5, atol=1e-6, what="column -> row")
+    # forward: the row kernel's partial sums; backward: the column kernel's input cotangent, which the
+    # replicated scale `s` needs ([2 rows, 4, 8] each)
+    assert _tensor_allreduce_elems(text) == [2 * 4 * 8, 2 * 4 * 8]
+
+
+def test_any_split_gives_the_whole_gradients_and_what_needs_gathering_is_reported() -> None:
+    params, x = mlp_params(), jax.random.normal(jax.random.key(1), (8, 4, 8))
+    want_g = jax.grad(mlp_loss)(params, x)
+    # rows first, then columns: still no gather (the contraction sums, the next kernel splits again)
+    _, grads, fallbacks, _ = _on_slices(mlp_loss, params, {"s": None, "w1": 0, "b1": None, "w2": 1, "b2": 0}, x)
+    assert fallbacks == {}
+    assert_tree_close(to_numpy(grads), to_numpy(want_g), rtol=1e-5, atol=1e-6, what="rows first")
+
+    def running(p: dict, x: jax.Array) -> jax.Array:  # a prefix sum along the split features
+        return jnp.mean(jnp.cumsum(x @ p["w1"], axis=-1) ** 2)
+
+    want_g = jax.grad(running)(params, x)
+    _, grads, fallbacks, _ = _on_slices(running, params, {"s": None, "w1": 1, "b1": None, "w2": None, "b2": None}, x)
+    assert fallbacks == {"cumsum": 1}
+    assert_tree_close(to_numpy(grads), to_numpy(want_g), rtol=1e-5, atol=1e-6, what="gathered for cumsum")
+
+
+def test_vocabulary_parallel_embedding_and_cross_entropy() -> None:
+    def loss(p: dict, tokens: jax.Array) -> jax.Array:
+        h = jnp.tanh(jnp.take(p["embed"], tokens[:, :-1], axis=0))
+        logits = h @ p["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    k = jax.random.split(jax.random.key(2), 2)
+    params = {"embed": jax.random.normal(k[0], (VOCAB, 8)), "head": jax.random.normal(k[1], (8, VOCAB))}
+    tokens = jnp.asarray(batch(0)["tokens"][:8])
+    want, want_g = jax.value_and_grad(loss)(params, tokens)
+    value, grads, fallbacks, _ = _on_slices(loss, params, {"embed": 0, "head": 1}, tokens, tensor=4)
+    assert fallbacks == {}
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+    assert_tree_close(to_numpy(grads), to_numpy(want_g), rtol=1e-5, atol=1e-6, what="vocabulary parallel")
+
+
+# -- composed with ZeRO, through initialize --------------------------------------------------------------
+
+def _config(model: dict, stage: int, gas: int = 1, **extra: Any) -> zerojax.Config:
+    return zerojax.load_config({"train_batch_size": ROWS, "gradient_accumulation_steps": gas,
+                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
+                                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                                "model": model, **extra})
+
+
+def _shipped(model: dict) -> tuple[Any, Any]:
+    cfg = _config(model, 0)
+    if model["name"] == "llama":
+        return llama.build(cfg.model, seed=0)
+    from zerojax.models import gpt
+    return gpt.init_params(cfg.model, 0), gpt.make_loss_fn(cfg.model)
+
+
+def _train(model: dict, stage: int, tensor: int, gas: int = 1, steps: int = 2) -> tuple[list[float], zerojax.Engine]:
+    params, loss_fn = _shipped(model)
+    engine = zerojax.initialize(_config(model, stage, gas), params=params, loss_fn=loss_fn,
+                                mesh=mesh(tensor, 1 if tensor == 1 else None))
+    return [float(engine.train_batch(batch(i))["loss"]) for i in range(steps)], engine
+
+
+_REFERENCE: dict[str, Any] = {}
+
+
+def _reference(model: dict) -> tuple[list[float], Any]:
+    """The single-device run, once per model."""
+    if model["name"] not in _REFERENCE:
+        losses, engine = _train(model, 0, 1)
+        _REFERENCE[model["name"]] = (losses, to_numpy(engine.params))
+    return _REFERENCE[model["name"]]
+
+
+@pytest.mark.parametrize("model,stage,tensor,gas", [
+    (LLAMA, 0, 2, 1), (LLAMA, 1, 4, 1), (LLAMA, 2, 2, 2), (LLAMA, 3, 2, 1), (LLAMA, 3, 4, 2),
+    (GPT, 3, 2, 1), (GPT, 1, 4, 1)],
+    ids=["llama-z0-t2", "llama-z1-t4", "llama-z2-t2-gas2", "llama-z3-t2", "llama-z3-t4-gas2", "gpt-z3-t2",
+         "gpt-z1-t4"])
+def test_tensor_by_zero_equals_one_device(model: dict, stage: int, tensor: int, gas: int) -> None:
+    want_losses, want_params = _reference(model)
+    losses, engine = _train(model, stage, tensor, gas)
+    assert engine.plan.sliced and engine.plan.tensor_size == tensor
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
+    assert_tree_close(to_numpy(engine.params), want_params, rtol=1e-4, atol=5e-5, what=f"stage {stage} x tensor {tensor}")
+
+
+def test_the_shipped_models_split_as_megatron_does() -> None:
+    _, engine = _train(LLAMA, 3, 2, steps=0)
+    dims = engine.plan.tensor_dims
+    layers = dims["layers"]
+    assert [layers[k]["kernel"] for k in ("q", "k", "v", "gate", "up")] == [2] * 5  # [layer, in, out]: columns
+    assert [layers[k]["kernel"] for k in ("o", "down")] == [1, 1]  # rows
+    assert dims["embed"]["embedding"] == 0 and dims["head"]["kernel"] == 1  # vocabulary
+    assert layers["attn_norm"]["scale"] is None
+    # ZeRO shards another dimension of each split leaf
+    assert str(engine.plan.param_shardings["layers"]["q"]["kernel"].spec) == str(P(None, "data", "tensor"))
+    assert "layers.q.kernel" in engine.plan.tensor_plan and "column-parallel" in engine.plan.tensor_plan
+    report = engine.memory_report()
+    assert report.tensor_size == 2 and abs(report.params / report.formula_params - 1) < 0.1
+
+
+def test_key_value_heads_stay_whole_when_the_tensor_size_does_not_divide_them() -> None:
+    _, engine = _train(LLAMA, 0, 4, steps=0)  # 2 key/value heads, tensor 4
+    layers = engine.plan.tensor_dims["layers"]
+    assert layers["k"]["kernel"] is None and layers["v"]["kernel"] is None and layers["q"]["kernel"] == 2
+    assert "2 heads not divisible by 4" in engine.plan.tensor_plan
+
+
+def test_the_compiled_step_holds_megatrons_all_reduces() -> None:
+    """Per layer two all-reduces of the activations forward and two backward (no remat here), plus the
+    vocabulary-parallel embedding's forward sum and the head's input cotangent: nothing else of that size."""
+    model = {**LLAMA, "remat": False}
+    cfg = _config(model, 0)
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    plan = zerojax.plan(cfg, mesh(2), params)
+    state = zerojax.init_state(cfg, plan, params)
+    text = zerojax.make_train_step(cfg, plan, loss_fn).lower(state, batch(0)).compile().as_text()
+    rows = ROWS // plan.data_size
+    activation = rows * SEQ * model["d_model"]
+    sizes = [n for n in _tensor_allreduce_elems(text) if n >= activation]
+    assert sum(sizes) == (4 * model["n_layers"] + 2) * activation, sizes
+
+
+# -- a user's Flax model, split by its own annotations -----------------------------------------------------
+
+D, HEADS = 32, 2
+
+
+def part(init: Any, names: tuple) -> Any:
+    return nnx.with_partitioning(init, names)
+
+
+class Block(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        dense = nnx.initializers.xavier_uniform()
+        self.attention = nnx.MultiHeadAttention(
+            HEADS, D, qkv_features=D, decode=False, use_bias=False, rngs=rngs,
+            kernel_init=part(dense, ("embed", "heads", "kv")), out_kernel_init=part(dense, ("heads", "kv", "embed")))
+        self.up = nnx.Linear(D, 4 * D, kernel_init=part(dense, ("embed", "mlp")), bias_init=part(
+            nnx.initializers.zeros, ("mlp",)), rngs=rngs)
+        self.down = nnx.Linear(4 * D, D, kernel_init=part(dense, ("mlp", "embed")), rngs=rngs)
+        self.norm1 = nnx.LayerNorm(D, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(D, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attention(self.norm1(x), mask=mask, decode=False)
+        return x + self.down(nnx.relu(self.up(self.norm2(x))))
+
+
+class LM(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(nnx.initializers.normal(0.02), ("vocab", "embed")),
+                               rngs=rngs)
+        self.blocks = nnx.List([Block(rngs=rngs) for _ in range(2)])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.embed.attend(x)
+
+
+def lm_loss(model: LM, batch: dict) -> jax.Array:
+    logits = model(batch["tokens"][:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["tokens"][:, 1:, None], -1))
+
+
+RULES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor", "embed": None}
+
+
+def _train_lm(stage: int, tensor: int) -> tuple[list[float], zerojax.Engine]:
+    params, loss_fn = zerojax.from_nnx(lambda: LM(rngs=nnx.Rngs(0)), lm_loss)
+    cfg = _config({}, stage, mesh={"logical_axis_rules": RULES, "tensor": tensor})
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=mesh(tensor, 1 if tensor == 1 else None))
+    return [float(engine.train_batch(batch(i))["loss"]) for i in range(2)], engine
+
+
+def test_an_annotated_flax_model_splits_by_its_logical_axes_and_equals_one_device() -> None:
+    want, reference = _train_lm(0, 1)
+    losses, engine = _train_lm(3, 2)
+    dims = engine.plan.tensor_dims
+    assert dims["blocks"][0]["attention"]["query"]["kernel"] == 1 and dims["blocks"][0]["up"]["kernel"] == 1
+    assert dims["blocks"][0]["down"]["kernel"] == 0 and dims["embed"]["embedding"] == 0
+    assert "annotation 'heads'" in engine.plan.tensor_plan
+    np.testing.assert_allclose(losses, want, rtol=2e-5)
+    assert_tree_close(to_numpy(engine.params), to_numpy(reference.params), rtol=1e-4, atol=5e-5, what="annotated")
+
+
+# -- the plan's other sources and its errors ---------------------------------------------------------------
+
+def test_deepspeed_layer_specs_choose_the_split() -> None:
+    params, _ = _shipped(LLAMA)
+    cfg = _config(LLAMA, 0, tensor_parallel={"autotp_size": 2, "partition_config": {"layer_specs": [
+        {"patterns": [r"\.up\.kernel$"], "partition_type": "column"},
+        {"patterns": [r"\.down\.kernel$"], "partition_type": "row"},
+        {"patterns": [r"\.q\.kernel$"], "partition_type": "skip"}]}})
+    plan = zerojax.plan(cfg, mesh(2), params)
+    layers = plan.tensor_dims["layers"]
+    assert layers["up"]["kernel"] == 2 and layers["down"]["kernel"] == 1 and layers["q"]["kernel"] is None
+    assert layers["gate"]["kernel"] == 2  # use_default_specs: the rest as Megatron's names say
+
+
+def test_a_pattern_matching_nothing_is_one_error_naming_it() -> None:
+    params, _ = _shipped(LLAMA)
+    cfg = _config(LLAMA, 0, tensor_parallel={"autotp_size": 2, "partition_config": {"layer_specs": [
+        {"patterns": [r"mlp\.c_fc"], "partition_type": "column"}]}})
+    with pytest.raises(ConfigError, match=r"mlp\\\\.c_fc.*match no parameter"):
+        zerojax.plan(cfg, mesh(2), params)
+
+
+def test_a_split_the_tensor_size_does_not_divide_is_one_error_naming_the_leaf() -> None:
+    params, _ = _shipped(LLAMA)
+    cfg = _config(LLAMA, 0, mesh={"logical_axis_rules": {"x": "tensor"}},
+                  tensor_parallel={"autotp_size": 4, "partition_config": {"layer_specs": [
+                      {"patterns": [r"attn_norm"], "partition_type": "column"}]}})
+    params = {**params.abstract, "layers": {**params.abstract["layers"],
+                                            "attn_norm": {"scale": jax.ShapeDtypeStruct((2, 66), jnp.float32)}}}
+    with pytest.raises(ConfigError, match=r"layers.attn_norm.scale \(2, 66\).*does not divide 66"):
+        zerojax.plan(cfg, mesh(4), params)
+
+
+def test_tensor_with_pipeline_stages_is_refused_with_the_reason() -> None:
+    from zerojax.planner.plan import make_plan
+    devices = np.array(jax.devices()).reshape(2, 2, 2)
+    m = Mesh(devices, ("stage", "data", "tensor"))
+    cfg = _config(GPT, 0, mesh={"stage": 2, "tensor": 2})
+    with pytest.raises(ConfigError, match="mesh.tensor: 2 with pipeline stages"):
+        make_plan(cfg, m, {"w": jax.ShapeDtypeStruct((2, 8), jnp.float32)}, lead="stage")
