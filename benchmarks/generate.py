@@ -1,9 +1,11 @@
-"""Generation: decode tokens/s with the KV cache against recomputing the window per token.
+"""Generation: decode tokens/s with the KV cache against gathering the weights per token and against
+recomputing the window per token; generate's memory against the train step's.
 
     python -m benchmarks.generate          (or: python benchmarks/generate.py)
 
-The embedded GPT at configs/zero3.yaml's size (d_model 128, 4 layers, 4 heads, seq_len 128, bf16
-parameters over fp32 masters, ZeRO-3 over 8 virtual CPU devices), built as train.py builds it
+The embedded GPT at configs/zero3.yaml's size (d_model 128, 4 layers, 4 heads, bf16 parameters over
+fp32 masters, ZeRO-3 over 8 virtual CPU devices; seq_len 256 so that 16 + 128 tokens fit its learned
+positions), built as train.py builds it
 (`trainer.build_model`, `trainer.build_engine`; untrained weights, which decode as fast as trained
 ones). Prompts of 16 tokens, `--new` new tokens each, greedy, at batch 1 and 16:
 
@@ -14,17 +16,23 @@ ones). Prompts of 16 tokens, `--new` new tokens each, greedy, at batch 1 and 16:
   weights `zerojax sample` and the end-of-run sample now read.
 * `KV cache, one device`: the same program with the master weights gathered to the host and put on
   one device (as the recompute path has them), for what 8 virtual devices sharing the CPU cost.
+* `gather per token`: DeepSpeed ZeRO-3's way of generating: the same KV-cache prefill and decode
+  steps, greedy, but the ZeRO-3 shards are all-gathered inside every decode step (the gather sits in
+  the loop body behind an optimization barrier, so XLA cannot hoist it out as loop-invariant).
 * `recompute window`: `zerojax.app.sample.generate_recompute`, the path before: the master weights
   gathered to the host, one prompt at a time, a [1, seq_len] forward per new token, sampled on the
   host (its forward is jitted once per model config; the first call holds the compile).
 
 Each path is called once untimed (its compile), then `--rounds` times; tokens/s is batch x new
-tokens over the median call. It writes the section between the `generate` markers of
-docs/benchmarks.md.
+tokens over the median call. Memory: per device, the compiled generate program's arguments plus
+temporaries (`memory_analysis`; the KV cache and the gathered weights are temporaries of it) against
+the compiled train step's arguments plus temporaries (its outputs alias the donated state), and the
+KV cache's own bytes. It writes the section between the `generate` markers of docs/benchmarks.md.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -37,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from benchmarks.report import output_args, run_section  # noqa: E402
 
@@ -47,7 +56,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--new", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--new", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     output_args(p, "benchmarks.md", rounds=3)
     return p.parse_args(argv)
@@ -66,17 +75,67 @@ def _timed(fn: Callable[[], Any], rounds: int) -> tuple[float, float, Any]:
     return first, statistics.median(times), out
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def gather_per_token(decoder: Any, params: Any, prompts: jax.Array, lengths: jax.Array, n: int, rows: Any,
+                     replicated: Any) -> jax.Array:
+    """Greedy KV-cache decoding with the sharded `params` all-gathered in the prefill and again in
+    every decode step (DeepSpeed ZeRO-3's generation), [B, n] tokens."""
+    from zerojax.core import generate as gen
+
+    def whole(p: Any) -> Any:
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), p)
+
+    b, width = prompts.shape
+    cache = decoder.init_cache(params, b, width + n)
+    cache = jax.tree.map(lambda c: gen._constrain(c, gen._cache_sharding(rows, c.ndim)), cache)
+    logits, cache = decoder.prefill(whole(params), cache, prompts, lengths)
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    out = jax.lax.dynamic_update_index_in_dim(jnp.zeros((b, n), jnp.int32), token, 0, axis=1)
+
+    def body(i: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        token, cache, out = carry
+        shards, token = jax.lax.optimization_barrier((params, token))  # the gather depends on this step
+        logits, cache = decoder.decode_step(whole(shards), cache, token, lengths + i - 1)
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return token, cache, jax.lax.dynamic_update_index_in_dim(out, token, i, axis=1)
+
+    return jax.lax.fori_loop(1, n, body, (token, cache, out))[2]
+
+
+def _memory(compiled: Any) -> dict[str, int]:
+    """Per-device arguments and temporaries of a compiled program (its peak: outputs are small or aliased)."""
+    stats = compiled.memory_analysis()
+    stats = stats[0] if isinstance(stats, (list, tuple)) else stats
+    return {"args": int(stats.argument_size_in_bytes), "temp": int(stats.temp_size_in_bytes)}
+
+
+def _gathered(compiled: Any) -> float:
+    """All-gathered bytes per device in one run of the compiled program (loop trip counts multiplied)."""
+    from zerojax.core.hlo import collectives
+    return sum(c.bytes_per_device for c in collectives(compiled.as_text()) if c.kind == "all-gather")
+
+
+def _gathered_once(params: Any, n: int) -> float:
+    """What one all-gather of every leaf sends per device, by the same accounting as `_gathered`: the
+    KV-cache program's gathers sit outside its loop (tests/test_generate.py), and its early-stopping
+    loop has no trip count for the HLO reader to multiply by."""
+    return sum(x.nbytes for x in jax.tree.leaves(params)) * (n - 1) / n
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import zerojax
     from zerojax.app import sample, trainer
+    from zerojax.core import generate as gen
     from zerojax.core.generate import generate
 
-    config = zerojax.load_config(os.path.join(ROOT, "configs", "zero3.yaml"), ["run.progress=false"])
+    config = zerojax.load_config(os.path.join(ROOT, "configs", "zero3.yaml"),
+                                 ["run.progress=false", f"model.seq_len={max(128, args.prompt + args.new)}"])
     mesh = trainer.make_mesh(config)
     engine = trainer.build_engine(config, mesh, trainer.build_model(config, mesh))
     cfg = config.model
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
+    memory: list[dict[str, Any]] = []
     for b in args.batches:
         prompts = [list(rng.integers(0, cfg.vocab_size, args.prompt)) for _ in range(b)]
 
@@ -88,7 +147,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             host = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(engine.params))
             return generate(engine.decoder, jax.device_put(host, jax.devices()[0]), prompts, None, args.new).tokens
 
+        padded, lens = gen.pad_prompts(prompts)
+        width = gen.bucket(int(lens.max()), args.new, cfg.seq_len)
+        padded = np.pad(padded, ((0, 0), (0, width - padded.shape[1])))
+        rows_s, replicated = gen._shardings(engine.plan, b)
+        placed = gen._place(padded, rows_s), gen._place(lens, rows_s)
+        per_token = gather_per_token.lower(engine.decoder, engine.state.params, *placed, args.new, rows_s,
+                                           replicated).compile()
+        once = gen._program.lower(engine.decoder, engine.state.params, *placed, np.uint32(0), args.new, 0.0, None,
+                                  None, None, rows_s, replicated).compile()
+        memory.append(dict(batch=b, once=_memory(once), per_token=_memory(per_token),
+                           cache=gen.cache_bytes(engine.decoder, engine.state.params, b, width + args.new),
+                           rows_split=b % engine.plan.data_size == 0,
+                           gathered_once=_gathered_once(engine.state.params, engine.plan.data_size),
+                           gathered_per_token=_gathered(per_token)))
         paths = [("KV cache, engine.generate", lambda: engine.generate(prompts, args.new).tokens),
+                 ("gather per token", lambda: per_token(engine.state.params, *placed)),
                  ("KV cache, fp32 master", lambda: generate(engine.decoder, engine.params, prompts, None, args.new,
                                                            plan=engine.plan).tokens),
                  ("KV cache, one device", one_device),
@@ -100,16 +174,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(dict(batch=b, path=name, first=first, median=median, tps=b * args.new / median))
         # the fp32 paths decode the same greedy tokens (the bf16 copy may part from them on a near-tie)
         rows[-1]["same"] = bool(np.array_equal(got["recompute window"], got["KV cache, fp32 master"]))
+        rows[-1]["same_gather"] = bool(np.array_equal(got["gather per token"], got["KV cache, engine.generate"]))
     n_params = sum(x.size for x in jax.tree.leaves(engine.params))
-    return dict(rows=rows, params=n_params, cfg=cfg)
+    batch = engine.place_batch({"tokens": np.zeros((engine.train_batch_size(), cfg.seq_len + 1), np.int32)})
+    train = _memory(engine.train_step_fn.lower(engine.state, batch).compile())
+    return dict(rows=rows, params=n_params, cfg=cfg, memory=memory, train=train,
+                train_batch=(engine.train_batch_size(), cfg.seq_len))
 
 
 def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str:
     cfg = res["cfg"]
-    lines = [BEGIN, "## Generation: KV cache against recomputing the window", "",
+    lines = [BEGIN, "## Generation: KV cache against gathering per token and recomputing the window", "",
              f"`python -m benchmarks.generate` ({seconds:.0f} s here): the embedded GPT at configs/zero3.yaml's size "
              f"({res['params'] / 1e6:.2f}M parameters: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
-             f"seq_len {cfg.seq_len}), bf16 parameters over fp32 masters, ZeRO-3 over 8 virtual CPU devices, built as "
+             f"seq_len {cfg.seq_len}, raised from 128 so that prompt and new tokens fit), bf16 parameters over fp32 masters, ZeRO-3 over 8 virtual CPU devices, built as "
              f"train.py builds it. Prompts of {args.prompt} tokens, {args.new} new tokens each, greedy; median of "
              f"{args.rounds} calls after one untimed call.", "",
              "- **KV cache, engine.generate**: the live bf16 compute copy, ZeRO-3 shards gathered once per call inside "
@@ -119,6 +197,8 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
              "end-of-run sample read now).",
              "- **KV cache, one device**: the same program with the master weights gathered to the host and put on "
              "one device, as the recompute path has them (the gather is in the timed call).",
+             "- **gather per token**: DeepSpeed ZeRO-3's way: the same KV-cache prefill and decode steps, greedy, with "
+             "the ZeRO-3 shards all-gathered again inside every decode step (`gather_per_token` in the benchmark).",
              "- **recompute window**: the path before (`app.sample.generate_recompute`): master weights gathered to "
              "the host, one prompt at a time, a [1, seq_len] forward per token, sampled on the host (its forward compiled "
              "once, in the first call; before this change it was recompiled in every call).", "",
@@ -128,6 +208,31 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
         base = next(x for x in rows if x["batch"] == r["batch"] and x["path"] == "recompute window")
         lines.append(f"| {r['batch']} | {r['path']} | {r['tps']:.0f} | {r['tps'] / base['tps']:.1f}x | "
                      f"{r['median']:.3f} | {r['first']:.2f} |")
+    same_gather = all(r.get("same_gather", True) for r in rows)
+    lines += ["", f"Gathering per token gave {'the same' if same_gather else 'different'} greedy tokens as engine.generate. "
+              "Weights all-gathered per device in one call (from the compiled HLO, loop trip counts multiplied; "
+              "engine.generate's gathers sit outside its loop, one per leaf):", "",
+              "| batch | engine.generate | gather per token |", "|---|---|---|"]
+    for m in res["memory"]:
+        lines.append(f"| {m['batch']} | {m['gathered_once'] / 2**20:.2f} MiB | {m['gathered_per_token'] / 2**20:.2f} MiB |")
+    lines += ["", "On this CPU an all-gather between virtual devices is a memory copy, so gathering per token costs "
+              "little wall time here; across a network (DeepSpeed's multi-GPU ZeRO-3 generation) those bytes are the "
+              f"cost, {res['memory'][0]['gathered_per_token'] / res['memory'][0]['gathered_once']:.0f} times what "
+              f"engine.generate gathers at {args.new} new tokens."]
+    tb, ts = res["train_batch"]
+    train = res["train"]
+    lines += ["", f"Memory per device, from the compiled programs' `memory_analysis()` (arguments + temporaries; "
+              f"the KV cache and the gathered weights are temporaries of the generate program, freed when it returns). "
+              f"The train step: batch {tb} x {ts} tokens, arguments {train['args'] / 2**20:.2f} MiB (the ZeRO-3 state) "
+              f"+ temporaries {train['temp'] / 2**20:.2f} MiB = **{(train['args'] + train['temp']) / 2**20:.2f} MiB**.", "",
+              "| batch | program | arguments (MiB) | temporaries (MiB) | total (MiB) | vs train step | KV cache on a device (MiB) |",
+              "|---|---|---|---|---|---|---|"]
+    for m in res["memory"]:
+        cache = m["cache"] / (8 if m["rows_split"] else 1)
+        for name, key in (("engine.generate", "once"), ("gather per token", "per_token")):
+            total = m[key]["args"] + m[key]["temp"]
+            lines.append(f"| {m['batch']} | {name} | {m[key]['args'] / 2**20:.2f} | {m[key]['temp'] / 2**20:.2f} | "
+                         f"{total / 2**20:.2f} | {total / (train['args'] + train['temp']):.2f}x | {cache / 2**20:.2f} |")
     same = all(r.get("same", True) for r in rows)
     lines += ["", f"The fp32 KV-cache path and the recompute path gave {'the same' if same else 'different'} greedy "
               "tokens at every batch. The 8 virtual devices share this machine's CPU cores: a batch that does not "

@@ -6,6 +6,7 @@
     zerojax launch -n 2 --hang-timeout S tests/multiprocess_worker.py stall
     zerojax launch -n 2 tests/multiprocess_worker.py saveload OUT
     zerojax launch -n 2 tests/multiprocess_worker.py diverge KEY
+    zerojax launch -n 2 tests/multiprocess_worker.py generate OUT
 
 `train`: the tiny MLP of helpers.py, STEPS steps per ZeRO stage on an 8-device mesh split over the
 processes, each process feeding only its own rows; then a checkpoint (every process writes its
@@ -18,6 +19,9 @@ every process must load the tag just saved.
 `diverge`: process 1 sets one key differently (KEY: threshold, a stage-3 persistence threshold that keeps
 its layers whole; stage, ZeRO stage 3 against 2) with the consistency check off, as a run whose hosts
 disagree would: the first train_batch must be refused on both processes, in seconds, not hang.
+`generate`: a ZeRO-3 GPT engine generates, greedy and sampled, with an end token that ends every row
+of process 0 within a few tokens while process 1's rows run to max_new_tokens; process 0 writes the
+results to OUT/generate.npz (test_generate.py compares them with one process).
 `stall`: ZeRO-3 steps under the hang watchdog, process 1 deliberately stalls before step 4 (the
 other then waits in that step's collectives); both must report and the launcher must name them.
 """
@@ -157,6 +161,49 @@ def saveload(out: Path) -> None:
         print(f"round {round_}: saved {tag}, loaded {Path(path).name} at step {engine.global_steps}", flush=True)
 
 
+def generate_engine(mesh: object = None) -> zerojax.Engine:
+    """The tiny ZeRO-3 GPT both sides of the generate test build (8 devices, one row each)."""
+    from zerojax.models import decode, gpt
+    config = zerojax.load_config({
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_allow_untested_optimizer": True, "mesh": {"cpu_devices": 8},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "model": dict(name="gpt", vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_layers=2)})
+    if mesh is None:
+        start(config)
+    return zerojax.initialize(config, params=gpt.init_params(config.model, 0), loss_fn=gpt.make_loss_fn(config.model),
+                              mesh=mesh, decode=decode.decoder(config.model))
+
+
+#: rows 0-3 (process 0's devices) share one prompt; rows 4-7 (process 1's) differ
+GEN_PROMPTS = [[5, 9, 2]] * 4 + [[3, 3, 3, 3], [20], [33, 17, 50], [1, 2, 3, 4, 5, 6]]
+GEN_TOKENS = 12
+
+
+def generate_all(engine: zerojax.Engine) -> dict[str, np.ndarray]:
+    """Greedy without an end token; then, with an end token that rows 0-3 emit and rows 4-7 never do,
+    greedy and sampled: the rows of one process end early, the other's run to the last token."""
+    free = engine.generate(GEN_PROMPTS, GEN_TOKENS)
+    toks = np.asarray(free.tokens)
+    eos = next(int(t) for t in toks[0, 1:] if t not in toks[4:])
+    out = {"free": toks, "eos": np.int32(eos)}
+    for name, kw in (("greedy", {}), ("sampled", {"temperature": 1.0, "seed": 7})):
+        g = engine.generate(GEN_PROMPTS, GEN_TOKENS, eos_id=eos, **kw)
+        out.update({f"{name}_tokens": np.asarray(g.tokens), f"{name}_logprobs": np.asarray(g.logprobs),
+                    f"{name}_lengths": np.asarray(g.lengths)})
+    return out
+
+
+def generate(out: Path) -> None:
+    engine = generate_engine()
+    assert jax.process_count() > 1 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
+    got = generate_all(engine)
+    lengths = got["greedy_lengths"]
+    print(f"generate: process {jax.process_index()} rows end at {lengths.tolist()}", flush=True)
+    if jax.process_index() == 0:
+        np.savez(out / "generate.npz", **got)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "train":
@@ -169,6 +216,8 @@ if __name__ == "__main__":
         stall()
     elif mode == "diverge":
         diverge(sys.argv[2])
+    elif mode == "generate":
+        generate(Path(sys.argv[2]))
     elif mode == "saveload":
         saveload(Path(sys.argv[2]))
     else:

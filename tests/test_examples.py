@@ -1,4 +1,4 @@
-"""The two examples run end to end on a small size, each in a fresh process (they ask for devices)."""
+"""The examples run end to end on a small size, each in a fresh process (they ask for devices)."""
 import json
 import os
 import subprocess
@@ -40,3 +40,22 @@ def test_port_from_deepspeed_learns_with_unmodified_config() -> None:
     first, last = losses(stdout)
     assert last < 0.75 * first
     assert "trained module: MLP, fc1 kernel (32, 256)" in stdout
+
+
+def test_rlhf_learns_and_plots_reward_and_kl(tmp_path: Path) -> None:
+    out = tmp_path / "rlhf"
+    stdout = run_example("rlhf.py", "--steps", "20", "--seed", "1", "--out", str(out))
+    line = next(l for l in stdout.splitlines() if l.startswith("mean reward"))
+    first, last = float(line.split()[5].rstrip(",")), float(line.split()[-1])
+    assert first < 0.3 and last > first + 0.4, line  # 1/16 of the tokens by chance; most of them once learnt
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert all(r["kl"] >= 0 for r in rows) and rows[0]["kl"] < 1e-3 < rows[-1]["kl"]  # starts at the reference
+    from zerojax.tools.plot import extra_panels
+    assert [key for key, _, _ in extra_panels([rows])] == ["reward", "kl"]
+    png = tmp_path / "curves.png"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "zerojax.cli", "plot", str(out), "-o", str(png)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000

@@ -221,3 +221,28 @@ def test_deepspeeds_hybrid_engine_keys_load_and_bound_the_request() -> None:
     with pytest.raises(zerojax.ConfigError, match=r"^hybrid_engine.inference_tp_size: 2, but zerojax generates on "
                                                   r"the training layout"):
         zerojax.load_config({**base, "hybrid_engine": {"inference_tp_size": 2}})
+
+
+def test_two_processes_whose_rows_end_at_different_steps_generate_like_one(tmp_path) -> None:
+    """Process 0's rows all meet the end token within a few tokens, process 1's never do: both run the
+    same loop to the end (no hang), and every row equals the one-process result."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from multiprocess_worker import GEN_TOKENS, generate_all, generate_engine
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    env.pop("XLA_FLAGS", None)  # each process asks for its own share of devices
+    proc = subprocess.run([sys.executable, "-m", "zerojax.cli", "launch", "-n", "2", "tests/multiprocess_worker.py",
+                           "generate", str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = dict(np.load(tmp_path / "generate.npz"))
+    ends = got["greedy_lengths"]
+    assert ends[:4].max() < GEN_TOKENS and ends[4:].min() == GEN_TOKENS, ends  # one process done long before
+    assert "[0] generate: process 0 rows end at" in proc.stdout and "[1] generate: process 1 rows end at" in proc.stdout
+    want = generate_all(generate_engine(data_mesh()))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-5, rtol=0, err_msg=key)

@@ -18,6 +18,8 @@ from zerojax.config import Config
 
 # DeepSpeed's monitor event names.
 EVENTS = {"loss": "Train/Samples/train_loss", "lr": "Train/Samples/lr", "loss_scale": "Train/Samples/loss_scale"}
+#: metrics.jsonl keys that are not events (the step's own beyond EVENTS); any other key is a loop's extra.
+_NOT_EVENTS = ("step", "grad_norm", "skipped", "tokens_per_s")
 
 
 class Timers:
@@ -95,8 +97,12 @@ class Monitor:
         return (step % self.config.run.log_every == 0 or step == self._first_step
                 or step % self.config.steps_per_print == 0)
 
-    def step(self, step: int, metrics: Mapping[str, jax.Array]) -> dict[str, Any] | None:
-        """Advance to `step` (1-based); on logging steps fetch and write the metrics."""
+    def step(self, step: int, metrics: Mapping[str, jax.Array],
+             extra: Mapping[str, float] | None = None) -> dict[str, Any] | None:
+        """Advance to `step` (1-based); on logging steps fetch and write the metrics. `extra`: more
+        scalars of this step a loop computed itself (an RLHF loop's reward and KL), written beside the
+        step's own in metrics.jsonl, the printed line and the TensorBoard/CSV events (`zerojax plot`
+        draws them)."""
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
         cfg = self.config
@@ -111,7 +117,7 @@ class Monitor:
         self._last_time, self._last_step = now, step
         record = {"step": step, "loss": values["loss"], "lr": values["lr"], "grad_norm": values["grad_norm"],
                   "loss_scale": values["loss_scale"], "skipped": bool(values["skipped"]),
-                  "tokens_per_s": tokens_per_s}
+                  "tokens_per_s": tokens_per_s, **{k: float(v) for k, v in (extra or {}).items()}}
         if log:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
@@ -123,6 +129,7 @@ class Monitor:
             line = (f"step {step}: loss {record['loss']:.4f}, lr {record['lr']:.3e}, "
                     f"grad_norm {record['grad_norm']:.3f}, loss_scale {record['loss_scale']:g}, "
                     f"skipped {record['skipped']}, tokens/s {tokens_per_s:,.0f}")
+            line += "".join(f", {k} {record[k]:.4g}" for k in extra or {})
             if cfg.wall_clock_breakdown:
                 line += " | " + self.timers.summary(cfg.steps_per_print)
             self.print(line)
@@ -130,7 +137,8 @@ class Monitor:
 
     def _events(self, step: int, record: Mapping[str, Any]) -> None:
         samples = step * self.samples_per_step  # DeepSpeed's x axis: samples seen
-        for key, name in EVENTS.items():
+        extra = {k: f"Train/Samples/{k}" for k in record if k not in EVENTS and k not in _NOT_EVENTS}
+        for key, name in {**EVENTS, **extra}.items():
             if self._tb is not None:
                 self._tb.add_scalar(name, record[key], samples)
             if self.config.csv_monitor.enabled:

@@ -18,7 +18,16 @@ Where the weights are: the parameters enter the program in the placement they ar
 ZeRO-3 plan's shards included) and are constrained to replicated once, before the prefill, so at
 ZeRO-3 each leaf is all-gathered once per call, not once per token; the gathered copy is a
 temporary of the program, freed when it returns. Rows are split over the data axis when the batch
-divides by it (data-parallel decoding); otherwise every device decodes the whole batch.
+divides by it (data-parallel decoding); otherwise every device decodes the whole batch. The results
+are replicated, so every process of a multi-process run reads all of them.
+
+Several processes: each calls `generate` with the same prompts and settings (the whole batch, not
+its own rows), and each places its devices' rows. Every process runs the same number of loop
+iterations whatever its own rows do: a finished row is masked (it keeps emitting `eos_id` at log-prob
+0), and the early stop reads `all(done)` over the global batch, a value the program reduces over
+every device, so all of them leave the loop at the same iteration. A process whose rows all ended
+keeps stepping with the others instead of leaving its peers waiting in a collective (the hang of
+DeepSpeed issue 8262, where each rank stopped on its own rows).
 
 Nothing here reads a config: the decoder and plan carry everything (docs/architecture.md).
 """
@@ -122,9 +131,15 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
     padded[:, :keep] = tokens[:, :keep]
     rows, replicated = _shardings(plan, b)
     if rows is not None:
-        padded, lens = jax.device_put(padded, rows), jax.device_put(lens, rows)
+        padded, lens = _place(padded, rows), _place(lens, rows)
     return _program(decoder, params, padded, lens, jnp.uint32(seed), max_new_tokens,
                     float(temperature), top_k, top_p, eos_id, rows, replicated)
+
+
+def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """The host array `host`, which every process holds whole, as one global array in `sharding`:
+    each process places only its own devices' slices (device_put would need every device local)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def cache_bytes(decoder: Decoder, params: Any, batch: int, max_len: int) -> int:
@@ -215,5 +230,6 @@ def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Arr
 
     _, _, _, out, logps, _, count = jax.lax.while_loop(
         cond, body, (jnp.int32(1), token, cache, out, logps, done, count))
-    return Generation(out, logps, count)
+    # every process can read the whole result (a few bytes a row), not only its devices' rows
+    return Generation(*(_constrain(x, replicated) for x in (out, logps, count)))
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from zerojax.config import Config, load_config
 from zerojax.engine.deepspeed_api import DeepSpeedAPI
 from zerojax.runtime.agreement import agree_on_program
-from zerojax.runtime.distributed import InFlight, check_consistency, config_items, global_array
+from zerojax.runtime.distributed import InFlight, check_consistency, config_items, global_array, same_request
 from zerojax.errors import LossScaleError, NonFiniteError
 from zerojax.core.generate import Decoder, Generation, generate
 from zerojax.core.layout import MemoryReport, Plan
@@ -213,6 +213,8 @@ class Engine(DeepSpeedAPI):
         The parameters are read where the ZeRO stage keeps them (`state.params`, the compute dtype):
         at stage 3 they are gathered once per call inside the one compiled program, not per token,
         and the gathered copy is gone when the call returns; nothing of the state changes.
+        In a multi-process run every process passes the same prompts and settings (checked: a
+        difference is an error on every process, not a hang) and every process gets every row.
         """
         if self.decoder is None:
             raise TypeError("generate: this engine has no decoder; pass decode= to zerojax.initialize(...) or "
@@ -225,8 +227,7 @@ class Engine(DeepSpeedAPI):
             raise ValueError(f"generate: a prompt of {widest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                              f"hybrid_engine.max_out_tokens={bound}; raise it in the config or ask for fewer tokens")
         if jax.process_count() > 1:
-            raise NotImplementedError("generate: one process only for now (prompts are host arrays given to every "
-                                      "device); in a multi-process run, generate from an exported checkpoint")
+            same_request("generate", prompts, lengths, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
         return generate(self.decoder, self.state.params, prompts, lengths, max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, plan=self.plan)
 

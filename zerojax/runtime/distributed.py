@@ -403,6 +403,23 @@ def check_consistency(config: Config, abstract_params: Any) -> None:
                       f"process 0; start every process with the same config file and code.{here}")
 
 
+def same_request(what: str, *request: Any) -> None:
+    """Raise ValueError on every process unless all made the same `request` (e.g. one generate call's
+    prompts and settings): a process that asked for another batch width or token count would compile
+    another program and leave the others waiting in its collectives. One small all-gather."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    text = json.dumps(request, sort_keys=True, default=lambda x: np.asarray(x).tolist())
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8)
+    digests = np.asarray(multihost_utils.process_allgather(digest))
+    bad = [p for p in range(digests.shape[0]) if not np.array_equal(digests[p], digests[0])]
+    if bad:
+        raise ValueError(f"{what}: process(es) {bad} asked for other inputs or settings than process 0; in a "
+                         f"multi-process run every process passes the whole batch and the same settings (each gets "
+                         f"every row back)")
+
 
 def agreed(decide: Callable[[], str]) -> str:
     """Run `decide` on process 0 only (e.g. pick the output folder) and give every process its answer.

@@ -1,4 +1,5 @@
-"""`zerojax plot RUN_DIR...`: loss, lr, gradient norm and throughput of runs, overlaid in one PNG.
+"""`zerojax plot RUN_DIR...`: loss, lr, gradient norm and throughput of runs, overlaid in one PNG, and a
+panel for each further scalar series a run logged (an RLHF loop's reward and KL).
 
 Reads each run's metrics.jsonl (what the Monitor writes at every log step), so a run can be looked
 at while it trains or long after; matplotlib is imported only here (`pip install zerojax[plot]`) and
@@ -15,6 +16,10 @@ from zerojax.errors import ConfigError
 #: (metrics.jsonl key, panel title, log scale)
 PANELS = (("loss", "training loss", False), ("lr", "learning rate", False),
           ("grad_norm", "gradient norm", True), ("tokens_per_s", "throughput (tokens/s)", False))
+#: metrics.jsonl keys that get no panel of their own
+NOT_DRAWN = ("step", "loss_scale", "skipped")
+#: titles of known extra series (others are titled by their key)
+TITLES = {"reward": "reward", "kl": "KL to the reference policy"}
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -50,8 +55,20 @@ def _label(run_dir: Path) -> str:
     return f"{run_dir.name} (ZeRO-{stage})"
 
 
+def extra_panels(runs: Sequence[list[dict[str, Any]]]) -> list[tuple[str, str, bool]]:
+    """A panel for every numeric key some run logged beyond the four standard ones, in first-seen order."""
+    known = {key for key, _, _ in PANELS} | set(NOT_DRAWN)
+    keys: dict[str, None] = {}
+    for rows in runs:
+        for row in rows:
+            keys.update({k: None for k, v in row.items()
+                         if k not in known and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return [(k, TITLES.get(k, k), False) for k in keys]
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, title: str | None = None) -> Path:
-    """One figure, four panels (loss, lr, grad norm, tokens/s against step), every run overlaid."""
+    """One figure, four panels (loss, lr, grad norm, tokens/s against step) and one per extra series
+    (`extra_panels`), every run overlaid."""
     if not run_dirs:
         raise ConfigError("plot: give at least one run folder")
     runs = [(_label(Path(d)), read_metrics(d)) for d in run_dirs]  # every error before drawing
@@ -63,8 +80,13 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, title: str | None
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
-    for ax, (key, name, log) in zip(axes.flat, PANELS):
+    panels = [*PANELS, *extra_panels([rows for _, rows in runs])]
+    cols = 2 if len(panels) <= 4 else 3
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 3.75 * nrows), constrained_layout=True, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (key, name, log) in zip(axes.flat, panels):
         drawn = False
         for label, rows in runs:
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
