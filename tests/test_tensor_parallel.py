@@ -303,10 +303,29 @@ def test_a_split_the_tensor_size_does_not_divide_is_one_error_naming_the_leaf() 
         zerojax.plan(cfg, mesh(4), params)
 
 
-def test_tensor_with_pipeline_stages_is_refused_with_the_reason() -> None:
-    from zerojax.planner.plan import make_plan
+# -- composed with pipeline stages ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_by_pipeline_by_zero_equals_one_device(stage: int) -> None:
+    """2 pipeline stages x 2 data x 2 tensor slices: each stage row holds its tensor slice of every
+    split weight, the stage's layers run on slices, and two steps give the unpipelined model's."""
+    from helpers import SGD, reference_run
+    from zerojax.models import gpt
+
+    cfg = _config(GPT, stage, gas=2, optimizer=SGD, gradient_clipping=0.0, mesh={"stage": 2, "tensor": 2},
+                  zero_allow_untested_optimizer=True,
+                  pipeline={"schedule": "1f1b"})
+    params = gpt.init_params(cfg.model, 0)
+    module = gpt.pipeline_module(cfg.model)
     devices = np.array(jax.devices()).reshape(2, 2, 2)
-    m = Mesh(devices, ("stage", "data", "tensor"))
-    cfg = _config(GPT, 0, mesh={"stage": 2, "tensor": 2})
-    with pytest.raises(ConfigError, match="mesh.tensor: 2 with pipeline stages"):
-        make_plan(cfg, m, {"w": jax.ShapeDtypeStruct((2, 8), jnp.float32)}, lead="stage")
+    engine = zerojax.initialize(cfg, model=module, params=gpt.pipeline_params(cfg.model, params),
+                                mesh=Mesh(devices, ("stage", "data", "tensor")))
+    rows = engine.pipeline.rows
+    assert rows.tensor == 2 and engine.state.params["stages"].shape == (2, 2, rows.width)
+    assert "layer_1.fc.kernel" in engine.plan.tensor_plan or "layer_01.fc.kernel" in engine.plan.tensor_plan
+    data = [batch(i) for i in range(2)]
+    losses = [float(engine.train_batch(b)["loss"]) for b in data]
+    ref = reference_run(engine.plan.tx, jnp.float32, gpt.make_loss_fn(cfg.model), params, data, 0.0)
+    np.testing.assert_allclose(losses, [float(r["loss"]) for r in ref], rtol=2e-5)
+    assert_tree_close(engine.params, gpt.pipeline_params(cfg.model, ref[-1]["master"]), rtol=1e-5, atol=1e-5,
+                      what=f"pipeline x tensor, stage {stage}")

@@ -62,14 +62,16 @@ def build_model(config: Config, mesh: Any) -> Model:
     pipeline = None
     params: Any = None
     loss_fn: Any = None
-    if config.mesh.stage > 1 and (model_cfg.name != "gpt" or model_cfg.hf_checkpoint):
-        what = "model.hf_checkpoint" if model_cfg.hf_checkpoint else f"model.name: {model_cfg.name}"
-        raise ConfigError(f"mesh.stage: {config.mesh.stage} pipeline stages, but train.py pipelines only the "
-                          f"embedded GPT trained from scratch ({what} given); set mesh.stage: 1 (ZeRO-3 shards "
-                          f"the model over the data axis instead)")
-    if config.mesh.stage > 1:  # the GPT as pipeline layers, cut into mesh.stage stages
+    if config.mesh.stage > 1 and (model_cfg.hf_checkpoint or (model_cfg.name == "llama" and model_cfg.tie_embeddings)):
+        what = "model.hf_checkpoint" if model_cfg.hf_checkpoint else "a Llama with model.tie_embeddings"
+        raise ConfigError(f"mesh.stage: {config.mesh.stage} pipeline stages, but train.py pipelines the embedded GPT "
+                          f"and an untied Llama trained from scratch ({what} given); set mesh.stage: 1 (ZeRO-3 "
+                          f"shards the model over the data axis instead)")
+    if config.mesh.stage > 1:  # the model as pipeline layers, cut into mesh.stage stages
         from zerojax.planner.pipeline import make_pipeline_plan
-        pipeline = make_pipeline_plan(config, mesh, gpt.pipeline_module(model_cfg, config.pipeline.partition))
+        from zerojax.models import llama
+        family = llama if model_cfg.name == "llama" else gpt
+        pipeline = make_pipeline_plan(config, mesh, family.pipeline_module(model_cfg, config.pipeline.partition))
         plan = pipeline.plan
     elif model_cfg.name == "llama":
         # The public path a user's NNX model takes: from_nnx(constructor, loss), built into its shards.

@@ -151,6 +151,66 @@ def loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
     return next_token_loss(model(batch["tokens"][:, :-1]), batch)
 
 
+# ---------------------------------------------------------------------------------------------
+# The same model as pipeline layers (train.py with mesh.stage > 1): embedding, decoder layers, head.
+
+class Embedding(nnx.Module):
+    """The token embedding: the first pipeline layer, reading the batch itself."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nnx.initializers.normal(cfg.init_std),
+                               rngs=rngs)
+
+    def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
+        return self.embed(batch["tokens"][:, :-1])
+
+
+class PipelineLayer(Layer):
+    """A decoder layer that makes its own rotary table (a stage passes only the hidden states)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.theta = cfg.rope_theta
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # type: ignore[override]
+        cos, sin = rotary(x.shape[1], self.head_dim, self.theta)
+        return super().__call__(x, cos, sin)
+
+
+class Head(nnx.Module):
+    """Final RMSNorm and LM head: the last pipeline layer, giving float32 logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.norm = RMSNorm(cfg.d_model, _eps(cfg))
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
+                               kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.norm(x)
+        return jnp.einsum("btd,dv->btv", x, self.head.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def pipeline_module(cfg: ModelConfig, partition_method: str = "parameters", num_stages: int | None = None) -> Any:
+    """A PipelineModule of the Llama (untied head) with its loss."""
+    from zerojax.pipeline import LayerSpec, PipelineModule
+    if cfg.tie_embeddings:
+        raise ValueError("llama.pipeline_module: tied embeddings are not pipelined; set model.tie_embeddings: false")
+    method = "parameters" if partition_method == "best" else partition_method
+    layers = [LayerSpec(Embedding, cfg), *[LayerSpec(PipelineLayer, cfg) for _ in range(cfg.n_layers)],
+              LayerSpec(Head, cfg)]
+    return PipelineModule(layers, num_stages=num_stages, loss_fn=next_token_loss, partition_method=method)
+
+
+def pipeline_params(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """`build`-shaped parameters (a dict of arrays) -> the pipeline module's logical parameters."""
+    width = max(2, len(str(cfg.n_layers + 1)))
+    out = {f"layer_{0:0{width}d}": {"embed": params["embed"]}}
+    for i in range(cfg.n_layers):
+        out[f"layer_{i + 1:0{width}d}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+    out[f"layer_{cfg.n_layers + 1:0{width}d}"] = {"norm": params["norm"], "head": params["head"]}
+    return out
+
+
 def constructor(cfg: ModelConfig, seed: int = 0) -> Callable[[], Llama]:
     """`() -> Llama`: what `zerojax.from_nnx` takes to build the model straight into its shards."""
     return lambda: Llama(cfg, rngs=nnx.Rngs(params=seed))

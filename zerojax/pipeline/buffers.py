@@ -36,12 +36,14 @@ from zerojax.pipeline.module import Partition, PipelineModule
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """One logical parameter entry inside a stage row."""
+    """One logical parameter entry inside a stage row: its leaves' shapes as stored there (one tensor
+    slice of each leaf that `dims` splits), and the dimension each is split along (None: whole)."""
     key: str
     offset: int
     size: int
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[int | None, ...] = ()
 
     def read(self, row: jax.Array, dtype: Any = None) -> Any:
         return self.unflatten(jax.lax.slice_in_dim(row, self.offset, self.offset + self.size), dtype)
@@ -55,11 +57,24 @@ class Slot:
             start += n
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def flatten(self, params: Any, dtype: Any) -> jax.Array:
+    def flatten(self, params: Any, dtype: Any, block: Any = 0, tensor: int = 1) -> jax.Array:
+        """The entry's leaves raveled; with `tensor` > 1, tensor slice `block` (may be traced) of each."""
         leaves = jax.tree.leaves(params)
         if not leaves:
             return jnp.zeros((0,), dtype)
-        return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
+        dims = self.dims or (None,) * len(leaves)
+        return jnp.concatenate([jnp.ravel(_slice(x, d, block, tensor)).astype(dtype) for x, d in zip(leaves, dims)])
+
+    def tree_dims(self) -> Any:
+        """The split dimensions as a tree shaped like the entry (for the tensor-parallel evaluator)."""
+        return jax.tree.unflatten(self.treedef, list(self.dims or (None,) * len(self.shapes)))
+
+
+def _slice(x: Any, dim: int | None, block: Any, tensor: int) -> Any:
+    if dim is None or tensor == 1:
+        return x
+    n = x.shape[dim] // tensor
+    return jax.lax.dynamic_slice_in_dim(x, block * n, n, dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +98,7 @@ class StageRows:
     width: int
     slots: tuple[dict[str, Slot], ...]   # per device: the entries stored in its row
     tied: tuple[Tied, ...]
+    tensor: int = 1                      # tensor slices per stage: rows are [S, tensor, width] when > 1
 
     @property
     def chunks(self) -> int:
@@ -123,25 +139,39 @@ class StageRows:
                 out[key] = self.slot(key).unflatten(tied_in[key], dtype)
         return out
 
-    def pack_device(self, device: int, params: dict[str, Any], dtype: Any) -> jax.Array:
-        """Device `device`'s row from logical entries (only those it stores are read)."""
+    def stage_dims(self, virtual_stage: int) -> dict[str, Any]:
+        """Per entry the virtual stage reads, its leaves' tensor-split dimensions (as `read_stage` gives them)."""
+        return {key: self.slot(key).tree_dims() for key in self.stage_keys(virtual_stage)}
+
+    def pack_device(self, device: int, params: dict[str, Any], dtype: Any, block: Any = 0) -> jax.Array:
+        """Device `device`'s row (tensor slice `block`) from logical entries (only those it stores are read)."""
         slots = sorted(self.slots[device].values(), key=lambda sl: sl.offset)
-        pieces = [sl.flatten(params[sl.key], dtype) for sl in slots]
+        pieces = [sl.flatten(params[sl.key], dtype, block, self.tensor) for sl in slots]
         used = sum(sl.size for sl in slots)
         pieces.append(jnp.zeros((self.width - used,), dtype))
         return jnp.concatenate(pieces)
 
     def pack(self, params: dict[str, Any], dtype: Any = jnp.float32) -> jax.Array:
-        """Logical parameters -> `[S, width]` rows (traced or on one device)."""
-        return jnp.stack([self.pack_device(d, params, dtype) for d in range(self.stages)])
+        """Logical parameters -> `[S, width]` rows (`[S, tensor, width]` with tensor slices), traced or
+        on one device."""
+        if self.tensor == 1:
+            return jnp.stack([self.pack_device(d, params, dtype) for d in range(self.stages)])
+        return jnp.stack([jnp.stack([self.pack_device(d, params, dtype, t) for t in range(self.tensor)])
+                          for d in range(self.stages)])
 
     def unpack(self, rows: Any) -> dict[str, Any]:
-        """`[S, width]` rows (any placement) -> logical parameters, as numpy arrays."""
+        """Rows (any placement) -> logical parameters, as numpy arrays (tensor slices joined)."""
         rows = np.asarray(jax.device_get(rows))
+        if rows.ndim == 2:
+            rows = rows[:, None]
         out = {}
         for d, slots in enumerate(self.slots):
             for key, slot in slots.items():
-                out[key] = jax.tree.map(np.asarray, slot.unflatten(rows[d, slot.offset:slot.offset + slot.size]))
+                pieces = [jax.tree.leaves(slot.unflatten(rows[d, t, slot.offset:slot.offset + slot.size]))
+                          for t in range(rows.shape[1])]
+                leaves = [np.concatenate([p[i] for p in pieces], axis=dim) if dim is not None else pieces[0][i]
+                          for i, dim in enumerate(slot.dims or (None,) * len(slot.shapes))]
+                out[key] = jax.tree.unflatten(slot.treedef, [np.asarray(x) for x in leaves])
         return {k: out[k] for k in self.module.abstract_params()}
 
     def manifest(self) -> dict[str, dict[str, Any]]:
@@ -156,9 +186,11 @@ class StageRows:
                 skeleton = jax.tree.unflatten(slot.treedef, range(len(slot.shapes)))
                 paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
                 start = slot.offset
-                for (path, _), shape in zip(paths, slot.shapes):
+                for (path, _), shape, dim in zip(paths, slot.shapes, slot.dims or (None,) * len(slot.shapes)):
                     name = dotted(path, key)
                     out[name] = {"row": d, "offset": start, "shape": list(shape)}
+                    if dim is not None:  # stored as `tensor` slices along `tensor_dim`, one per [d, t] row
+                        out[name]["tensor_dim"] = dim
                     start += math.prod(shape)
         return out
 
@@ -175,12 +207,16 @@ class StageRows:
         return "\n".join(lines)
 
 
-def stage_rows(module: PipelineModule, num_stages: int, chunks: int = 1, align: int = 1) -> StageRows:
+def stage_rows(module: PipelineModule, num_stages: int, chunks: int = 1, align: int = 1, tensor: int = 1,
+               dims: dict[str, tuple[int | None, ...]] | None = None) -> StageRows:
     """Lay out the module's parameters over `num_stages` devices; `width` is a multiple of `align`.
 
     A parameter entry is stored by the device of the first virtual stage (in layer order) that
-    uses it; a tied entry used by other devices too is sent to them (see executor.py).
+    uses it; a tied entry used by other devices too is sent to them (see executor.py). With
+    `tensor` > 1, `dims[key]` names each leaf's split dimension (None: whole): each stage has one row
+    per tensor slice, holding that slice of every split leaf and a copy of the whole ones.
     """
+    dims = dims or {}
     part = module.partition(num_stages * chunks)
     abstract = module.abstract_params()
     slots: list[dict[str, Slot]] = [{} for _ in range(num_stages)]
@@ -199,10 +235,12 @@ def stage_rows(module: PipelineModule, num_stages: int, chunks: int = 1, align: 
                 continue
             owner[key] = d
             leaves, treedef = jax.tree.flatten(abstract[key])
-            shapes = tuple(tuple(x.shape) for x in leaves)
+            split = tuple(dims.get(key, (None,) * len(leaves))) if tensor > 1 else ()
+            shapes = tuple(tuple(s // tensor if split and i == split[j] else s for i, s in enumerate(x.shape))
+                           for j, x in enumerate(leaves))
             size = sum(math.prod(sh) for sh in shapes)
-            slots[d][key] = Slot(key, offsets[d], size, treedef, shapes)
+            slots[d][key] = Slot(key, offsets[d], size, treedef, shapes, split)
             offsets[d] += size
     width = max(align, -(-max(offsets) // align) * align)
     tied = tuple(Tied(k, owner[k], tuple(users.get(k, ()))) for k in module.tied_keys)
-    return StageRows(module, part, num_stages, width, tuple(slots), tied)
+    return StageRows(module, part, num_stages, width, tuple(slots), tied, tensor)

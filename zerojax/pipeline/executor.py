@@ -45,17 +45,24 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from zerojax.core.collectives import PARTIAL, Placement, Shard, move, zeros_like_local
 from zerojax.errors import ConfigError
-from zerojax.core.mesh import DATA, STAGE
+from zerojax.core.mesh import DATA, STAGE, TENSOR
+from zerojax.core.tensor_parallel import tensor_parallel
 from zerojax.pipeline.buffers import StageRows
 from zerojax.pipeline.schedule import Backward, Forward, RecvActivation, RecvGrad, Schedule
 
 BOTH = (STAGE, DATA)
 
 
-def vary(x: Any, axes: tuple[str, ...] = BOTH) -> Any:
-    """Type `x` as varying over `axes` (a no-op for axes it already varies over)."""
+def vary(x: Any, axes: tuple[str, ...] | None = None) -> Any:
+    """Type `x` as varying over `axes` (default: every manual axis of the mesh being traced; a no-op
+    for axes it already varies over)."""
+    axes = tuple(jax.sharding.get_abstract_mesh().axis_names) if axes is None else axes
+
     def one(leaf: Any) -> Any:
-        missing = tuple(a for a in axes if a not in jax.typeof(leaf).mat.varying)
+        varying = getattr(getattr(jax.typeof(leaf), "mat", None), "varying", None)
+        if varying is None:  # a shard_map that does not check varying axes: nothing to type
+            return leaf
+        missing = tuple(a for a in axes if a not in varying)
         return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
     return jax.tree.map(one, x)
 
@@ -118,8 +125,26 @@ class Pipeline:
     def data_size(self) -> int:
         return int(self.mesh.shape[DATA])
 
+    @property
+    def tensor(self) -> int:
+        return self.rows.tensor
+
     def row_spec(self, placement: Placement) -> P:
-        return P(STAGE, DATA) if isinstance(placement, Shard) else P(STAGE)
+        """The rows' spec: `[S, width]`, or `[S, tensor, width]` with tensor slices; width over `data` when sharded."""
+        lead = (STAGE, TENSOR) if self.tensor > 1 else (STAGE,)
+        return P(*lead, DATA) if isinstance(placement, Shard) else P(*lead)
+
+    @property
+    def checks_vma(self) -> bool:
+        """shard_map's varying-axes check stays on without tensor slices. The tensor-parallel evaluator
+        re-binds a jaxpr traced outside `shard_map` (no varying types), as `gather_at_use` does, and
+        its custom VJPs place every tensor collective themselves."""
+        return self.tensor == 1
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """Axes whose devices compute the same loss: data, and tensor (its slices give one value)."""
+        return (DATA, TENSOR) if self.tensor > 1 else (DATA,)
 
 
 def _perms(stages: int, cyclic: bool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -135,12 +160,16 @@ def _stage_fn(pipe: Pipeline, v: int) -> Callable[..., tuple[Any, jax.Array]]:
     layers = [module.layers[i] for i in rows.partition.layers(v)]
     last = v == rows.virtual - 1
 
-    def run(row: jax.Array, tied_in: dict[str, jax.Array], x: Any, micro: Any) -> tuple[Any, jax.Array]:
-        params = rows.read_stage(v, row, tied_in)
+    def layers_fn(params: dict[str, Any], x: Any, micro: Any) -> Any:
         out = module.run_layers(params, micro if v == 0 else x, layers, pipe.interval)
-        if last:
-            return None, jnp.asarray(module.loss_fn(out, micro), jnp.float32)
-        return out, None
+        return jnp.asarray(module.loss_fn(out, micro), jnp.float32) if last else out
+
+    if rows.tensor > 1:  # the stage's layers on this device's tensor slices, with Megatron's collectives
+        layers_fn = tensor_parallel(layers_fn, rows.stage_dims(v), TENSOR, rows.tensor)
+
+    def run(row: jax.Array, tied_in: dict[str, jax.Array], x: Any, micro: Any) -> tuple[Any, jax.Array]:
+        out = layers_fn(rows.read_stage(v, row, tied_in), x, micro)
+        return (None, out) if last else (out, None)
 
     return run
 
@@ -177,7 +206,7 @@ def _check_tables(pipe: Pipeline) -> None:
 def _enter(pipe: Pipeline, rows_local: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A device's whole row, typed per-device, and the tied vectors it receives from their owners."""
     rows = pipe.rows
-    row = rows_local[0]
+    row = rows_local[0, 0] if pipe.tensor > 1 else rows_local[0]
     if isinstance(pipe.param, Shard):  # ZeRO-3: the stage's row is gathered once per step
         row = jax.lax.all_gather(row, DATA, axis=0, tiled=True)
     # Differentiated per device: the row's gradient stays this device's contribution (PARTIAL).
@@ -302,10 +331,10 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
             acc = acc + move(full, PARTIAL, pipe.grad, comm_dtype=pipe.comm_dtype)
         # ReduceGrads: the accumulator -> the update placement (all-reduce, reduce-scatter or nothing).
         grads = move(acc, pipe.grad, update_local, comm_dtype=pipe.comm_dtype)
-        loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, DATA)
-        out = (loss, grads[None])
+        loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, pipe.replicas)
+        out = (loss, grads[None, None] if pipe.tensor > 1 else grads[None])
         if trace:  # identical over data (the tables depend on the stage only); pmax just types it so
-            out += (jax.lax.pmax(fwd_ran, DATA)[:, None], jax.lax.pmax(bwd_ran, DATA)[:, None])
+            out += (jax.lax.pmax(fwd_ran, pipe.replicas)[:, None], jax.lax.pmax(bwd_ran, pipe.replicas)[:, None])
         return out
 
     def grad_fn(rows_array: jax.Array, batch: Any, scale: jax.Array | float = 1.0) -> Any:
@@ -314,7 +343,7 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
         out_specs = (P(), pipe.row_spec(update_local)) + ((P(None, STAGE), P(None, STAGE)) if trace else ())
         mapped = jax.shard_map(
             lambda r, b, s: local(r, b, act, s), mesh=pipe.mesh,
-            in_specs=(pipe.row_spec(pipe.param), P(None, DATA), P()), out_specs=out_specs)
+            in_specs=(pipe.row_spec(pipe.param), P(None, DATA), P()), out_specs=out_specs, check_vma=pipe.checks_vma)
         return mapped(rows_array, shaped, jnp.asarray(scale, jnp.float32))
 
     return grad_fn
@@ -356,13 +385,14 @@ def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
         carry = (vary(jnp.zeros((sched.act_buffers, *act.shape), act.dtype)), vary(jnp.zeros((), jnp.float32)))
         xs = {k: jnp.asarray(v) for k, v in tab.items() if k in ("fwd", "fwd_mb", "fwd_buf", "recv_act")}
         (_, loss_sum), _ = jax.lax.scan(tick, carry, xs)
-        return jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, DATA)
+        return jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, pipe.replicas)
 
     def forward_fn(rows_array: jax.Array, batch: Any) -> jax.Array:
         shaped, micro0 = _split_micro_batches(pipe, batch)
         act = activation_shape(pipe, micro0)
         mapped = jax.shard_map(lambda r, b: local(r, b, act), mesh=pipe.mesh,
-                               in_specs=(pipe.row_spec(pipe.param), P(None, DATA)), out_specs=P())
+                               in_specs=(pipe.row_spec(pipe.param), P(None, DATA)), out_specs=P(),
+                               check_vma=pipe.checks_vma)
         return mapped(rows_array, shaped)
 
     return forward_fn

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from zerojax.core.collectives import Placement, Shard
 from zerojax.core.layout import MemoryReport, Plan
-from zerojax.core.mesh import STAGE
+from zerojax.core.mesh import STAGE, TENSOR
 from zerojax.core.state import TrainState, state_shardings
 from zerojax.core.step import apply_update, check_batch, check_eval_batch
 from zerojax.errors import ConfigError
@@ -43,8 +43,8 @@ ROWS = "stages"
 
 
 def row_placement(p: Placement) -> Placement:
-    """A placement of the `[S, width]` leaf, seen on one device's row (dimension 0 dropped)."""
-    return Shard(p.dim - 1) if isinstance(p, Shard) else p
+    """A placement of the `[S, width]` (or `[S, tensor, width]`) leaf, seen on one device's row."""
+    return Shard(0) if isinstance(p, Shard) else p
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,17 +91,21 @@ def init_rows(pp: PipelinePlan, key: jax.Array | int = 0) -> dict[str, jax.Array
     key = jax.random.key(key) if isinstance(key, int) else key
     rows = pp.rows
 
+    sliced = rows.tensor > 1
+
     def branch(device: int) -> Callable[[], jax.Array]:
         def make() -> jax.Array:
             params = {k: pp.module.init_layer(k, key) for k in rows.slots[device]}
-            return rows.pack_device(device, params, jnp.float32)
+            block = jax.lax.axis_index(TENSOR) if sliced else 0
+            return rows.pack_device(device, params, jnp.float32, block)
         return make
 
     def local() -> jax.Array:
-        return jax.lax.switch(jax.lax.axis_index(STAGE), [branch(d) for d in range(rows.stages)])[None]
+        row = jax.lax.switch(jax.lax.axis_index(STAGE), [branch(d) for d in range(rows.stages)])
+        return row[None, None] if sliced else row[None]
 
-    mapped = jax.shard_map(local, mesh=pp.plan.mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(STAGE),
-                           check_vma=False)
+    spec = jax.sharding.PartitionSpec(STAGE, TENSOR) if sliced else jax.sharding.PartitionSpec(STAGE)
+    mapped = jax.shard_map(local, mesh=pp.plan.mesh, in_specs=(), out_specs=spec, check_vma=False)
     return jax.jit(lambda: {ROWS: mapped()}, out_shardings=pp.plan.update_shardings)()
 
 

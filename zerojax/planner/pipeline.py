@@ -6,6 +6,7 @@ the config's `pipeline` section ride along in the executor's `Pipeline`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from zerojax.config import Config
-from zerojax.core.mesh import STAGE, data_size
+from zerojax.core.mesh import STAGE, data_size, tensor_size
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import is_elementwise
 from zerojax.pallas.backend import XLA
@@ -22,9 +23,23 @@ from zerojax.pipeline.executor import Pipeline
 from zerojax.pipeline.module import PipelineModule
 from zerojax.pipeline.schedule import build
 from zerojax.pipeline.step import ROWS, PipelinePlan, row_placement
-from zerojax.planner.plan import make_plan
+from zerojax.planner.plan import make_plan, tensor_split
+from zerojax.planner.tensor import TensorPlan
 
 __all__ = ["make_pipeline_plan"]
+
+
+def _layer_plan(config: Config, mesh: Mesh, module: PipelineModule) -> TensorPlan:
+    """The tensor plan of the module's logical layers (their names, as the unpipelined model's)."""
+    abstract = module.abstract_params()
+    return tensor_split(config, mesh, abstract, jax.tree.map(lambda _: None, abstract), STAGE)
+
+
+def _layer_dims(config: Config, mesh: Mesh, module: PipelineModule) -> dict[str, tuple[int | None, ...]]:
+    """Per entry of the module, its leaves' tensor-split dimensions in leaf order."""
+    abstract = module.abstract_params()
+    dims = iter(_layer_plan(config, mesh, module).dims)
+    return {key: tuple(next(dims) for _ in jax.tree.leaves(abstract[key])) for key in sorted(abstract)}  # tree order
 
 
 def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> PipelinePlan:
@@ -58,8 +73,14 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     schedule = build(pipe_cfg.schedule, stages, gas, chunks)
     # Rows padded to a multiple of lcm(dp, 128): ZeRO can shard them, and for power-of-two data
     # sizes up to 128 the width (so a checkpoint's shapes) does not depend on dp.
-    rows = stage_rows(module, stages, chunks, align=math.lcm(dp, 128))
-    plan = make_plan(config, mesh, {ROWS: jax.ShapeDtypeStruct((stages, rows.width), jnp.float32)}, lead=STAGE)
+    tensor = tensor_size(mesh)
+    rows = stage_rows(module, stages, chunks, align=math.lcm(dp, 128), tensor=tensor,
+                      dims=_layer_dims(config, mesh, module) if tensor > 1 else None)
+    shape = (stages, tensor, rows.width) if tensor > 1 else (stages, rows.width)
+    plan = make_plan(config, mesh, {ROWS: jax.ShapeDtypeStruct(shape, jnp.float32)}, lead=STAGE,
+                     tensor_dims={ROWS: 1 if tensor > 1 else None})
+    if tensor > 1:
+        plan = dataclasses.replace(plan, tensor_plan=_layer_plan(config, mesh, module).describe(tensor))
     if plan.kernels != XLA:
         # The fused kernels reduce their gradient statistics over `data` only; a pipeline's rows
         # are split over `stage` too, so pipelines keep the optax update.

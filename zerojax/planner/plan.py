@@ -31,7 +31,7 @@ __all__ = ["make_plan", "plan", "step_rule"]
 
 def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None,
               layer_axes: Any = None, optimizer: ClientOptimizer | None = None,
-              lr_scheduler: ScheduleFn | None = None, logical_axes: Any = None) -> Plan:
+              lr_scheduler: ScheduleFn | None = None, logical_axes: Any = None, tensor_dims: Any = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 
     `params` may be real arrays, `jax.ShapeDtypeStruct`s or an unbuilt `init_params(...)`; only
@@ -47,6 +47,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     `logical_axes`: the model's own annotations, a tuple of logical axis names per leaf (None for a
     leaf without); default: those `zerojax.from_nnx` found (`params.logical_axes`). A leaf whose names
     include the mesh's data axis is sharded along that dimension; the others are kept in the plan.
+    `tensor_dims`: per leaf, the dimension split over the tensor axis when the caller has decided it
+    (a pipeline's rows hold one tensor slice per row); by default the tensor plan resolves it.
     `config` is a Config, a dict or a config file path.
     `mesh` may be a `jax.sharding.AbstractMesh` (sizes and axis names, no devices): the plan then
     serves byte counting only (`Plan.report()`, `zerojax.tools.estimate`) for a cluster that need not
@@ -60,11 +62,6 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     params = abstract_params(params)
     tx, schedule, opt = update_rule(config, optimizer, lr_scheduler)
     config = dataclasses.replace(config, optimizer=opt)  # "client" for an optimizer from code
-    if lead is not None and tensor_size(mesh) > 1:
-        raise ConfigError(f"mesh.tensor: {tensor_size(mesh)} with pipeline stages (mesh.stage: {mesh.shape[lead]}) is not "
-                          f"built yet: a pipeline stores each stage's weights as one flat row, which cannot be split "
-                          f"by columns or rows; use mesh.tensor with mesh.stage: 1 (ZeRO 0-3), or pipeline "
-                          f"stages with mesh.tensor: 1")
     if STAGE in mesh.shape and mesh.shape[STAGE] > 1 and lead != STAGE:
         raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
                           f"zerojax.initialize(config, model=zerojax.PipelineModule(...)); for a model "
@@ -103,8 +100,9 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     split = () if lead is None else ((0, lead),)
     names = _names_per_leaf(logical_axes, abstract)
     data = set(data_axes(mesh)) if isinstance(data_axes(mesh), tuple) else {data_axes(mesh)}
-    sliced = tensor_split(config, mesh, abstract, names, lead)
-    tensor_dims = jax.tree.unflatten(jax.tree.structure(abstract), list(sliced.dims))
+    sliced = tensor_split(config, mesh, abstract, names, lead) if tensor_dims is None else None
+    if tensor_dims is None:
+        tensor_dims = jax.tree.unflatten(jax.tree.structure(abstract), list(sliced.dims))
 
     def layout(x: Any, k: int, leaf_names: Any, tdim: int | None) -> LeafLayout:
         prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
@@ -126,7 +124,7 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     return Plan(mesh=mesh, stage=stage, batch=batch, policy=policy(config), rule=rule, abstract_params=abstract,
                 layouts=layouts, memory=memory_plan(config, mesh, kernels), step=step_rule(config),
                 seed=config.run.seed, hpz=zero.zero_hpz_partition_size, origin=origin,
-                tensor_plan=sliced.describe(tensor_size(mesh)) if tensor_size(mesh) > 1 else None)
+                tensor_plan=sliced.describe(tensor_size(mesh)) if sliced is not None and tensor_size(mesh) > 1 else None)
 
 
 plan = make_plan
@@ -134,7 +132,8 @@ plan = make_plan
 
 def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names: Any, lead: str | None) -> TensorPlan:
     """The tensor-parallel plan (`zerojax.planner.tensor`) from the config's sources; nothing is split
-    without a tensor axis. A pipeline's stage rows are flat, so only annotations and patterns apply."""
+    without a tensor axis. Megatron's names apply to the shipped models, and to a pipeline's layers
+    (`lead`: the caller passes the logical layers' parameters)."""
     size = tensor_size(mesh)
     if size == 1:
         return TensorPlan(tuple(None for _ in jax.tree.leaves(abstract)), ())
@@ -143,7 +142,7 @@ def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names
     heads = (model.n_heads, model.n_kv_heads or model.n_heads) if tp.preset_model is None else None
     specs = [LayerSpec(tuple(s.patterns), s.partition_type) for s in tp.layer_specs]
     return tensor_plan(abstract, size, names=names, rules=dict(config.mesh.logical_axis_rules), layer_specs=specs,
-                       use_default_specs=tp.use_default_specs, builtin=builtin and lead is None, heads=heads,
+                       use_default_specs=tp.use_default_specs, builtin=builtin or lead is not None, heads=heads,
                        axis=TENSOR)  # the public name, `zerojax.plan`
 
 
