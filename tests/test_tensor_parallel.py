@@ -306,7 +306,7 @@ def test_a_split_the_tensor_size_does_not_divide_is_one_error_naming_the_leaf() 
 # -- composed with pipeline stages ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_tensor_by_pipeline_by_zero_equals_one_device(stage: int) -> None:
+def test_tensor_by_pipeline_by_zero_equals_one_device(stage: int, tmp_path: Any) -> None:
     """2 pipeline stages x 2 data x 2 tensor slices: each stage row holds its tensor slice of every
     split weight, the stage's layers run on slices, and two steps give the unpipelined model's."""
     from helpers import SGD, reference_run
@@ -329,3 +329,9 @@ def test_tensor_by_pipeline_by_zero_equals_one_device(stage: int) -> None:
     np.testing.assert_allclose(losses, [float(r["loss"]) for r in ref], rtol=2e-5)
     assert_tree_close(engine.params, gpt.pipeline_params(cfg.model, ref[-1]["master"]), rtol=1e-5, atol=1e-5,
                       what=f"pipeline x tensor, stage {stage}")
+    # the saved rows export (and read back) as the logical model, tensor slices joined
+    engine.save_checkpoint(str(tmp_path), async_save=False)
+    out = zerojax.checkpoint.export_safetensors(tmp_path, None, tmp_path / "model.safetensors")
+    assert_tree_close(zerojax.checkpoint.load_exported(out), to_numpy(engine.params), rtol=0, atol=0, what="export")
+    read, _ = zerojax.checkpoint.read_params(tmp_path)
+    assert_tree_close(read, to_numpy(engine.params), rtol=0, atol=0, what="read_params")

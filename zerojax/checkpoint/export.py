@@ -119,8 +119,18 @@ def _exported_arrays(tag_dir: Path, meta: Mapping[str, Any], rows: Mapping[str, 
         return
     (_, table), = read_leaves(tag_dir / STATE_DIR, [join(meta["truth"], rows["array"])])
     for entry in rows["leaves"].values():
-        start = entry["offset"]
-        yield table[entry["row"], start:start + math.prod(entry["shape"])].reshape(entry["shape"])
+        yield pipeline_leaf(table, entry)
+
+
+def pipeline_leaf(table: np.ndarray, entry: Mapping[str, Any]) -> np.ndarray:
+    """One logical parameter out of pipeline rows: `[S, width]`, or `[S, tensor, width]` whose rows
+    hold tensor slices (joined along the entry's `tensor_dim`; a whole leaf is read from slice 0)."""
+    start, shape = entry["offset"], entry.get("block", entry["shape"])
+    if table.ndim == 2:
+        return table[entry["row"], start:start + math.prod(shape)].reshape(shape)
+    blocks = [table[entry["row"], t, start:start + math.prod(shape)].reshape(shape) for t in range(table.shape[1])]
+    dim = entry.get("tensor_dim")
+    return blocks[0] if dim is None else np.concatenate(blocks, axis=dim)
 
 
 def read_params(directory: PathLike, tag: str | None = None) -> tuple[dict[str, Any], str]:

@@ -189,8 +189,9 @@ class StageRows:
                 for (path, _), shape, dim in zip(paths, slot.shapes, slot.dims or (None,) * len(slot.shapes)):
                     name = dotted(path, key)
                     out[name] = {"row": d, "offset": start, "shape": list(shape)}
-                    if dim is not None:  # stored as `tensor` slices along `tensor_dim`, one per [d, t] row
-                        out[name]["tensor_dim"] = dim
+                    if dim is not None:  # stored as `block`-shaped tensor slices along `tensor_dim`, one per [d, t] row
+                        whole = [s * self.tensor if i == dim else s for i, s in enumerate(shape)]
+                        out[name].update(shape=whole, block=list(shape), tensor_dim=dim)
                     start += math.prod(shape)
         return out
 
