@@ -391,8 +391,10 @@ def notes(results: dict) -> list[str]:
             "a node while ZeRO's data-axis gathers and reduce-scatters cross the network; how much a step "
             "gains from tensor parallelism there depends on that split, which no CPU number here measures. "
             "XLA:CPU also widens bf16 collectives to f32 (`all-reduce-promotion`), so the bf16 table's "
-            "collective bytes equal the fp32 table's; GPU backends keep them bf16 (half). Times move by "
-            "10-20% between runs on a shared machine: read ratios within one table.", ""]
+            "collective bytes equal the fp32 table's; GPU backends keep them bf16 (half). Step times move by "
+            "tens of percent between runs on a shared machine (the other sessions' load hits the variants "
+            "unevenly even interleaved): read ratios within one table, and the memory, bytes and counts, "
+            "which are deterministic, over the times.", ""]
     return out
 
 
