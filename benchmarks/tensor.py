@@ -226,7 +226,7 @@ def _measure(args: argparse.Namespace, precision: str) -> dict:
         step = zerojax.make_train_step(cfg, plan, loss_fn)
         data = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in host]
         if key == TP:
-            tp_plan, tp_loss = plan, loss_fn
+            tp_plan = plan
             # XLA's step on the same mesh and shardings, from a copy of the same initial parameters
             xla_state, xla_step = make_xla_step(plan, state, loss_fn, precision)
         t = time.perf_counter()
