@@ -241,3 +241,7 @@ def test_a_tensor_2_engine_generates_what_a_tensor_1_engine_does() -> None:
     np.testing.assert_array_equal(np.asarray(got.tokens), toks)
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(got.logprobs), logps, atol=1e-5, rtol=0)
+    # train.py's end-of-run sample generates from the split weights where they lie (the plan's path)
+    from zerojax.app.sample import end_of_run_sample, sample_text
+    text = end_of_run_sample(zerojax.load_config(cfg, ["run.sample_tokens=6"]), split.params, split.plan)
+    assert text is not None and text == sample_text(cfg, jax.device_get(whole.params), None, 6, seed=cfg.run.seed)
