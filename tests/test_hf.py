@@ -23,6 +23,7 @@ import zerojax
 from helpers import data_mesh, to_numpy
 from test_cli import run
 from zerojax.models import hf
+from zerojax.planner.mesh import make_mesh
 from zerojax.planner.plan import make_plan
 from zerojax.models import gpt, llama
 
@@ -368,3 +369,102 @@ def test_lr0_export_gives_the_source_back_bit_for_bit(name: str, tmp_path: Path,
         hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "again")
     with pytest.raises(zerojax.ConfigError, match="--max-shard-size '5XB'"):
         hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "again", max_shard_size="5XB")
+
+
+# ---------------------------------------------------------------------------------------------
+# A tensor axis: each device reads its (tensor x ZeRO) block; the export is the tensor-1 run's.
+
+def tensor_config(tensor: int, stage: int = 3) -> zerojax.Config:
+    return zerojax.load_config(config("llama", stage), [f"mesh.tensor={tensor}"])
+
+
+def _span(s: slice, n: int) -> tuple[int, int]:
+    start, stop, step = s.indices(n)
+    assert step == 1
+    return start, stop
+
+
+def device_blocks(cfg: Any, shardings: Any) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """Per device, the transformers tensor blocks it holds: each stacked layer's slice of its block,
+    in torch's [out, in] order where the tensor is stored transposed."""
+    abstract, names = hf.abstract_params(cfg), hf._llama_names(cfg)
+    flat = dict(hf._paths(shardings))
+    out = []
+    for path, leaf in hf._paths(abstract):
+        source, shape = names[path], tuple(leaf.shape)
+        for index in flat[path].devices_indices_map(shape).values():
+            spans = tuple(_span(s, n) for s, n in zip(index, shape))
+            layers, rest = (range(*spans[0]), spans[1:]) if hf._stacked(path) else ([None], spans)
+            rest = tuple(reversed(rest)) if source.transpose else rest
+            out += [(source.name.format(i=i), rest) for i in layers]
+    return sorted(out)
+
+
+def test_with_a_tensor_axis_each_device_reads_only_its_block(monkeypatch: Any) -> None:
+    """Tensor 2 x ZeRO-3 over 4: every read from the safetensors files is one device's block of one
+    layer (q_proj: an eighth), each device's exactly once; the weights are the checkpoint's and the
+    engine's loss is transformers'."""
+    cfg = tensor_config(2)
+    plan = make_plan(cfg, make_mesh(cfg), hf.abstract_params(cfg.model))
+    assert plan.update_shardings["layers"]["q"]["kernel"].spec == jax.sharding.PartitionSpec(None, "data", "tensor")
+    reads: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+    real = hf.Checkpoint.read
+
+    def recorded(self: hf.Checkpoint, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        shape = self.shape(name)
+        reads.append((name, tuple(_span(s, n) for s, n in zip(index, shape)) if index else
+                      tuple((0, n) for n in shape)))
+        return real(self, name, index)
+
+    monkeypatch.setattr(hf.Checkpoint, "read", recorded)
+    params = hf.load_params(cfg.model.hf_checkpoint, cfg.model, plan.update_shardings)
+    assert sorted(reads) == device_blocks(cfg.model, plan.update_shardings)
+    q = [spans for name, spans in reads if name == "model.layers.0.self_attn.q_proj.weight"]
+    assert len(q) == 8 and {(b - a) * (d - c) for (a, b), (c, d) in q} == {64 * 64 // 8}
+    monkeypatch.setattr(hf.Checkpoint, "read", real)
+    for g, w in zip(jax.tree.leaves(to_numpy(params)), jax.tree.leaves(hf.read_params(FIXTURES / "llama", cfg.model))):
+        np.testing.assert_array_equal(g, w)
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn(cfg.model), mesh=plan.mesh)
+    tokens = np.load(FIXTURES / "llama" / "tokens.npy")
+    rows = np.tile(tokens, (4, 1))
+    want = np.tile(np.load(FIXTURES / "llama" / "logits.npy"), (4, 1, 1))
+    ref = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(want[:, :-1]), jnp.asarray(rows[:, 1:])).mean()
+    np.testing.assert_allclose(float(engine.eval_batch({"tokens": rows})), float(ref), rtol=1e-5)
+
+
+def safetensors_parts(path: Path) -> tuple[dict[str, Any], bytes]:
+    """A safetensors file as (its JSON header, its data bytes)."""
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + n]), blob[8 + n:]
+
+
+def test_a_tensor_2_run_exports_what_a_tensor_1_run_of_its_weights_does(tmp_path: Path) -> None:
+    """A step at tensor 2, saved; the same weights saved again by a tensor-1 engine (loaded from that
+    checkpoint); the two exports are the same files, byte for byte but for the checkpoint path the
+    safetensors header records, and hold the trained weights."""
+    cfg2, cfg1 = tensor_config(2), tensor_config(1, stage=1)
+    plan2 = make_plan(cfg2, make_mesh(cfg2), hf.abstract_params(cfg2.model))
+    two = zerojax.initialize(cfg2, params=hf.load_params(cfg2.model.hf_checkpoint, cfg2.model, plan2.update_shardings),
+                             loss_fn=loss_fn(cfg2.model), mesh=plan2.mesh)
+    two.train_batch({"tokens": np.tile(np.load(FIXTURES / "llama" / "tokens.npy"), (4, 1))})
+    two.save_checkpoint(str(tmp_path / "t2"))
+    plan1 = make_plan(cfg1, make_mesh(cfg1), hf.abstract_params(cfg1.model))
+    one = zerojax.initialize(cfg1, params=hf.load_params(cfg1.model.hf_checkpoint, cfg1.model, plan1.update_shardings),
+                             loss_fn=loss_fn(cfg1.model), mesh=plan1.mesh)
+    one.load_checkpoint(str(tmp_path / "t2"))
+    one.save_checkpoint(str(tmp_path / "t1"))
+    out2 = hf.export_checkpoint(tmp_path / "t2", None, tmp_path / "hf2")
+    out1 = hf.export_checkpoint(tmp_path / "t1", None, tmp_path / "hf1")
+    files = sorted(p.name for p in out1.iterdir())
+    assert files == sorted(p.name for p in out2.iterdir()) and "model.safetensors" in files
+    for f in files:
+        if f.endswith(".safetensors"):  # the header names the checkpoint it came from: all else is equal
+            (head2, data2), (head1, data1) = safetensors_parts(out2 / f), safetensors_parts(out1 / f)
+            assert head2.pop("__metadata__").pop("source") == str(tmp_path / "t2" / "global_step1")
+            assert head1.pop("__metadata__").pop("source") == str(tmp_path / "t1" / "global_step1")
+            assert head2 == head1 and data2 == data1, f
+        else:
+            assert (out2 / f).read_bytes() == (out1 / f).read_bytes(), f
+    for g, w in zip(jax.tree.leaves(hf.read_params(out2, cfg2.model)), jax.tree.leaves(to_numpy(two.params))):
+        np.testing.assert_array_equal(g, w)
