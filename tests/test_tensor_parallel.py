@@ -204,6 +204,26 @@ def test_the_compiled_step_holds_megatrons_all_reduces() -> None:
     assert sum(sizes) == (4 * model["n_layers"] + 2) * activation, sizes
 
 
+def test_partition_activations_keeps_each_layers_input_split_and_changes_no_value() -> None:
+    """DeepSpeed's activation_checkpointing.partition_activations with a tensor axis: what the remat'd
+    layers keep is each device's half of their input, gathered back where they run."""
+    want_losses, want_params = _reference(LLAMA)
+    params, loss_fn = _shipped(LLAMA)
+    cfg = _config(LLAMA, 3, activation_checkpointing={"partition_activations": True})
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=mesh(2))
+    assert engine.plan.step.partition_activations
+    losses = [float(engine.train_batch(batch(i))["loss"]) for i in range(2)]
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
+    assert_tree_close(to_numpy(engine.params), want_params, rtol=1e-4, atol=5e-5, what="partitioned activations")
+    text = engine.train_step_fn.lower(engine.state, engine.place_batch(batch(0), ROWS)).compile().as_text()
+    whole = ROWS // engine.plan.data_size * SEQ * LLAMA["d_model"]
+    groups = {(0, 1), (2, 3), (4, 5), (6, 7)}
+    gathers = [c for c in hlo.collectives(text) if c.kind == "all-gather" and set(c.groups) == groups
+               and c.result_elems == whole]
+    # each layer's kept input, gathered in the forward pass and again in its recomputation
+    assert sum(c.count for c in gathers) >= 2 * LLAMA["n_layers"], [c.line[:120] for c in gathers]
+
+
 # -- a user's Flax model, split by its own annotations -----------------------------------------------------
 
 D, HEADS = 32, 2

@@ -151,9 +151,9 @@ KEY_STATUS: dict[str, str] = {
     "zero_optimization.offload_param.max_in_cpu": _NVME,
     # activation checkpointing
     "activation_checkpointing.partition_activations":
-        f"{NO_EFFECT}: DeepSpeed splits the checkpointed activations that tensor-parallel ranks hold in copies, "
-        "which saves memory and changes no value; here XLA places every kept activation, and on the data axis "
-        "each device holds only its own rows",
+        HONOURED + " with a tensor axis (each rematerialized layer's kept input split over mesh.tensor, gathered "
+        "where the layer runs, as DeepSpeed/Megatron partition activations); no effect without one (activations "
+        "are already split over the data axis)",
     "activation_checkpointing.cpu_checkpointing":
         HONOURED + " (what each checkpointed layer keeps goes to pinned_host memory; the CPU backend runs the "
         "same program with host and device one RAM); refused with pipeline stages",

@@ -223,11 +223,14 @@ class StepRule(NamedTuple):
     predivide: each device's gradient is divided by the data-parallel size before the sum
                (DeepSpeed's reduce-scatter path and `prescale_gradients`); otherwise by
                `predivide_factor` before and `factor / dp` after (its all-reduce path).
+    partition_activations: with tensor slices, what a rematerialized layer keeps is split over the
+               tensor axis (DeepSpeed's activation_checkpointing.partition_activations).
     """
     remat: Remat | None = None
     prefetch: Prefetch | None = None
     predivide: bool = True
     predivide_factor: float = 1.0
+    partition_activations: bool = False  # tensor slices: rematerialized regions keep inputs split
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -117,7 +117,8 @@ def _on_slices(plan: Plan, loss_fn: LossFn) -> LossFn:
             _log.warning("tensor parallel: %d equations ran on gathered activations (%s); the weights' splits "
                          "do not form Megatron's column -> row pairs there", sum(fallbacks.values()), listed)
 
-    return tensor_parallel(loss_fn, plan.tensor_dims, TENSOR, plan.tensor_size, report=report)
+    return tensor_parallel(loss_fn, plan.tensor_dims, TENSOR, plan.tensor_size, report=report,
+                           partition_activations=plan.step.partition_activations)
 
 
 def _step_loss(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any, Any], jax.Array]:

@@ -151,8 +151,8 @@ maximum.defvjp(_maximum_fwd, _maximum_bwd)
 class Group:
     """The tensor axis the evaluation runs over, and a count of equations run on gathered inputs."""
 
-    def __init__(self, axis: str, size: int):
-        self.axis, self.size = axis, size
+    def __init__(self, axis: str, size: int, partition: bool = False):
+        self.axis, self.size, self.partition = axis, size, partition
         self.fallbacks: dict[str, int] = {}
         # Per traced scope, the forms already made of a replicated value (keyed by its id; the
         # value is kept so the id stays its own): a value several column kernels read enters once,
@@ -475,14 +475,29 @@ def _as(x: Any, dim: int | None, group: Group) -> Any:
     return group.whole(x) if dim is None else group.block(x, dim)
 
 
+def _partitionable(x: Any, size: int) -> int | None:
+    """The most major dimension of a replicated float input that the group divides (None: keep whole)."""
+    if isinstance(x, Split) or not _differentiable(x):
+        return None
+    return next((d for d, n in enumerate(x.shape) if n % size == 0 and n >= size), None)
+
+
 def _checkpoint(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
-    """A rematerialized region stays one, with its policy: its body is evaluated inside it."""
+    """A rematerialized region stays one, with its policy: its body is evaluated inside it.
+
+    With `partition_activations` (DeepSpeed's / Megatron's activation partitioning), what the region
+    keeps for its backward pass - its inputs, which tensor devices hold in copies - is kept as each
+    device's block and all-gathered where the region runs (forward and recomputation): 1/size of the
+    kept activations per device, for one all-gather per region and pass."""
+    kept = [(_partitionable(x, group.size) if group.partition else None) for x in ins]
+    ins = [x if d is None else Split(group.block(x, d), d) for x, d in zip(ins, kept)]
     arrays, dims = _flatten(ins)
     out_dims: list[int | None] = []
 
     def body(*xs: Any) -> list[Any]:
         with group.scope():
-            outs = evaluate(eqn.params["jaxpr"], (), _rebuild(xs, dims), group)
+            vals = [group.whole(v) if d is not None else v for v, d in zip(_rebuild(xs, dims), kept)]
+            outs = evaluate(eqn.params["jaxpr"], (), vals, group)
         flat, od = _flatten(outs)
         out_dims[:] = od
         return flat
@@ -548,12 +563,14 @@ _RULES: dict[str, Callable[[Any, list[Any], Group], list[Any] | None]] = {
 # -- the entry point -----------------------------------------------------------------------------
 
 def tensor_parallel(loss_fn: Callable[..., Any], dims: Any, axis: str, size: int,
-                    report: Callable[[dict[str, int]], None] | None = None) -> Callable[..., Any]:
+                    report: Callable[[dict[str, int]], None] | None = None, *,
+                    partition_activations: bool = False) -> Callable[..., Any]:
     """`loss_fn(params, *args)` written for whole weights, callable inside `shard_map` with each
     weight's slice over `axis` (`dims`: per parameter leaf, the split dimension or None).
 
     The loss is traced once per call with whole weight shapes and evaluated on the slices.
     `report` receives the equations that ran on gathered inputs (none for Megatron's patterns).
+    `partition_activations`: rematerialized regions keep their inputs split over `axis` (`_checkpoint`).
     """
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree.flatten(params)
@@ -571,7 +588,7 @@ def tensor_parallel(loss_fn: Callable[..., Any], dims: Any, axis: str, size: int
         abstract = ([global_shape(x, d) for x, d in zip(leaves, split)]
                     + [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in others])
         closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*abstract)
-        group = Group(axis, size)
+        group = Group(axis, size, partition_activations)
         inputs = [x if d is None else Split(x, d) for x, d in zip(leaves, split)]
         outs = evaluate(closed.jaxpr, closed.consts, inputs + list(others), group)
         if report is not None:

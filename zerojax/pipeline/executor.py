@@ -116,6 +116,7 @@ class Pipeline:
     update: Placement
     interval: int = 0
     grad: Placement = PARTIAL
+    partition_activations: bool = False  # tensor slices: checkpointed layers keep their inputs split
 
     @property
     def stages(self) -> int:
@@ -165,7 +166,8 @@ def _stage_fn(pipe: Pipeline, v: int) -> Callable[..., tuple[Any, jax.Array]]:
         return jnp.asarray(module.loss_fn(out, micro), jnp.float32) if last else out
 
     if rows.tensor > 1:  # the stage's layers on this device's tensor slices, with Megatron's collectives
-        layers_fn = tensor_parallel(layers_fn, rows.stage_dims(v), TENSOR, rows.tensor)
+        layers_fn = tensor_parallel(layers_fn, rows.stage_dims(v), TENSOR, rows.tensor,
+                                    partition_activations=pipe.partition_activations)
 
     def run(row: jax.Array, tied_in: dict[str, jax.Array], x: Any, micro: Any) -> tuple[Any, jax.Array]:
         out = layers_fn(rows.read_stage(v, row, tied_in), x, micro)

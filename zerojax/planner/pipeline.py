@@ -93,5 +93,6 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
                 else pipe_cfg.activation_checkpoint_interval)
     train = Pipeline(mesh, rows, schedule, pol.param, pol.accum, pol.comm, row_placement(lay.param),
-                     row_placement(lay.update), interval, row_placement(lay.grad))
+                     row_placement(lay.update), interval, row_placement(lay.grad),
+                     config.activation_checkpointing.partition_activations)
     return PipelinePlan(plan, module, rows, train)

@@ -163,7 +163,8 @@ def step_rule(config: Config) -> StepRule:
                             offload_carries=config.activation_checkpointing.cpu_checkpointing)
     predivide = (zero.stage >= 1 and zero.reduce_scatter) or config.prescale_gradients
     return StepRule(remat=remat_policy(config.activation_checkpointing), prefetch=prefetch, predivide=predivide,
-                    predivide_factor=config.gradient_predivide_factor)
+                    predivide_factor=config.gradient_predivide_factor,
+                    partition_activations=config.activation_checkpointing.partition_activations)
 
 
 def _shipped(abstract: Any) -> bool:

@@ -101,7 +101,10 @@ class ZeroConfig:
 class ActivationCheckpointingConfig:
     """Activation checkpointing (rematerialization) of each scanned layer: what its backward pass keeps."""
     partition_activations: bool = option(
-        False, "Accepted; activations are already split over the data axis (each device holds its own rows).")
+        False, "With a tensor axis (mesh.tensor > 1): what each rematerialized layer keeps for its backward "
+               "pass (its input, which tensor devices hold in copies) is split over the tensor axis and "
+               "all-gathered where the layer runs, as DeepSpeed and Megatron partition activations. "
+               "Without one it has no effect: activations are already split over the data axis.")
     cpu_checkpointing: bool = option(
         False, "Keep what the policy saves (at least each layer's input) in host memory (pinned_host) "
                "instead of device memory; implies policy nothing when policy is null.")
