@@ -379,3 +379,39 @@ def test_3d_yaml_trains_like_the_plain_llama(tmp_path: Any) -> None:
             assert "column-parallel" in proc.stdout and "row-parallel" in proc.stdout
     drop = {name: ls[0] - ls[-1] for name, ls in losses.items()}  # the pipelined layers start from another init
     assert drop["3d"] > 0.5 and abs(drop["3d"] - drop["llama"]) < 0.2 * drop["llama"], losses
+
+
+# -- pairs read off an unannotated loss ------------------------------------------------------------------
+
+def test_the_pairs_read_off_the_loss_are_megatrons() -> None:
+    abstract_batch = {"tokens": jax.ShapeDtypeStruct((4, SEQ + 1), jnp.int32)}
+    params, loss_fn = _shipped(LLAMA)
+    derived = zerojax.find_tensor_splits(loss_fn, params, abstract_batch, size=2)
+    _, engine = _train(LLAMA, 0, 2, steps=0)
+    named = engine.plan.tensor_dims
+    for key in ("q", "k", "v", "o", "gate", "up", "down"):
+        assert derived["layers"][key]["kernel"] == named["layers"][key]["kernel"], key
+    assert derived["head"]["kernel"] == 1 and derived["layers"]["attn_norm"]["scale"] is None
+    # 2 key/value heads over 4: attention cannot be split without gathering, so only the MLP pairs
+    at4 = zerojax.find_tensor_splits(loss_fn, params, abstract_batch, size=4)["layers"]
+    assert [at4[k]["kernel"] for k in ("q", "k", "v", "o", "gate", "up", "down")] == [None] * 4 + [2, 2, 1]
+    mlp = zerojax.find_tensor_splits(mlp_loss, mlp_params(), jax.ShapeDtypeStruct((8, 4, 8), jnp.float32))
+    assert mlp == {"s": None, "w1": 1, "b1": None, "w2": 0, "b2": None}
+
+
+def test_an_unannotated_flax_model_trains_on_the_pairs_read_off_its_loss() -> None:
+    """The Flax model above without using its annotations (no logical_axis_rules): its attention's
+    [features, heads, head_dim] kernels split by heads and the MLP pair (the tied embedding, read
+    transposed by `attend`, stays whole)."""
+    want, reference = _train_lm(0, 1)
+    params, loss_fn = zerojax.from_nnx(lambda: LM(rngs=nnx.Rngs(0)), lm_loss)
+    dims = zerojax.find_tensor_splits(loss_fn, params, batch(0), size=2)
+    block = dims["blocks"][0]
+    assert block["attention"]["query"]["kernel"] == 1 and block["attention"]["out"]["kernel"] == 0
+    assert block["up"]["kernel"] == 1 and block["down"]["kernel"] == 0
+    cfg = _config({}, 3, mesh={"tensor": 2})
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=mesh(2), tensor_dims=dims)
+    assert "derived from the loss" in engine.plan.tensor_plan
+    losses = [float(engine.train_batch(batch(i))["loss"]) for i in range(2)]
+    np.testing.assert_allclose(losses, want, rtol=2e-5)
+    assert_tree_close(to_numpy(engine.params), to_numpy(reference.params), rtol=1e-4, atol=5e-5, what="derived")

@@ -8,6 +8,7 @@ The package is layered (docs/architecture.md): `config` -> `core` (mesh, layouts
 from zerojax.config import Config, load_config
 from zerojax.core.collectives import gather, gathers_params
 from zerojax.core.gather_at_use import find_layer_axes
+from zerojax.core.tensor_pairs import find_tensor_splits
 from zerojax.core.layout import Plan
 from zerojax.core.mesh import request_cpu_devices
 from zerojax.core.sharded_init import ParamsInit, init_params
@@ -23,7 +24,7 @@ from zerojax.planner.plan import make_plan, plan
 
 __all__ = [
     "Config", "ConfigError", "Engine", "LayerSpec", "LossScaleError", "ParamsInit", "PipelineModule", "Plan",
-    "TiedLayerSpec", "TrainState", "apply_update", "find_layer_axes", "from_nnx", "gather", "gathers_params",
+    "TiedLayerSpec", "TrainState", "apply_update", "find_layer_axes", "find_tensor_splits", "from_nnx", "gather", "gathers_params",
     "init_params", "init_state", "initialize", "load_config", "load_exported", "make_eval_step", "make_grad_fn",
     "make_mesh", "make_plan", "make_train_step", "plan", "request_cpu_devices", "to_nnx",
 ]

@@ -42,10 +42,10 @@ from zerojax.core.jaxpr_eval import bind, interpret
 class Split:
     """A value split over the tensor axis: this device's `local` block of dimension `dim`."""
 
-    __slots__ = ("local", "dim")
+    __slots__ = ("local", "dim", "origin")
 
-    def __init__(self, local: Any, dim: int):
-        self.local, self.dim = local, dim
+    def __init__(self, local: Any, dim: int, origin: frozenset = frozenset()):
+        self.local, self.dim, self.origin = local, dim, origin
 
     def __repr__(self) -> str:
         return f"Split({getattr(self.local, 'shape', '?')}, dim={self.dim})"
@@ -169,6 +169,20 @@ class Group:
             hit = made[(id(x), key)] = (x, make())
         return hit[1]
 
+    # Hooks for a group that also learns from the evaluation (`tensor_pairs`); no-ops here.
+    def before(self, eqn: Any, ins: list[Any]) -> list[Any]:
+        return ins
+
+    def after(self, eqn: Any, ins: list[Any], outs: list[Any]) -> list[Any]:
+        return outs
+
+    def follows(self, ins: list[Any]) -> bool:
+        """Whether to evaluate a call or loop's body even when no input is split."""
+        return False
+
+    def inside(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+        """`inner` are the values a traced body receives for `outer` (a scan's slices: `outer[i]` sliced)."""
+
     def whole(self, x: Any) -> Any:
         if not isinstance(x, Split):
             return x
@@ -218,15 +232,16 @@ def _shape(x: Any) -> tuple[int, ...]:
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], group: Group) -> list[Any]:
     """The outputs of `jaxpr` (whole-weight shapes) on `args` holding `Split` weights."""
     def step(eqn: Any, ins: list[Any]) -> list[Any]:
-        if not any(isinstance(x, Split) for x in ins):
-            return bind(eqn, ins)
+        ins = group.before(eqn, ins)
         name = eqn.primitive.name
+        if not any(isinstance(x, Split) for x in ins) and not (name in _BODIES and group.follows(ins)):
+            return group.after(eqn, ins, bind(eqn, ins))
         rule = _RULES.get(name) or (_elementwise if name in _ELEMENTWISE else None)
         out = rule(eqn, ins, group) if rule is not None else None
         if out is None:
             group.fallbacks[name] = group.fallbacks.get(name, 0) + 1
             out = bind(eqn, [group.whole(x) for x in ins])
-        return out
+        return group.after(eqn, ins, out)
     return interpret(jaxpr, consts, args, step)
 
 
@@ -461,18 +476,26 @@ def _inline(key: str) -> Callable[[Any, list[Any], Group], list[Any]]:
     return rule
 
 
-def _flatten(values: Sequence[Any]) -> tuple[list[Any], list[int | None]]:
+Form = tuple[int, frozenset] | None  # a value's form across a traced boundary: (split dim, origin), or replicated
+
+
+def _flatten(values: Sequence[Any]) -> tuple[list[Any], list[Form]]:
     return ([x.local if isinstance(x, Split) else x for x in values],
-            [x.dim if isinstance(x, Split) else None for x in values])
+            [(x.dim, x.origin) if isinstance(x, Split) else None for x in values])
 
 
-def _rebuild(arrays: Sequence[Any], dims: Sequence[int | None]) -> list[Any]:
-    return [a if d is None else Split(a, d) for a, d in zip(arrays, dims)]
+def _rebuild(arrays: Sequence[Any], forms: Sequence[Form]) -> list[Any]:
+    return [a if f is None else Split(a, *f) for a, f in zip(arrays, forms)]
 
 
-def _as(x: Any, dim: int | None, group: Group) -> Any:
-    """`x` in the form `dim` names (None: replicated)."""
-    return group.whole(x) if dim is None else group.block(x, dim)
+def _shifted(forms: Sequence[Form], by: int) -> list[Form]:
+    """The forms of slices along a leading axis (by -1) or of values stacked on one (by +1)."""
+    return [None if f is None else (f[0] + by, f[1]) for f in forms]
+
+
+def _as(x: Any, form: Form, group: Group) -> Any:
+    """`x` in `form` (None: replicated)."""
+    return group.whole(x) if form is None else group.block(x, form[0])
 
 
 def _partitionable(x: Any, size: int) -> int | None:
@@ -491,19 +514,20 @@ def _checkpoint(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
     kept activations per device, for one all-gather per region and pass."""
     kept = [(_partitionable(x, group.size) if group.partition else None) for x in ins]
     ins = [x if d is None else Split(group.block(x, d), d) for x, d in zip(ins, kept)]
-    arrays, dims = _flatten(ins)
-    out_dims: list[int | None] = []
+    arrays, forms = _flatten(ins)
+    out_forms: list[Form] = []
 
     def body(*xs: Any) -> list[Any]:
+        group.inside(arrays, xs)
         with group.scope():
-            vals = [group.whole(v) if d is not None else v for v, d in zip(_rebuild(xs, dims), kept)]
+            vals = [group.whole(v) if d is not None else v for v, d in zip(_rebuild(xs, forms), kept)]
             outs = evaluate(eqn.params["jaxpr"], (), vals, group)
-        flat, od = _flatten(outs)
-        out_dims[:] = od
+        flat, of = _flatten(outs)
+        out_forms[:] = of
         return flat
 
     outs = jax.checkpoint(body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])(*arrays)
-    return _rebuild(outs, out_dims)
+    return _rebuild(outs, out_forms)
 
 
 def _scan(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
@@ -513,24 +537,24 @@ def _scan(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
     xs = [group.whole(x) if isinstance(x, Split) and x.dim == 0 else x for x in xs]
-    carry_arrays, carry_dims = _flatten(carry)
-    xs_arrays, xs_dims = _flatten(xs)
-    xs_dims = [None if d is None else d - 1 for d in xs_dims]
-    y_dims: list[int | None] = []
+    carry_arrays, carry_forms = _flatten(carry)
+    xs_arrays, xs_forms = _flatten(xs)
+    y_forms: list[Form] = []
     closed = p["jaxpr"]
 
     def body(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        group.inside(xs_arrays, x)
         with group.scope():
-            outs = evaluate(closed.jaxpr, closed.consts, [*consts, *_rebuild(c, carry_dims), *_rebuild(x, xs_dims)],
-                            group)
-            new_carry = [_as(o, d, group) for o, d in zip(outs[:ncarry], carry_dims)]
-        ys, dims = _flatten(outs[ncarry:])
-        y_dims[:] = dims
+            outs = evaluate(closed.jaxpr, closed.consts,
+                            [*consts, *_rebuild(c, carry_forms), *_rebuild(x, _shifted(xs_forms, -1))], group)
+            new_carry = [_as(o, f, group) for o, f in zip(outs[:ncarry], carry_forms)]
+        ys, forms = _flatten(outs[ncarry:])
+        y_forms[:] = forms
         return [x.local if isinstance(x, Split) else x for x in new_carry], ys
 
     final, ys = jax.lax.scan(body, carry_arrays, xs_arrays, length=p["length"], reverse=p["reverse"],
                              unroll=p["unroll"])
-    return [*_rebuild(final, carry_dims), *_rebuild(ys, [None if d is None else d + 1 for d in y_dims])]
+    return [*_rebuild(final, carry_forms), *_rebuild(ys, _shifted(y_forms, 1))]
 
 
 _RULES: dict[str, Callable[[Any, list[Any], Group], list[Any] | None]] = {
@@ -558,6 +582,11 @@ _RULES: dict[str, Callable[[Any, list[Any], Group], list[Any] | None]] = {
     "checkpoint": _checkpoint, "remat2": _checkpoint,
     "scan": _scan,
 }
+
+
+# Rules that evaluate a body (calls, remat, loops).
+_BODIES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                     "custom_vjp_call_jaxpr", "checkpoint", "remat2", "scan"})
 
 
 # -- the entry point -----------------------------------------------------------------------------

@@ -43,9 +43,10 @@ class Engine(DeepSpeedAPI):
 
     def __init__(self, config: Config | Mapping[str, Any] | str, params: Any, loss_fn: LossFn, mesh: Mesh, *,
                  optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None,
-                 layer_axes: Any = None, plan: Plan | None = None, decode: Decoder | None = None):
+                 layer_axes: Any = None, plan: Plan | None = None, decode: Decoder | None = None,
+                 tensor_dims: Any = None):
         """`plan`: one already made from this config and mesh (`zerojax.plan`), so it is not made twice;
-        without it the engine makes its own from `optimizer`, `lr_scheduler` and `layer_axes`.
+        without it the engine makes its own from `optimizer`, `lr_scheduler`, `layer_axes` and `tensor_dims`.
         `decode`: the model's KV-cache forward (`zerojax.core.generate.Decoder`: `init_cache`, `prefill`,
         `decode_step` over these params), which `generate` runs; train.py passes the shipped GPT's or
         Llama's (`zerojax.models.decode.decoder(config.model)`)."""
@@ -53,9 +54,10 @@ class Engine(DeepSpeedAPI):
         config = load_config(config)  # a Config, a dict or a file path, as `initialize` takes it
         if plan is None:
             plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                             layer_axes=layer_axes, logical_axes=getattr(loss_fn, "logical_axes", None))
+                             layer_axes=layer_axes, logical_axes=getattr(loss_fn, "logical_axes", None),
+                             tensor_dims=tensor_dims)
         else:
-            if optimizer is not None or lr_scheduler is not None or layer_axes is not None:
+            if optimizer is not None or lr_scheduler is not None or layer_axes is not None or tensor_dims is not None:
                 raise TypeError("Engine: with plan= the optimizer, scheduler and layer axes are the plan's; "
                                 "drop optimizer= / lr_scheduler= / layer_axes= (or pass them to zerojax.plan)")
             check_origin(config, plan, "Engine")

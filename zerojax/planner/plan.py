@@ -47,8 +47,9 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     `logical_axes`: the model's own annotations, a tuple of logical axis names per leaf (None for a
     leaf without); default: those `zerojax.from_nnx` found (`params.logical_axes`). A leaf whose names
     include the mesh's data axis is sharded along that dimension; the others are kept in the plan.
-    `tensor_dims`: per leaf, the dimension split over the tensor axis when the caller has decided it
-    (a pipeline's rows hold one tensor slice per row); by default the tensor plan resolves it.
+    `tensor_dims`: per leaf, a dimension to split over the tensor axis (or None) for the leaves that
+    neither annotations, layer_specs nor Megatron's names decide: what `zerojax.find_tensor_splits`
+    derives from the loss. For a pipeline's rows (`lead`) it is the whole decision (their tensor slices).
     `config` is a Config, a dict or a config file path.
     `mesh` may be a `jax.sharding.AbstractMesh` (sizes and axis names, no devices): the plan then
     serves byte counting only (`Plan.report()`, `zerojax.tools.estimate`) for a cluster that need not
@@ -100,9 +101,11 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     split = () if lead is None else ((0, lead),)
     names = _names_per_leaf(logical_axes, abstract)
     data = set(data_axes(mesh)) if isinstance(data_axes(mesh), tuple) else {data_axes(mesh)}
-    sliced = tensor_split(config, mesh, abstract, names, lead) if tensor_dims is None else None
-    if tensor_dims is None:
+    sliced = None if lead is not None else tensor_split(config, mesh, abstract, names, lead, tensor_dims)
+    if sliced is not None:
         tensor_dims = jax.tree.unflatten(jax.tree.structure(abstract), list(sliced.dims))
+    elif tensor_dims is None:
+        tensor_dims = jax.tree.map(lambda _: None, abstract)
 
     def layout(x: Any, k: int, leaf_names: Any, tdim: int | None) -> LeafLayout:
         prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
@@ -130,7 +133,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
 plan = make_plan
 
 
-def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names: Any, lead: str | None) -> TensorPlan:
+def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names: Any, lead: str | None,
+                 derived: Any = None) -> TensorPlan:
     """The tensor-parallel plan (`zerojax.planner.tensor`) from the config's sources; nothing is split
     without a tensor axis. Megatron's names apply to the shipped models, and to a pipeline's layers
     (`lead`: the caller passes the logical layers' parameters)."""
@@ -143,7 +147,7 @@ def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names
     specs = [LayerSpec(tuple(s.patterns), s.partition_type) for s in tp.layer_specs]
     return tensor_plan(abstract, size, names=names, rules=dict(config.mesh.logical_axis_rules), layer_specs=specs,
                        use_default_specs=tp.use_default_specs, builtin=builtin or lead is not None, heads=heads,
-                       axis=TENSOR)  # the public name, `zerojax.plan`
+                       axis=TENSOR, derived=None if derived is None else _dims_per_leaf(derived, abstract))  # the public name, `zerojax.plan`
 
 
 def step_rule(config: Config) -> StepRule:
@@ -165,6 +169,15 @@ def step_rule(config: Config) -> StepRule:
     return StepRule(remat=remat_policy(config.activation_checkpointing), prefetch=prefetch, predivide=predivide,
                     predivide_factor=config.gradient_predivide_factor,
                     partition_activations=config.activation_checkpointing.partition_activations)
+
+
+def _dims_per_leaf(dims: Any, abstract: Any) -> list[int | None]:
+    """A split dimension (or None) per leaf, from a tree shaped like the parameters."""
+    try:
+        return jax.tree.structure(abstract).flatten_up_to(dims)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"plan: tensor_dims must be shaped like the parameters (an int or None per leaf): "
+                         f"{str(e).splitlines()[0]}") from None
 
 
 def _shipped(abstract: Any) -> bool:

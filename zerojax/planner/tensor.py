@@ -14,7 +14,8 @@ Sources, the first that applies to a leaf wins (each leaf's row in `TensorPlan.t
    them): query/key/value, gate and up split by output features, the attention output and down
    projections by input features, the embedding and head by vocabulary. Heads are split whole:
    key/value projections stay whole when the tensor size does not divide their heads, and the
-   GPT's fused qkv projection stays whole (its [q | k | v] columns are not head-major).
+   GPT's fused qkv projection stays whole (its [q | k | v] columns are not head-major);
+4. the pairs read off the loss (`zerojax.find_tensor_splits`, passed as `tensor_dims`).
 """
 from __future__ import annotations
 
@@ -113,13 +114,15 @@ def _megatron(names: list[str], shape: tuple[int, ...], size: int, heads: tuple[
 
 def tensor_plan(abstract: Any, size: int, *, names: Any = None, rules: Mapping[str, str | None] | None = None,
                 layer_specs: Sequence[LayerSpec] = (), use_default_specs: bool = True,
-                builtin: bool = False, heads: tuple[int, int] | None = None, axis: str = "tensor") -> TensorPlan:
+                builtin: bool = False, heads: tuple[int, int] | None = None, axis: str = "tensor",
+                derived: Sequence[int | None] | None = None) -> TensorPlan:
     """Resolve every leaf's split over a tensor axis of `size` devices (see the module docstring).
 
     `names`: per leaf, the model's logical axis names (or None); `rules`: logical name -> mesh axis;
     `builtin`: the tree is a shipped model's (or a `preset_model` names one), so Megatron's names
-    apply; `heads`: (query heads, key/value heads) when known. A pattern matching no leaf, and a split
-    the size does not divide, are errors naming the leaf, its shape and the fix.
+    apply; `heads`: (query heads, key/value heads) when known; `derived`: per leaf, the split read off
+    the loss (`find_tensor_splits`), for leaves nothing else decides. A pattern matching no leaf, and a
+    split the size does not divide, are errors naming the leaf, its shape and the fix.
     """
     rules = dict(rules or {})
     leaves = jax.tree_util.tree_leaves_with_path(abstract)
@@ -129,7 +132,7 @@ def tensor_plan(abstract: Any, size: int, *, names: Any = None, rules: Mapping[s
     used = [False] * len(compiled)
     dims: list[int | None] = []
     table = []
-    for (path, x), logical in zip(leaves, name_leaves):
+    for k, ((path, x), logical) in enumerate(zip(leaves, name_leaves)):
         shape, where = tuple(x.shape), dotted(path)
         dim, source = _from_names(logical, rules, axis)
         if dim is not None:
@@ -140,6 +143,9 @@ def tensor_plan(abstract: Any, size: int, *, names: Any = None, rules: Mapping[s
             if source is None:
                 dim, source = (_megatron(_path_names(path), shape, size, heads)
                                if builtin and use_default_specs else (None, "whole"))
+            if dim is None and source == "whole" and derived is not None and derived[k] is not None:
+                dim, source = derived[k], "derived from the loss (column -> row pair)"
+                _check_divides(where, shape, dim, size, "tensor_dims")
         dims.append(dim)
         table.append((where, shape, dim, source))
     for (spec, _), hit in zip(compiled, used):
