@@ -415,3 +415,11 @@ def test_an_unannotated_flax_model_trains_on_the_pairs_read_off_its_loss() -> No
     losses = [float(engine.train_batch(batch(i))["loss"]) for i in range(2)]
     np.testing.assert_allclose(losses, want, rtol=2e-5)
     assert_tree_close(to_numpy(engine.params), to_numpy(reference.params), rtol=1e-4, atol=5e-5, what="derived")
+
+
+def test_config_explain_prints_the_tensor_plan() -> None:
+    from test_cli import run
+    proc = run("-m", "zerojax.cli", "config", "explain", "configs/llama.yaml", "--set", "mesh.tensor=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tensor parallel over 2 devices" in proc.stdout
+    assert "layers.o.kernel" in proc.stdout and "row-parallel (input features)" in proc.stdout

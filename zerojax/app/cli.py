@@ -293,6 +293,11 @@ def _explain(args: argparse.Namespace) -> int:
     import jax
     dp = config.mesh.data_parallel(jax.device_count())
     print(config.explain(dp))
+    if config.mesh.tensor > 1:  # which weights of the config's model the tensor axis splits, and why
+        from zerojax.app.trainer import build_model
+        from zerojax.planner.mesh import make_mesh
+        model = build_model(config, make_mesh(config))
+        print(model.plan.tensor_plan)
     return 0
 
 
