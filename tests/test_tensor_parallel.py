@@ -202,6 +202,9 @@ def test_the_compiled_step_holds_megatrons_all_reduces() -> None:
     activation = rows * SEQ * model["d_model"]
     sizes = [n for n in _tensor_allreduce_elems(text) if n >= activation]
     assert sum(sizes) == (4 * model["n_layers"] + 2) * activation, sizes
+    # the comms logger names the axis each collective runs over
+    report = hlo.comms_report(text, mesh=plan.mesh)
+    assert "all-reduce (tensor)" in report and "all-reduce (data)" in report, report
 
 
 def test_partition_activations_keeps_each_layers_input_split_and_changes_no_value() -> None:

@@ -49,12 +49,12 @@ def startup_table(engine: Engine, batch: Any = None, compiled: Any = None) -> st
     return "\n".join(lines)
 
 
-def comms_report(text: str, comms: Any, steps: int = 1) -> str:
+def comms_report(text: str, comms: Any, steps: int = 1, mesh: Any = None) -> str:
     """The comms logger's summary of the compiled step (`comms_logger` settings: prof_all/prof_ops,
-    verbose, debug) for `steps` steps."""
+    verbose, debug) for `steps` steps; given the `mesh`, each collective's row names the axes it spans."""
     kinds = None if comms.prof_all else {OP_NAMES[n] for n in comms.prof_ops}
     try:
-        return hlo_comms_report(text, steps=steps, kinds=kinds, verbose=comms.verbose, debug=comms.debug)
+        return hlo_comms_report(text, steps=steps, kinds=kinds, verbose=comms.verbose, debug=comms.debug, mesh=mesh)
     except ValueError as e:  # an HLO form the parser does not know: say so, never stop the run for it
         return f"comms logger: cannot read the compiled step's collectives ({e})"
 

@@ -320,7 +320,7 @@ class Run:
                 monitor.print(memory_table(engine))
             every = config.steps_per_print
             if self.comms_text is not None and step == every * ((self.first_step + every - 1) // every):
-                monitor.print(comms_report(self.comms_text, config.comms_logger))  # the first print step
+                monitor.print(comms_report(self.comms_text, config.comms_logger, mesh=self.engine.mesh))  # the first print step
         if record is not None:
             self.first = record["loss"] if self.first is None else self.first
             self.last = record["loss"]
@@ -362,7 +362,7 @@ class Run:
             if late.received is None:
                 ran = engine.global_steps - self.first_step + 1
                 if self.comms_text is not None and ran > 0:
-                    monitor.print(comms_report(self.comms_text, config.comms_logger, steps=ran))
+                    monitor.print(comms_report(self.comms_text, config.comms_logger, steps=ran, mesh=self.engine.mesh))
                 beat("evaluating (compiles the eval step) and waiting for the last checkpoint",
                      f"step {engine.global_steps}", allowance=FIRST_STEP_ALLOWANCE)
                 val_loss = evaluate(engine, self.val_batches, config.run.eval_batches)

@@ -19,10 +19,13 @@ from before optimization, from the loop condition `counter < constant` (the form
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections import defaultdict
-from typing import Iterable
+from typing import Any, Iterable
+
+import numpy as np
 
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
@@ -272,10 +275,29 @@ def _size(b: float) -> str:
     return f"{round(b):,} B{readable}"
 
 
+def mesh_axes(groups: tuple, mesh: Any) -> str:
+    """The mesh axes a collective's replica groups span (e.g. "tensor", "data", "stage+data"), or "?".
+
+    A compiled program numbers its devices in the mesh's flat order, so a group over axes A holds the
+    flat indices that differ only along A.
+    """
+    names, shape = tuple(mesh.axis_names), tuple(int(mesh.shape[a]) for a in mesh.axis_names)
+    index = np.arange(math.prod(shape)).reshape(shape)
+    want = {tuple(sorted(g)) for g in groups}
+    for r in range(1, len(names) + 1):
+        for axes in itertools.combinations(range(len(names)), r):
+            rest = [d for d in range(len(names)) if d not in axes]
+            moved = np.moveaxis(index, rest, list(range(len(rest)))).reshape(-1, math.prod(shape[d] for d in axes))
+            if {tuple(sorted(row)) for row in moved.tolist()} == want:
+                return "+".join(names[d] for d in axes)
+    return "?"
+
+
 def comms_report(text: str, *, steps: int = 1, kinds: Iterable[str] | None = None, verbose: bool = False,
-                 debug: bool = False) -> str:
-    """DeepSpeed's comms-logger summary for a compiled step's HLO: per collective kind (and dtype),
-    how many run and the bytes each device sends, per step and over `steps` steps.
+                 debug: bool = False, mesh: Any = None) -> str:
+    """DeepSpeed's comms-logger summary for a compiled step's HLO: per collective kind (and dtype,
+    and - given the `mesh` - the mesh axes it runs over), how many run and the bytes each device
+    sends, per step and over `steps` steps.
 
     The collectives run inside one compiled program, so there is no per-op latency or bandwidth
     to report (DeepSpeed's columns); a profiler trace (jax.profiler) has those. `kinds`: only these
@@ -283,23 +305,27 @@ def comms_report(text: str, *, steps: int = 1, kinds: Iterable[str] | None = Non
     """
     found = [c for c in collectives(text) if kinds is None or c.kind in set(kinds)]
     rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    axes = {c.groups: mesh_axes(c.groups, mesh) for c in found} if mesh is not None else {}
     for c in found:
-        row = rows[(c.kind, "/".join(c.dtypes))]
+        kind = f"{c.kind} ({axes[c.groups]})" if axes else c.kind
+        row = rows[(kind, "/".join(c.dtypes))]
         row[0] += c.count
         row[1] += c.bytes_per_device
         row[2] += c.count * c.result_bytes
     head = (f"comms logger: collectives of the compiled train step, per device "
             f"({'per step' if steps == 1 else f'{steps} steps'}; bytes sent counted as in the ZeRO paper)")
-    lines = [head, f"  {'op':<20}{'dtype':<10}{'count':>8}  {'bytes sent':<28}message bytes"]
+    width = max([20] + [len(k) + 2 for k, _ in rows])
+    lines = [head, f"  {'op':<{width}}{'dtype':<10}{'count':>8}  {'bytes sent':<28}message bytes"]
     for (kind, dtype), (count, sent, message) in sorted(rows.items()):
-        lines.append(f"  {kind:<20}{dtype:<10}{int(count * steps):>8}  {_size(sent * steps):<28}"
+        lines.append(f"  {kind:<{width}}{dtype:<10}{int(count * steps):>8}  {_size(sent * steps):<28}"
                      f"{_size(message * steps)}")
     total = summarize(found)
-    lines.append(f"  {'total':<30}{int(total['ops'] * steps):>8}  {_size(total['bytes'] * steps)}")
+    lines.append(f"  {'total':<{width + 10}}{int(total['ops'] * steps):>8}  {_size(total['bytes'] * steps)}")
     if verbose:
         for c in found:
             where = f" in {c.computation}" if debug else ""
-            lines.append(f"  - {c.kind} {'/'.join(c.dtypes)} {_size(c.result_bytes)} result, group {c.group}, "
+            over = f" over {axes[c.groups]}" if axes else ""
+            lines.append(f"  - {c.kind}{over} {'/'.join(c.dtypes)} {_size(c.result_bytes)} result, group {c.group}, "
                          f"{c.count}x per step{where}")
     return "\n".join(lines)
 
