@@ -293,6 +293,16 @@ def _check_sections(config: Config) -> None:
     if m.name == "gpt" and m.n_kv_heads not in (None, m.n_heads):
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} differs from n_heads, but the gpt model has "
                           f"plain multi-head attention; remove it, or set model.name: llama")
+    if m.n_experts:
+        if m.name != "llama":
+            raise ConfigError(f"model.n_experts: {m.n_experts} experts, but the {m.name} model has no "
+                              f"mixture-of-experts layers; set model.name: llama, or remove model.n_experts")
+        if m.n_layers % m.moe_every:
+            raise ConfigError(f"model.moe_every: {m.moe_every} does not divide model.n_layers {m.n_layers}; the "
+                              f"layers are scanned in groups of moe_every (its last one MoE), so choose a divisor")
+        if m.hf_checkpoint:
+            raise ConfigError("model.n_experts with model.hf_checkpoint: Hugging Face MoE checkpoints (Mixtral) "
+                              "are not read yet; remove one of them")
     if m.name == "gpt" and m.tie_embeddings and config.mesh.stage > 1:
         raise ConfigError(f"model.tie_embeddings: the pipelined gpt model (mesh.stage {config.mesh.stage}) keeps "
                           f"its own LM head on the last stage; set model.tie_embeddings: false, or mesh.stage: 1")

@@ -216,6 +216,9 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def decoder(cfg: ModelConfig) -> GPTDecoder | LlamaDecoder:
-    """The decoder of the model `cfg.name` names (what train.py hands its engine as `decode=`)."""
+def decoder(cfg: ModelConfig) -> GPTDecoder | LlamaDecoder | None:
+    """The decoder of the model `cfg.name` names (what train.py hands its engine as `decode=`); None
+    for the MoE Llama, which has no KV-cache forward yet (`zerojax.app.sample` recomputes the window)."""
+    if llama.is_moe(cfg):
+        return None
     return LlamaDecoder(cfg) if cfg.name == "llama" else GPTDecoder(cfg)

@@ -10,6 +10,14 @@ and again in the rematerialized backward pass.
 The maths follows Hugging Face transformers' `LlamaForCausalLM` (rotate-half rotary embeddings,
 RMSNorm scaling the input-dtype normalized activations), so its checkpoints load unchanged
 (zerojax.models.hf). Kernels are stored [in, out], as `nnx.Linear` keeps them.
+
+With `model.n_experts` set, the MLP of every `model.moe_every`-th layer is a mixture of experts
+(zerojax.models.moe, DeepSpeed's MoE layer) and the loss adds `model.moe_aux_loss_coef` times the
+layers' summed load-balancing losses. The layers are then scanned in groups of `moe_every`: the
+group's `moe_every - 1` dense layers (`dense_layers`, stacked [groups, moe_every - 1, ...]) followed
+by its MoE layer (`layers`, stacked [groups, ...]), which is Megatron-DeepSpeed's placement (layer i,
+counted from 1, is MoE when i % expert_interval == 0). The dense model's parameters and maths are
+untouched by any of this.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from flax import nnx
 
 from zerojax.config import ModelConfig
 from zerojax.models.loss import next_token_loss
+from zerojax.models.moe import MoE
 
 
 def _eps(cfg: ModelConfig) -> float:
@@ -64,10 +73,26 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-class Layer(nnx.Module):
-    """Pre-norm decoder layer: grouped-query causal attention with rotary positions, then SwiGLU."""
+def is_moe(cfg: ModelConfig) -> bool:
+    """The config asks for mixture-of-experts layers (`model.n_experts` set and not 0)."""
+    return bool(cfg.n_experts)
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+
+def moe_layer(cfg: ModelConfig, rngs: nnx.Rngs) -> MoE:
+    """The MoE block of a layer, built from the `model.*` MoE keys (DeepSpeed's MoE arguments)."""
+    return MoE(cfg.d_model, _d_ff(cfg), cfg.n_experts, k=cfg.experts_per_token,
+               capacity_factor=cfg.capacity_factor, eval_capacity_factor=cfg.eval_capacity_factor,
+               min_capacity=cfg.min_capacity, use_residual=cfg.use_residual,
+               noisy_gate_policy=cfg.noisy_gate_policy, drop_tokens=cfg.drop_tokens, use_rts=cfg.use_rts,
+               top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling, init_std=cfg.init_std,
+               out_init_std=cfg.init_std / (2 * cfg.n_layers) ** 0.5, rngs=rngs)
+
+
+class Layer(nnx.Module):
+    """Pre-norm decoder layer: grouped-query causal attention with rotary positions, then SwiGLU
+    (or, with `moe=True`, a mixture of SwiGLU experts: see `MoELayer`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         d, h, kv = cfg.d_model, cfg.n_heads, _kv_heads(cfg)
         hd = d // h
         init = nnx.initializers.normal(cfg.init_std)
@@ -83,9 +108,12 @@ class Layer(nnx.Module):
         self.v = linear(d, kv * hd)
         self.o = linear(h * hd, d, out_init)
         self.mlp_norm = RMSNorm(d, _eps(cfg))
-        self.gate = linear(d, _d_ff(cfg))
-        self.up = linear(d, _d_ff(cfg))
-        self.down = linear(_d_ff(cfg), d, out_init)
+        if moe:
+            self.moe = moe_layer(cfg, rngs)
+        else:
+            self.gate = linear(d, _d_ff(cfg))
+            self.up = linear(d, _d_ff(cfg))
+            self.down = linear(_d_ff(cfg), d, out_init)
 
     def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         b, t, _ = x.shape
@@ -107,6 +135,30 @@ class Layer(nnx.Module):
         return x + self.down(jax.nn.silu(self.gate(y)) * self.up(y))
 
 
+class MoELayer(Layer):
+    """The decoder layer with a mixture of experts for its MLP; returns (x, l_aux)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs, moe=True)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,  # type: ignore[override]
+                 key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        x = x + self.attention(self.attn_norm(x), cos, sin)
+        y, l_aux, _ = self.moe(self.mlp_norm(x), key)
+        return x + y, l_aux
+
+
+def _stack(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, **vmap: Any) -> Any:
+    """`n` modules made by `make`, stacked on a leading axis of every parameter."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, **vmap)
+    def stacked(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return stacked(rngs)
+
+
 class Llama(nnx.Module):
     """Token embedding, `n_layers` stacked decoder layers, final RMSNorm, LM head (or tied embedding)."""
 
@@ -120,16 +172,33 @@ class Llama(nnx.Module):
         def stacked(rngs: nnx.Rngs) -> Layer:
             return Layer(cfg, rngs=rngs)
 
-        self.layers = stacked(rngs)
+        if not is_moe(cfg):
+            self.layers = stacked(rngs)
+        else:
+            groups, every = cfg.n_layers // cfg.moe_every, cfg.moe_every
+            if every > 1:
+                self.dense_layers = _stack(lambda r: _stack(lambda q: Layer(cfg, rngs=q), every - 1, r), groups, rngs)
+            # the expert weights' annotations ("expert", ...) gain the stacked axis's name
+            self.layers = _stack(lambda r: MoELayer(cfg, rngs=r), groups, rngs,
+                                 transform_metadata={nnx.PARTITION_NAME: "layers"})
+            self.deterministic = False  # module.eval() sets it: no gate noise, no auxiliary loss
         self.norm = RMSNorm(cfg.d_model, _eps(cfg))
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, kernel_init=init, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits [batch, time, vocab] for `tokens` [batch, time]."""
+        return self.forward(tokens)[0]
+
+    def forward(self, tokens: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(logits, l_aux): the logits and the MoE layers' summed load-balancing loss (0 for the dense
+        model). `key` draws the gates' noise in training (none without it)."""
         cfg = self.cfg
         cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta)
         x = self.embed(tokens)
+        if is_moe(cfg):
+            x, l_aux = self._moe_stack(x, cos, sin, key)
+            return self._logits(x), l_aux
 
         def body(layer: Layer, x: jax.Array) -> jax.Array:
             return layer(x, cos, sin)
@@ -137,6 +206,33 @@ class Llama(nnx.Module):
         if cfg.remat:
             body = nnx.remat(body)
         x = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.layers, x)
+        return self._logits(x), jnp.zeros((), jnp.float32)
+
+    def _moe_stack(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                   key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """The groups of (moe_every - 1 dense layers, one MoE layer), scanned; l_aux summed over them."""
+        cfg = self.cfg
+        groups = cfg.n_layers // cfg.moe_every
+        dense = getattr(self, "dense_layers", None)
+        keys = None if key is None or self.deterministic else jax.random.split(key, groups)
+
+        def dense_body(layer: Layer, x: jax.Array) -> jax.Array:
+            return layer(x, cos, sin)
+
+        def body(mods: tuple[Any, MoELayer], x: jax.Array, k: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+            dense_run, moe = mods
+            if dense_run is not None:
+                x = nnx.scan(dense_body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(dense_run, x)
+            return moe(x, cos, sin, k)
+
+        if cfg.remat:
+            body = nnx.remat(body)
+        scan = nnx.scan(body, in_axes=(0, nnx.Carry, None if keys is None else 0), out_axes=(nnx.Carry, 0))
+        x, l_aux = scan((dense, self.layers), x, keys)
+        return x, jnp.sum(l_aux)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
         x = self.norm(x)
         if cfg.tie_embeddings:
             w = self.embed.embedding[...]
@@ -193,8 +289,9 @@ class Head(nnx.Module):
 def pipeline_module(cfg: ModelConfig, partition_method: str = "parameters", num_stages: int | None = None) -> Any:
     """A PipelineModule of the Llama (untied head) with its loss."""
     from zerojax.pipeline import LayerSpec, PipelineModule
-    if cfg.tie_embeddings:
-        raise ValueError("llama.pipeline_module: tied embeddings are not pipelined; set model.tie_embeddings: false")
+    if cfg.tie_embeddings or is_moe(cfg):
+        raise ValueError("llama.pipeline_module: tied embeddings and mixture-of-experts layers are not pipelined; "
+                         "set model.tie_embeddings: false and leave model.n_experts unset")
     method = "parameters" if partition_method == "best" else partition_method
     layers = [LayerSpec(Embedding, cfg), *[LayerSpec(PipelineLayer, cfg) for _ in range(cfg.n_layers)],
               LayerSpec(Head, cfg)]
@@ -211,6 +308,15 @@ def pipeline_params(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def moe_loss(model: Llama, batch: dict[str, jax.Array], rngs: nnx.Rngs) -> jax.Array:
+    """`loss` plus `model.moe_aux_loss_coef` times the MoE layers' load-balancing loss, in training
+    (as Megatron-DeepSpeed adds it); evaluation (`model.eval()`) reports the language-model loss alone."""
+    if model.deterministic:
+        return loss(model, batch)
+    logits, l_aux = model.forward(batch["tokens"][:, :-1], rngs())
+    return next_token_loss(logits, batch) + model.cfg.moe_aux_loss_coef * l_aux
+
+
 def constructor(cfg: ModelConfig, seed: int = 0) -> Callable[[], Llama]:
     """`() -> Llama`: what `zerojax.from_nnx` takes to build the model straight into its shards."""
     return lambda: Llama(cfg, rngs=nnx.Rngs(params=seed))
@@ -219,10 +325,12 @@ def constructor(cfg: ModelConfig, seed: int = 0) -> Callable[[], Llama]:
 def build(cfg: ModelConfig, seed: int = 0) -> tuple[Any, Callable[[Any, Any], jax.Array]]:
     """(unbuilt params, loss_fn) through the public `zerojax.from_nnx`, as a user's model goes."""
     from zerojax.models.nnx import from_nnx
-    return from_nnx(constructor(cfg, seed), loss)
+    return from_nnx(constructor(cfg, seed), moe_loss if is_moe(cfg) else loss)
 
 
 def apply(cfg: ModelConfig, params: Any, tokens: jax.Array) -> jax.Array:
     """Logits of `tokens` under a params dict (e.g. `engine.params` or an imported checkpoint)."""
     from zerojax.models.nnx import to_nnx
-    return to_nnx(constructor(cfg), params)(tokens)
+    model = to_nnx(constructor(cfg), params)
+    model.eval()  # a MoE gate at eval_capacity_factor, without noise; the dense model has no mode
+    return model(tokens)

@@ -50,6 +50,34 @@ class ModelConfig:
         None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
               "not; Llama-family or GPT-2) to start from: its weights are read straight into the plan's "
               "shards, and model keys not given are taken from its config.json.")
+    n_experts: Optional[int] = option(
+        None, "llama: experts per mixture-of-experts layer (DeepSpeed's MoE num_experts); unset or 0: the dense "
+              "model. The MLP of every model.moe_every-th layer becomes a MoE layer; see docs/moe.md.", ge=0)
+    experts_per_token: int = option(1, "llama MoE: experts each token is routed to (DeepSpeed's k): 1 (top-1, "
+                                       "Switch) or 2 (top-2, GShard).", choices=(1, 2))
+    moe_every: int = option(1, "llama MoE: every moe_every-th layer is a MoE layer (Megatron-DeepSpeed's "
+                               "expert_interval; 2: every other layer, the first one dense); must divide "
+                               "n_layers.", gt=0)
+    capacity_factor: float = option(1.0, "llama MoE: token slots per expert in training, as a multiple of "
+                                         "tokens / experts (times k for top-2); at least model.min_capacity.",
+                                    gt=0)
+    eval_capacity_factor: float = option(1.0, "llama MoE: capacity_factor in evaluation and generation.", gt=0)
+    min_capacity: int = option(4, "llama MoE: the fewest token slots per expert, whatever the capacity factor.",
+                               ge=0)
+    drop_tokens: bool = option(True, "llama MoE: tokens routed past an expert's capacity are dropped (the "
+                                     "layer passes them through the residual only); false: no token is dropped "
+                                     "(every expert gets room for every token).")
+    use_rts: bool = option(True, "llama MoE, top-1: Random Token Selection, an expert over capacity keeps a "
+                                 "random choice of its tokens (in training), not its first ones.")
+    noisy_gate_policy: Optional[str] = option(
+        None, "llama MoE, in training: Jitter (the router's input times uniform(0.99, 1.01)) or RSample (top-1: "
+              "the expert chosen on logits plus Gumbel noise); unset: none.", choices=("Jitter", "RSample"))
+    top2_2nd_expert_sampling: bool = option(True, "llama MoE, top-2, in training: the second expert chosen on "
+                                                  "logits plus Gumbel noise (DeepSpeed's default).")
+    use_residual: bool = option(False, "llama MoE: PR-MoE (Residual MoE), a dense MLP beside the experts, the two "
+                                       "mixed per token by a learned softmax coefficient.")
+    moe_aux_loss_coef: float = option(0.01, "llama MoE: the training loss adds this times the MoE layers' summed "
+                                            "load-balancing loss (l_aux).", ge=0)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,254 @@
+"""The mixture-of-experts layer against DeepSpeed's gating rules, and the MoE Llama under ZeRO."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zerojax
+from helpers import assert_tree_close, data_mesh, to_numpy
+from test_cli import run
+from zerojax.models import llama, moe
+from zerojax.models.nnx import to_nnx
+
+S, E = 32, 4
+
+
+def logits(seed: int = 0) -> np.ndarray:
+    """Router logits with a favoured expert, so that some experts overflow their capacity."""
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(S, E)) * 1.5 + np.array([1.0, 0.3, 0.0, -0.5])).astype(np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    p = np.exp(x - x.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
+def ds_capacity(tokens: int, experts: int, factor: float, min_capacity: int) -> int:
+    # DeepSpeed: ceil((tokens / experts) * torch.tensor(factor)), a float32 product
+    return max(int(np.ceil(np.float32(tokens / experts) * np.float32(factor))), min_capacity)
+
+
+def reference_top1(x: np.ndarray, factor: float, min_capacity: int, drop: bool) -> dict:
+    """DeepSpeed's top1gating without noise or RTS, token by token: each expert keeps its first tokens."""
+    gates = softmax(x)
+    n = len(x)
+    first = gates.argmax(1)
+    counts = np.bincount(first, minlength=E)
+    cap = ds_capacity(n, E, factor, min_capacity) if drop else min(counts.max(), n)
+    l_aux = np.sum(gates.mean(0) * np.bincount(first, minlength=E) / n) * E
+    combine = np.zeros((n, E, cap))
+    used = np.zeros(E, int)
+    for s in range(n):
+        e = first[s]
+        if used[e] < cap:
+            combine[s, e, used[e]] = gates[s, e]
+            used[e] += 1
+    return dict(combine=combine, l_aux=l_aux, counts=counts, kept=used, capacity=cap)
+
+
+def reference_top2(x: np.ndarray, factor: float, min_capacity: int, drop: bool) -> dict:
+    """DeepSpeed's top2gating without sampling: every first choice takes its slot before any second
+    choice; the kept gates renormalized to one."""
+    gates = softmax(x)
+    n = len(x)
+    first = gates.argmax(1)
+    second = np.where(np.eye(E, dtype=bool)[first], -np.inf, x).argmax(1)
+    counts = np.bincount(first, minlength=E) + np.bincount(second, minlength=E)
+    cap = ds_capacity(n, E, 2 * factor, min_capacity) if drop else counts.max()
+    l_aux = np.mean(gates.mean(0) * np.bincount(first, minlength=E) / n) * E * E
+    slot = {}
+    used = np.zeros(E, int)
+    for choice in (first, second):
+        for s in range(n):
+            e = choice[s]
+            if used[e] < cap:
+                slot[s, e] = used[e]
+            used[e] += 1
+    combine = np.zeros((n, E, cap))
+    for s in range(n):
+        kept = [e for e in (first[s], second[s]) if (s, e) in slot]
+        denom = max(sum(gates[s, e] for e in kept), np.finfo(np.float32).eps)
+        for e in kept:
+            combine[s, e, slot[s, e]] = gates[s, e] / denom
+    return dict(combine=combine, l_aux=l_aux, counts=counts, kept=(combine > 0).sum((0, 2)), capacity=cap)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("drop", [True, False])
+def test_gating_matches_deepspeeds_rules(k: int, drop: bool) -> None:
+    x = logits(k)
+    gate = moe.top1_gating if k == 1 else moe.top2_gating
+    want = (reference_top1 if k == 1 else reference_top2)(x, 1.0, 4, drop)
+    got = jax.jit(lambda l: gate(l, 1.0, 4, drop_tokens=drop))(jnp.asarray(x))
+    cap = want["capacity"]
+    combine = np.asarray(got.combine, np.float64)
+    np.testing.assert_array_equal(np.asarray(got.exp_counts), want["counts"])
+    np.testing.assert_allclose(float(got.l_aux), want["l_aux"], rtol=1e-6)
+    assert not combine[:, :, cap:].any()  # no dropping: the static buffer holds every token, the rest empty
+    np.testing.assert_allclose(combine[:, :, :cap], want["combine"], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got.dispatch)[:, :, :cap], want["combine"] > 0)
+    kept = np.asarray(got.dispatch).sum((0, 2))
+    np.testing.assert_array_equal(kept, want["kept"])
+    if drop:
+        assert combine.shape[2] == cap and kept.max() == cap and kept.sum() < k * S  # some tokens were dropped
+        assert cap == (8 if k == 1 else 16)
+    else:
+        assert kept.sum() == k * S and cap == want["counts"].max()
+
+
+def test_capacity_rounds_like_deepspeed() -> None:
+    assert moe.capacity(10, 1, 1.2, 0) == 12  # float32: 10 * 1.2f ties to 12; float64 would give 13
+    assert moe.capacity(64, 8, 1.25, 4) == 10
+    assert moe.capacity(16, 8, 1.0, 4) == 4  # min_capacity
+
+
+def test_random_token_selection_keeps_a_random_subset() -> None:
+    x = jnp.asarray(logits(1))
+    plain = moe.top1_gating(x, 1.0, 4)
+    rts = moe.top1_gating(x, 1.0, 4, rts_key=jax.random.key(0))
+    d0, d1 = np.asarray(plain.dispatch).any(2), np.asarray(rts.dispatch).any(2)
+    counts = np.asarray(plain.exp_counts)
+    np.testing.assert_array_equal(d1.sum(0), np.minimum(counts, 8))  # as many kept per expert
+    routed = np.eye(E, dtype=bool)[np.asarray(softmax(logits(1))).argmax(1)]
+    assert not (d1 & ~routed).any() and (d0 != d1).any()  # only routed tokens, not the first ones
+    loc = np.asarray(rts.dispatch).argmax(2)
+    for e in range(E):  # slots are still taken in token order
+        assert list(loc[d1[:, e], e]) == list(range(d1[:, e].sum()))
+
+
+def test_layer_output_is_the_gated_sum_of_experts() -> None:
+    layer = moe.MoE(16, 24, E, k=2, capacity_factor=0.5, min_capacity=2, use_residual=True, rngs=nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (2, 8, 16))
+    out, l_aux, counts = layer(x)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
+    t = np.asarray(x, np.float64).reshape(-1, 16)
+    g = reference_top2(t @ p["router"]["kernel"], 0.5, 2, True)  # S = 16 tokens
+    ex = p["experts"]
+
+    def swiglu(v: np.ndarray, gw: np.ndarray, uw: np.ndarray, dw: np.ndarray) -> np.ndarray:
+        a = v @ gw
+        return (a / (1 + np.exp(-a)) * (v @ uw)) @ dw
+
+    w = g["combine"].sum(2)  # [S, E]: each token's weight on each expert
+    y = sum(w[:, e:e + 1] * swiglu(t, ex["gate"][e], ex["up"][e], ex["down"][e]) for e in range(E))
+    c = softmax(t @ p["coefficient"]["kernel"] + p["coefficient"]["bias"])
+    m = p["mlp"]
+    y = y * c[:, :1] + swiglu(t, m["gate"]["kernel"], m["up"]["kernel"], m["down"]["kernel"]) * c[:, 1:]
+    assert (w > 0).sum() < 2 * 16  # capacity 4 per expert: some choices dropped
+    np.testing.assert_allclose(np.asarray(out).reshape(-1, 16), y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(float(l_aux), g["l_aux"], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(counts), g["counts"])
+
+
+def test_noise_only_in_training() -> None:
+    layer = moe.MoE(16, 24, E, k=1, noisy_gate_policy="Jitter", rngs=nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (32, 16))
+    base = layer(x)[0]
+    noisy = layer(x, jax.random.key(3))[0]
+    assert not np.allclose(base, noisy)
+    layer.eval()
+    np.testing.assert_array_equal(layer(x, jax.random.key(3))[0], base)  # eval: no jitter, no RTS
+
+
+ROWS = 16
+SMALL = dict(name="llama", vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2)
+
+
+def batch(i: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + i)
+    return {"tokens": rng.integers(0, 64, size=(ROWS, 17), dtype=np.int32)}
+
+
+def train(stage: int, model: dict, steps: int = 3) -> tuple[zerojax.Engine, list[float]]:
+    cfg = zerojax.load_config({
+        "train_batch_size": ROWS, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "model": {**SMALL, **model}})
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=data_mesh())
+    return engine, [float(engine.train_batch(batch(0))["loss"]) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("model", [
+    dict(n_experts=4, experts_per_token=1, drop_tokens=False, moe_aux_loss_coef=0.1),
+    dict(n_experts=4, experts_per_token=2, moe_every=2, drop_tokens=False, top2_2nd_expert_sampling=False),
+], ids=["top1", "top2-every-other"])
+def test_moe_llama_stage3_trains_to_the_stage0_parameters(model: dict) -> None:
+    e0, l0 = train(0, model)
+    e3, l3 = train(3, model)
+    assert sum(any(s.spec) for s in jax.tree.leaves(e3.plan.update_shardings)) >= 10  # really sharded
+    np.testing.assert_allclose(l3, l0, rtol=1e-5)
+    assert l0[-1] < l0[0]
+    assert_tree_close(to_numpy(e3.params), to_numpy(e0.params), rtol=1e-5, atol=1e-6, what="moe llama stage 3 vs 0")
+
+
+def test_aux_loss_is_added_in_training_only() -> None:
+    cfg = zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "moe_aux_loss_coef": 0.5,
+                                                                 "use_rts": False}}).model
+    params, loss_fn = llama.build(cfg, seed=0)
+    p = jax.jit(params.fn)()
+    b = batch(0)
+    lm = float(loss_fn(p, b))  # no key: evaluation, the language-model loss alone
+    train_loss = float(loss_fn(p, b, rng=jax.random.key_data(jax.random.key(0))))
+    _, l_aux = to_nnx(llama.constructor(cfg), p).forward(jnp.asarray(b["tokens"][:, :-1]))
+    assert float(l_aux) > 1.0  # two MoE layers' losses, summed
+    np.testing.assert_allclose(train_loss - lm, 0.5 * float(l_aux), rtol=1e-4)
+
+
+def test_dense_llama_param_tree_is_unchanged() -> None:
+    for extra in ({}, {"n_experts": 0}):
+        cfg = zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, **extra}}).model
+        params, loss_fn = llama.build(cfg)
+        shapes = jax.tree.map(lambda x: x.shape, params.abstract)
+        assert shapes == {
+            "embed": {"embedding": (64, 32)}, "head": {"kernel": (32, 64)}, "norm": {"scale": (32,)},
+            "layers": {"attn_norm": {"scale": (2, 32)}, "mlp_norm": {"scale": (2, 32)},
+                       "q": {"kernel": (2, 32, 32)}, "k": {"kernel": (2, 32, 16)}, "v": {"kernel": (2, 32, 16)},
+                       "o": {"kernel": (2, 32, 32)}, "gate": {"kernel": (2, 32, 48)},
+                       "up": {"kernel": (2, 32, 48)}, "down": {"kernel": (2, 48, 32)}}}
+        assert loss_fn.logical_axes is None
+
+
+def test_moe_param_tree() -> None:
+    cfg = zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_layers": 4, "n_experts": 8,
+                                                                 "moe_every": 2}}).model
+    params, loss_fn = llama.build(cfg)
+    a = params.abstract
+    assert a["layers"]["moe"]["experts"]["gate"].shape == (2, 8, 32, 48)  # [groups, experts, d, ff]
+    assert a["layers"]["moe"]["router"]["kernel"].shape == (2, 32, 8)
+    assert a["dense_layers"]["gate"]["kernel"].shape == (2, 1, 32, 48)  # [groups, moe_every - 1, ...]
+    assert "gate" not in a["layers"]
+    assert loss_fn.logical_axes["layers"]["moe"]["experts"]["down"] == ("layers", "expert", "mlp", "embed")
+
+
+def test_config_rejects_bad_moe() -> None:
+    with pytest.raises(zerojax.ConfigError, match="model.n_experts: 4 experts, but the gpt model"):
+        zerojax.load_config({"train_batch_size": 8, "model": {"n_experts": 4}})
+    with pytest.raises(zerojax.ConfigError, match="model.moe_every: 3 does not divide"):
+        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "moe_every": 3}})
+    with pytest.raises(zerojax.ConfigError, match="model.experts_per_token"):
+        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 3}})
+
+
+def test_moe_yaml_trains(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run("train.py", "--config", "configs/moe.yaml", "--set", "run.steps=6", "run.log_every=3",
+               "steps_per_print=3", "model.d_model=64", "model.d_ff=96", "model.seq_len=32", "model.n_layers=2",
+               "data.max_bytes=100000", "run.eval_batches=1", "run.progress=false", "run.sample_tokens=8",
+               "scheduler.params.total_num_steps=6", "scheduler.params.warmup_num_steps=2",
+               f"run.output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ZeRO stage 3" in proc.stdout and "sample (8 tokens" in proc.stdout
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"]
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model"]["n_experts"] == 8

@@ -1,0 +1,254 @@
+"""A mixture-of-experts layer in Flax NNX with DeepSpeed's `deepspeed.moe.layer.MoE` semantics.
+
+The gate is DeepSpeed's `TopKGate` (GShard's top-1 / top-2 routing): softmax of fp32 router logits,
+a per-expert `capacity` of token slots, tokens over capacity dropped, and the load-balancing loss
+`l_aux`. Dispatch and combine are the einsum formulation of GShard's Algorithm 2 (DeepSpeed's
+`MOELayer`): a dispatch mask and combine weights [tokens, experts, capacity] place every kept token in
+one slot of an [experts, capacity, model] buffer, each expert runs on its own rows, and the combine
+weights gather the results back.
+
+Everything random (Jitter, RSample, Random Token Selection, top-2's sampled second expert) is drawn
+from an explicit key and only in training mode: `module.eval()` (what zerojax's evaluation does) or a
+call without a key runs the gate deterministically. DeepSpeed keeps RTS and the second-expert
+sampling on in evaluation too; here evaluation is reproducible instead.
+
+Expert weights are stacked with a leading expert dimension ([experts, ...], logical name `expert`),
+so an expert mesh axis can split dimension 0. Expert parallelism is not built yet: `moe_apply` is the
+one place where DeepSpeed's two all-to-alls go (after the dispatch einsum, before the combine).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+JITTER_EPS = 1e-2  # DeepSpeed's multiplicative_jitter epsilon
+
+
+class Gating(NamedTuple):
+    """The gate's decisions for S tokens over E experts with C slots each."""
+    combine: jax.Array     # [S, E, C] float32: the weight of each token's result in each slot
+    dispatch: jax.Array    # [S, E, C] bool: which slot each kept token is copied into
+    l_aux: jax.Array       # scalar float32: the load-balancing loss
+    exp_counts: jax.Array  # [E] int32: tokens routed to each expert, before capacity drops
+
+
+def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
+    """DeepSpeed's `_capacity`: ceil(tokens / experts * factor), at least `min_capacity`.
+
+    The product is taken in float32, as torch does it there (a Python float times a float32
+    tensor), so a factor such as 1.2 rounds to the same number of slots as DeepSpeed's."""
+    c = math.ceil(float(np.float32(num_tokens / num_experts) * np.float32(capacity_factor)))
+    return max(c, int(min_capacity))
+
+
+def _one_hot(idx: jax.Array, n: int) -> jax.Array:
+    return jax.nn.one_hot(idx, n, dtype=jnp.int32)
+
+
+def _slots(mask: jax.Array, locations: jax.Array, cap: int) -> jax.Array:
+    """[S, E, C] one-hot of each kept (token, expert) pair's slot; zero rows for dropped pairs."""
+    loc_s = jnp.sum(locations * mask, axis=1)
+    return mask[:, :, None] * _one_hot(loc_s, cap)[:, None, :]
+
+
+def _l_aux(gates: jax.Array, mask1: jax.Array) -> jax.Array:
+    """GShard's auxiliary loss: E * sum_e(mean gate_e * fraction of tokens whose first choice is e).
+
+    DeepSpeed writes it as sum(me*ce)*E (top-1) and mean(me*ce)*E*E (top-2), the same number."""
+    num_experts = gates.shape[1]
+    me = jnp.mean(gates, axis=0)
+    ce = jnp.mean(mask1.astype(jnp.float32), axis=0)
+    return jnp.sum(me * ce) * num_experts
+
+
+def _keep_first(mask: jax.Array, cap: int) -> jax.Array:
+    """Keep each expert's first `cap` tokens in token order (position-based dropping)."""
+    locations = jnp.cumsum(mask, axis=0) - 1
+    return mask * (locations < cap)
+
+
+def _keep_random(mask: jax.Array, cap: int, key: jax.Array) -> jax.Array:
+    """Random Token Selection: each expert keeps `cap` of its tokens chosen by a uniform priority
+    (DeepSpeed's `mask1 * uniform` then `topk` over tokens), so the sequence's end is not always
+    the part dropped."""
+    priority = mask * jax.random.uniform(key, mask.shape, jnp.float32)
+    k = min(cap, mask.shape[0])
+    _, top = jax.lax.top_k(priority.T, k)  # [E, k] token indices
+    chosen = jnp.zeros(mask.shape[::-1], jnp.int32).at[jnp.arange(mask.shape[1])[:, None], top].set(1).T
+    return mask * chosen
+
+
+def top1_gating(logits: jax.Array, capacity_factor: float, min_capacity: int, *, drop_tokens: bool = True,
+                rts_key: Optional[jax.Array] = None, rsample_key: Optional[jax.Array] = None) -> Gating:
+    """DeepSpeed's `top1gating` on fp32 logits [S, E].
+
+    The expert is the argmax of the softmax (of logits plus Gumbel noise with `rsample_key`, the
+    RSample policy); l_aux and exp_counts count every token; an expert over capacity keeps a random
+    `capacity` of its tokens with `rts_key` (use_rts), else its first ones. The combine weight is the
+    raw softmax probability of the chosen expert. Without dropping the capacity is every token (S);
+    DeepSpeed sizes it to the busiest expert, which leaves the same slots filled and the rest empty.
+    """
+    logits = logits.astype(jnp.float32)
+    s, e = logits.shape
+    if s < min_capacity:
+        raise ValueError(f"top-1 gating: {s} tokens, fewer than min_capacity {min_capacity} (DeepSpeed asserts "
+                         f"the same); lower min_capacity or route more tokens")
+    gates = jax.nn.softmax(logits, axis=1)
+    choose = logits + jax.random.gumbel(rsample_key, logits.shape) if rsample_key is not None else gates
+    mask1 = _one_hot(jnp.argmax(choose, axis=1), e)
+    exp_counts = jnp.sum(mask1, axis=0)
+    l_aux = _l_aux(gates, mask1)
+    cap = capacity(s, e, capacity_factor, min_capacity) if drop_tokens else s
+    mask1 = _keep_random(mask1, cap, rts_key) if rts_key is not None else _keep_first(mask1, cap)
+    locations1 = jnp.cumsum(mask1, axis=0) - 1
+    slots = _slots(mask1, locations1, cap)
+    combine = (gates * mask1)[:, :, None] * slots
+    return Gating(combine, slots.astype(bool), l_aux, exp_counts)
+
+
+def top2_gating(logits: jax.Array, capacity_factor: float, min_capacity: int, *, drop_tokens: bool = True,
+                second_key: Optional[jax.Array] = None) -> Gating:
+    """DeepSpeed's `top2gating` on fp32 logits [S, E].
+
+    First expert: the argmax of the softmax; second: the argmax of the other logits (plus Gumbel noise
+    with `second_key`, DeepSpeed's `top2_2nd_expert_sampling`). Slots are taken in token order, every
+    first choice before any second one; a choice past capacity (2 * factor) is dropped. The two kept
+    gates are renormalized to sum to one. l_aux counts first choices only, exp_counts both.
+    """
+    logits = logits.astype(jnp.float32)
+    s, e = logits.shape
+    gates = jax.nn.softmax(logits, axis=1)
+    mask1 = _one_hot(jnp.argmax(gates, axis=1), e)
+    noisy = logits + jax.random.gumbel(second_key, logits.shape) if second_key is not None else logits
+    mask2 = _one_hot(jnp.argmax(jnp.where(mask1 > 0, -jnp.inf, noisy), axis=1), e)
+    locations1 = jnp.cumsum(mask1, axis=0) - 1
+    locations2 = jnp.cumsum(mask2, axis=0) - 1 + jnp.sum(mask1, axis=0, keepdims=True)
+    l_aux = _l_aux(gates, mask1)
+    exp_counts = jnp.sum(mask1 + mask2, axis=0)
+    cap = capacity(s, e, 2 * capacity_factor, min_capacity) if drop_tokens else s
+    mask1 = mask1 * (locations1 < cap)
+    mask2 = mask2 * (locations2 < cap)
+    g1 = jnp.sum(gates * mask1, axis=1)
+    g2 = jnp.sum(gates * mask2, axis=1)
+    denom = jnp.maximum(g1 + g2, jnp.finfo(jnp.float32).eps)
+    slots1, slots2 = _slots(mask1, locations1, cap), _slots(mask2, locations2, cap)
+    combine = (g1 / denom)[:, None, None] * slots1 + (g2 / denom)[:, None, None] * slots2
+    return Gating(combine, (slots1 + slots2).astype(bool), l_aux, exp_counts)
+
+
+def moe_apply(x: jax.Array, gating: Gating, experts: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Dispatch tokens x [S, M] into [E, C, M], run `experts` on it, combine back to [S, M].
+
+    With an expert mesh axis this is where DeepSpeed's two all-to-alls go: after the dispatch each
+    device holds [E, C, M] for its own tokens and sends every expert's rows to the device owning the
+    expert (first all-to-all: [ep, E/ep, C, M] -> local experts' rows from every device); the second
+    all-to-all sends the results back before the combine. Without the axis both are the identity.
+    """
+    dispatched = jnp.einsum("sec,sm->ecm", gating.dispatch.astype(x.dtype), x)
+    # first all-to-all (expert parallelism) goes here
+    out = experts(dispatched)
+    # second all-to-all goes here
+    combined = jnp.einsum("sec,ecm->sm", gating.combine, out.astype(jnp.float32))
+    return combined.astype(x.dtype)
+
+
+class SwiGLUExperts(nnx.Module):
+    """E SwiGLU MLPs (the Llama's MLP) with weights stacked [E, ...]; applied to [E, C, d_model]."""
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, *, init: Callable, out_init: Callable,
+                 rngs: nnx.Rngs):
+        def param(shape: tuple[int, ...], fn: Callable, names: tuple[str, ...]) -> nnx.Param:
+            # annotated, never placed here: zerojax (or a later expert axis) decides where it lives
+            return nnx.Param(fn(rngs.params(), shape, jnp.float32), out_sharding=names, eager_sharding=False)
+
+        self.gate = param((num_experts, d_model, d_ff), init, ("expert", "embed", "mlp"))
+        self.up = param((num_experts, d_model, d_ff), init, ("expert", "embed", "mlp"))
+        self.down = param((num_experts, d_ff, d_model), out_init, ("expert", "mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        g = jnp.einsum("ecm,emf->ecf", x, self.gate[...].astype(dt))
+        u = jnp.einsum("ecm,emf->ecf", x, self.up[...].astype(dt))
+        return jnp.einsum("ecf,efm->ecm", jax.nn.silu(g) * u, self.down[...].astype(dt))
+
+
+class DenseMLP(nnx.Module):
+    """One SwiGLU MLP: PR-MoE's residual branch (DeepSpeed's `MoE.mlp`, a copy of the expert)."""
+
+    def __init__(self, d_model: int, d_ff: int, *, init: Callable, out_init: Callable, rngs: nnx.Rngs):
+        def linear(n_in: int, n_out: int, fn: Callable) -> nnx.Linear:
+            return nnx.Linear(n_in, n_out, use_bias=False, kernel_init=fn, rngs=rngs)
+
+        self.gate, self.up, self.down = linear(d_model, d_ff, init), linear(d_model, d_ff, init), \
+            linear(d_ff, d_model, out_init)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nnx.Module):
+    """DeepSpeed's `MoE(hidden_size, expert, num_experts, ep_size=1, k, capacity_factor, ...)` with
+    SwiGLU experts; `__call__(x, key)` returns (output, l_aux, exp_counts) as DeepSpeed's forward does.
+
+    `use_residual` is PR-MoE (Residual MoE): a dense MLP beside the experts, mixed per token by a
+    softmax over a learned 2-way coefficient. `deterministic` (set by `module.eval()`) selects
+    `eval_capacity_factor` and turns every noise source off.
+    """
+
+    def __init__(self, hidden_size: int, d_ff: int, num_experts: int, *, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
+                 use_rts: bool = True, top2_2nd_expert_sampling: bool = True, init_std: float = 0.02,
+                 out_init_std: Optional[float] = None, rngs: nnx.Rngs):
+        if k not in (1, 2):
+            raise ValueError(f"MoE: k={k}; DeepSpeed's MoE layer routes each token to 1 or 2 experts")
+        if noisy_gate_policy == "None":
+            noisy_gate_policy = None
+        if noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise ValueError(f"MoE: noisy_gate_policy {noisy_gate_policy!r}; choose one of {NOISY_GATE_POLICIES}")
+        init = nnx.initializers.normal(init_std)
+        out_init = nnx.initializers.normal(out_init_std if out_init_std is not None else init_std)
+        self.num_experts, self.k = num_experts, k
+        self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_capacity_factor
+        self.min_capacity, self.drop_tokens, self.use_rts = min_capacity, drop_tokens, use_rts
+        self.noisy_gate_policy, self.top2_2nd_expert_sampling = noisy_gate_policy, top2_2nd_expert_sampling
+        self.use_residual = use_residual
+        self.deterministic = False
+        self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, kernel_init=init, rngs=rngs)
+        self.experts = SwiGLUExperts(num_experts, hidden_size, d_ff, init=init, out_init=out_init, rngs=rngs)
+        if use_residual:
+            self.mlp = DenseMLP(hidden_size, d_ff, init=init, out_init=out_init, rngs=rngs)
+            self.coefficient = nnx.Linear(hidden_size, 2, kernel_init=init, rngs=rngs)
+
+    def gate(self, x: jax.Array, key: Optional[jax.Array] = None) -> Gating:
+        """The routing of tokens x [S, M] (DeepSpeed's `TopKGate.forward`)."""
+        training = not self.deterministic
+        keys = list(jax.random.split(key, 4)) if training and key is not None else [None] * 4
+        gate_in = x.astype(jnp.float32)
+        if self.noisy_gate_policy == "Jitter" and keys[0] is not None:
+            gate_in = gate_in * jax.random.uniform(keys[0], gate_in.shape, jnp.float32,
+                                                   1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
+        logits = gate_in @ self.router.kernel[...].astype(jnp.float32)
+        factor = self.capacity_factor if training else self.eval_capacity_factor
+        if self.k == 1:
+            return top1_gating(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
+                               rts_key=keys[1] if self.use_rts else None,
+                               rsample_key=keys[2] if self.noisy_gate_policy == "RSample" else None)
+        return top2_gating(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
+                           second_key=keys[3] if self.top2_2nd_expert_sampling else None)
+
+    def __call__(self, x: jax.Array, key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [..., hidden] -> (output like x, l_aux, exp_counts [E]); all tokens are routed together."""
+        tokens = x.reshape(-1, x.shape[-1])
+        gating = self.gate(tokens, key)
+        out = moe_apply(tokens, gating, self.experts).reshape(x.shape)
+        if self.use_residual:
+            coef = jax.nn.softmax(self.coefficient(x).astype(jnp.float32), axis=-1)
+            out = (out * coef[..., 0:1] + self.mlp(x) * coef[..., 1:]).astype(x.dtype)
+        return out, gating.l_aux, gating.exp_counts
