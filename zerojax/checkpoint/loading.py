@@ -10,7 +10,7 @@ from typing import Any, Iterator, Mapping
 import jax
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint.format import CheckpointError, FORMAT, META_FILE, PathLike, STATE_DIR, absolute, closing, leaf_names, named_leaves, state_fields
+from zerojax.checkpoint.format import PIPELINE_ROWS, CheckpointError, FORMAT, META_FILE, PathLike, STATE_DIR, absolute, closing, leaf_names, named_leaves, state_fields
 from zerojax.checkpoint.integrity import corrupt_error, first_bad_file, read_meta
 from zerojax.checkpoint.pending import resolve_tag
 from zerojax.core.layout import Plan
@@ -39,8 +39,13 @@ def check_compatible(meta: Mapping[str, Any], plan: Plan, where: PathLike = "che
     lines = _mismatch_lines(meta["params"], _shapes(plan.abstract_params, ""))
     if lines:
         shown = lines[:40] + ([f"  ... and {len(lines) - 40} more"] if len(lines) > 40 else [])
+        rows = meta.get("extra", {}).get(PIPELINE_ROWS)
+        hint = ("\nthis is a pipelined run's checkpoint: its stage rows are laid out for its mesh.stage and "
+                "mesh.tensor, so it resumes with those two (any data size and ZeRO stage); to change them, "
+                "`zerojax export` it and pass zerojax.checkpoint.load_exported(file) as initialize(..., params=)"
+                if rows else "")
         raise CheckpointError(f"checkpoint {where} holds a different model: {len(lines)} parameter(s) differ\n"
-                              + "\n".join(shown))
+                              + "\n".join(shown) + hint)
 
 
 def _group(meta: Mapping[str, Any], prefix: str) -> dict[str, Any]:
