@@ -416,3 +416,16 @@ def test_cli_estimate_prints_tensor_rows(tmp_path: Path, capsys) -> None:
     best = E.recommend_tensor(rows, 80 * 2**30)
     assert f"tensor-parallel recommendation: {best.label}" in out and f"mesh.tensor={best.tensor}" in out
     assert "no sequence parallelism" in out
+
+
+def test_a_config_with_a_tensor_axis_is_estimated_at_its_size(tmp_path: Path, capsys) -> None:
+    """mesh.tensor 2 in the config: the data-parallel table is T=1 and the tensor table shows T=1 and 2."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({**TINY, "mesh": {**TINY.get("mesh", {}), "tensor": 2}}))
+    llama = tmp_path / "config.json"
+    llama.write_text(json.dumps(LLAMA_7B))
+    assert main(["estimate", "--config", str(cfg), "--hf-config", str(llama), "--devices", "64",
+                 "--devices-per-host", "8", "--device", "h100", "--no-step-time"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("T=2 x data 32, stage 3") for line in out.splitlines()), out
+    assert not any(line.startswith("T=4 x") for line in out.splitlines())
