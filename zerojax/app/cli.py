@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from zerojax.config import Config, load_config
 from zerojax.runtime.distributed import DistributedError
@@ -294,11 +294,22 @@ def _explain(args: argparse.Namespace) -> int:
     dp = config.mesh.data_parallel(jax.device_count())
     print(config.explain(dp))
     if config.mesh.tensor > 1:  # which weights of the config's model the tensor axis splits, and why
-        from zerojax.app.trainer import build_model
-        from zerojax.planner.mesh import make_mesh
-        model = build_model(config, make_mesh(config))
-        print(model.plan.tensor_plan)
+        print(_tensor_plan(config))
     return 0
+
+
+def _tensor_plan(config: Any) -> str:
+    """The tensor plan of the model the config's `model` section names (train.py's); a config without
+    one describes a model given in code, whose plan `initialize` prints at start-up."""
+    if not any(key == "model" or key.startswith("model.") for key in config.sources):
+        return ("tensor plan: the config names no model (a model given in code gets its plan at start-up, "
+                "or from zerojax.plan(config, mesh, params).tensor_plan)")
+    from zerojax.app.trainer import build_model
+    from zerojax.planner.mesh import make_mesh
+    try:
+        return build_model(config, make_mesh(config)).plan.tensor_plan
+    except ConfigError as e:
+        return f"tensor plan: not shown ({e})"
 
 
 if __name__ == "__main__":
