@@ -154,14 +154,15 @@ def _reference(model: dict) -> tuple[list[float], Any]:
     return _REFERENCE[model["name"]]
 
 
-@pytest.mark.parametrize("model,stage,tensor,gas", [
-    (LLAMA, 0, 2, 1), (LLAMA, 1, 4, 1), (LLAMA, 2, 2, 2), (LLAMA, 3, 2, 1), (LLAMA, 3, 4, 2),
-    (GPT, 3, 2, 1), (GPT, 1, 4, 1)],
-    ids=["llama-z0-t2", "llama-z1-t4", "llama-z2-t2-gas2", "llama-z3-t2", "llama-z3-t4-gas2", "gpt-z3-t2",
-         "gpt-z1-t4"])
-def test_tensor_by_zero_equals_one_device(model: dict, stage: int, tensor: int, gas: int) -> None:
+GRID = [(model, stage, tensor) for model in (LLAMA, GPT) for tensor in (2, 4) for stage in (0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("model,stage,tensor", GRID,
+                         ids=[f"{m['name']}-z{z}-t{t}" for m, z, t in GRID])
+def test_tensor_by_zero_equals_one_device(model: dict, stage: int, tensor: int) -> None:
+    """Every tensor size x ZeRO stage the 8 devices allow (data 4 or 2), gradient accumulation at stage 2."""
     want_losses, want_params = _reference(model)
-    losses, engine = _train(model, stage, tensor, gas)
+    losses, engine = _train(model, stage, tensor, gas=2 if stage == 2 else 1)
     assert engine.plan.sliced and engine.plan.tensor_size == tensor
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
     assert_tree_close(to_numpy(engine.params), want_params, rtol=1e-4, atol=5e-5, what=f"stage {stage} x tensor {tensor}")
@@ -282,9 +283,15 @@ def _train_lm(stage: int, tensor: int) -> tuple[list[float], zerojax.Engine]:
     return [float(engine.train_batch(batch(i))["loss"]) for i in range(2)], engine
 
 
-def test_an_annotated_flax_model_splits_by_its_logical_axes_and_equals_one_device() -> None:
-    want, reference = _train_lm(0, 1)
-    losses, engine = _train_lm(3, 2)
+_LM_REFERENCE: list[Any] = []
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_annotated_flax_model_splits_by_its_logical_axes_and_equals_one_device(stage: int) -> None:
+    if not _LM_REFERENCE:
+        _LM_REFERENCE.extend(_train_lm(0, 1))
+    want, reference = _LM_REFERENCE
+    losses, engine = _train_lm(stage, 2)
     dims = engine.plan.tensor_dims
     assert dims["blocks"][0]["attention"]["query"]["kernel"] == 1 and dims["blocks"][0]["up"]["kernel"] == 1
     assert dims["blocks"][0]["down"]["kernel"] == 0 and dims["embed"]["embedding"] == 0
@@ -328,23 +335,24 @@ def test_a_split_the_tensor_size_does_not_divide_is_one_error_naming_the_leaf() 
 
 # -- composed with pipeline stages ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_tensor_by_pipeline_by_zero_equals_one_device(stage: int, tmp_path: Any) -> None:
-    """2 pipeline stages x 2 data x 2 tensor slices: each stage row holds its tensor slice of every
-    split weight, the stage's layers run on slices, and two steps give the unpipelined model's."""
+@pytest.mark.parametrize("tensor", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_tensor_by_pipeline_by_zero_equals_one_device(stage: int, tensor: int, tmp_path: Any) -> None:
+    """2 pipeline stages x (2 data x 2 tensor, or 1 data x 4 tensor): each stage row holds its tensor
+    slice of every split weight, the stage's layers run on slices, and two steps give the unpipelined
+    model's."""
     from helpers import SGD, reference_run
     from zerojax.models import gpt
 
-    cfg = _config(GPT, stage, gas=2, optimizer=SGD, gradient_clipping=0.0, mesh={"stage": 2, "tensor": 2},
-                  zero_allow_untested_optimizer=True,
-                  pipeline={"schedule": "1f1b"})
+    cfg = _config(GPT, stage, gas=2, optimizer=SGD, gradient_clipping=0.0, mesh={"stage": 2, "tensor": tensor},
+                  zero_allow_untested_optimizer=True, pipeline={"schedule": "1f1b"})
     params = gpt.init_params(cfg.model, 0)
     module = gpt.pipeline_module(cfg.model)
-    devices = np.array(jax.devices()).reshape(2, 2, 2)
+    devices = np.array(jax.devices()).reshape(2, 8 // (2 * tensor), tensor)
     engine = zerojax.initialize(cfg, model=module, params=gpt.pipeline_params(cfg.model, params),
                                 mesh=Mesh(devices, ("stage", "data", "tensor")))
     rows = engine.pipeline.rows
-    assert rows.tensor == 2 and engine.state.params["stages"].shape == (2, 2, rows.width)
+    assert rows.tensor == tensor and engine.state.params["stages"].shape == (2, tensor, rows.width)
     assert "layer_1.fc.kernel" in engine.plan.tensor_plan or "layer_01.fc.kernel" in engine.plan.tensor_plan
     data = [batch(i) for i in range(2)]
     losses = [float(engine.train_batch(b)["loss"]) for b in data]
@@ -406,7 +414,9 @@ def test_an_unannotated_flax_model_trains_on_the_pairs_read_off_its_loss() -> No
     """The Flax model above without using its annotations (no logical_axis_rules): its attention's
     [features, heads, head_dim] kernels split by heads and the MLP pair (the tied embedding, read
     transposed by `attend`, stays whole)."""
-    want, reference = _train_lm(0, 1)
+    if not _LM_REFERENCE:
+        _LM_REFERENCE.extend(_train_lm(0, 1))
+    want, reference = _LM_REFERENCE
     params, loss_fn = zerojax.from_nnx(lambda: LM(rngs=nnx.Rngs(0)), lm_loss)
     dims = zerojax.find_tensor_splits(loss_fn, params, batch(0), size=2)
     block = dims["blocks"][0]
