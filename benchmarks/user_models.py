@@ -21,9 +21,12 @@ all in one run; it writes the section between the `user-models` markers of docs/
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -190,6 +193,70 @@ def make_fsdp_step(params: Any, loss_fn: Callable[..., jax.Array], mesh: Any, *,
                           donate_argnums=0)
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\S+) ([a-z][\w\-]*)\(")
+_GATHERS = ("all-gather", "all-gather-start", "all-gather-done", "copy", "bitcast", "dynamic-slice")
+
+
+def compile_with_peak(lowered: Any, weight_shapes: set[str]) -> tuple[Any, dict[str, int]]:
+    """Compile `lowered` with XLA's buffer dumps on and read what is live at the step's peak.
+
+    XLA's live-range report (`*-live-range.txt`, "Live ranges at N (peak)") lists every buffer live
+    at the moment arguments + temporaries + outputs are largest; the train state's arguments are
+    left out here. Each buffer is attributed by its shape and the op that made it:
+    `gathered`: a whole weight (a layer's, or a leaf used whole) made by a gather or its copies;
+    `grads`: a whole weight's gradient (a backward-pass op, not a gather), waiting for its
+    reduce-scatter; `other`: activations, gradient shards and the update's temporaries.
+    """
+    from jax._src import compilation_cache  # a persistent-cache hit compiles nothing, so dumps nothing
+    with tempfile.TemporaryDirectory() as d:
+        used = getattr(compilation_cache, "_cache_used", None)
+        try:
+            if used:
+                compilation_cache._cache_used = False
+            compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_as_text": True,
+                                        "xla_dump_hlo_module_re": "jit_step"})
+        finally:
+            if used:
+                compilation_cache._cache_used = used
+        ranges = glob.glob(os.path.join(d, "*live-range.txt"))
+        if not ranges:
+            return compiled, {}
+        text = open(ranges[0]).read()
+        hlo = open(ranges[0].replace("-live-range.txt", ".txt")).read()
+    info: dict[str, tuple[str, str, str]] = {}
+    entry = False
+    for line in hlo.splitlines():
+        entry = entry or line.startswith("ENTRY")
+        m = _INSTR.match(line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            info[m.group(1)] = (m.group(2).split("{")[0], m.group(3) if not (entry and m.group(3) == "parameter")
+                                else "argument", op.group(1) if op else "")
+    out = {"gathered": 0, "grads": 0, "other": 0}
+    block = text.split("(peak):")[-1].split("Stack trace")[0]
+    for m in re.finditer(r"([\w.\-]+)\{[\d,]*\}: (\d+) bytes", block):
+        shape, opcode, op_name = info.get(m.group(1), ("?", "?", ""))
+        if opcode == "argument":
+            continue
+        if shape in weight_shapes:
+            key = "grads" if "transpose(" in op_name and opcode not in _GATHERS else "gathered"
+        else:
+            key = "other"
+        out[key] += int(m.group(2))
+    return compiled, out
+
+
+def weight_shapes(params: Any, layer_axes: Any) -> set[str]:
+    """HLO shape strings (`f32[256,128]`) of each weight as a use gathers it (one layer of a stacked
+    leaf), 2-D and up (biases and norm scales are too small to matter and collide with activations)."""
+    from zerojax.core.sharded_init import abstract_params
+    shapes = set()
+    for x, a in zip(jax.tree.leaves(abstract_params(params)), jax.tree.leaves(layer_axes)):
+        if len(x.shape[a:]) >= 2:
+            shapes.add(f"f32[{','.join(map(str, x.shape[a:]))}]")
+    return shapes
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 4096],
@@ -219,6 +286,7 @@ def _measure_rows(args: argparse.Namespace, batch_rows: int) -> dict:
         params, loss_fn, make_batch = SHAPES[shape](width=width, layers=layers, **kw)
         psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(zerojax.core.sharded_init.abstract_params(params)))
         data = [make_batch(batch_rows, i) for i in range(args.warmup + args.rounds)]
+        shapes = weight_shapes(params, zerojax.find_layer_axes(loss_fn, params, data[0]))
         runners: dict = {}
         rows: dict = {}
         for stage in CONFIGS:
@@ -232,16 +300,16 @@ def _measure_rows(args: argparse.Namespace, batch_rows: int) -> dict:
             state = zerojax.init_state(cfg, plan, params)
             step = zerojax.make_train_step(cfg, plan, loss_fn)
             t = time.perf_counter()
-            compiled = step.lower(state, data[0]).compile()
-            rows[stage] = {"compile_s": time.perf_counter() - t}
+            compiled, at_peak = compile_with_peak(step.lower(state, data[0]), shapes)
+            rows[stage] = {"compile_s": time.perf_counter() - t, "at_peak": at_peak}
             runners[stage] = [compiled, state]
             print(f"{batch_rows} rows, {shape} stage {stage}: compiled", file=sys.stderr, flush=True)
         whole = params if not isinstance(params, zerojax.ParamsInit) else jax.jit(params.fn)()
         state, step = make_fsdp_step(whole, loss_fn, mesh, lr=lr)
         del whole
         t = time.perf_counter()
-        compiled = step.lower(state, data[0]).compile()
-        rows[FSDP] = {"compile_s": time.perf_counter() - t}
+        compiled, at_peak = compile_with_peak(step.lower(state, data[0]), shapes)
+        rows[FSDP] = {"compile_s": time.perf_counter() - t, "at_peak": at_peak}
         runners[FSDP] = [compiled, state]
         for key, (compiled, _) in runners.items():
             mem = compiled.memory_analysis()
@@ -300,6 +368,7 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
     names = {"nnx_scan": "Flax NNX: `nnx.vmap` layers, `nnx.scan` + `nnx.remat` (via `from_nnx(constructor, loss)`)",
              "lax_scan": "plain loss: `lax.scan` + `jax.checkpoint` over stacked layers",
              "loop": "plain loss: Python loop over a list of layers (no scan, no remat)"}
+    short = {"3": "ZeRO-3", "3+prefetch": "ZeRO-3 + prefetch", FSDP: "FSDP"}
     for batch_rows, shapes in results.items():
         out += [f"### Global batch {batch_rows} ({batch_rows // n} rows per device)", ""]
         for shape, r in shapes.items():
@@ -317,6 +386,16 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
                 out.append(f"| {name} | {row['temp'] / (4 * psi):.2f} | {row['peak'] / 2**20:.1f} | "
                            f"{base_peak / row['peak']:.2f} | {row['elems'] / (3 * psi * frac):.2f} | {kinds or '-'} | "
                            f"{row['step_s']:.3f} | {row['step_s'] / fsdp_t:.2f} |")
+            out += ["", "At the step's peak (XLA's live-range report, train-state arguments left out), in "
+                    f"layers ({r['layers']} layers: one layer = 4Ψ/{r['layers']} bytes):", "",
+                    "| config | gathered weights | full gradients awaiting reduce-scatter | other (activations, "
+                    "gradient shards, update) |", "|---|---|---|---|"]
+            unit = 4 * psi / r["layers"]
+            for key in ("3", "3+prefetch", FSDP):
+                b = rows[key].get("at_peak") or {}
+                if b:
+                    out.append(f"| {short[key]} | {b['gathered'] / unit:.2f} | {b['grads'] / unit:.2f} | "
+                               f"{b['other'] / unit:.2f} |")
             out.append("")
     out.append(END)
     return "\n".join(out)

@@ -428,22 +428,30 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
             shards = [reduce_scatter_shard(g, l.dim - 1, l.wire) for l, g in zip(leaves, g_layer)]
             return g_cs, g_carry, g_other, shards
 
-        def step(c: tuple[Any, Any, Any], x: tuple[Any, Any, Any, Any]) -> tuple[Any, Any]:
-            d_carry, current, d_cs = c
+        def step(c: tuple[Any, Any, Any, Any], x: tuple[Any, Any, Any, Any]) -> tuple[Any, Any]:
+            d_carry, current, d_cs, d_stacks = c
             i, other, carry, ct_y = x
             below = gather_layer(stacks, i - 1)  # the layer below, ahead of its turn
             g_cs, g_carry, g_other, shards = layer_vjp(d_carry, current, other, carry, ct_y)
-            return (g_carry, below, jax.tree.map(jnp.add, d_cs, g_cs)), (g_other, shards)
+            d_stacks = [jax.lax.dynamic_update_index_in_dim(d, s.astype(d.dtype), i, 0)
+                        for d, s in zip(d_stacks, shards)]
+            return (g_carry, below, jax.tree.map(jnp.add, d_cs, g_cs), d_stacks), g_other
 
+        # Nothing of the backward pass may start before its cotangent arrives: the top layer's
+        # gather and the gradient shards' buffer are tied to it (`_after`), else the compiler
+        # hoists them next to the forward loop (one more layer whole, and every gradient shard,
+        # live through the whole forward pass).
+        late = _after([*stacks, *[jnp.zeros_like(s) for s in stacks]], ct)
+        top = gather_layer(late[:len(stacks)], length - 1)
         rest = slice(1, None)
-        (d_carry, current, d_cs), (d_other, d_stacks) = jax.lax.scan(
-            step, (ct_last, gather_layer(stacks, length - 1), jax.tree.map(jnp.zeros_like, cs)),
+        (d_carry, current, d_cs, d_stacks), d_other = jax.lax.scan(
+            step, (ct_last, top, jax.tree.map(jnp.zeros_like, cs), late[len(stacks):]),
             (jnp.arange(1, length), at(other_xs, rest), at(carries, rest), at(ct_ys, rest)),
             reverse=True, unroll=p["unroll"])
         g_cs, d_carry0, g_other, shards = layer_vjp(d_carry, current, at(other_xs, 0), at(carries, 0), at(ct_ys, 0))
+        d_stacks = [jax.lax.dynamic_update_index_in_dim(d, s.astype(d.dtype), 0, 0) for d, s in zip(d_stacks, shards)]
         join = lambda a, b: jnp.concatenate([a[None], b])  # noqa: E731
-        return (jax.tree.map(jnp.add, d_cs, g_cs), d_carry0, jax.tree.map(join, shards, d_stacks),
-                jax.tree.map(join, g_other, d_other))
+        return (jax.tree.map(jnp.add, d_cs, g_cs), d_carry0, d_stacks, jax.tree.map(join, g_other, d_other))
 
     run.defvjp(fwd, bwd)
     last, ys = run(consts, init, [l.shard for l in leaves], other_xs)
