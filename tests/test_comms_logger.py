@@ -33,7 +33,7 @@ def _stage2_text() -> tuple[str, int]:
 
 
 def _row(report: str, op: str) -> tuple[int, float]:
-    m = re.search(rf"^\s+{op}\s+\S+\s+(\d+)\s+([\d,]+) B", report, re.M)
+    m = re.search(rf"^\s+{op}(?: \([^)]*\))?\s+\S+\s+(\d+)\s+([\d,]+) B", report, re.M)
     assert m, report
     return int(m.group(1)), float(m.group(2).replace(",", ""))
 
@@ -81,6 +81,7 @@ def test_run_prints_comms_memory_and_time(tmp_path: Path, capsys: pytest.Capture
     count4, bytes4 = _row(reports[1], "reduce-scatter")
     assert count1 > 0 and bytes1 > 0 and count4 == 4 * count1 and bytes4 == pytest.approx(4 * bytes1, rel=1e-3)
     assert "all-gather" not in reports[0].split("total")[0]  # prof_ops kept only reduce-scatter
+    assert "reduce-scatter (data)" in reports[0]  # the run's mesh names each collective's axes
     assert out.count("memory breakdown: measured on device 0") == 2  # steps 2 and 4
     assert len(re.findall(r": live arrays [\d.]+ MiB", out)) == 2 * len(jax.local_devices())
     times = re.findall(r"time per step: data ([\d.]+) ms, dispatch ([\d.]+) ms, device ([\d.]+) ms, log", out)
