@@ -9,16 +9,15 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 
-from zerojax.checkpoint.format import PIPELINE_ROWS, PathLike, STATE_DIR, absolute, closing
+from zerojax.checkpoint.format import PIPELINE_ROWS, PathLike, STATE_DIR, absolute
 from zerojax.checkpoint.integrity import read_meta
 from zerojax.checkpoint.pending import resolve_tag
-from zerojax.checkpoint.loading import reading, verified
+from zerojax.checkpoint.loading import read_leaves, reading, verified
 from zerojax.errors import ConfigError
 from zerojax.core.names import join
 
@@ -37,16 +36,6 @@ def unpipelined_tag(directory: PathLike, tag: str | None, what: str) -> tuple[Pa
         raise ConfigError(f"{what}: this checkpoint is of a pipelined run (mesh.stage > 1); export it with "
                           f"--format safetensors (the default) instead")
     return tag_dir, meta
-
-
-def read_leaves(state_dir: Path, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Each named array whole on the host, one at a time: memory stays near the largest leaf."""
-    with reading(state_dir.parent), closing(ocp.PyTreeCheckpointer()) as ckptr:
-        for name in names:
-            out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
-                item={name: 0}, restore_args={name: ocp.RestoreArgs(restore_type=np.ndarray)},
-                partial_restore=True))
-            yield name, out[name]
 
 
 def export_safetensors(directory: PathLike, tag: str | None, out_path: PathLike, dtype: str = "fp32", *,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.format import PIPELINE_ROWS, CheckpointError, FORMAT, META_FILE, PathLike, STATE_DIR, absolute, closing, leaf_names, named_leaves, state_fields
@@ -40,9 +41,9 @@ def check_compatible(meta: Mapping[str, Any], plan: Plan, where: PathLike = "che
     if lines:
         shown = lines[:40] + ([f"  ... and {len(lines) - 40} more"] if len(lines) > 40 else [])
         rows = meta.get("extra", {}).get(PIPELINE_ROWS)
-        hint = ("\nthis is a pipelined run's checkpoint: its stage rows are laid out for its mesh.stage and "
-                "mesh.tensor, so it resumes with those two (any data size and ZeRO stage); to change them, "
-                "`zerojax export` it and pass zerojax.checkpoint.load_exported(file) as initialize(..., params=)"
+        hint = ("\nthis is a pipelined run's checkpoint: it resumes in a pipeline (any mesh.stage, mesh.tensor, "
+                "data size and ZeRO stage); for an unpipelined run, `zerojax export` it and pass "
+                "zerojax.checkpoint.load_exported(file) (re-stacked as the model's tree) as initialize(..., params=)"
                 if rows else "")
         raise CheckpointError(f"checkpoint {where} holds a different model: {len(lines)} parameter(s) differ\n"
                               + "\n".join(shown) + hint)
@@ -67,6 +68,16 @@ def reading(tag_dir: Path) -> Iterator[None]:
         raise corrupt_error(tag_dir, f"orbax could not read {tag_dir / STATE_DIR} ({type(e).__name__}: {first})") from None
 
 
+def read_leaves(state_dir: Path, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """Each named array whole on the host, one at a time: memory stays near the largest leaf."""
+    with reading(state_dir.parent), closing(ocp.PyTreeCheckpointer()) as ckptr:
+        for name in names:
+            out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
+                item={name: 0}, restore_args={name: ocp.RestoreArgs(restore_type=np.ndarray)},
+                partial_restore=True))
+            yield name, out[name]
+
+
 def verified(tag_dir: Path, meta: Mapping[str, Any]) -> None:
     problem = first_bad_file(tag_dir, meta)
     if problem is not None:
@@ -89,8 +100,12 @@ def _unflatten(abstract: Any, prefix: str, values: Mapping[str, Any]) -> Any:
     return jax.tree.unflatten(jax.tree.structure(abstract), [values[n] for n in names])
 
 
+Relayout = Callable[[np.ndarray, Mapping[str, Any]], np.ndarray]  # (saved array, the tag's meta) -> target's
+
+
 def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_states: bool = True,
-         load_module_only: bool = False, verify: bool = True) -> tuple[TrainState, dict[str, Any]]:
+         load_module_only: bool = False, verify: bool = True, relayout: Relayout | None = None
+         ) -> tuple[TrainState, dict[str, Any]]:
     """Restore a checkpoint (tag None: latest) into `plan`'s layout, on any mesh and ZeRO stage.
 
     Each device reads only its own shards. The fp32 master copy (the saved parameters when the run
@@ -100,15 +115,19 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     counters, fresh optimizer state. Returns the state and the `extra` dict given to `save`.
     Every file of the tag is first checked against its save's checksums (`verify=False` skips
     that read): a damaged tag is one CheckpointError naming the file and a tag that verifies.
+    `relayout`: how a leaf saved with another shape becomes the plan's (a pipeline's stage rows, saved
+    at another tensor size); such leaves are read whole on the host and placed once converted.
     """
     tag_dir = resolve_tag(absolute(directory), tag)
     meta = read_meta(tag_dir)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{tag_dir / META_FILE} is not a zerojax checkpoint")
-    check_compatible(meta, plan, tag_dir)
+    target = abstract_state(plan)
+    moved = _moved(meta, target) if relayout is not None else set()
+    if not moved:
+        check_compatible(meta, plan, tag_dir)
     if verify:
         verified(tag_dir, meta)
-    target = abstract_state(plan)
     pol = plan.policy
     truth_target = target.master if pol.mixed else target.params
 
@@ -119,7 +138,8 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
             if field in ("params", "master") or (field == "opt_state" and not load_optimizer_states):
                 continue
             wanted = _shapes(abstract, field)
-            lines = _mismatch_lines(_group(meta, field), wanted)
+            lines = _mismatch_lines({k: v for k, v in _group(meta, field).items() if k not in moved},
+                                    {k: v for k, v in wanted.items() if k not in moved})
             if lines and field == "opt_state":
                 raise CheckpointError(f"checkpoint {tag_dir}: the optimizer state differs from this plan's "
                                       f"(another optimizer or schedule?); load with load_optimizer_states=False "
@@ -128,7 +148,10 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
                 continue  # a field this checkpoint predates: it starts fresh
             targets.update(named_leaves(abstract, field))
             restored_fields.append(field)
-    values = _restore(tag_dir / STATE_DIR, targets)
+    values = _restore(tag_dir / STATE_DIR, {k: v for k, v in targets.items() if k not in moved})
+    for name, array in read_leaves(tag_dir / STATE_DIR, [k for k in targets if k in moved]):
+        want = targets[name]
+        values[name] = jax.device_put(np.asarray(relayout(array, meta), want.dtype), want.sharding)
 
     truth = _unflatten(truth_target, meta["truth"], values)
     missing = [f for f, _ in state_fields(target) if f not in ("params", "master") and f not in restored_fields]
@@ -142,6 +165,17 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     for field in restored_fields:
         fields[field] = _unflatten(getattr(target, field), field, values)
     return TrainState(**fields), dict(meta.get("extra", {}))
+
+
+def _moved(meta: Mapping[str, Any], target: TrainState) -> set[str]:
+    """Leaves saved under the same name with another shape (what a `relayout` converts)."""
+    saved = meta["leaves"]
+    out = set()
+    for field, abstract in state_fields(target):
+        for name, shape in _shapes(abstract, field).items():
+            if name in saved and tuple(saved[name]["shape"]) != tuple(shape):
+                out.add(name)
+    return out
 
 
 def metadata(directory: PathLike, tag: str | None = None) -> dict[str, Any]:

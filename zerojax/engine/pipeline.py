@@ -6,7 +6,10 @@ TrainState) whose plan lays out the stage rows and whose steps run the pipeline 
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
+
+import numpy as np
 
 from jax.sharding import Mesh
 
@@ -45,6 +48,36 @@ class PipelineEngine(Engine):
         from zerojax.checkpoint import PIPELINE_ROWS  # orbax is imported only when checkpoints are used
         extra = {PIPELINE_ROWS: {"array": ROWS, "leaves": self.pipeline.rows.manifest()}, **(extra or {})}
         return super().save_checkpoint(save_dir, tag, client_state, extra=extra, async_save=async_save)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        ) -> tuple[str, Any]:
+        """As Engine.load_checkpoint; rows saved at another tensor size (or stage count) are read whole,
+        cut into the logical parameters by the saved manifest and packed into this run's rows (the
+        optimizer's moments with them: the pipeline optimizers are elementwise)."""
+        from zerojax import checkpoint
+        del load_lr_scheduler_states
+        self.wait_for_checkpoint()
+        self.state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
+                                            load_module_only=load_module_only, relayout=self._relayout)
+        self.loaded_extra = extra
+        resolved = tag or checkpoint.latest_tag(load_dir)
+        return str(Path(load_dir) / str(resolved)), extra.get("client_state")
+
+    def _relayout(self, saved: Any, meta: Mapping[str, Any]) -> Any:
+        from zerojax.checkpoint import PIPELINE_ROWS
+        from zerojax.checkpoint.export import pipeline_leaf
+        rows = meta.get("extra", {}).get(PIPELINE_ROWS)
+        if rows is None:
+            raise ValueError("checkpoint: rows of another shape without the pipeline's row manifest")
+        logical: dict[str, Any] = {}
+        for name, entry in rows["leaves"].items():
+            *parents, leaf = name.split(".")
+            node = logical
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = pipeline_leaf(np.asarray(saved), entry)
+        return np.asarray(self.pipeline.rows.pack(logical, saved.dtype))
 
     def generate(self, prompts: Any, max_new_tokens: int, **kwargs: Any) -> Any:
         """Refused: a pipeline's layers live on different stages, and generation here runs the whole model."""
