@@ -379,9 +379,9 @@ def test_tensor_sizes_follow_the_host_and_the_heads() -> None:
     assert E.tensor_sizes(_request(16, 8, tensor=(2,)), arch) == ([2], [])
     assert "tensor stays in a host" in E.tensor_sizes(_request(16, 2, tensor=(4,)), arch)[1][0]
     gqa = E.hf_model(dict(LLAMA_7B, num_key_value_heads=8)).arch
-    assert (TP.local_kv_heads(gqa, 4), TP.local_kv_heads(gqa, 16)) == (2, 1)  # split, then one each
+    assert (TP.local_kv_heads(gqa, 4), TP.local_kv_heads(gqa, 16)) == (2, 8)  # split, then kept whole
     odd = E.hf_model(dict(LLAMA_7B, num_key_value_heads=6, num_attention_heads=48)).arch
-    assert TP.invalid(odd, 4) == "6 key/value heads neither divide by T=4 nor divide it"
+    assert TP.invalid(odd, 4) is None and TP.local_kv_heads(odd, 4) == 6
     assert E.parse_tensor("1,2, 4") == E.parse_tensor(["4", "2 1"]) == (1, 2, 4)
     assert E.parse_tensor(8) == (8,) and E.parse_tensor(None) is None
     with pytest.raises(ConfigError, match="--tensor"):

@@ -1,10 +1,12 @@
 """Tensor-parallel accounting for `zerojax estimate` (docs/estimate.md, "Tensor parallelism").
 
-Megatron-style slicing over a `tensor` mesh axis of size T, innermost (within a host): each
-layer's attention projections, MLP projections and the vocabulary embedding / head are split T
+Megatron-style slicing over a `tensor` mesh axis of size T, innermost (within a host), as zerojax's
+planner slices the shipped models (`zerojax.planner.tensor`): each layer's query/key/value and
+attention output projections, MLP projections and the vocabulary embedding / head are split T
 ways; norms, positional embeddings and the biases of row-parallel layers stay whole on every
-device. Key/value heads are split while T divides their count and replicated (one head per
-device) when T exceeds it. The functions here are pure arithmetic on shapes: what one device's
+device, and so do the GPT's fused qkv projection and its attention output (their [q | k | v]
+columns are not head-major). Key/value projections are split while T divides their heads and
+kept whole otherwise. The functions here are pure arithmetic on shapes: what one device's
 tensor slice holds, what activations it keeps, and what its all-reduces move.
 """
 from __future__ import annotations
@@ -17,9 +19,9 @@ import jax
 
 # Module names (the parent key of a kernel or bias) by how Megatron slices them. Covers the
 # embedded GPT and Llama and the Hugging Face GPT-2 / Llama trees that `hf_model` builds.
-COLUMN = frozenset({"q", "qkv", "c_attn", "gate", "up", "fc", "c_fc"})   # output dimension split
+COLUMN = frozenset({"q", "gate", "up", "fc", "c_fc"})                    # output dimension split
 KV = frozenset({"k", "v"})                                               # output split by KV head
-ROW = frozenset({"o", "down", "proj", "out", "attn_proj", "mlp_proj"})  # input dimension split
+ROW = frozenset({"o", "down", "out", "mlp_proj"})                        # input dimension split
 VOCAB_ROWS = frozenset({"embed", "wte"})                                 # [vocab, hidden] embedding
 VOCAB_COLS = frozenset({"head", "lm_head"})                              # [hidden, vocab] head
 
@@ -39,7 +41,7 @@ class Arch:
 
 def invalid(arch: Arch, t: int) -> str | None:
     """Why `t` cannot slice this model (None: it can). Heads and the MLP width must divide; KV
-    heads either divide or are replicated (T a multiple of their count). The vocabulary is padded
+    heads that do not are kept whole. The vocabulary is padded
     to a multiple of T, as Megatron pads it, so it never blocks a size."""
     if t < 1:
         return f"T={t} is not a size"
@@ -47,14 +49,12 @@ def invalid(arch: Arch, t: int) -> str | None:
         return f"{arch.heads} attention heads do not divide by T={t}"
     if arch.intermediate % t:
         return f"MLP width {arch.intermediate} does not divide by T={t}"
-    if arch.kv_heads % t and t % arch.kv_heads:
-        return f"{arch.kv_heads} key/value heads neither divide by T={t} nor divide it"
     return None
 
 
 def local_kv_heads(arch: Arch, t: int) -> int:
-    """KV heads one device holds: split while T divides them, else one (replicated T/kv ways)."""
-    return arch.kv_heads // t if arch.kv_heads % t == 0 else 1
+    """KV heads one device holds: split while T divides them, else all of them (kept whole)."""
+    return arch.kv_heads // t if arch.kv_heads % t == 0 else arch.kv_heads
 
 
 def _name(key: Any) -> str:
