@@ -213,6 +213,8 @@ class UpdateRule(NamedTuple):
     adam: AdamSettings | None = None  # Adam's constants, for the fused kernel (None: not Adam)
     strict: bool = False           # kernels forced (`pallas`): a failed self-check is an error, not XLA
     checked: bool = False          # the backend needs no self-check (XLA, or chosen in code: `with_kernels`)
+    norm: Callable[[Any], jax.Array] | None = None  # the gradient tree's global L2 norm (None: optax's);
+    #                                   a layout that stores some values more than once counts each once
 
 
 class StepRule(NamedTuple):

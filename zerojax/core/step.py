@@ -383,7 +383,7 @@ def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Arra
     """The update with optax, under XLA's automatic partitioner."""
     pol = plan.policy
     grads = jax.tree.map(lambda g: g.astype(pol.master) * inv_scale, grads)
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = optax.tree.norm(grads) if plan.rule.norm is None else plan.rule.norm(grads)
     finite = leaf_finite(grads)
     overflow = _overflow(plan, state, finite, loss_ok)
 

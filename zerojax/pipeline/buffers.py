@@ -139,6 +139,42 @@ class StageRows:
                 out[key] = self.slot(key).unflatten(tied_in[key], dtype)
         return out
 
+    def whole_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per device row, the [start, end) ranges of leaves kept whole (copied into every tensor slice)."""
+        out = []
+        for slots in self.slots:
+            ranges: list[tuple[int, int]] = []
+            for slot in sorted(slots.values(), key=lambda sl: sl.offset):
+                start = slot.offset
+                for shape, dim in zip(slot.shapes, slot.dims or (None,) * len(slot.shapes)):
+                    end = start + math.prod(shape)
+                    if dim is None:
+                        if ranges and ranges[-1][1] == start:
+                            ranges[-1] = (ranges[-1][0], end)
+                        else:
+                            ranges.append((start, end))
+                    start = end
+            out.append(ranges)
+        return out
+
+    def norm(self, grads: Any) -> jax.Array:
+        """The global L2 norm of `{rows: [S, tensor, width]}` gradients counting each whole leaf once:
+        its copies in tensor slices 1.. are left out (Megatron's rule for tensor-duplicated parameters).
+        The mask is computed from each row's whole ranges, never stored."""
+        (g,) = jax.tree.leaves(grads)
+        ranges = self.whole_ranges()
+        k = max(1, max(len(r) for r in ranges))
+        bounds = np.full((self.stages, 2 * k), self.width + 1, np.int32)
+        for d, rs in enumerate(ranges):
+            for i, (a, b) in enumerate(rs):
+                bounds[d, 2 * i:2 * i + 2] = (a, b)
+        pos = jnp.arange(self.width, dtype=jnp.int32)
+        inside = jax.vmap(lambda b: jnp.searchsorted(b, pos, side="right") % 2 == 1)(jnp.asarray(bounds))
+        first = (jnp.arange(self.tensor) == 0)[None, :, None]
+        counted = ~inside[:, None, :] | first  # split leaves in every slice, whole ones in slice 0
+        sq = jnp.square(g.astype(jnp.float32))
+        return jnp.sqrt(jnp.sum(jnp.where(counted, sq, 0.0)))
+
     def stage_dims(self, virtual_stage: int) -> dict[str, Any]:
         """Per entry the virtual stage reads, its leaves' tensor-split dimensions (as `read_stage` gives them)."""
         return {key: self.slot(key).tree_dims() for key in self.stage_keys(virtual_stage)}

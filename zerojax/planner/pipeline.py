@@ -35,10 +35,10 @@ def _layer_plan(config: Config, mesh: Mesh, module: PipelineModule) -> TensorPla
     return tensor_split(config, mesh, abstract, jax.tree.map(lambda _: None, abstract), STAGE)
 
 
-def _layer_dims(config: Config, mesh: Mesh, module: PipelineModule) -> dict[str, tuple[int | None, ...]]:
+def _layer_dims(module: PipelineModule, layer_plan: TensorPlan) -> dict[str, tuple[int | None, ...]]:
     """Per entry of the module, its leaves' tensor-split dimensions in leaf order."""
     abstract = module.abstract_params()
-    dims = iter(_layer_plan(config, mesh, module).dims)
+    dims = iter(layer_plan.dims)
     return {key: tuple(next(dims) for _ in jax.tree.leaves(abstract[key])) for key in sorted(abstract)}  # tree order
 
 
@@ -74,13 +74,15 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     # Rows padded to a multiple of lcm(dp, 128): ZeRO can shard them, and for power-of-two data
     # sizes up to 128 the width (so a checkpoint's shapes) does not depend on dp.
     tensor = tensor_size(mesh)
+    layer_plan = _layer_plan(config, mesh, module) if tensor > 1 else None
     rows = stage_rows(module, stages, chunks, align=math.lcm(dp, 128), tensor=tensor,
-                      dims=_layer_dims(config, mesh, module) if tensor > 1 else None)
+                      dims=_layer_dims(module, layer_plan) if layer_plan is not None else None)
     shape = (stages, tensor, rows.width) if tensor > 1 else (stages, rows.width)
     plan = make_plan(config, mesh, {ROWS: jax.ShapeDtypeStruct(shape, jnp.float32)}, lead=STAGE,
                      tensor_dims={ROWS: 1 if tensor > 1 else None})
-    if tensor > 1:
-        plan = dataclasses.replace(plan, tensor_plan=_layer_plan(config, mesh, module).describe(tensor))
+    if tensor > 1:  # whole leaves are copied into every tensor slice's row: the norm counts them once
+        plan = dataclasses.replace(plan, tensor_plan=layer_plan.describe(tensor),
+                                   rule=plan.rule._replace(norm=rows.norm))
     if plan.kernels != XLA:
         # The fused kernels reduce their gradient statistics over `data` only; a pipeline's rows
         # are split over `stage` too, so pipelines keep the optax update.
