@@ -26,12 +26,12 @@ from zerojax.checkpoint.format import (FORMAT, LATEST_FILE, META_FILE, PIPELINE_
                                        PathLike, absolute, check_tag, default_tag, flatten_state, latest_tag,
                                        leaf_names, list_tags)
 from zerojax.checkpoint.integrity import file_checksums, nonfinite_params, read_meta, verify
-from zerojax.checkpoint.loading import check_compatible, load, metadata, verified
+from zerojax.checkpoint.loading import Relayout, check_compatible, load, metadata, verified
 from zerojax.checkpoint.pending import PendingSave, resolve_tag, wait_all
 from zerojax.checkpoint.saving import prune, save
 
 __all__ = ["CheckpointError", "PendingSave", "absolute", "check_compatible", "check_tag", "default_tag",
            "export_safetensors", "file_checksums", "flatten_state", "latest_tag", "leaf_names", "list_tags", "load",
            "load_exported", "metadata", "nonfinite_params", "prune", "read_leaves", "read_meta", "read_params",
-           "resolve_tag", "save", "unpipelined_tag", "verified", "verify", "wait_all", "FORMAT", "LATEST_FILE", "META_FILE", "PIPELINE_ROWS",
+           "Relayout", "resolve_tag", "save", "unpipelined_tag", "verified", "verify", "wait_all", "FORMAT", "LATEST_FILE", "META_FILE", "PIPELINE_ROWS",
            "STATE_DIR", "VERSION", "PathLike"]

@@ -4,6 +4,7 @@ plan's layout (orbax with abstract targets), so a checkpoint resumes on any mesh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -100,7 +101,13 @@ def _unflatten(abstract: Any, prefix: str, values: Mapping[str, Any]) -> Any:
     return jax.tree.unflatten(jax.tree.structure(abstract), [values[n] for n in names])
 
 
-Relayout = Callable[[np.ndarray, Mapping[str, Any]], np.ndarray]  # (saved array, the tag's meta) -> target's
+@dataclasses.dataclass(frozen=True)
+class Relayout:
+    """How saved leaves of another layout become the plan's (a pipeline's stage rows saved at another
+    stage count or tensor size): `convert(saved array, the tag's meta)` gives the target's array, for
+    every leaf `wanted(name, meta)` picks and every leaf saved under its name with another shape."""
+    convert: Callable[[np.ndarray, Mapping[str, Any]], np.ndarray]
+    wanted: Callable[[str, Mapping[str, Any]], bool] = lambda name, meta: False
 
 
 def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_states: bool = True,
@@ -115,15 +122,15 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     counters, fresh optimizer state. Returns the state and the `extra` dict given to `save`.
     Every file of the tag is first checked against its save's checksums (`verify=False` skips
     that read): a damaged tag is one CheckpointError naming the file and a tag that verifies.
-    `relayout`: how a leaf saved with another shape becomes the plan's (a pipeline's stage rows, saved
-    at another tensor size); such leaves are read whole on the host and placed once converted.
+    `relayout`: how leaves of another layout become the plan's (`Relayout`); such leaves are read whole
+    on the host and placed once converted, and the relayout checks that they hold this model.
     """
     tag_dir = resolve_tag(absolute(directory), tag)
     meta = read_meta(tag_dir)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{tag_dir / META_FILE} is not a zerojax checkpoint")
     target = abstract_state(plan)
-    moved = _moved(meta, target) if relayout is not None else set()
+    moved = _moved(meta, target, relayout) if relayout is not None else set()
     if not moved:
         check_compatible(meta, plan, tag_dir)
     if verify:
@@ -151,7 +158,7 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     values = _restore(tag_dir / STATE_DIR, {k: v for k, v in targets.items() if k not in moved})
     for name, array in read_leaves(tag_dir / STATE_DIR, [k for k in targets if k in moved]):
         want = targets[name]
-        values[name] = jax.device_put(np.asarray(relayout(array, meta), want.dtype), want.sharding)
+        values[name] = jax.device_put(np.asarray(relayout.convert(array, meta), want.dtype), want.sharding)
 
     truth = _unflatten(truth_target, meta["truth"], values)
     missing = [f for f, _ in state_fields(target) if f not in ("params", "master") and f not in restored_fields]
@@ -167,13 +174,13 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     return TrainState(**fields), dict(meta.get("extra", {}))
 
 
-def _moved(meta: Mapping[str, Any], target: TrainState) -> set[str]:
-    """Leaves saved under the same name with another shape (what a `relayout` converts)."""
+def _moved(meta: Mapping[str, Any], target: TrainState, relayout: Relayout) -> set[str]:
+    """Leaves a relayout converts: those it wants, and those saved under the same name with another shape."""
     saved = meta["leaves"]
     out = set()
     for field, abstract in state_fields(target):
         for name, shape in _shapes(abstract, field).items():
-            if name in saved and tuple(saved[name]["shape"]) != tuple(shape):
+            if name in saved and (tuple(saved[name]["shape"]) != tuple(shape) or relayout.wanted(name, meta)):
                 out.add(name)
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 from jax.sharding import Mesh
@@ -52,31 +53,48 @@ class PipelineEngine(Engine):
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         ) -> tuple[str, Any]:
-        """As Engine.load_checkpoint; rows saved at another tensor size (or stage count) are read whole,
-        cut into the logical parameters by the saved manifest and packed into this run's rows (the
-        optimizer's moments with them: the pipeline optimizers are elementwise)."""
+        """As Engine.load_checkpoint; rows laid out otherwise (another stage count, tensor size or
+        partition: the saved row manifest differs) are read whole, cut into the logical parameters by
+        that manifest and packed into this run's rows (the optimizer's moments with them: the
+        pipeline optimizers are elementwise)."""
         from zerojax import checkpoint
         del load_lr_scheduler_states
         self.wait_for_checkpoint()
+        mine = self.pipeline.rows.manifest()
+
+        def wanted(name: str, meta: Mapping[str, Any]) -> bool:
+            saved = meta.get("extra", {}).get(checkpoint.PIPELINE_ROWS, {}).get("leaves")
+            return name.split(".")[-1] == ROWS and saved is not None and saved != mine
+
         self.state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
-                                            load_module_only=load_module_only, relayout=self._relayout)
+                                            load_module_only=load_module_only,
+                                            relayout=checkpoint.Relayout(self._relayout, wanted))
         self.loaded_extra = extra
         resolved = tag or checkpoint.latest_tag(load_dir)
         return str(Path(load_dir) / str(resolved)), extra.get("client_state")
 
     def _relayout(self, saved: Any, meta: Mapping[str, Any]) -> Any:
-        from zerojax.checkpoint import PIPELINE_ROWS
+        """Saved rows -> this run's: each logical leaf cut out by the saved manifest, checked against
+        this module's parameters, and the entries rebuilt in their own tree order before packing."""
+        from zerojax.checkpoint import PIPELINE_ROWS, CheckpointError
         from zerojax.checkpoint.export import pipeline_leaf
-        rows = meta.get("extra", {}).get(PIPELINE_ROWS)
-        if rows is None:
-            raise ValueError("checkpoint: rows of another shape without the pipeline's row manifest")
-        logical: dict[str, Any] = {}
-        for name, entry in rows["leaves"].items():
-            *parents, leaf = name.split(".")
-            node = logical
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[leaf] = pipeline_leaf(np.asarray(saved), entry)
+        from zerojax.core.names import dotted
+        entries = meta.get("extra", {}).get(PIPELINE_ROWS, {}).get("leaves")
+        if entries is None:
+            raise CheckpointError("checkpoint: stage rows of another layout, without the row manifest to convert them")
+        table, logical = np.asarray(saved), {}
+        for key, entry in self.module.abstract_params().items():
+            paths, treedef = jax.tree_util.tree_flatten_with_path(entry)
+            leaves = []
+            for path, want in paths:
+                name = dotted(path, key)
+                found = entries.get(name)
+                if found is None or tuple(found["shape"]) != tuple(want.shape):
+                    got = "missing" if found is None else f"shape {tuple(found['shape'])}"
+                    raise CheckpointError(f"checkpoint holds a different model: {name} is {got}, this pipeline's "
+                                          f"model has shape {tuple(want.shape)}")
+                leaves.append(pipeline_leaf(table, found))
+            logical[key] = jax.tree.unflatten(treedef, leaves)
         return np.asarray(self.pipeline.rows.pack(logical, saved.dtype))
 
     def generate(self, prompts: Any, max_new_tokens: int, **kwargs: Any) -> Any:
