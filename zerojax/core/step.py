@@ -19,7 +19,6 @@ Anything that produces gradients in the update placement (the pipeline executor 
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -41,7 +40,6 @@ from zerojax.core.precision import LossScaleState, leaf_finite, update_loss_scal
 from zerojax.core.state import TrainState, state_shardings
 
 LossFn = Callable[..., jax.Array]
-_log = logging.getLogger(__name__)
 
 
 def handed_whole(lay: LeafLayout, marked: bool) -> bool:
@@ -106,18 +104,11 @@ def gathers_own(plan: Plan, loss_fn: LossFn) -> bool:
 
 
 def _on_slices(plan: Plan, loss_fn: LossFn) -> LossFn:
-    """The loss run on each device's tensor slices, Megatron's collectives placed by `tensor_parallel`;
-    an equation that needed its inputs gathered is logged once per trace (a split to reconsider)."""
+    """The loss run on each device's tensor slices, Megatron's collectives placed by `tensor_parallel`
+    (which logs any equation that needed its inputs gathered)."""
     if not plan.sliced:
         return loss_fn
-
-    def report(fallbacks: dict[str, int]) -> None:
-        if fallbacks:
-            listed = ", ".join(f"{name} x{n}" for name, n in sorted(fallbacks.items()))
-            _log.warning("tensor parallel: %d equations ran on gathered activations (%s); the weights' splits "
-                         "do not form Megatron's column -> row pairs there", sum(fallbacks.values()), listed)
-
-    return tensor_parallel(loss_fn, plan.tensor_dims, TENSOR, plan.tensor_size, report=report,
+    return tensor_parallel(loss_fn, plan.tensor_dims, TENSOR, plan.tensor_size,
                            partition_activations=plan.step.partition_activations)
 
 

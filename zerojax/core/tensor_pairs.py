@@ -55,7 +55,22 @@ class _Search(Group):
             self.broken |= x.origin
         return super().whole(x)
 
+    def _decided(self, x: Any) -> Any:
+        """A weight already given a split is read split at every later use, as the real run reads it."""
+        hit = self._leaf(x)
+        if hit is None:
+            return x
+        leaf, off = hit
+        if leaf in self.columns:
+            d = self.columns[leaf] - off
+            return Split(self.block(x, d), d, frozenset({leaf}))
+        if leaf in self.rows:
+            d = self.rows[leaf][0] - off
+            return Split(self.block(x, d), d)
+        return x
+
     def before(self, eqn: Any, ins: list[Any]) -> list[Any]:
+        ins = [self._decided(x) for x in ins]
         if eqn.primitive.name != "dot_general" or len(ins) != 2:
             return ins
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -63,8 +78,9 @@ class _Search(Group):
         for i, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
             x, other = ins[i], ins[1 - i]
             hit = self._leaf(x)
-            if hit is None or (leaf := hit[0]) in self.columns or leaf in self.rows:
+            if hit is None:  # not a weight, or one already split (`_decided`)
                 continue
+            leaf = hit[0]
             other_contract = (rc, lc)[i]
             if isinstance(other, Split) and other.dim in other_contract:  # a row: its input features
                 d = contract[other_contract.index(other.dim)]
@@ -129,6 +145,6 @@ def find_tensor_splits(loss_fn: Callable[..., Any], params: Any, *args: Any, siz
         if not failed:
             break
         rejected |= failed
-    keep = {**{leaf: d for leaf, (d, origin) in group.rows.items() if origin and not origin & failed},
-            **group.columns}
+    assert not failed, "the search rejects at least one column per pass, so it ends within len(leaves) passes"
+    keep = {**{leaf: d for leaf, (d, origin) in group.rows.items() if origin}, **group.columns}
     return jax.tree.unflatten(tree, [keep.get(i) for i in range(len(leaves))])

@@ -29,6 +29,7 @@ A column -> row pair per block then costs one all-reduce forward and one backwar
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Any, Callable, Sequence
 
@@ -37,6 +38,8 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from zerojax.core.jaxpr_eval import bind, interpret
+
+_log = logging.getLogger(__name__)
 
 
 class Split:
@@ -329,14 +332,13 @@ def _squeeze(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
 def _reduction(eqn: Any, ins: list[Any], group: Group) -> list[Any] | None:
     x = ins[0]
     axes = tuple(eqn.params["axes"])
-    out = bind(eqn, [x.local])[0]
-    if x.dim not in axes:
-        return [Split(out, x.dim - sum(a < x.dim for a in axes))]
     name = eqn.primitive.name
+    if x.dim not in axes:
+        return [Split(bind(eqn, [x.local])[0], x.dim - sum(a < x.dim for a in axes))]
     if name == "reduce_sum":
-        return [group.reduce(out)]
-    if name == "reduce_max" and jnp.issubdtype(out.dtype, jnp.inexact):
-        return [maximum(out, group.axis)]
+        return [group.reduce(bind(eqn, [x.local])[0])]
+    if name == "reduce_max" and jnp.issubdtype(x.local.dtype, jnp.inexact):
+        return [maximum(bind(eqn, [x.local])[0], group.axis)]
     return None
 
 
@@ -408,7 +410,7 @@ def _dot_general(eqn: Any, ins: list[Any], group: Group) -> list[Any] | None:
     ndim_a, ndim_b = len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)
     free_a = [d for d in range(ndim_a) if d not in lc and d not in lb]
     free_b = [d for d in range(ndim_b) if d not in rc and d not in rb]
-    for x, mine, theirs in ((a, lc, rc), (b, rc, lc)):
+    for x, mine in ((a, lc), (b, rc)):
         if isinstance(x, Split) and x.dim in mine:  # contracted over the split: partial sums
             i = mine.index(x.dim)
             da, db = (lc[i], rc[i])
@@ -465,9 +467,10 @@ def _optimization_barrier(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
 
 
 def _inline(key: str) -> Callable[[Any, list[Any], Group], list[Any]]:
-    """Calls (`jit`, custom derivatives) run their body here; a custom rule's inputs are mixed forms,
-    so the body is differentiated as written (the rules of `jax.nn`'s functions are for stability
-    at points the evaluator's own collectives keep exact)."""
+    """Calls (`jit`, `custom_jvp`) run their body here. A custom JVP's rule is then replaced by the
+    body's own derivative: `jax.nn`'s functions (softmax, relu) define theirs for stability and at
+    measure-zero points, which split inputs keep. A custom VJP has no rule here: it runs as written
+    on gathered inputs, so its backward rule (a straight-through estimator, a kernel) stays its own."""
     def rule(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
         closed = eqn.params[key]
         if isinstance(closed, jcore.ClosedJaxpr):
@@ -499,8 +502,10 @@ def _as(x: Any, form: Form, group: Group) -> Any:
 
 
 def _partitionable(x: Any, size: int) -> int | None:
-    """The most major dimension of a replicated float input that the group divides (None: keep whole)."""
-    if isinstance(x, Split) or not _differentiable(x):
+    """The most major dimension of a replicated activation input that the group divides (None: keep
+    whole). Activations are the inputs of three or more dimensions ([batch, sequence, features]); a
+    layer's weights and tables (rotary, masks) have fewer and stay as they are."""
+    if isinstance(x, Split) or not _differentiable(x) or x.ndim < 3:
         return None
     return next((d for d, n in enumerate(x.shape) if n % size == 0 and n >= size), None)
 
@@ -577,28 +582,35 @@ _RULES: dict[str, Callable[[Any, list[Any], Group], list[Any] | None]] = {
     "optimization_barrier": _optimization_barrier,
     "pjit": _inline("jaxpr"), "jit": _inline("jaxpr"),
     "closed_call": _inline("call_jaxpr"), "core_call": _inline("call_jaxpr"),
-    "custom_jvp_call": _inline("call_jaxpr"), "custom_vjp_call": _inline("call_jaxpr"),
-    "custom_vjp_call_jaxpr": _inline("fun_jaxpr"),
+    "custom_jvp_call": _inline("call_jaxpr"),
     "checkpoint": _checkpoint, "remat2": _checkpoint,
     "scan": _scan,
 }
 
 
 # Rules that evaluate a body (calls, remat, loops).
-_BODIES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                     "custom_vjp_call_jaxpr", "checkpoint", "remat2", "scan"})
+_BODIES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "checkpoint", "remat2", "scan"})
 
 
 # -- the entry point -----------------------------------------------------------------------------
 
+def warn_fallbacks(fallbacks: dict[str, int]) -> None:
+    """Log, once per trace, the equations that had to run on gathered activations (a split to reconsider)."""
+    if fallbacks:
+        listed = ", ".join(f"{name} x{n}" for name, n in sorted(fallbacks.items()))
+        _log.warning("tensor parallel: %d equations ran on gathered activations (%s); the weights' splits do not "
+                     "form Megatron's column -> row pairs there", sum(fallbacks.values()), listed)
+
+
 def tensor_parallel(loss_fn: Callable[..., Any], dims: Any, axis: str, size: int,
-                    report: Callable[[dict[str, int]], None] | None = None, *,
+                    report: Callable[[dict[str, int]], None] = warn_fallbacks, *,
                     partition_activations: bool = False) -> Callable[..., Any]:
     """`loss_fn(params, *args)` written for whole weights, callable inside `shard_map` with each
     weight's slice over `axis` (`dims`: per parameter leaf, the split dimension or None).
 
     The loss is traced once per call with whole weight shapes and evaluated on the slices.
-    `report` receives the equations that ran on gathered inputs (none for Megatron's patterns).
+    `report` receives the equations that ran on gathered inputs (none for Megatron's patterns); by
+    default they are logged.
     `partition_activations`: rematerialized regions keep their inputs split over `axis` (`_checkpoint`).
     """
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -620,8 +632,7 @@ def tensor_parallel(loss_fn: Callable[..., Any], dims: Any, axis: str, size: int
         group = Group(axis, size, partition_activations)
         inputs = [x if d is None else Split(x, d) for x, d in zip(leaves, split)]
         outs = evaluate(closed.jaxpr, closed.consts, inputs + list(others), group)
-        if report is not None:
-            report(dict(group.fallbacks))
+        report(dict(group.fallbacks))
         return jax.tree.unflatten(jax.tree.structure(out_shape), [group.whole(o) for o in outs])
 
     return wrapped

@@ -58,8 +58,9 @@ class Engine(DeepSpeedAPI):
                              tensor_dims=tensor_dims)
         else:
             if optimizer is not None or lr_scheduler is not None or layer_axes is not None or tensor_dims is not None:
-                raise TypeError("Engine: with plan= the optimizer, scheduler and layer axes are the plan's; "
-                                "drop optimizer= / lr_scheduler= / layer_axes= (or pass them to zerojax.plan)")
+                raise TypeError("Engine: with plan= the optimizer, scheduler, layer axes and tensor splits are the "
+                                "plan's; drop optimizer= / lr_scheduler= / layer_axes= / tensor_dims= (or pass them "
+                                "to zerojax.plan)")
             check_origin(config, plan, "Engine")
         plan = checked_kernels(plan)
         self._start(config, mesh, loss_fn, plan, params, make_train_step(plan, loss_fn), make_eval_step(plan, loss_fn))

@@ -30,9 +30,12 @@ __all__ = ["make_pipeline_plan"]
 
 
 def _layer_plan(config: Config, mesh: Mesh, module: PipelineModule) -> TensorPlan:
-    """The tensor plan of the module's logical layers (their names, as the unpipelined model's)."""
+    """The tensor plan of the module's logical layers (keys `layer_NN.<the layer's own names>`): Megatron's
+    names apply when every layer is one of the shipped models' (`zerojax.models`)."""
     abstract = module.abstract_params()
-    return tensor_split(config, mesh, abstract, jax.tree.map(lambda _: None, abstract), STAGE)
+    shipped = all(layer.spec.typename.__module__.startswith("zerojax.models.")
+                  for layer in module.layers if layer.spec is not None)
+    return tensor_split(config, mesh, abstract, jax.tree.map(lambda _: None, abstract), shipped=shipped)
 
 
 def _layer_dims(module: PipelineModule, layer_plan: TensorPlan) -> dict[str, tuple[int | None, ...]]:

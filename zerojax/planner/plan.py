@@ -8,12 +8,13 @@ and never the config; every config check that needs the mesh runs here, before a
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from zerojax.config import Config, as_config, check_supported, fingerprint
+from zerojax.config import Config, ConfigWarning, as_config, check_supported, fingerprint
 from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
@@ -101,7 +102,7 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     split = () if lead is None else ((0, lead),)
     names = _names_per_leaf(logical_axes, abstract)
     data = set(data_axes(mesh)) if isinstance(data_axes(mesh), tuple) else {data_axes(mesh)}
-    sliced = None if lead is not None else tensor_split(config, mesh, abstract, names, lead, tensor_dims)
+    sliced = None if lead is not None else tensor_split(config, mesh, abstract, names, derived=tensor_dims)
     if sliced is not None:
         tensor_dims = jax.tree.unflatten(jax.tree.structure(abstract), list(sliced.dims))
     elif tensor_dims is None:
@@ -130,24 +131,32 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
                 tensor_plan=sliced.describe(tensor_size(mesh)) if sliced is not None and tensor_size(mesh) > 1 else None)
 
 
-plan = make_plan
+plan = make_plan  # the public name, `zerojax.plan`
 
 
-def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names: Any, lead: str | None,
+def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names: Any, shipped: bool | None = None,
                  derived: Any = None) -> TensorPlan:
     """The tensor-parallel plan (`zerojax.planner.tensor`) from the config's sources; nothing is split
-    without a tensor axis. Megatron's names apply to the shipped models, and to a pipeline's layers
-    (`lead`: the caller passes the logical layers' parameters)."""
+    without a tensor axis. Megatron's names apply to the shipped models (`shipped`; None: recognised by
+    their top-level keys) and to a tree `tensor_parallel.preset_model` names. Splitting nothing on a
+    tensor axis is a warning: every tensor device would compute the same thing."""
     size = tensor_size(mesh)
     if size == 1:
         return TensorPlan(tuple(None for _ in jax.tree.leaves(abstract)), ())
     tp, model = config.tensor_parallel, config.model
-    builtin = tp.preset_model is not None or _shipped(abstract)
-    heads = (model.n_heads, model.n_kv_heads or model.n_heads) if tp.preset_model is None else None
+    builtin = tp.preset_model is not None or (_shipped(abstract) if shipped is None else shipped)
+    heads = (model.n_heads, model.n_kv_heads or model.n_heads) if builtin and tp.preset_model is None else None
     specs = [LayerSpec(tuple(s.patterns), s.partition_type) for s in tp.layer_specs]
-    return tensor_plan(abstract, size, names=names, rules=dict(config.mesh.logical_axis_rules), layer_specs=specs,
-                       use_default_specs=tp.use_default_specs, builtin=builtin or lead is not None, heads=heads,
-                       axis=TENSOR, derived=None if derived is None else _dims_per_leaf(derived, abstract))  # the public name, `zerojax.plan`
+    out = tensor_plan(abstract, size, names=names, rules=dict(config.mesh.logical_axis_rules), layer_specs=specs,
+                      use_default_specs=tp.use_default_specs, builtin=builtin, heads=heads, axis=TENSOR,
+                      derived=None if derived is None else _dims_per_leaf(derived, abstract))
+    if all(d is None for d in out.dims):
+        warnings.warn(f"mesh.tensor: {size}, but no weight of this model is split over the tensor axis (no "
+                      f"annotation, layer_specs pattern or known layer name applies), so every tensor device "
+                      f"computes the same thing; add mesh.logical_axis_rules or tensor_parallel.partition_config."
+                      f"layer_specs, pass tensor_dims=zerojax.find_tensor_splits(...), or set mesh.tensor: 1",
+                      ConfigWarning, stacklevel=3)
+    return out
 
 
 def step_rule(config: Config) -> StepRule:

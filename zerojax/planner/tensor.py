@@ -59,6 +59,7 @@ _COLUMN_NAMES = {"q", "k", "v", "gate", "up", "fc", "head", "q_proj", "k_proj", 
                  "up_proj", "c_fc", "lm_head", "wq", "wk", "wv", "w1", "w3"}
 _ROW_NAMES = {"o", "down", "out", "o_proj", "down_proj", "c_proj", "wo", "w2"}
 _KEY_VALUE = {"k", "v", "k_proj", "v_proj", "wk", "wv"}
+_ATTENTION = {"q", "o", "q_proj", "o_proj", "wq", "wo"} | _KEY_VALUE  # split by whole heads
 _VOCAB = {"embed", "embed_tokens", "wte", "tok_embeddings"}
 
 
@@ -98,7 +99,7 @@ def _megatron(names: list[str], shape: tuple[int, ...], size: int, heads: tuple[
             "whole: its qkv projection is whole"
     if layer in _COLUMN_NAMES or layer in _ROW_NAMES:
         role = COLUMN if layer in _COLUMN_NAMES else ROW
-        if heads is not None and layer not in ("gate", "up", "fc", "head", "down", "out"):
+        if heads is not None and layer in _ATTENTION:
             n_heads, n_kv = heads
             count = n_kv if layer in _KEY_VALUE else n_heads
             if count % size:
