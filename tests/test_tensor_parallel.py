@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import zerojax
 from helpers import assert_tree_close, to_numpy
 from zerojax.core import hlo
-from zerojax.core.tensor_parallel import tensor_parallel
+from zerojax.core.tensor_parallel import tensor_parallel, warn_fallbacks
 from zerojax.errors import ConfigError
 from zerojax.models import llama
 
@@ -484,3 +484,27 @@ def test_a_pipelined_checkpoint_resumes_at_another_tensor_size(tmp_path: Any) ->
         # the step after the restore used the restored Adam moments: the same update as the saver's
         # (Adam turns float noise in near-zero gradients into steps of up to ~lr/10; fresh moments: ~lr)
         assert_tree_close(engine.params, saved.params, rtol=1e-4, atol=1e-4, what=f"after a step at tensor {tensor}")
+
+
+def test_a_custom_vjp_keeps_its_backward_rule_and_the_gather_is_logged(caplog: Any) -> None:
+    """A straight-through estimator on split activations: its own backward (identity), not the
+    derivative of its body (round: zero), and the evaluator says it gathered for it."""
+    @jax.custom_vjp
+    def straight_through(x: jax.Array) -> jax.Array:
+        return jnp.round(x * 4) / 4
+
+    straight_through.defvjp(lambda x: (straight_through(x), None), lambda _, ct: (ct,))
+
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        h = straight_through(x @ p["w1"])
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    params, x = mlp_params(), jax.random.normal(jax.random.key(1), (8, 4, 8))
+    want_g = jax.grad(loss)(params, x)
+    assert float(jnp.abs(want_g["w1"]).max()) > 0  # the rule passes gradients through the rounding
+    _, grads, fallbacks, _ = _on_slices(loss, params, {"s": None, "w1": 1, "b1": None, "w2": 0, "b2": None}, x)
+    assert fallbacks == {"custom_vjp_call": 1}
+    with caplog.at_level("WARNING", logger="zerojax.core.tensor_parallel"):
+        warn_fallbacks(fallbacks)  # what the step reports by default
+    assert "1 equations ran on gathered activations (custom_vjp_call x1)" in caplog.text
+    assert_tree_close(to_numpy(grads), to_numpy(want_g), rtol=1e-5, atol=1e-6, what="straight-through")
