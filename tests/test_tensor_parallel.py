@@ -335,34 +335,41 @@ def test_a_split_the_tensor_size_does_not_divide_is_one_error_naming_the_leaf() 
 
 # -- composed with pipeline stages ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tensor", [2, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_tensor_by_pipeline_by_zero_equals_one_device(stage: int, tensor: int, tmp_path: Any) -> None:
+PIPELINE_GRID = [(GPT, stage, tensor) for tensor in (2, 4) for stage in (0, 1, 2, 3)] + [(LLAMA, 1, 2), (LLAMA, 3, 2)]
+
+
+@pytest.mark.parametrize("model,stage,tensor", PIPELINE_GRID,
+                         ids=[f"{m['name']}-z{z}-t{t}" for m, z, t in PIPELINE_GRID])
+def test_tensor_by_pipeline_by_zero_equals_one_device(model: dict, stage: int, tensor: int, tmp_path: Any) -> None:
     """2 pipeline stages x (2 data x 2 tensor, or 1 data x 4 tensor): each stage row holds its tensor
-    slice of every split weight, the stage's layers run on slices, and two steps give the unpipelined
-    model's."""
+    slice of every split weight, the stage's layers run on slices (the Llama's attention split by
+    heads too), and two steps give the unpipelined model's."""
     from helpers import SGD, reference_run
     from zerojax.models import gpt
 
-    cfg = _config(GPT, stage, gas=2, optimizer=SGD, gradient_clipping=0.05, mesh={"stage": 2, "tensor": tensor},
+    cfg = _config(model, stage, gas=2, optimizer=SGD, gradient_clipping=0.05, mesh={"stage": 2, "tensor": tensor},
                   zero_allow_untested_optimizer=True, pipeline={"schedule": "1f1b"})
-    params = gpt.init_params(cfg.model, 0)
-    module = gpt.pipeline_module(cfg.model)
+    if model["name"] == "llama":
+        params, loss_fn = llama.build(cfg.model, seed=0)
+        params, family = jax.tree.map(np.asarray, params.fn()), llama
+    else:
+        params, loss_fn, family = gpt.init_params(cfg.model, 0), gpt.make_loss_fn(cfg.model), gpt
+    module = family.pipeline_module(cfg.model)
     devices = np.array(jax.devices()).reshape(2, 8 // (2 * tensor), tensor)
-    engine = zerojax.initialize(cfg, model=module, params=gpt.pipeline_params(cfg.model, params),
+    engine = zerojax.initialize(cfg, model=module, params=family.pipeline_params(cfg.model, params),
                                 mesh=Mesh(devices, ("stage", "data", "tensor")))
     rows = engine.pipeline.rows
     assert rows.tensor == tensor and engine.state.params["stages"].shape == (2, tensor, rows.width)
-    assert "layer_1.fc.kernel" in engine.plan.tensor_plan or "layer_01.fc.kernel" in engine.plan.tensor_plan
+    assert "layer_01.up.kernel" in engine.plan.tensor_plan or "layer_01.fc.kernel" in engine.plan.tensor_plan
     data = [batch(i) for i in range(2)]
     metrics = [engine.train_batch(b) for b in data]
     # clipping is on (0.05, below the gradient norm): the norm counts the whole leaves that every
     # tensor slice's row holds a copy of once, as the unpipelined model's does
-    ref = reference_run(engine.plan.tx, jnp.float32, gpt.make_loss_fn(cfg.model), params, data, 0.05)
+    ref = reference_run(engine.plan.tx, jnp.float32, loss_fn, params, data, 0.05)
     np.testing.assert_allclose([float(m["loss"]) for m in metrics], [r["loss"] for r in ref], rtol=2e-5)
     np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], [r["grad_norm"] for r in ref], rtol=2e-5)
     assert ref[0]["grad_norm"] > 0.05
-    assert_tree_close(engine.params, gpt.pipeline_params(cfg.model, ref[-1]["master"]), rtol=1e-5, atol=1e-5,
+    assert_tree_close(engine.params, family.pipeline_params(cfg.model, ref[-1]["master"]), rtol=1e-5, atol=1e-5,
                       what=f"pipeline x tensor, stage {stage}")
     # the saved rows export (and read back) as the logical model, tensor slices joined
     engine.save_checkpoint(str(tmp_path), async_save=False)
