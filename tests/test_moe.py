@@ -248,6 +248,7 @@ def test_moe_yaml_trains(tmp_path: Path) -> None:
                f"run.output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ZeRO stage 3" in proc.stdout and "sample (8 tokens" in proc.stdout
+    assert "mesh {'data': 4, 'expert': 2}" in proc.stdout  # configs/moe.yaml's mesh.expert: 2
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"]
     saved = json.loads((out / "config.json").read_text())

@@ -244,6 +244,8 @@ KEY_STATUS: dict[str, str] = {
     # zerojax's own sections
     "mesh.data": HONOURED,
     "mesh.stage": HONOURED,
+    "mesh.expert": HONOURED + " (expert parallelism: weights annotated with the logical axis `expert`, as the MoE "
+                              "Llama's experts, split over it; see docs/moe.md)",
     "mesh.data_outer": HONOURED,
     "mesh.data_inner": HONOURED,
     "mesh.tensor": HONOURED,

@@ -70,6 +70,10 @@ class LeafLayout:
     def split_dims(self) -> tuple[int, ...]:
         return tuple(d for d, _ in self.split)
 
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        return tuple(a for _, a in self.split)
+
     def over(self, axis: str) -> int | None:
         """The dimension split over mesh axis `axis` (None: not split over it)."""
         return next((d for d, a in self.split if a == axis), None)
@@ -103,13 +107,16 @@ def choose_dim(shape: tuple[int, ...], n: int, layer_axes: int | None = None,
 
 def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
                 persistence_threshold: int, layer_axes: int | None = None, *,
-                split: tuple[tuple[int, str], ...] = (), prefer: int | None = None) -> LeafLayout:
+                split: tuple[tuple[int, str], ...] = (), prefer: int | None = None,
+                axis: DataAxis | None = None) -> LeafLayout:
     """`layer_axes` leading dimensions stack layers (a scanned stack; None: not known): the
     persistence threshold is compared with one layer's slice, which is what the loss holds whole
     at a time. `split` dimensions are split by other mesh axes (the pipeline's stage rows), so
-    ZeRO shards another one; `prefer` is a dimension the model asked to split over the data axis."""
+    ZeRO shards another one; `prefer` is a dimension the model asked to split over the data axis.
+    `axis`: the part of the data axis ZeRO shards this leaf over (`n` its devices; None: all of it):
+    an expert weight, split over `expert`, is ZeRO-sharded over `data` only."""
     dim = choose_dim(shape, n, layer_axes, taken=tuple(d for d, _ in split), prefer=prefer)
-    sharded: Placement = REPLICATED if dim is None else Shard(dim)
+    sharded: Placement = REPLICATED if dim is None else Shard(dim, axis)
     keep_param_whole = math.prod(shape[layer_axes or 0:]) < persistence_threshold
     param = sharded if PARAMETERS in partitions and not keep_param_whole else REPLICATED
     grad = sharded if GRADIENTS in partitions else PARTIAL

@@ -5,6 +5,11 @@ The data axis may be hierarchical (`mesh.data_outer`): two mesh axes, `data_oute
 slices (slow links) and `data_inner` within one (fast links), that every layout and collective
 treats together as "the data axis" - a ZeRO shard is split over both - while keeping the inner
 axis addressable on its own (a secondary partition within a host, as ZeRO++'s hpZ keeps, needs it).
+
+Expert parallelism (DeepSpeed's `ep_size`) carves an `expert` axis out of the data-parallel devices:
+the mesh is (`data`, `expert`), the data-parallel set is both (`data_axes` is the pair, as for the
+hierarchical axis: the batch rows and every non-expert ZeRO shard are split over both), and the MoE
+layers' expert weights are split over `expert` and ZeRO-sharded over `data` only.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from zerojax.errors import ConfigError
 DATA = "data"
 STAGE = "stage"
 TENSOR = "tensor"
+EXPERT = "expert"
 DATA_OUTER = "data_outer"
 DATA_INNER = "data_inner"
 HIERARCHICAL = (DATA_OUTER, DATA_INNER)
@@ -40,8 +46,10 @@ def request_cpu_devices(n: int | None) -> None:
 
 
 def data_axes(mesh: Any) -> DataAxis:
-    """The mesh axis (or axes) ZeRO shards over: `data`, or (`data_outer`, `data_inner`)."""
+    """The mesh axis (or axes) ZeRO shards over: `data`, (`data`, `expert`) or (`data_outer`, `data_inner`)."""
     names = tuple(mesh.axis_names)
+    if DATA in names and EXPERT in names:
+        return (DATA, EXPERT)
     if DATA in names:
         return DATA
     if all(a in names for a in HIERARCHICAL):
@@ -54,6 +62,8 @@ def data_axis() -> DataAxis:
     names = tuple(jax.sharding.get_abstract_mesh().axis_names)
     if DATA not in names and all(a in names for a in HIERARCHICAL):
         return HIERARCHICAL
+    if DATA in names and EXPERT in names:
+        return (DATA, EXPERT)
     return DATA
 
 
@@ -72,3 +82,14 @@ def tensor_axis() -> str | None:
     """The tensor axis of the mesh being traced (inside `shard_map`), or None on a mesh without one, for
     the collectives of tensor-parallel model code."""
     return TENSOR if TENSOR in tuple(jax.sharding.get_abstract_mesh().axis_names) else None
+
+
+def expert_size(mesh: Any) -> int:
+    """Devices in one expert-parallel group: the `expert` axis's size, 1 on a mesh without one."""
+    return int(mesh.shape[EXPERT]) if EXPERT in tuple(mesh.axis_names) else 1
+
+
+def expert_axis() -> str | None:
+    """The expert axis of the mesh being traced (inside `shard_map`), or None on a mesh without one, for
+    the all-to-alls of a MoE layer (`zerojax.models.moe.moe_apply`)."""
+    return EXPERT if EXPERT in tuple(jax.sharding.get_abstract_mesh().axis_names) else None

@@ -30,7 +30,7 @@ from zerojax.core import remat
 from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering, move, to_varying, unwrap)
 from zerojax.core.gather_at_use import gather_at_use
 from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
-from zerojax.core.mesh import TENSOR, data_axes, data_axis
+from zerojax.core.mesh import TENSOR, DataAxis, data_axes, data_axis
 from zerojax.core.tensor_parallel import tensor_parallel
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
@@ -62,6 +62,17 @@ def _grad_source(lay: LeafLayout, marked: bool) -> Any:
     if isinstance(lay.grad, Shard) and lay.grad.axis != lay.param.axis:
         return PartialShard(lay.param.dim, lay.param.axis)
     return lay.param
+
+
+def _reduce_axis(lay: LeafLayout) -> DataAxis:
+    """The data axes a leaf's gradient is summed over: the data axis less the axes the leaf is split
+    over (an expert weight, split over `expert`, is summed over `data` only: every expert device holds
+    other experts, and the all-to-all's transpose already brought each token's contribution)."""
+    axes = data_axis()
+    if isinstance(axes, str) or not lay.split:
+        return axes
+    rest = tuple(a for a in axes if a not in lay.split_axes)
+    return rest[0] if len(rest) == 1 else rest
 
 
 def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
@@ -254,7 +265,8 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
                 lambda lay, x: move(x.astype(pol.accum), _grad_source(lay, marked), lay.grad, comm_dtype=pol.comm,
-                                    pre=avg.pre, post=avg.post, quantized=lay.wire.quantize_gradients),
+                                    axis=_reduce_axis(lay), pre=avg.pre, post=avg.post,
+                                    quantized=lay.wire.quantize_gradients),
                 layouts, g)
             return jax.tree.map(jnp.add, acc, g), value
 
@@ -265,7 +277,7 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
 
         acc0 = map_layouts(zeros, layouts, plan.abstract_params, plan.grad_shardings)
         acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
-        grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm,
+        grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm, axis=_reduce_axis(lay),
                                                 pre=avg.pre, post=avg.post), layouts, acc)
         return jax.lax.pmean(values, data_axis()), grads
 
@@ -289,7 +301,7 @@ def make_param_gather(plan: Plan) -> Callable[[Any], Any]:
     pol = plan.policy
 
     def local(master: Any) -> Any:
-        return map_layouts(lambda lay, x: move(x.astype(pol.param), lay.update, lay.param),
+        return map_layouts(lambda lay, x: move(x.astype(pol.param), lay.update, lay.param, axis=_reduce_axis(lay)),
                                  plan.layouts, master)
 
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.update_specs,), out_specs=plan.param_specs)

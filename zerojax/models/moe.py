@@ -13,8 +13,9 @@ call without a key runs the gate deterministically. DeepSpeed keeps RTS and the 
 sampling on in evaluation too; here evaluation is reproducible instead.
 
 Expert weights are stacked with a leading expert dimension ([experts, ...], logical name `expert`),
-so an expert mesh axis can split dimension 0. Expert parallelism is not built yet: `moe_apply` is the
-one place where DeepSpeed's two all-to-alls go (after the dispatch einsum, before the combine).
+so an expert mesh axis can split dimension 0. With expert parallelism (a mesh `expert` axis, the plan
+splitting the expert dimension over it) each device holds its experts' slice, and `moe_apply` runs
+DeepSpeed's two all-to-alls around them (after the dispatch einsum, before the combine).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from zerojax.core.mesh import expert_axis
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 JITTER_EPS = 1e-2  # DeepSpeed's multiplicative_jitter epsilon
@@ -142,18 +145,23 @@ def top2_gating(logits: jax.Array, capacity_factor: float, min_capacity: int, *,
     return Gating(combine, (slots1 + slots2).astype(bool), l_aux, exp_counts)
 
 
-def moe_apply(x: jax.Array, gating: Gating, experts: Callable[[jax.Array], jax.Array]) -> jax.Array:
+def moe_apply(x: jax.Array, gating: Gating, experts: Callable[[jax.Array], jax.Array],
+              axis: Optional[str] = None) -> jax.Array:
     """Dispatch tokens x [S, M] into [E, C, M], run `experts` on it, combine back to [S, M].
 
-    With an expert mesh axis this is where DeepSpeed's two all-to-alls go: after the dispatch each
-    device holds [E, C, M] for its own tokens and sends every expert's rows to the device owning the
-    expert (first all-to-all: [ep, E/ep, C, M] -> local experts' rows from every device); the second
-    all-to-all sends the results back before the combine. Without the axis both are the identity.
+    `axis`: the expert mesh axis (inside `shard_map`; None: every expert is local). With it this is
+    where DeepSpeed's two all-to-alls go: after the dispatch each device holds [E, C, M] for its own
+    tokens and sends expert block j's rows to device j of its expert group (first all-to-all:
+    [E, C, M] -> [E/ep, ep*C, M], its local experts' rows from every device of the group); the
+    experts run on their own rows; the second all-to-all sends the results back ([E/ep, ep*C, M] ->
+    [E, C, M]) before the combine. Capacity C is per device, as in DeepSpeed.
     """
     dispatched = jnp.einsum("sec,sm->ecm", gating.dispatch.astype(x.dtype), x)
-    # first all-to-all (expert parallelism) goes here
+    if axis is not None:
+        dispatched = jax.lax.all_to_all(dispatched, axis, 0, 1, tiled=True)
     out = experts(dispatched)
-    # second all-to-all goes here
+    if axis is not None:
+        out = jax.lax.all_to_all(out, axis, 1, 0, tiled=True)
     combined = jnp.einsum("sec,ecm->sm", gating.combine, out.astype(jnp.float32))
     return combined.astype(x.dtype)
 
@@ -226,6 +234,19 @@ class MoE(nnx.Module):
             self.mlp = DenseMLP(hidden_size, d_ff, init=init, out_init=out_init, rngs=rngs)
             self.coefficient = nnx.Linear(hidden_size, 2, kernel_init=init, rngs=rngs)
 
+    def _expert_axis(self) -> Optional[str]:
+        """The expert mesh axis when this device holds only its slice of the experts (expert
+        parallelism: the plan split the weights' expert dimension over it), else None."""
+        local = self.experts.gate[...].shape[0]
+        if local == self.num_experts:
+            return None
+        axis = expert_axis()
+        if axis is None or local * jax.lax.axis_size(axis) != self.num_experts:
+            raise ValueError(f"MoE: this device holds {local} of the {self.num_experts} experts, but the mesh being "
+                             f"traced has no expert axis that many devices share (axis {axis!r}); expert weights are "
+                             f"split over the mesh's expert axis only")
+        return axis
+
     def gate(self, x: jax.Array, key: Optional[jax.Array] = None) -> Gating:
         """The routing of tokens x [S, M] (DeepSpeed's `TopKGate.forward`)."""
         training = not self.deterministic
@@ -247,7 +268,7 @@ class MoE(nnx.Module):
         """x [..., hidden] -> (output like x, l_aux, exp_counts [E]); all tokens are routed together."""
         tokens = x.reshape(-1, x.shape[-1])
         gating = self.gate(tokens, key)
-        out = moe_apply(tokens, gating, self.experts).reshape(x.shape)
+        out = moe_apply(tokens, gating, self.experts, self._expert_axis()).reshape(x.shape)
         if self.use_residual:
             coef = jax.nn.softmax(self.coefficient(x).astype(jnp.float32), axis=-1)
             out = (out * coef[..., 0:1] + self.mlp(x) * coef[..., 1:]).astype(x.dtype)

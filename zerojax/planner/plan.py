@@ -19,7 +19,7 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
-from zerojax.core.mesh import DATA_INNER, STAGE, TENSOR, data_axes, data_size, tensor_size
+from zerojax.core.mesh import DATA, DATA_INNER, EXPERT, STAGE, TENSOR, data_axes, data_size, expert_size, tensor_size
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
@@ -108,11 +108,22 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     elif tensor_dims is None:
         tensor_dims = jax.tree.map(lambda _: None, abstract)
 
+    data.discard(EXPERT)  # a dimension named "expert" is the expert axis's, not ZeRO's preference
+    ep = expert_size(mesh)
+    if ep > 1:
+        kernels = XLA if config.kernels != "pallas" else kernels  # the fused update knows no expert split yet
+        _check_expert(config, mesh, lead, kernels)
+
     def layout(x: Any, k: int, leaf_names: Any, tdim: int | None) -> LeafLayout:
         prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
                        (isinstance(n, tuple) and set(n) & data)), None)
         pairs = split if tdim is None else (*split, (tdim, TENSOR))
-        lay = leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k, split=pairs, prefer=prefer)
+        edim = _expert_dim(x, leaf_names, ep)
+        if edim is None:
+            lay = leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k, split=pairs, prefer=prefer)
+        else:  # an expert weight: split over `expert`, ZeRO-sharded over `data` only
+            lay = leaf_layout(x.shape, n // ep, partitions, threshold, None if k < 0 else k,
+                              split=(*pairs, (edim, EXPERT)), prefer=prefer, axis=DATA)
         return dataclasses.replace(lay, names=leaf_names)
 
     layouts = jax.tree.map(layout, abstract, axes, names, tensor_dims, is_leaf=lambda x: x is None)
@@ -225,6 +236,35 @@ def _check_hpz(config: Config, mesh: Mesh | AbstractMesh, lead: str | None) -> N
         raise ConfigError(f"{key}, but the mesh's data_inner axis has {mesh.shape[DATA_INNER]} devices; they must "
                           f"be equal (the secondary partition is one inner group): set mesh.data_inner: {hpz}")
 
+
+
+def _expert_dim(x: Any, leaf_names: Any, ep: int) -> int | None:
+    """The dimension the expert axis splits: the one the model named "expert" (the MoE layer's stacked
+    experts), when the mesh has an expert axis; the device count must divide it."""
+    if ep == 1 or not leaf_names or EXPERT not in leaf_names:
+        return None
+    dim = list(leaf_names).index(EXPERT)
+    if x.shape[dim] % ep:
+        raise ConfigError(f"mesh.expert: {ep} expert-parallel devices do not divide the {x.shape[dim]} experts of "
+                          f"a weight of shape {tuple(x.shape)} (model.n_experts); choose mesh.expert dividing it")
+    return dim
+
+
+def _check_expert(config: Config, mesh: Mesh | AbstractMesh, lead: str | None, kernels: str) -> None:
+    """Expert parallelism composes with ZeRO stages 0-3 on a (data, expert) mesh; not yet with the rest."""
+    key = f"mesh.expert: {expert_size(mesh)}"
+    if lead is not None or (STAGE in mesh.shape and mesh.shape[STAGE] > 1):
+        raise ConfigError(f"{key}: expert parallelism does not combine with pipeline stages yet; set mesh.stage: 1 "
+                          f"or mesh.expert: 1")
+    if tensor_size(mesh) > 1:
+        raise ConfigError(f"{key}: expert parallelism does not combine with a tensor axis yet (mesh.tensor is "
+                          f"{tensor_size(mesh)}); set mesh.tensor: 1 or mesh.expert: 1")
+    if DATA not in mesh.shape:
+        raise ConfigError(f"{key}: the expert axis needs a flat `data` axis beside it (got axes "
+                          f"{tuple(mesh.axis_names)})")
+    if kernels != XLA:
+        raise ConfigError(f"kernels: 'pallas' with {key}: the fused update does not know expert-split "
+                          f"weights yet; set kernels: auto or xla")
 
 
 def _check_quantized(config: Config) -> None:

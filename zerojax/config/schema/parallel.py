@@ -101,7 +101,7 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh: a `data` axis (ZeRO shards over it; optionally data_outer x data_inner), a `stage`
-    axis (pipeline) and a `tensor` axis (tensor parallelism)."""
+    axis (pipeline), a `tensor` axis (tensor parallelism) and an `expert` axis (expert parallelism)."""
     data: Optional[int] = option(None, "Data-parallel size (default: all devices / (stage x tensor)).", gt=0)
     stage: int = option(1, "Pipeline stages (more than 1 needs a PipelineModule: "
                            "initialize(config, model=...)).", gt=0)
@@ -114,6 +114,11 @@ class MeshConfig:
     tensor: int = option(1, "Tensor-parallel size (Megatron-style tensor slicing): the mesh is stage x data x "
                             "tensor, tensor innermost, so one tensor group is consecutive devices (the fastest "
                             "links). DeepSpeed's tensor_parallel.autotp_size sets it.", gt=0)
+    expert: int = option(1, "Expert-parallel size (DeepSpeed's MoE ep_size, one size for every MoE layer): the "
+                            "data-parallel devices are data x expert, the batch split over both; the MoE layers' "
+                            "expert weights are split over the expert axis (each device holds n_experts / expert "
+                            "of them) and ZeRO-sharded over data only, with two all-to-alls around the experts. It "
+                            "must divide the data-parallel size and model.n_experts.", gt=0)
     logical_axis_rules: AxisRules = option(
         factory=AxisRules, doc="Logical axis name (as a model annotates its parameters, e.g. "
         "nnx.with_partitioning(init, (\"embed\", \"mlp\"))) -> mesh axis: tensor, data, stage, or null "

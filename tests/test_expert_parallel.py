@@ -1,0 +1,166 @@
+"""The `expert` mesh axis (DeepSpeed's MoE `ep_size`) composed with ZeRO: the mesh and its errors, the
+expert weights' layouts, the MoE Llama trained at expert 2 and 4 against one device, and the
+all-to-alls over the expert groups in the compiled step."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+import zerojax
+from helpers import assert_tree_close, to_numpy
+from zerojax.core import hlo
+from zerojax.core.collectives import REPLICATED, Shard
+from zerojax.core.mesh import DATA, EXPERT, data_axes, data_size, expert_size
+from zerojax.errors import ConfigError
+from zerojax.models import llama
+from zerojax.planner.mesh import make_mesh
+
+ROWS = 16
+SMALL = dict(name="llama", vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2,
+             n_experts=4, drop_tokens=False, use_rts=False)
+TOP1 = dict(experts_per_token=1, moe_aux_loss_coef=0.0)
+TOP2 = dict(experts_per_token=2, top2_2nd_expert_sampling=False, moe_aux_loss_coef=0.0)
+
+
+def config(stage: int = 0, mesh: dict | None = None, model: dict | None = None) -> zerojax.Config:
+    return zerojax.load_config({
+        "train_batch_size": ROWS, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "mesh": mesh or {}, "model": {**SMALL, **(model or TOP1)}})
+
+
+def batch(i: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + i)
+    return {"tokens": rng.integers(0, 64, size=(ROWS, 17), dtype=np.int32)}
+
+
+def engine(stage: int, mesh: dict, devices: int, model: dict | None = None) -> zerojax.Engine:
+    cfg = config(stage, mesh, model)
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    return zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:devices]))
+
+
+def train(e: zerojax.Engine, steps: int = 2) -> tuple[list[float], Any]:
+    return [float(e.train_batch(batch(i))["loss"]) for i in range(steps)], to_numpy(e.params)
+
+
+@functools.lru_cache(maxsize=None)
+def single(top: int) -> tuple[list[float], Any]:
+    """The one-device run: every token gated together, every expert on the device."""
+    return train(engine(0, {}, 1, TOP1 if top == 1 else TOP2))
+
+
+def experts(tree: Any) -> Any:
+    return tree["layers"]["moe"]["experts"]
+
+
+# -- the mesh -------------------------------------------------------------------------------------------
+
+def test_expert_axis_is_carved_out_of_the_data_parallel_devices() -> None:
+    assert config().mesh.expert == 1
+    assert make_mesh(config()).axis_names == (DATA,)
+    m = make_mesh(config(mesh={"expert": 2}))
+    assert m.axis_names == (DATA, EXPERT) and dict(m.shape) == {DATA: 4, EXPERT: 2}
+    assert data_axes(m) == (DATA, EXPERT) and data_size(m) == 8 and expert_size(m) == 2
+    # an expert group is consecutive devices
+    assert [d.id for d in m.devices[0]] == [0, 1]
+    assert config(mesh={"expert": 4}).batch(8).micro_batch_size == 2  # the batch triad counts data x expert
+
+
+@pytest.mark.parametrize("mesh, match", [
+    ({"expert": 3}, r"^mesh\.expert: 3 does not divide the data-parallel size 8"),
+    ({"expert": 2, "data_outer": 2}, r"^mesh\.expert: 2 does not combine with a hierarchical data axis"),
+    ({"expert": 4, "data": 2}, r"^mesh\.expert: 4 does not divide the data-parallel size 2"),
+])
+def test_bad_expert_sizes_are_named(mesh: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make_mesh(config(mesh=mesh))
+
+
+def test_plan_refuses_what_is_not_built_with_the_expert_axis() -> None:
+    cfg = config(mesh={"expert": 8})
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    with pytest.raises(ConfigError, match=r"^mesh\.expert: 8 expert-parallel devices do not divide the 4 experts"):
+        zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
+    cfg = config(mesh={"expert": 2, "tensor": 2})
+    with pytest.raises(ConfigError, match=r"^mesh\.expert: 2: expert parallelism does not combine with a tensor"):
+        zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
+
+
+# -- the layouts ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_expert_weights_split_over_expert_and_zero_over_data_only(stage: int) -> None:
+    cfg = config(stage, {"expert": 2})
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    plan = zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
+    for name, lay in experts(plan.layouts).items():
+        assert lay.split == ((1, EXPERT),), name  # [groups, experts, ...]: the expert dimension
+        for role, place in (("param", lay.param), ("grad", lay.grad), ("update", lay.update)):
+            if isinstance(place, Shard):
+                assert place.axis == DATA and place.dim not in (0, 1), (name, role)
+    gate = experts(plan.layouts)["gate"]
+    assert isinstance(gate.update, Shard) == (stage >= 1) and (gate.param == REPLICATED) == (stage < 3)
+    # everything else is an ordinary data-parallel leaf: ZeRO over data x expert
+    router = plan.layouts["layers"]["moe"]["router"]["kernel"]
+    assert router.split == () and (not isinstance(router.update, Shard) or router.update.axis is None)
+    if stage >= 1:
+        assert set(plan.update_shardings["layers"]["q"]["kernel"].spec) >= {(DATA, EXPERT)}
+
+    # per device, an expert weight is 1/ep of the whole (and 1/(data x ep) where ZeRO shards it)
+    whole = sum(math.prod(x.shape) for x in jax.tree.leaves(experts(plan.abstract_params)))
+
+    def per_device(shardings: Any) -> int:
+        return sum(math.prod(s.shard_shape(x.shape)) for s, x in
+                   zip(jax.tree.leaves(experts(shardings)), jax.tree.leaves(experts(plan.abstract_params))))
+
+    assert per_device(plan.param_shardings) * (2 * (4 if stage == 3 else 1)) == whole
+    assert per_device(plan.update_shardings) * (2 * (4 if stage >= 1 else 1)) == whole
+
+
+# -- training equals one device -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ep, stage, top", [(2, 0, 1), (2, 3, 1), (4, 0, 2), (4, 3, 1), (2, 1, 2), (4, 2, 1)])
+def test_expert_parallel_llama_trains_to_the_single_device_parameters(ep: int, stage: int, top: int) -> None:
+    """No token dropped and no noise, the aux loss off (each device gates its own tokens, as DeepSpeed's
+    ranks do, so l_aux is per device): data x expert devices give the one-device losses and parameters."""
+    want_losses, want = single(top)
+    e = engine(stage, {"expert": ep}, 2 * ep, TOP1 if top == 1 else TOP2)
+    assert dict(e.plan.mesh.shape) == {DATA: 2, EXPERT: ep}
+    losses, got = train(e)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-5, atol=1e-6, what=f"expert {ep} stage {stage} vs one device")
+    start = to_numpy(llama.build(config().model, seed=0)[0].fn())
+    moved = np.abs(experts(got)["down"] - experts(start)["down"]).max()
+    assert moved > 1e-4  # the experts did train
+
+
+def test_aux_loss_is_per_device_as_without_the_expert_axis() -> None:
+    """With l_aux on, expert 2 over 4 devices equals 4 data-parallel devices (both gate per device)."""
+    model = {**TOP1, "moe_aux_loss_coef": 0.1}
+    plain_losses, plain = train(engine(3, {}, 4, model))
+    losses, got = train(engine(3, {"expert": 2}, 4, model))
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    assert_tree_close(got, plain, rtol=1e-5, atol=1e-6, what="expert 2 vs data 4, aux loss on")
+
+
+# -- the compiled step ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_step_holds_all_to_alls_over_the_expert_groups(stage: int) -> None:
+    e = engine(stage, {"expert": 2}, 8)
+    text = e._train_step.lower(e.state, e.place_batch(batch(0))).compile().as_text()
+    found = hlo.collectives(text)
+    a2a = [c for c in found if c.kind == "all-to-all"]
+    assert a2a and {hlo.mesh_axes(c.groups, e.plan.mesh) for c in a2a} == {EXPERT}
+    # two per MoE layer forward, and their transposes in the backward pass
+    assert sum(c.count for c in a2a) >= 4
+    # the expert weights' gradients are summed over `data` only; the others over data x expert
+    spans = {hlo.mesh_axes(c.groups, e.plan.mesh) for c in found if c.kind in ("all-reduce", "reduce-scatter")}
+    assert {DATA, f"{DATA}+{EXPERT}"} <= spans
