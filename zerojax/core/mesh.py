@@ -5,6 +5,11 @@ The data axis may be hierarchical (`mesh.data_outer`): two mesh axes, `data_oute
 slices (slow links) and `data_inner` within one (fast links), that every layout and collective
 treats together as "the data axis" - a ZeRO shard is split over both - while keeping the inner
 axis addressable on its own (a secondary partition within a host, as ZeRO++'s hpZ keeps, needs it).
+
+A `sequence` axis (DeepSpeed-Ulysses, `mesh.sequence`) sits inside the data-parallel set, between
+`data` and `tensor`: each row's tokens are split over it, and ZeRO shards weights over data x
+sequence together, as DeepSpeed's ALST does, so `data_axes` names both; `row_axes` / `row_size` are
+the part the batch's rows are split over (what the batch triad counts).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from zerojax.errors import ConfigError
 DATA = "data"
 STAGE = "stage"
 TENSOR = "tensor"
+SEQUENCE = "sequence"
 DATA_OUTER = "data_outer"
 DATA_INNER = "data_inner"
 HIERARCHICAL = (DATA_OUTER, DATA_INNER)
@@ -40,7 +46,20 @@ def request_cpu_devices(n: int | None) -> None:
 
 
 def data_axes(mesh: Any) -> DataAxis:
-    """The mesh axis (or axes) ZeRO shards over: `data`, or (`data_outer`, `data_inner`)."""
+    """The mesh axis (or axes) ZeRO shards over: `data`, or (`data_outer`, `data_inner`); with a
+    `sequence` axis, (`data`, `sequence`)."""
+    names = tuple(mesh.axis_names)
+    if SEQUENCE in names:
+        return (*_tuple(row_axes(mesh)), SEQUENCE)
+    return row_axes(mesh)
+
+
+def _tuple(axes: DataAxis) -> tuple:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def row_axes(mesh: Any) -> DataAxis:
+    """The mesh axis (or axes) the batch's rows are split over: the data axes without `sequence`."""
     names = tuple(mesh.axis_names)
     if DATA in names:
         return DATA
@@ -52,15 +71,30 @@ def data_axes(mesh: Any) -> DataAxis:
 def data_axis() -> DataAxis:
     """The data axis of the mesh being traced (inside `shard_map`), for collectives in model code."""
     names = tuple(jax.sharding.get_abstract_mesh().axis_names)
-    if DATA not in names and all(a in names for a in HIERARCHICAL):
-        return HIERARCHICAL
-    return DATA
+    rows = HIERARCHICAL if DATA not in names and all(a in names for a in HIERARCHICAL) else DATA
+    return (*_tuple(rows), SEQUENCE) if SEQUENCE in names else rows
 
 
 def data_size(mesh: Any) -> int:
     """Number of data-parallel shards (what the batch triad counts)."""
     axes = data_axes(mesh)
     return math.prod(int(mesh.shape[a]) for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def row_size(mesh: Any) -> int:
+    """Number of data-parallel row shards (what the batch triad counts): data_size / sequence_size."""
+    return data_size(mesh) // sequence_size(mesh)
+
+
+def sequence_size(mesh: Any) -> int:
+    """Devices one row's tokens are split over: the `sequence` axis's size, 1 on a mesh without one."""
+    return int(mesh.shape[SEQUENCE]) if SEQUENCE in tuple(mesh.axis_names) else 1
+
+
+def sequence_axis() -> str | None:
+    """The sequence axis of the mesh being traced (inside `shard_map`), or None on a mesh without one, for
+    the collectives of sequence-parallel model code (Ulysses attention, the loss's token counts)."""
+    return SEQUENCE if SEQUENCE in tuple(jax.sharding.get_abstract_mesh().axis_names) else None
 
 
 def tensor_size(mesh: Any) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import Config, as_config
-from zerojax.core.mesh import DATA, HIERARCHICAL, STAGE, TENSOR
+from zerojax.core.mesh import DATA, HIERARCHICAL, SEQUENCE, STAGE, TENSOR
 from zerojax.errors import ConfigError
 
 __all__ = ["make_mesh", "hierarchical_sizes", "hierarchical_mesh"]
@@ -31,21 +31,34 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     `config` is a Config, a dict or a config file path (as `initialize` takes it)."""
     config = as_config(config)
     devices = list(devices if devices is not None else jax.devices())
-    if (config.mesh.data_outer is not None or config.mesh.data_inner is not None
-            or config.zero_optimization.zero_hpz_partition_size > 1):
+    hierarchical = (config.mesh.data_outer is not None or config.mesh.data_inner is not None
+                    or config.zero_optimization.zero_hpz_partition_size > 1)
+    if config.mesh.sequence > 1:
+        _check_sequence(config, hierarchical)
+    if hierarchical:
         return hierarchical_mesh(config, devices)
     m, n = config.mesh, len(devices)
-    _check_model_axes(m.stage, m.tensor, n)
-    sizes = {STAGE: m.stage, DATA: m.data_parallel(n), TENSOR: m.tensor}
+    _check_model_axes(m.stage, m.tensor * m.sequence, n)
+    sizes = {STAGE: m.stage, DATA: m.data_parallel(n), SEQUENCE: m.sequence, TENSOR: m.tensor}
     used = math.prod(sizes.values())
     if used > n:
-        named = " x ".join(f"{a} {k}" for a, k in sizes.items() if a != TENSOR or k > 1)
+        named = " x ".join(f"{a} {k}" for a, k in sizes.items() if a not in (TENSOR, SEQUENCE) or k > 1)
         raise ConfigError(f"mesh.data: {named} = {used} devices, but only {n} exist; lower mesh.data"
                           f"{' or mesh.tensor' if m.tensor > 1 else ''} (on CPU, raise mesh.cpu_devices before "
                           f"JAX starts)")
     axes = tuple(a for a, k in sizes.items() if a == DATA or k > 1)
     grid = np.array(devices[:used], dtype=object).reshape([sizes[a] for a in axes])
     return Mesh(grid, axes)
+
+
+def _check_sequence(config: Config, hierarchical: bool) -> None:
+    """The sequence axis combines with data and ZeRO (any stage) only, for now."""
+    m = config.mesh
+    other = ("mesh.stage" if m.stage > 1 else "mesh.tensor" if m.tensor > 1 else
+             "mesh.data_outer / mesh.data_inner (or zero_hpz_partition_size)" if hierarchical else None)
+    if other:
+        raise ConfigError(f"mesh.sequence: {m.sequence} (sequence_parallel_size) does not combine with {other} yet; "
+                          f"use sequence parallelism with a flat data axis and ZeRO")
 
 
 def _check_model_axes(stage: int, tensor: int, n: int) -> None:
