@@ -745,7 +745,6 @@ def test_deepspeed_only_sections_load_with_one_warning_each() -> None:
                                                     r"train in Apex's mixed precision; alternative: bf16"),
     ({"data_efficiency": {"enabled": True, "data_sampling": {"enabled": True}}},
      r"^data_efficiency: .*changes which tokens each step trains on"),
-    ({"sequence_parallel_size": 2}, r"^sequence_parallel_size: DeepSpeed's Ulysses sequence parallelism"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
      r"^bf16\.bf16_master_weights_and_grads: .*zerojax keeps fp32 master weights"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.05}}},
@@ -760,7 +759,7 @@ def test_deepspeed_only_keys_turned_off_load() -> None:
     config, warned = load_warned(with_batch(amp={"enabled": False}, tensor_parallel={"tp": {"mpu": None}},
                                             data_efficiency={"enabled": False}, sequence_parallel_size=1,
                                             autotuning={"enabled": False}))
-    assert len(warned) == 5
+    assert len(warned) == 4
 
 
 def test_comment_keys_are_ignored_at_every_level() -> None:

@@ -83,7 +83,7 @@ def derive(config: Config, sources: dict[str, str]) -> Config:
         zero = dataclasses.replace(zero, offload_param=OffloadParamConfig())
     config = dataclasses.replace(config, zero_optimization=zero)
 
-    config = _derive_model(_derive_tensor(config, sources), sources)
+    config = _derive_model(_derive_sequence(_derive_tensor(config, sources), sources), sources)
     if config.run.log_every is None:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run,
                                                                      log_every=config.steps_per_print))
@@ -114,6 +114,21 @@ def _derive_tensor(config: Config, sources: dict[str, str]) -> Config:
     key, size = next(iter(asked.items()))
     sources["mesh.tensor"] = f"derived ({key})"
     return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, tensor=size))
+
+
+def _derive_sequence(config: Config, sources: dict[str, str]) -> Config:
+    """mesh.sequence from DeepSpeed's top-level sequence_parallel_size; the two disagreeing is an error
+    naming both (1 is DeepSpeed's "off" and asks for nothing)."""
+    asked = config.sequence_parallel_size
+    if asked == 1:
+        return config
+    if _given(sources, "mesh.sequence"):
+        if config.mesh.sequence != asked:
+            raise ConfigError(f"sequence_parallel_size: {asked}, but mesh.sequence is {config.mesh.sequence}; give "
+                              f"one size (mesh.sequence, or DeepSpeed's sequence_parallel_size) or the same in both")
+        return config
+    sources["mesh.sequence"] = "derived (sequence_parallel_size)"
+    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence=asked))
 
 
 def _derive_model(config: Config, sources: dict[str, str]) -> Config:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax.core.collectives import PARTIAL, REPLICATED, Placement, Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.measure import planned_bytes
-from zerojax.core.mesh import DATA, DATA_INNER, DATA_OUTER, TENSOR, DataAxis, data_axes, data_size, tensor_size
+from zerojax.core.mesh import DATA, DATA_INNER, DATA_OUTER, TENSOR, DataAxis, data_axes, data_size, row_axes, tensor_size
 from zerojax.core.offload import Memory
 from zerojax.core.precision import Policy, ScalerConfig
 from zerojax.core.remat import Remat
@@ -404,8 +404,9 @@ class Plan:
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        """How a global batch is placed: rows split over the data axis."""
-        return NamedSharding(self.mesh, P(data_axes(self.mesh)))
+        """How a global batch is placed: rows split over the data axis (not `sequence`: the step splits
+        each row's tokens over it)."""
+        return NamedSharding(self.mesh, P(row_axes(self.mesh)))
 
     def report(self) -> MemoryReport:
         return memory_report(self)

@@ -10,6 +10,11 @@ Expert parallelism (DeepSpeed's `ep_size`) carves an `expert` axis out of the da
 the mesh is (`data`, `expert`), the data-parallel set is both (`data_axes` is the pair, as for the
 hierarchical axis: the batch rows and every non-expert ZeRO shard are split over both), and the MoE
 layers' expert weights are split over `expert` and ZeRO-sharded over `data` only.
+
+A `sequence` axis (DeepSpeed-Ulysses, `mesh.sequence`) sits inside the data-parallel set, between
+`data` and `tensor`: each row's tokens are split over it, and ZeRO shards weights over data x
+sequence together, as DeepSpeed's ALST does, so `data_axes` names both; `row_axes` / `row_size` are
+the part the batch's rows are split over (what the batch triad counts).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ DATA = "data"
 STAGE = "stage"
 TENSOR = "tensor"
 EXPERT = "expert"
+SEQUENCE = "sequence"
 DATA_OUTER = "data_outer"
 DATA_INNER = "data_inner"
 HIERARCHICAL = (DATA_OUTER, DATA_INNER)
@@ -46,7 +52,20 @@ def request_cpu_devices(n: int | None) -> None:
 
 
 def data_axes(mesh: Any) -> DataAxis:
-    """The mesh axis (or axes) ZeRO shards over: `data`, (`data`, `expert`) or (`data_outer`, `data_inner`)."""
+    """The mesh axis (or axes) ZeRO shards over: `data`, (`data`, `expert`) or (`data_outer`,
+    `data_inner`); with a `sequence` axis, those and `sequence`."""
+    names = tuple(mesh.axis_names)
+    if SEQUENCE in names:
+        return (*_tuple(row_axes(mesh)), SEQUENCE)
+    return row_axes(mesh)
+
+
+def _tuple(axes: DataAxis) -> tuple:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def row_axes(mesh: Any) -> DataAxis:
+    """The mesh axis (or axes) the batch's rows are split over: the data axes without `sequence`."""
     names = tuple(mesh.axis_names)
     if DATA in names and EXPERT in names:
         return (DATA, EXPERT)
@@ -61,16 +80,34 @@ def data_axis() -> DataAxis:
     """The data axis of the mesh being traced (inside `shard_map`), for collectives in model code."""
     names = tuple(jax.sharding.get_abstract_mesh().axis_names)
     if DATA not in names and all(a in names for a in HIERARCHICAL):
-        return HIERARCHICAL
-    if DATA in names and EXPERT in names:
-        return (DATA, EXPERT)
-    return DATA
+        rows: DataAxis = HIERARCHICAL
+    elif DATA in names and EXPERT in names:
+        rows = (DATA, EXPERT)
+    else:
+        rows = DATA
+    return (*_tuple(rows), SEQUENCE) if SEQUENCE in names else rows
 
 
 def data_size(mesh: Any) -> int:
     """Number of data-parallel shards (what the batch triad counts)."""
     axes = data_axes(mesh)
     return math.prod(int(mesh.shape[a]) for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def row_size(mesh: Any) -> int:
+    """Number of data-parallel row shards (what the batch triad counts): data_size / sequence_size."""
+    return data_size(mesh) // sequence_size(mesh)
+
+
+def sequence_size(mesh: Any) -> int:
+    """Devices one row's tokens are split over: the `sequence` axis's size, 1 on a mesh without one."""
+    return int(mesh.shape[SEQUENCE]) if SEQUENCE in tuple(mesh.axis_names) else 1
+
+
+def sequence_axis() -> str | None:
+    """The sequence axis of the mesh being traced (inside `shard_map`), or None on a mesh without one, for
+    the collectives of sequence-parallel model code (Ulysses attention, the loss's token counts)."""
+    return SEQUENCE if SEQUENCE in tuple(jax.sharding.get_abstract_mesh().axis_names) else None
 
 
 def tensor_size(mesh: Any) -> int:

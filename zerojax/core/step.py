@@ -30,7 +30,8 @@ from zerojax.core import remat
 from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering, move, to_varying, unwrap)
 from zerojax.core.gather_at_use import gather_at_use
 from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
-from zerojax.core.mesh import TENSOR, DataAxis, data_axes, data_axis
+from zerojax.core.mesh import TENSOR, DataAxis, data_axis, row_axes, row_size, sequence_size
+from zerojax.core.sequence import batch_specs, split_tokens
 from zerojax.core.tensor_parallel import tensor_parallel
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
@@ -157,12 +158,12 @@ def check_batch(plan: Plan, batch: Any) -> None:
                 f"batch{jax.tree_util.keystr(path)}: leading dimension is "
                 f"{x.shape[0] if x.shape else 'missing'}, expected train_batch_size={want} "
                 f"(= micro {plan.batch.micro_batch_size} x accumulation "
-                f"{plan.batch.gradient_accumulation_steps} x data {plan.data_size})")
+                f"{plan.batch.gradient_accumulation_steps} x data {row_size(plan.mesh)})")
 
 
 def check_eval_batch(plan: Plan, batch: Any) -> None:
     """An eval batch's rows are split over `data`, so their number must be a multiple of it."""
-    dp = plan.data_size
+    dp = row_size(plan.mesh)
     for path, x in jax.tree_util.tree_leaves_with_path(batch):
         if not x.shape or x.shape[0] % dp:
             raise ValueError(f"eval batch{jax.tree_util.keystr(path)}: leading dimension "
@@ -239,8 +240,9 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     differentiates its own mean loss times scale/gas, as DeepSpeed's ranks do; the 1/dp of the
     mean is applied around the reduction (`grad_average`).
     """
-    pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, plan.data_size,
+    pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, row_size(plan.mesh),
                        plan.batch.micro_batch_size)
+    sp = sequence_size(plan.mesh)
     marked = gathers_own(plan, loss_fn)
     if not is_gathering(loss_fn):  # a loss that gathers its own shards places its own remat too
         loss_fn = remat.for_loss(plan.step.remat, loss_fn)
@@ -281,12 +283,12 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
                                                 pre=avg.pre, post=avg.post), layouts, acc)
         return jax.lax.pmean(values, data_axis()), grads
 
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(None, data_axes(plan.mesh)), P(), P()),
-                           out_specs=(P(), plan.update_specs), check_vma=_checks_vma(plan, loss_fn))
-
     def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
         check_batch(plan, batch)
-        shaped = jax.tree.map(lambda x: x.reshape(gas, dp, m, *x.shape[1:]), batch)
+        shaped = jax.tree.map(lambda x: x.reshape(gas, dp, m, *x.shape[1:]), split_tokens(batch, sp))
+        mapped = jax.shard_map(local, mesh=plan.mesh,
+                               in_specs=(plan.param_specs, batch_specs(shaped, row_axes(plan.mesh), 1, sp, micro=True), P(), P()),
+                               out_specs=(P(), plan.update_specs), check_vma=_checks_vma(plan, loss_fn))
         return mapped(params, shaped, jnp.asarray(scale, jnp.float32), key)
 
     return grad_fn
@@ -477,11 +479,14 @@ def make_eval_step(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Arra
         value = loss(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(data_axes(plan.mesh))), out_specs=P(),
-                           check_vma=_checks_vma(plan, loss_fn))
+    sp = sequence_size(plan.mesh)
 
     def eval_step(params: Any, batch: Any) -> jax.Array:
         check_eval_batch(plan, batch)
+        batch = split_tokens(batch, sp)
+        mapped = jax.shard_map(local, mesh=plan.mesh,
+                               in_specs=(plan.param_specs, batch_specs(batch, row_axes(plan.mesh), 0, sp)),
+                               out_specs=P(), check_vma=_checks_vma(plan, loss_fn))
         return mapped(params, batch)
 
     return jax.jit(eval_step, in_shardings=(state_shardings(plan).params, None))

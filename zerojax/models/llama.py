@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zerojax.config import ModelConfig
-from zerojax.models.loss import next_token_loss
+from zerojax.core.mesh import sequence_axis
+from zerojax.models import ulysses
+from zerojax.models.loss import inputs, next_token_loss
 from zerojax.models.moe import MoE
 
 
@@ -57,10 +59,12 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * y.astype(x.dtype)
 
 
-def rotary(t: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [t, head_dim] of the rotary embedding (the two halves repeat the frequencies)."""
+def rotary(t: int, head_dim: int, theta: float, offset: Any = 0) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [t, head_dim] of the rotary embedding (the two halves repeat the frequencies) for
+    positions offset .. offset + t - 1 (a sequence chunk's global positions)."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    freqs = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    positions = jnp.arange(t, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -116,23 +120,33 @@ class Layer(nnx.Module):
             self.down = linear(_d_ff(cfg), d, out_init)
 
     def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Causal attention of `x` [b, t, d]; under a `sequence` axis `x` is a chunk of each row and the
+        heads meet the whole sequence through Ulysses' all-to-alls (zerojax.models.ulysses)."""
         b, t, _ = x.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = _rotate(self.q(x).reshape(b, t, h, hd), cos, sin)
         k = _rotate(self.k(x).reshape(b, t, kv, hd), cos, sin)
         v = self.v(x).reshape(b, t, kv, hd)
-        q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped under the key/value head they share
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(hd))
-        mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(x.dtype)
-        att = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h * hd)
-        return self.o(att)
+        axis = sequence_axis()
+        att = _attend(q, k, v) if axis is None else ulysses.attention(_attend, q, k, v, axis)
+        return self.o(att.reshape(b, t, h * hd))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x = x + self.attention(self.attn_norm(x), cos, sin)
         y = self.mlp_norm(x)
         return x + self.down(jax.nn.silu(self.gate(y)) * self.up(y))
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query attention: q [b, t, h, d], k and v [b, t, kv, d] -> [b, t, h, d]."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped under the key/value head they share
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(hd))
+    mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h, hd)
 
 
 class MoELayer(Layer):
@@ -194,7 +208,15 @@ class Llama(nnx.Module):
         """(logits, l_aux): the logits and the MoE layers' summed load-balancing loss (0 for the dense
         model). `key` draws the gates' noise in training (none without it)."""
         cfg = self.cfg
-        cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        axis = sequence_axis()
+        offset = 0
+        if axis is not None:  # `tokens` is chunk axis_index of each row: its global positions
+            ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis))
+            if is_moe(cfg):
+                raise ValueError("mesh.sequence: the mixture-of-experts Llama is not sequence-parallel yet; "
+                                 "set sequence_parallel_size: 1 or leave model.n_experts unset")
+            offset = jax.lax.axis_index(axis) * tokens.shape[1]
+        cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta, offset)
         x = self.embed(tokens)
         if is_moe(cfg):
             x, l_aux = self._moe_stack(x, cos, sin, key)
@@ -243,8 +265,9 @@ class Llama(nnx.Module):
 
 def loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy; `batch["tokens"]` is [rows, seq_len + 1] int32, and an optional
-    `batch["loss_mask"]` [rows, seq_len] drops predictions (e.g. across a document boundary)."""
-    return next_token_loss(model(batch["tokens"][:, :-1]), batch)
+    `batch["loss_mask"]` [rows, seq_len] drops predictions (e.g. across a document boundary). Under a
+    sequence axis the step hands it `inputs` and `labels` chunks instead (zerojax.core.sequence)."""
+    return next_token_loss(model(inputs(batch)), batch)
 
 
 # ---------------------------------------------------------------------------------------------

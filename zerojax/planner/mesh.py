@@ -13,16 +13,17 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import Config, as_config
-from zerojax.core.mesh import DATA, EXPERT, HIERARCHICAL, STAGE, TENSOR
+from zerojax.core.mesh import DATA, EXPERT, HIERARCHICAL, SEQUENCE, STAGE, TENSOR
 from zerojax.errors import ConfigError
 
 __all__ = ["make_mesh", "hierarchical_sizes", "hierarchical_mesh"]
 
 
 def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Mesh from the config's `mesh` section: (`stage`, `data`, `expert`, `tensor`) axes, `stage` only with
-    more than one stage, `expert` only with mesh.expert above 1 (the data-parallel devices are then data x
-    expert) and `tensor` only with mesh.tensor above 1 (a config without them gets a plain
+    """Mesh from the config's `mesh` section: (`stage`, `data`, `expert`, `sequence`, `tensor`) axes,
+    `stage` only with more than one stage, `expert` only with mesh.expert above 1 (the data-parallel
+    devices are then data x expert), `sequence` only with mesh.sequence above 1 and `tensor` only
+    with mesh.tensor above 1 (a config without them gets a plain
     `data` mesh); `data` is by default every device stage x tensor leave over. `tensor` is innermost:
     one tensor group is consecutive devices, the fastest links. With `mesh.data_outer` /
     `mesh.data_inner` the data axis is (`data_outer`, `data_inner`) (`hierarchical_mesh`); with neither,
@@ -32,30 +33,45 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     `config` is a Config, a dict or a config file path (as `initialize` takes it)."""
     config = as_config(config)
     devices = list(devices if devices is not None else jax.devices())
-    if config.mesh.expert > 1 and (config.mesh.data_outer is not None or config.mesh.data_inner is not None
-                                   or config.zero_optimization.zero_hpz_partition_size > 1):
-        raise ConfigError(f"mesh.expert: {config.mesh.expert} does not combine with a hierarchical data axis "
-                          f"(mesh.data_outer / mesh.data_inner, or ZeRO++ hpZ) yet; set mesh.expert: 1 or remove them")
-    if (config.mesh.data_outer is not None or config.mesh.data_inner is not None
-            or config.zero_optimization.zero_hpz_partition_size > 1):
-        return hierarchical_mesh(config, devices)
     m, n = config.mesh, len(devices)
-    _check_model_axes(m.stage, m.tensor, n)
+    hierarchical = (m.data_outer is not None or m.data_inner is not None
+                    or config.zero_optimization.zero_hpz_partition_size > 1)
+    if m.expert > 1 and m.sequence > 1:
+        raise ConfigError(f"mesh.expert: {m.expert} with mesh.sequence: {m.sequence} does not combine yet; use "
+                          f"expert parallelism or sequence parallelism")
+    if m.expert > 1 and hierarchical:
+        raise ConfigError(f"mesh.expert: {m.expert} does not combine with a hierarchical data axis "
+                          f"(mesh.data_outer / mesh.data_inner, or ZeRO++ hpZ) yet; set mesh.expert: 1 or remove them")
+    if m.sequence > 1:
+        _check_sequence(config, hierarchical)
+    if hierarchical:
+        return hierarchical_mesh(config, devices)
+    _check_model_axes(m.stage, m.tensor * m.sequence, n)
     dp = m.data_parallel(n)
     if dp % m.expert:
         raise ConfigError(f"mesh.expert: {m.expert} does not divide the data-parallel size {dp}, so data x expert "
                           f"cannot fill it; choose mesh.expert dividing {dp} (expert groups are carved out of the "
                           f"data-parallel devices, as DeepSpeed's ep_size)")
-    sizes = {STAGE: m.stage, DATA: dp // m.expert, EXPERT: m.expert, TENSOR: m.tensor}
+    sizes = {STAGE: m.stage, DATA: dp // m.expert, EXPERT: m.expert, SEQUENCE: m.sequence, TENSOR: m.tensor}
     used = math.prod(sizes.values())
     if used > n:
-        named = " x ".join(f"{a} {k}" for a, k in sizes.items() if a not in (TENSOR, EXPERT) or k > 1)
+        named = " x ".join(f"{a} {k}" for a, k in sizes.items() if a not in (TENSOR, EXPERT, SEQUENCE) or k > 1)
         raise ConfigError(f"mesh.data: {named} = {used} devices, but only {n} exist; lower mesh.data"
                           f"{' or mesh.tensor' if m.tensor > 1 else ''} (on CPU, raise mesh.cpu_devices before "
                           f"JAX starts)")
     axes = tuple(a for a, k in sizes.items() if a == DATA or k > 1)
     grid = np.array(devices[:used], dtype=object).reshape([sizes[a] for a in axes])
     return Mesh(grid, axes)
+
+
+def _check_sequence(config: Config, hierarchical: bool) -> None:
+    """The sequence axis combines with data and ZeRO (any stage) only, for now."""
+    m = config.mesh
+    other = ("mesh.stage" if m.stage > 1 else "mesh.tensor" if m.tensor > 1 else
+             "mesh.data_outer / mesh.data_inner (or zero_hpz_partition_size)" if hierarchical else None)
+    if other:
+        raise ConfigError(f"mesh.sequence: {m.sequence} (sequence_parallel_size) does not combine with {other} yet; "
+                          f"use sequence parallelism with a flat data axis and ZeRO")
 
 
 def _check_model_axes(stage: int, tensor: int, n: int) -> None:

@@ -19,7 +19,8 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
-from zerojax.core.mesh import DATA, DATA_INNER, EXPERT, STAGE, TENSOR, data_axes, data_size, expert_size, tensor_size
+from zerojax.core.mesh import (DATA, DATA_INNER, EXPERT, STAGE, TENSOR, data_axes, data_size, expert_size, row_size,
+                               tensor_size)
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
@@ -81,8 +82,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
                 raise ConfigError("kernels: 'pallas' fuses one weight decay and lr for every parameter; "
                                   "with optimizer.no_decay or param_groups use kernels: auto or xla")
             kernels = XLA
-    n = data_size(mesh)
-    batch = config.batch(n)
+    n = data_size(mesh)  # ZeRO's shards: data x sequence
+    batch = config.batch(row_size(mesh))  # the batch's rows are split over data only
     stage = config.zero_optimization.stage
     partitions = STAGE_PARTITIONS[stage]
     threshold = config.zero_optimization.stage3_param_persistence_threshold

@@ -101,8 +101,10 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh: a `data` axis (ZeRO shards over it; optionally data_outer x data_inner), a `stage`
-    axis (pipeline), a `tensor` axis (tensor parallelism) and an `expert` axis (expert parallelism)."""
-    data: Optional[int] = option(None, "Data-parallel size (default: all devices / (stage x tensor)).", gt=0)
+    axis (pipeline), a `tensor` axis (tensor parallelism), an `expert` axis (expert parallelism) and a
+    `sequence` axis (Ulysses sequence parallelism)."""
+    data: Optional[int] = option(None, "Data-parallel size (default: all devices / (stage x sequence x tensor)).",
+                                 gt=0)
     stage: int = option(1, "Pipeline stages (more than 1 needs a PipelineModule: "
                            "initialize(config, model=...)).", gt=0)
     data_outer: Optional[int] = option(None, "Split the data axis into data_outer (across hosts or slices: slow "
@@ -119,6 +121,10 @@ class MeshConfig:
                             "expert weights are split over the expert axis (each device holds n_experts / expert "
                             "of them) and ZeRO-sharded over data only, with two all-to-alls around the experts. It "
                             "must divide the data-parallel size and model.n_experts.", gt=0)
+    sequence: int = option(1, "Sequence-parallel size (DeepSpeed-Ulysses): each row's tokens are split over a "
+                              "`sequence` axis between data and tensor; attention all-to-alls heads for tokens, "
+                              "and ZeRO shards over data x sequence. DeepSpeed's sequence_parallel_size sets it.",
+                           gt=0)
     logical_axis_rules: AxisRules = option(
         factory=AxisRules, doc="Logical axis name (as a model annotates its parameters, e.g. "
         "nnx.with_partitioning(init, (\"embed\", \"mlp\"))) -> mesh axis: tensor, data, stage, or null "
@@ -129,9 +135,9 @@ class MeshConfig:
                                            "before JAX starts; null leaves JAX's default).", gt=0)
 
     def data_parallel(self, n_devices: int) -> int:
-        """The data-parallel size on `n_devices`: mesh.data, else every device stage x tensor leave over
-        (the size the batch triad counts)."""
-        return self.data or n_devices // (self.stage * self.tensor)
+        """The data-parallel size on `n_devices`: mesh.data, else every device stage x sequence x tensor
+        leave over (the size the batch triad counts)."""
+        return self.data or n_devices // (self.stage * self.sequence * self.tensor)
 
 
 @dataclass(frozen=True)

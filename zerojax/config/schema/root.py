@@ -70,6 +70,8 @@ class Config:
     hybrid_engine: HybridEngineConfig = section(HybridEngineConfig)
     tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
+    sequence_parallel_size: int = option(1, "DeepSpeed-Ulysses sequence-parallel size; sets mesh.sequence "
+                                            "(1: none).", gt=0)
     kernels: str = option("auto", "Optimizer update: auto (Pallas kernels on GPU for Adam/AdamW, XLA "
                                   "elsewhere) | pallas (Triton on GPU, interpret mode on CPU) | xla (optax).",
                           choices=("auto", "pallas", "xla"))
