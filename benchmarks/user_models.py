@@ -193,8 +193,18 @@ def make_fsdp_step(params: Any, loss_fn: Callable[..., jax.Array], mesh: Any, *,
                           donate_argnums=0)
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\S+) ([a-z][\w\-]*)\(")
-_GATHERS = ("all-gather", "all-gather-start", "all-gather-done", "copy", "bitcast", "dynamic-slice")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\(([^)]*)\)")
+_GATHERS = ("all-gather", "all-gather-start", "all-gather-done")
+_MOVES = ("copy", "bitcast", "dynamic-slice", "get-tuple-element")
+# The op that makes a layer's weight gradient (x^T @ cotangent, then transposed to the weight's
+# layout), or sums two of them; activations of the weight's shape come from other ops.
+_GRAD_OPS = ("transpose", "add_any")
+
+
+def _tuple_shapes(shape: str) -> list[str]:
+    """The element shapes of an HLO tuple shape `(f32[2,3]{1,0}, s32[])` (layouts dropped)."""
+    bare = re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", shape[1:-1])
+    return [e.strip() for e in re.split(r",\s*(?![^\[]*\])", bare)]
 
 
 def compile_with_peak(lowered: Any, weight_shapes: set[str]) -> tuple[Any, dict[str, int]]:
@@ -203,9 +213,11 @@ def compile_with_peak(lowered: Any, weight_shapes: set[str]) -> tuple[Any, dict[
     XLA's live-range report (`*-live-range.txt`, "Live ranges at N (peak)") lists every buffer live
     at the moment arguments + temporaries + outputs are largest; the train state's arguments are
     left out here. Each buffer is attributed by its shape and the op that made it:
-    `gathered`: a whole weight (a layer's, or a leaf used whole) made by a gather or its copies;
-    `grads`: a whole weight's gradient (a backward-pass op, not a gather), waiting for its
-    reduce-scatter; `other`: activations, gradient shards and the update's temporaries.
+    `gathered`: a whole weight (a layer's, or a leaf used whole) made by a gather or its copies,
+    or carried by a loop; `grads`: a whole weight's gradient (the backward pass's transpose that
+    makes it, or a sum of two), waiting for its reduce-scatter; `other`: activations (also those
+    of a weight's shape, as at 512 rows per device and width 512), gradient shards and the
+    update's temporaries.
     """
     from jax._src import compilation_cache  # a persistent-cache hit compiles nothing, so dumps nothing
     with tempfile.TemporaryDirectory() as d:
@@ -223,26 +235,45 @@ def compile_with_peak(lowered: Any, weight_shapes: set[str]) -> tuple[Any, dict[
             return compiled, {}
         text = open(ranges[0]).read()
         hlo = open(ranges[0].replace("-live-range.txt", ".txt")).read()
-    info: dict[str, tuple[str, str, str]] = {}
+    info: dict[str, tuple[str, str, str, list[str]]] = {}
     entry = False
     for line in hlo.splitlines():
         entry = entry or line.startswith("ENTRY")
         m = _INSTR.match(line)
         if m:
             op = re.search(r'op_name="([^"]*)"', line)
-            info[m.group(1)] = (m.group(2).split("{")[0], m.group(3) if not (entry and m.group(3) == "parameter")
-                                else "argument", op.group(1) if op else "")
+            shape = m.group(2) if m.group(2).startswith("(") else m.group(2).split("{")[0]
+            info[m.group(1)] = (shape, m.group(3) if not (entry and m.group(3) == "parameter") else "argument",
+                                op.group(1) if op else "", re.findall(r"%([\w.\-]+)", m.group(4)))
+
+    def gathered(name: str, depth: int = 0) -> bool:
+        """Made by a gather, or moved (copied, sliced, carried) from one."""
+        opcode, operands = info[name][1], info[name][3]
+        if opcode in _GATHERS:
+            return True
+        return opcode in _MOVES and depth < 16 and any(o in info and gathered(o, depth + 1) for o in operands[:1])
+
     out = {"gathered": 0, "grads": 0, "other": 0}
     block = text.split("(peak):")[-1].split("Stack trace")[0]
-    for m in re.finditer(r"([\w.\-]+)\{[\d,]*\}: (\d+) bytes", block):
-        shape, opcode, op_name = info.get(m.group(1), ("?", "?", ""))
+    for m in re.finditer(r"([\w.\-]+)\{([\d,]*)\}: (\d+) bytes", block):
+        shape, opcode, op_name, _ = info.get(m.group(1), ("?", "?", "", []))
         if opcode == "argument":
             continue
-        if shape in weight_shapes:
-            key = "grads" if "transpose(" in op_name and opcode not in _GATHERS else "gathered"
-        else:
+        if shape.startswith("(") and m.group(2):
+            # One element of a tuple (a loop's carried state): a weight's shape there is the
+            # gathered layer a prefetching loop carries (gradients are carried as shards).
+            elems = _tuple_shapes(shape)
+            index = int(m.group(2).split(",")[0])
+            key = "gathered" if index < len(elems) and elems[index] in weight_shapes else "other"
+        elif shape not in weight_shapes:
             key = "other"
-        out[key] += int(m.group(2))
+        elif gathered(m.group(1)):
+            key = "gathered"
+        elif op_name.rsplit("/", 1)[-1] in _GRAD_OPS:
+            key = "grads"
+        else:  # an activation that happens to have a weight's shape (rows per device = its width)
+            key = "other"
+        out[key] += int(m.group(3))
     return compiled, out
 
 
