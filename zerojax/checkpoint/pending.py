@@ -3,6 +3,7 @@ at interpreter exit (before the thread pools orbax writes with are shut down).
 """
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - see _finish_at_exit: its exit hook must be older than ours
 import threading
 from pathlib import Path
 from typing import Any, Iterable
@@ -98,7 +99,9 @@ def _finish_at_exit() -> None:
 
     Registered with threading's exit hooks, which run before concurrent.futures shuts its pools
     (hooks run in reverse order of registration) and long before `atexit`: by `atexit` time an
-    unfinished orbax save can no longer be committed.
+    unfinished orbax save can no longer be committed. concurrent.futures registers its hook when its
+    thread module is first imported, which orbax may do only during a save, after this module: so
+    this module imports it first, making that hook older than this one.
     """
     try:
         wait_all()
