@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides on top of configs/zero3.yaml (e.g. a larger model on a GPU)")
     output_args(p, "benchmarks.md", rounds=3)
     return p.parse_args(argv)
 
@@ -129,7 +131,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from zerojax.core.generate import generate
 
     config = zerojax.load_config(os.path.join(ROOT, "configs", "zero3.yaml"),
-                                 ["run.progress=false", f"model.seq_len={max(128, args.prompt + args.new)}"])
+                                 ["run.progress=false", f"model.seq_len={max(128, args.prompt + args.new)}",
+                                  *args.overrides])
     mesh = trainer.make_mesh(config)
     engine = trainer.build_engine(config, mesh, trainer.build_model(config, mesh))
     cfg = config.model
@@ -178,8 +181,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(x.size for x in jax.tree.leaves(engine.params))
     batch = engine.place_batch({"tokens": np.zeros((engine.train_batch_size(), cfg.seq_len + 1), np.int32)})
     train = _memory(engine.train_step_fn.lower(engine.state, batch).compile())
+    devices = jax.devices()
     return dict(rows=rows, params=n_params, cfg=cfg, memory=memory, train=train,
-                train_batch=(engine.train_batch_size(), cfg.seq_len))
+                train_batch=(engine.train_batch_size(), cfg.seq_len), data_size=engine.plan.data_size,
+                devices=f"{len(devices)} {devices[0].device_kind}", cpu=devices[0].platform == "cpu")
 
 
 def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str:
@@ -187,12 +192,13 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
     lines = [BEGIN, "## Generation: KV cache against gathering per token and recomputing the window", "",
              f"`python -m benchmarks.generate` ({seconds:.0f} s here): the embedded GPT at configs/zero3.yaml's size "
              f"({res['params'] / 1e6:.2f}M parameters: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
-             f"seq_len {cfg.seq_len}, raised from 128 so that prompt and new tokens fit), bf16 parameters over fp32 masters, ZeRO-3 over 8 virtual CPU devices, built as "
+             f"seq_len {cfg.seq_len}, raised from 128 so that prompt and new tokens fit), bf16 parameters over fp32 masters, ZeRO-3 over {res['devices']}{' (virtual)' if res['cpu'] else ''}, built as "
              f"train.py builds it. Prompts of {args.prompt} tokens, {args.new} new tokens each, greedy; median of "
              f"{args.rounds} calls after one untimed call.", "",
              "- **KV cache, engine.generate**: the live bf16 compute copy, ZeRO-3 shards gathered once per call inside "
-             "one compiled program (prefill, then a `while_loop` of decode steps); rows split over the 8 devices "
-             "when the batch divides by 8, else every device decodes the whole batch.",
+             "one compiled program (prefill, then a `while_loop` of decode steps); rows split over the "
+             f"{res['data_size']} devices when the batch divides by {res['data_size']}, else every device decodes the "
+             "whole batch.",
              "- **KV cache, fp32 master**: the same program on the fp32 master copy (what `zerojax sample` and the "
              "end-of-run sample read now).",
              "- **KV cache, one device**: the same program with the master weights gathered to the host and put on "
@@ -215,10 +221,12 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
               "| batch | engine.generate | gather per token |", "|---|---|---|"]
     for m in res["memory"]:
         lines.append(f"| {m['batch']} | {m['gathered_once'] / 2**20:.2f} MiB | {m['gathered_per_token'] / 2**20:.2f} MiB |")
-    lines += ["", "On this CPU an all-gather between virtual devices is a memory copy, so gathering per token costs "
-              "little wall time here; across a network (DeepSpeed's multi-GPU ZeRO-3 generation) those bytes are the "
-              f"cost, {res['memory'][0]['gathered_per_token'] / res['memory'][0]['gathered_once']:.0f} times what "
-              f"engine.generate gathers at {args.new} new tokens."]
+    once = res["memory"][0]["gathered_once"]
+    if res["cpu"] and once:
+        lines += ["", "On this CPU an all-gather between virtual devices is a memory copy, so gathering per token costs "
+                  "little wall time here; across a network (DeepSpeed's multi-GPU ZeRO-3 generation) those bytes are "
+                  f"the cost, {res['memory'][0]['gathered_per_token'] / once:.0f} times what engine.generate gathers "
+                  f"at {args.new} new tokens."]
     tb, ts = res["train_batch"]
     train = res["train"]
     lines += ["", f"Memory per device, from the compiled programs' `memory_analysis()` (arguments + temporaries; "
@@ -228,18 +236,20 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
               "| batch | program | arguments (MiB) | temporaries (MiB) | total (MiB) | vs train step | KV cache on a device (MiB) |",
               "|---|---|---|---|---|---|---|"]
     for m in res["memory"]:
-        cache = m["cache"] / (8 if m["rows_split"] else 1)
+        cache = m["cache"] / (res["data_size"] if m["rows_split"] else 1)
         for name, key in (("engine.generate", "once"), ("gather per token", "per_token")):
             total = m[key]["args"] + m[key]["temp"]
             lines.append(f"| {m['batch']} | {name} | {m[key]['args'] / 2**20:.2f} | {m[key]['temp'] / 2**20:.2f} | "
                          f"{total / 2**20:.2f} | {total / (train['args'] + train['temp']):.2f}x | {cache / 2**20:.2f} |")
     same = all(r.get("same", True) for r in rows)
     lines += ["", f"The fp32 KV-cache path and the recompute path gave {'the same' if same else 'different'} greedy "
-              "tokens at every batch. The 8 virtual devices share this machine's CPU cores: a batch that does not "
-              "divide by 8 is decoded whole by each of them, so on the mesh a row costs about 8 times its "
-              "one-device work, and a batch of 16 gives each device 2 rows; the one-device row shows the program "
-              "without that. On real accelerators the devices run side by side and the replicated work costs no "
-              "wall time; no GPU run is measured here.", "", END]
+              "tokens at every batch."]
+    if res["cpu"]:
+        lines[-1] += (" The 8 virtual devices share this machine's CPU cores: a batch that does not divide by 8 is "
+                      "decoded whole by each of them, so on the mesh a row costs about 8 times its one-device work, "
+                      "and a batch of 16 gives each device 2 rows; the one-device row shows the program without that. "
+                      "On real accelerators the devices run side by side and the replicated work costs no wall time.")
+    lines += ["", END]
     return "\n".join(lines)
 
 

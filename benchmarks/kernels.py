@@ -327,7 +327,7 @@ def report(args: argparse.Namespace, device: Any, backend: str, rows: list[dict]
                 "| kernel launches per step | bytes per local parameter, per launch | total |", "|---|---|---|",
                 f"| {len(k)} | {', '.join(f'{b:.2f}' for b in per)} | {sum(per):.2f} |", "",
                 "The launches are the gradient-statistics kernel (reads the bf16 gradient: 2 B, plus 8 B of "
-                "partial sums per 2048 elements) and the fused Adam kernel (reads fp32 p, m, v and the bf16 "
+                f"partial sums per {multi_tensor.BLOCK} elements) and the fused Adam kernel (reads fp32 p, m, v and the bf16 "
                 "gradient, writes p, m, v and the bf16 copy the all-gather sends: 28 B).", ""]
     return "\n".join(out)
 

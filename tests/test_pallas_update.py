@@ -18,6 +18,7 @@ import pytest
 import zerojax
 from helpers import ADAM, data_mesh, make_batch, make_config, mlp_params, mse_loss, to_numpy, train_steps
 from zerojax.pallas.backend import resolve
+from zerojax.pallas import multi_tensor
 
 TBS = 32
 PARAMS0 = mlp_params(0)
@@ -181,7 +182,7 @@ def test_step_lowers_for_cuda_with_two_launches_in_place(stage: int, dtype: str)
              zip(jax.tree.leaves(p.abstract_params), jax.tree.leaves(p.update_shardings))]
     scalars = 16 * 4  # the runtime-scalar operand
     assert call_bytes(adam) - scalars == 28 * sum(local)
-    # The statistics kernel reads the gradient once and writes two floats per 2048-element block.
+    # The statistics kernel reads the gradient once and writes two floats per block.
     grad_bytes = 4 if dtype == "fp32" else 2
-    programs = sum(-(-n // 2048) for n in local)
+    programs = sum(-(-n // multi_tensor.BLOCK) for n in local)
     assert call_bytes(stats) == 4 + grad_bytes * sum(local) + 2 * 4 * programs

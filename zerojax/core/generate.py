@@ -2,8 +2,9 @@
 
 `generate(decoder, params, prompts, lengths, max_new_tokens, plan=...)` runs a batch of right-padded
 prompts of different lengths: the decoder's `prefill` (every prompt in one call, filling a
-static-shape cache), then a `lax.while_loop` of at most `max_new_tokens - 1` `decode_step`s (one
-token for every row). The loop stops early only when every row has met `eos_id`, a condition
+static-shape cache), then a loop of `max_new_tokens - 1` `decode_step`s (one token for every row):
+a counted `fori_loop` when no `eos_id` can end a row, else a `lax.while_loop` that stops early only
+when every row has met `eos_id`, a condition
 computed inside the program from the whole batch, so every device and process takes the same
 branch. Greedy at temperature 0, else sampled (`top_k`, `top_p`) from a key derived from `seed`.
 
@@ -228,8 +229,12 @@ def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Arr
         token, out, logps, done, count = emit(i, logits, out, logps, done, count)
         return i + 1, token, cache, out, logps, done, count
 
-    _, _, _, out, logps, _, count = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), token, cache, out, logps, done, count))
+    carry = (jnp.int32(1), token, cache, out, logps, done, count)
+    if eos_id is None:  # no row can end early: a counted loop, whose trip count XLA knows (no per-token test)
+        carry = jax.lax.fori_loop(1, n, lambda _, c: body(c), carry)
+    else:
+        carry = jax.lax.while_loop(cond, body, carry)
+    _, _, _, out, logps, _, count = carry
     # every process can read the whole result (a few bytes a row), not only its devices' rows
     return Generation(*(_constrain(x, replicated) for x in (out, logps, count)))
 

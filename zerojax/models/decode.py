@@ -113,7 +113,10 @@ class _Decoder:
             x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, extra)
             return x, (k_cache, v_cache)
 
-        x, (k, v) = jax.lax.scan(body, x, (self.layers(params), cache["k"], cache["v"]))
+        # One token per row is launch-bound on an accelerator: the layers unrolled run as one straight
+        # program, not a loop whose every iteration the host steps (the prompt's prefill keeps the loop).
+        unroll = tokens.shape[1] == 1
+        x, (k, v) = jax.lax.scan(body, x, (self.layers(params), cache["k"], cache["v"]), unroll=unroll)
         return x, {"k": k, "v": v}
 
     def _extra(self, positions: jax.Array) -> Any:

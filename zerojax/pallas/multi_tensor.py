@@ -24,10 +24,12 @@ import jax.numpy as jnp
 
 from zerojax.pallas.backend import INTERPRET, MOSAIC_GPU, TRITON
 
-# Elements per program. 2048 fp32 elements are 8 KiB per operand; with 4 warps each thread moves
-# 16 contiguous elements of every operand (four 16-byte loads). Mosaic GPU's TMA copies at most
-# 256 elements along a dimension.
-BLOCK = 2048
+# Elements per program. 1024 fp32 elements are 4 KiB per operand; with 4 warps each thread moves
+# 8 contiguous elements of every operand (two 16-byte loads). On an H100 (`python -m
+# benchmarks.kernels --block B`) 1024 ran Adam at 0.95-1.01x optax's speed from 1e8 to 1e9
+# parameters, 2048 at 0.83-0.94x and 8192 at 0.90x: more, smaller programs keep more loads in
+# flight. Mosaic GPU's TMA copies at most 256 elements along a dimension.
+BLOCK = 1024
 MOSAIC_BLOCK = 256
 NUM_WARPS = 4
 # Arrays per launch: each adds a branch to the kernel and up to 8 pointers to its parameters
