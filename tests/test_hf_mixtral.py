@@ -79,13 +79,16 @@ def test_imported_logits_match_transformers(stage: int, expert: int) -> None:
 
 
 def test_export_then_import_gives_the_exact_weights(tmp_path: Path) -> None:
-    """Stage 3 with the experts split in two: saved as imported, and after a step. `export --format hf`
-    of the first is the source bit for bit; of the second, the source's tensor names, shapes and
-    config.json holding the trained weights exactly. Without the source (`--hf-source none`) the
-    config.json written from the model keys describes the same model."""
-    engine = engine_of(config(3, 2))
-    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="imported")
-    engine.train_batch({"tokens": rows()})
+    """Stage 3 with the experts split in two: saved as imported, and with every weight changed (as
+    training changes them; no step is compiled). `export --format hf` of the first is the source bit for
+    bit; of the second, the source's tensor names, shapes and config.json holding the changed weights
+    exactly. Without the source (`--hf-source none`) the config.json written from the model keys
+    describes the same model."""
+    imported = engine_of(config(3, 2))
+    imported.save_checkpoint(str(tmp_path / "ckpt"), tag="imported")
+    moved = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.5 + 0.25, p))(imported.params)
+    engine = zerojax.initialize(imported.config, params=moved, loss_fn=llama.build(imported.config.model)[1],
+                                mesh=imported.mesh)
     engine.save_checkpoint(str(tmp_path / "ckpt"), tag="trained")
     engine.wait_for_checkpoint()
     same = hf.export_checkpoint(tmp_path / "ckpt", "imported", tmp_path / "same")

@@ -564,10 +564,10 @@ Reader = Callable[[tuple[str, ...], tuple[Any, ...]], np.ndarray]  # (zerojax pa
 def _rows(read: Reader, path: tuple[str, ...], ix: tuple[int, ...], transpose: bool, rows: Any) -> np.ndarray:
     """Rows `rows` of the transformers tensor that leading index `ix` (layer, expert) of leaf `path`
     is: read from the leaf alone (its columns, where the tensor is the leaf transposed)."""
-    layer = tuple(ix)
+    lead = tuple(ix)
     if transpose:
-        return read(path, layer + (slice(None), rows)).T
-    return read(path, layer + ((rows,) if rows != () else ()))
+        return read(path, lead + (slice(None), rows)).T
+    return read(path, lead + ((rows,) if rows != () else ()))
 
 
 def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
