@@ -27,10 +27,10 @@ from zerojax.planner.mesh import make_mesh
 SOURCE = Path(__file__).resolve().parent / "fixtures" / "hf" / "mixtral"
 
 
-def config(stage: int = 0, expert: int = 1, src: Path = SOURCE, lr: float = 0.1, **model: Any) -> zerojax.Config:
+def config(stage: int = 0, expert: int = 1, src: Path = SOURCE, **model: Any) -> zerojax.Config:
     return zerojax.load_config({
         "train_batch_size": 8, "gradient_clipping": 0.0,
-        "optimizer": {"type": "SGD", "params": {"lr": lr}}, "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "mesh": {"expert": expert}, "model": {"hf_checkpoint": str(src), **model}})
 
