@@ -78,9 +78,8 @@ def build_model(config: Config, mesh: Any) -> Model:
     elif model_cfg.name == "llama":
         # The public path a user's NNX model takes: from_nnx(constructor, loss), built into its shards.
         from zerojax.models import llama
-        from zerojax.core.sharded_init import abstract_params
         params, loss_fn = llama.build(model_cfg, config.run.seed)
-        plan = make_plan(config, mesh, abstract_params(params))
+        plan = make_plan(config, mesh, params)  # unbuilt, with its annotations: the experts' `expert` dimension
     else:
         plan = make_plan(config, mesh, gpt.abstract_params(model_cfg))  # validates before data or compile
     return Model(plan, pipeline, params, loss_fn)

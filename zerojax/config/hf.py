@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from zerojax.errors import ConfigError
 
-__all__ = ["HFError", "model_keys", "read_config_json"]
+__all__ = ["HFError", "TRAINING_KEYS", "model_keys", "read_config_json"]
 
 
 class HFError(ConfigError):
@@ -34,20 +34,56 @@ def read_config_json(directory: str | os.PathLike[str]) -> tuple[Path, dict[str,
         raise HFError(f"model.hf_checkpoint: {path} is not valid JSON ({e})") from None
 
 
-def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
+def _rope_theta(hf: Mapping[str, Any], where: str, default: float) -> float:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
     kind = params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     if scaling or kind not in (None, "default"):
         raise HFError(f"model.hf_checkpoint: {where} asks for rotary scaling ({kind or scaling}), which the llama "
                       f"model does not implement; use a checkpoint with default rotary embeddings")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return float(params.get("rope_theta", hf.get("rope_theta", default)))
+
+
+# The model keys a checkpoint's config.json only suggests: training choices that leave the forward as
+# transformers computes it, so a config that gives its own value keeps it.
+TRAINING_KEYS = frozenset({"moe_aux_loss_coef"})
+
+
+def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], refuse: Callable[..., None],
+                  seq_len: int | None) -> dict[str, Any]:
+    """The MoE keys of a Mixtral config.json: every layer a mixture of `num_local_experts` SwiGLU experts.
+
+    transformers' Mixtral routes each token to the top `num_experts_per_tok` of softmax(router logits)
+    and renormalizes those weights to sum to one, dropping no token. DeepSpeed's top-2 gate with no
+    token dropped and no noise computes exactly that for k = 2; its top-1 gate keeps the raw softmax
+    weight (Mixtral's would be 1), and it has no top-k beyond 2, so any other k is refused."""
+    refuse("num_experts_per_tok", 2, "zerojax's gate (DeepSpeed's TopKGate) reproduces Mixtral's renormalized "
+                                     "top-k routing for top-2 only; use a checkpoint routing to 2 experts")
+    refuse("router_jitter_noise", (0, 0.0), "transformers jitters the experts' input as well as the router's "
+                                            "in training, which DeepSpeed's Jitter policy does not; use 0")
+    window = hf.get("sliding_window")
+    if window is not None:
+        from zerojax.config.schema.run import ModelConfig
+        length = seq_len if seq_len is not None else ModelConfig.seq_len
+        if length > int(window):
+            raise HFError(f"model.hf_checkpoint: {where} has sliding_window: {window}, shorter than model.seq_len "
+                          f"{length}; the llama model attends over its whole causal context, which equals the "
+                          f"sliding window only for sequences of at most {window} tokens: set model.seq_len <= "
+                          f"{window}")
+    n_experts = int(need("num_local_experts"))
+    if n_experts < 2:
+        raise HFError(f"model.hf_checkpoint: {where} has num_local_experts: {n_experts}; top-2 routing needs at "
+                      f"least 2 experts")
+    return {"n_experts": n_experts, "experts_per_token": 2, "moe_every": 1, "use_residual": False,
+            "drop_tokens": False, "noisy_gate_policy": None, "top2_2nd_expert_sampling": False,
+            "moe_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001))}
 
 
 def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) -> tuple[dict[str, Any], str]:
     """The `model.*` values a checkpoint's config.json implies, and where they came from.
 
-    `seq_len` is the config's own `model.seq_len` when given (GPT-2's position table must cover it).
+    `seq_len` is the config's own `model.seq_len` when given (GPT-2's position table and Mixtral's
+    sliding window must cover it).
     Architectures the models here do not compute exactly are refused, naming the config.json key.
     """
     root, hf = read_config_json(directory)
@@ -64,7 +100,7 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
         if key in hf and hf[key] is not None and hf[key] not in (ok if isinstance(ok, tuple) else (ok,)):
             raise HFError(f"model.hf_checkpoint: {where} has {key}: {json.dumps(hf[key])}; {why}")
 
-    if kind == "llama":
+    if kind in ("llama", "mixtral"):
         d, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         refuse("hidden_act", "silu", "the llama model's MLP is SwiGLU (silu)")
         refuse("attention_bias", False, "the llama model has no attention biases")
@@ -76,8 +112,12 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
                 "n_layers": int(need("num_hidden_layers")), "n_heads": heads,
                 "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
                 "d_ff": int(need("intermediate_size")),
-                "rope_theta": _rope_theta(hf, where), "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+                # each config class's own defaults (LlamaConfig: 1e4, 1e-6; MixtralConfig: 1e6, 1e-5)
+                "rope_theta": _rope_theta(hf, where, 1e4 if kind == "llama" else 1e6),
+                "norm_eps": float(hf.get("rms_norm_eps", 1e-6 if kind == "llama" else 1e-5)),
                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+        if kind == "mixtral":
+            keys.update(_mixtral_keys(hf, where, need, refuse, seq_len))
     elif kind == "gpt2":
         d = int(need("n_embd", "hidden_size"))
         refuse("activation_function", ("gelu_new", "gelu_pytorch_tanh"),
@@ -98,5 +138,5 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
             keys["seq_len"] = positions
     else:
         raise HFError(f"model.hf_checkpoint: {where} has model_type {kind!r}; zerojax reads Llama-family "
-                      f"('llama') and GPT-2 ('gpt2') checkpoints")
+                      f"('llama'), Mixtral ('mixtral') and GPT-2 ('gpt2') checkpoints")
     return keys, "config.json"

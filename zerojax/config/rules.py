@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from zerojax.config.hf import model_keys
+from zerojax.config.hf import TRAINING_KEYS, model_keys
 from zerojax.config.schema.monitoring import OP_NAMES
 from zerojax.errors import ConfigError
 from zerojax.config.fields import warn, warn_ignored
@@ -141,6 +141,8 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
             path = f"model.{key}"
             if key == "tie_embeddings" and path in sources and value and not m.tie_embeddings:
                 continue  # untying a tied checkpoint: the model's own head starts as the embedding
+            if key in TRAINING_KEYS and path in sources:
+                continue  # a training choice (the aux loss's weight): the config's own value wins
             if path in sources and getattr(m, key) != value:
                 raise ConfigError(f"{path}: {getattr(m, key)} given, but the checkpoint model.hf_checkpoint "
                                   f"names has {value} ({where}); remove {path} from the config to take the "
@@ -148,6 +150,10 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
             if path not in sources:
                 changes[key] = value
                 sources[path] = f"derived (model.hf_checkpoint {where})"
+        if m.n_experts and "n_experts" not in found:
+            raise ConfigError(f"model.n_experts: {m.n_experts} given, but model.hf_checkpoint's {where} describes a "
+                              f"dense model (no num_local_experts); remove model.n_experts, or name a Mixtral "
+                              f"checkpoint")
         m = dataclasses.replace(m, **changes)
     if m.d_ff is None:
         if m.name == "llama":
@@ -315,9 +321,6 @@ def _check_sections(config: Config) -> None:
         if m.n_layers % m.moe_every:
             raise ConfigError(f"model.moe_every: {m.moe_every} does not divide model.n_layers {m.n_layers}; the "
                               f"layers are scanned in groups of moe_every (its last one MoE), so choose a divisor")
-        if m.hf_checkpoint:
-            raise ConfigError("model.n_experts with model.hf_checkpoint: Hugging Face MoE checkpoints (Mixtral) "
-                              "are not read yet; remove one of them")
     if m.name == "gpt" and m.tie_embeddings and config.mesh.stage > 1:
         raise ConfigError(f"model.tie_embeddings: the pipelined gpt model (mesh.stage {config.mesh.stage}) keeps "
                           f"its own LM head on the last stage; set model.tie_embeddings: false, or mesh.stage: 1")

@@ -1,4 +1,4 @@
-"""Hugging Face transformers checkpoints in and out: Llama-family and GPT-2.
+"""Hugging Face transformers checkpoints in and out: Llama-family, Mixtral and GPT-2.
 
 In: `model.hf_checkpoint: DIR` (or `zerojax import-hf DIR` to see the model keys it implies) reads a
 local transformers folder - config.json and model.safetensors, or shards listed by
@@ -27,11 +27,17 @@ still equals the embedding, and adds `lm_head.weight` with `tie_word_embeddings:
 has made them differ. Its position table is `model.seq_len` rows (an import keeps the first seq_len
 of n_positions; an export writes those back and copies the rows past them from the source).
 GPT-2's Conv1D weights are already stored [in, out] and are not transposed.
+
+Mixtral goes into the mixture-of-experts Llama (every layer's MLP a MoE layer, top-2 routing with no
+token dropped: zerojax.config.hf says why that is transformers' routing). Its experts are separate
+tensors per layer and expert (`block_sparse_moe.experts.{j}.w1`), ours one leaf stacked [layers,
+experts, ...]: a device's block of that leaf is read as the block of each (layer, expert) tensor in it.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -56,10 +62,13 @@ SINGLE_FILE = "model.safetensors"
 class Source(NamedTuple):
     """One zerojax leaf's transformers tensor: `name` (with `{i}` for a stacked layer's index),
     stored transposed ([out, in], torch's Linear) or not. `prefix_rows`: the tensor may have more
-    rows than the leaf, which takes the first ones (GPT-2's position table, n_positions >= seq_len)."""
+    rows than the leaf, which takes the first ones (GPT-2's position table, n_positions >= seq_len).
+    `per_expert`: the leaf's next dimension (after the layer's) is the expert, `{j}` in the name:
+    one transformers tensor per layer and expert."""
     name: str
     transpose: bool = False
     prefix_rows: bool = False
+    per_expert: bool = False
 
 
 def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
@@ -74,6 +83,32 @@ def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
         names[("layers", ours, "kernel")] = Source(layer + theirs + ".weight", transpose=True)
     if not cfg.tie_embeddings:
         names[("head", "kernel")] = Source("lm_head.weight", transpose=True)
+    return names
+
+
+def _check_mixtral(cfg: Any) -> None:
+    """The MoE Llama is a transformers Mixtral only in Mixtral's shape; else one error naming the key."""
+    for key, want, why in (("moe_every", 1, "every Mixtral layer's MLP is a mixture of experts"),
+                           ("experts_per_token", 2, "transformers' Mixtral renormalizes its top-k weights, which "
+                                                    "DeepSpeed's gate computes for top-2 only"),
+                           ("use_residual", False, "Mixtral has no residual MLP beside its experts (PR-MoE)")):
+        if getattr(cfg, key) != want:
+            raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face MoE checkpoint (Mixtral) needs "
+                          f"{json.dumps(want)}: {why}; export this model with --format safetensors instead")
+
+
+def _mixtral_names(cfg: Any) -> dict[tuple[str, ...], Source]:
+    """The MoE Llama as transformers' MixtralForCausalLM: the Llama's attention and norms, and in every
+    layer a `block_sparse_moe` of a router (`gate`, [experts, hidden]) and experts whose w1, w3, w2 are
+    the SwiGLU gate, up and down projections."""
+    _check_mixtral(cfg)
+    names = {path: source for path, source in _llama_names(cfg).items()
+             if not (path[0] == "layers" and path[1] in ("gate", "up", "down"))}
+    moe = "model.layers.{i}.block_sparse_moe."
+    names[("layers", "moe", "router", "kernel")] = Source(moe + "gate.weight", transpose=True)
+    for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+        names[("layers", "moe", "experts", ours)] = Source(moe + "experts.{j}." + theirs + ".weight",
+                                                           transpose=True, per_expert=True)
     return names
 
 
@@ -99,6 +134,20 @@ def _gpt2_names(prefix: str, head: str | None, tied: bool = False) -> dict[tuple
 
 def _stacked(path: tuple[str, ...]) -> bool:
     return path[0] in ("layers", "blocks")
+
+
+def _lead(path: tuple[str, ...], source: Source) -> int:
+    """How many leading dimensions of leaf `path` index whole transformers tensors (layer, expert)."""
+    return int(_stacked(path)) + int(source.per_expert)
+
+
+def _tensor_name(source: Source, ix: tuple[int, ...]) -> str:
+    return source.name.format(**dict(zip("ij", ix)))
+
+
+def _tensors_of(path: tuple[str, ...], source: Source, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
+    """(leading index, transformers name) of each tensor that leaf `path` of `shape` holds."""
+    return [(ix, _tensor_name(source, ix)) for ix in itertools.product(*map(range, shape[:_lead(path, source)]))]
 
 
 def _paths(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -187,7 +236,7 @@ class Checkpoint:
 
 def _names_for(cfg: Any, ckpt: Checkpoint) -> dict[tuple[str, ...], Source]:
     if cfg.name == "llama":
-        return _llama_names(cfg)
+        return _mixtral_names(cfg) if cfg.n_experts else _llama_names(cfg)
     prefix = "transformer." if "transformer.wte.weight" in ckpt else ""
     return _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in ckpt else None, cfg.tie_embeddings)
 
@@ -209,15 +258,16 @@ def deepspeed_sources(cfg: Any, names: Any) -> dict[str, Source]:
 
 def named_tensors(cfg: Any, path: tuple[str, ...], array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """(transformers / HF Trainer name, tensor) of one zerojax leaf of the embedded GPT or Llama: one
-    per layer for a stacked leaf, transposed to torch's [out, in] where the table says so."""
+    per layer (and expert) for a stacked leaf, transposed to torch's [out, in] where the table says so."""
     source = _export_names(cfg)[path]
-    for i, part in enumerate(array) if _stacked(path) else [(None, array)]:
-        yield source.name.format(i=i), (part.T if source.transpose else part)
+    for ix, name in _tensors_of(path, source, np.shape(array)):
+        part = array[ix] if ix else array
+        yield name, (part.T if source.transpose else part)
 
 
 def _expected(path: tuple[str, ...], shape: tuple[int, ...], source: Source) -> tuple[int, ...]:
-    """The transformers shape of one layer of a zerojax leaf."""
-    one = shape[1:] if _stacked(path) else shape
+    """The transformers shape of one layer (and expert) of a zerojax leaf."""
+    one = shape[_lead(path, source):]
     return tuple(reversed(one)) if source.transpose else tuple(one)
 
 
@@ -227,8 +277,7 @@ def _check_shapes(cfg: Any, ckpt: Checkpoint, abstract: Mapping[str, Any],
     for path, leaf in _paths(abstract):
         source = names[path]
         want = _expected(path, tuple(leaf.shape), source)
-        for i in range(leaf.shape[0]) if _stacked(path) else [None]:
-            name = source.name.format(i=i)
+        for _, name in _tensors_of(path, source, tuple(leaf.shape)):
             got = ckpt.shape(name)
             ok = got == want or (source.prefix_rows and len(got) == 2 and got[1] == want[1] and got[0] >= want[0])
             if not ok:
@@ -239,6 +288,10 @@ def _check_shapes(cfg: Any, ckpt: Checkpoint, abstract: Mapping[str, Any],
 
 
 def _key_of(path: tuple[str, ...]) -> str:
+    if "experts" in path:
+        return "n_experts / d_ff"
+    if "router" in path:
+        return "n_experts"
     if path[-2:-1] in (("k",), ("v",)):
         return "n_kv_heads"
     if path[-2:-1] in (("gate",), ("up",), ("down",), ("fc",), ("out",)):
@@ -260,9 +313,11 @@ def _block(ckpt: Checkpoint, path: tuple[str, ...], source: Source, index: tuple
             return ckpt.read(name, tuple(reversed(idx))).T
         return ckpt.read(name, idx)
 
-    if _stacked(path):
-        layers = range(shape[0])[index[0]]
-        out = np.stack([one(source.name.format(i=i), index[1:]) for i in layers])
+    lead = _lead(path, source)
+    if lead:  # one read per (layer, expert) tensor in the block
+        ranges = [range(n)[s] for n, s in zip(shape[:lead], index[:lead])]
+        parts = [one(_tensor_name(source, ix), index[lead:]) for ix in itertools.product(*ranges)]
+        out = np.stack(parts).reshape(tuple(map(len, ranges)) + parts[0].shape)
     else:
         out = one(source.name, index)
     return np.ascontiguousarray(out.astype(dtype))
@@ -318,7 +373,8 @@ def describe(directory: str | os.PathLike[str]) -> str:
         _check_shapes(cfg, ckpt, abstract, _names_for(cfg, ckpt))
         files = sorted({p.name for p in ckpt.where.values()})
     n = sum(math.prod(x.shape) for _, x in _paths(abstract))
-    lines = [f"{directory}: {keys['name']} model, {n:,} parameters in {len(files)} safetensors file(s); every "
+    kind = keys["name"] + (f" model with {cfg.n_experts} experts a layer" if cfg.n_experts else " model")
+    lines = [f"{directory}: {kind}, {n:,} parameters in {len(files)} safetensors file(s); every "
              f"tensor has the shape these keys imply.", "model:", f"  hf_checkpoint: {directory}"]
     lines += [f"  {k}: {json.dumps(v)}" for k, v in keys.items()]
     lines.append(f"train from it: zerojax train --config CONFIG --set model.hf_checkpoint={directory} "
@@ -471,6 +527,15 @@ def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | st
 def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
     """config.json of the transformers model equal to the zerojax model `cfg` (an export with no
     source checkpoint: a model trained from scratch)."""
+    if cfg.name == "llama" and cfg.n_experts:
+        _check_mixtral(cfg)
+        llama = hf_config(dataclasses.replace(cfg, n_experts=None), dtype)
+        dense_only = ("architectures", "model_type", "attention_bias", "mlp_bias")
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                **{k: v for k, v in llama.items() if k not in dense_only},
+                "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+                "router_aux_loss_coef": cfg.moe_aux_loss_coef, "router_jitter_noise": 0.0,
+                "output_router_logits": False, "sliding_window": None}
     if cfg.name == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
@@ -488,24 +553,21 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
 
 
 def _export_names(cfg: Any) -> dict[tuple[str, ...], Source]:
-    return (_llama_names(cfg) if cfg.name == "llama" else
-            _gpt2_names("transformer.", "lm_head.weight", cfg.tie_embeddings))
-
-
-def _layers(path: tuple[str, ...], shape: tuple[int, ...]) -> list[int | None]:
-    return list(range(shape[0])) if _stacked(path) else [None]
+    if cfg.name == "llama":
+        return _mixtral_names(cfg) if cfg.n_experts else _llama_names(cfg)
+    return _gpt2_names("transformer.", "lm_head.weight", cfg.tie_embeddings)
 
 
 Reader = Callable[[tuple[str, ...], tuple[Any, ...]], np.ndarray]  # (zerojax path, index) -> that part of the leaf
 
 
-def _rows(read: Reader, path: tuple[str, ...], i: int | None, transpose: bool, rows: Any) -> np.ndarray:
-    """Rows `rows` of the transformers tensor that layer `i` of leaf `path` is: read from the leaf
-    alone (its columns, where the tensor is the leaf transposed)."""
-    layer = () if i is None else (i,)
+def _rows(read: Reader, path: tuple[str, ...], ix: tuple[int, ...], transpose: bool, rows: Any) -> np.ndarray:
+    """Rows `rows` of the transformers tensor that leading index `ix` (layer, expert) of leaf `path`
+    is: read from the leaf alone (its columns, where the tensor is the leaf transposed)."""
+    lead = tuple(ix)
     if transpose:
-        return read(path, layer + (slice(None), rows)).T
-    return read(path, layer + ((rows,) if rows != () else ()))
+        return read(path, lead + (slice(None), rows)).T
+    return read(path, lead + ((rows,) if rows != () else ()))
 
 
 def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
@@ -515,12 +577,11 @@ def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tupl
     out = []
     for path, shape in shapes.items():
         source = names[path]
-        one = tuple(shape[1:]) if _stacked(path) else tuple(shape)
-        one = tuple(reversed(one)) if source.transpose else one
-        for i in _layers(path, shape):
-            def make(rows: Any, path=path, i=i, source=source) -> np.ndarray:
-                return _rows(read, path, i, source.transpose, rows)
-            out.append(Tensor(source.name.format(i=i), _ST_DTYPES[dtype], one, make))
+        one = _expected(path, tuple(shape), source)
+        for ix, name in _tensors_of(path, source, tuple(shape)):
+            def make(rows: Any, path=path, ix=ix, source=source) -> np.ndarray:
+                return _rows(read, path, ix, source.transpose, rows)
+            out.append(Tensor(name, _ST_DTYPES[dtype], one, make))
     return out
 
 
@@ -585,25 +646,24 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tupl
             vocab = leaf.shape[1]
             step = max(1, _WRITE_BLOCK // (4 * leaf.shape[0]))
             blocks = [slice(s, min(s + step, vocab)) for s in range(0, vocab, step)]
-            untied = any(not np.array_equal(_rows(read, path, None, True, rows), read(("embed", "embedding"), (rows,)))
+            untied = any(not np.array_equal(_rows(read, path, (), True, rows), read(("embed", "embedding"), (rows,)))
                          for rows in blocks)
             if untied:
                 trained.append(Tensor("lm_head.weight", st_dtype, (vocab, leaf.shape[0]),
-                                      lambda rows: _rows(read, ("head", "kernel"), None, True, rows)))
+                                      lambda rows: _rows(read, ("head", "kernel"), (), True, rows)))
             continue
-        for i in _layers(path, tuple(leaf.shape)):
-            name = source.name.format(i=i)
+        for ix, name in _tensors_of(path, source, tuple(leaf.shape)):
             full = src.shape(name)
 
             held = _expected(path, tuple(leaf.shape), source)[0]  # rows the model has (GPT-2: seq_len positions)
 
-            def make(rows: Any, path=path, i=i, source=source, name=name, held=held) -> np.ndarray:
+            def make(rows: Any, path=path, ix=ix, source=source, name=name, held=held) -> np.ndarray:
                 if rows == () or rows.stop <= held:
-                    return _rows(read, path, i, source.transpose, rows)
+                    return _rows(read, path, ix, source.transpose, rows)
                 past = src.read(name, (slice(max(rows.start, held), rows.stop),))  # rows past the model's: the source's
                 if rows.start >= held:
                     return past
-                return np.concatenate([_rows(read, path, i, source.transpose, slice(rows.start, held)).astype(np_dtype),
+                return np.concatenate([_rows(read, path, ix, source.transpose, slice(rows.start, held)).astype(np_dtype),
                                        past.astype(np_dtype)])
             trained.append(Tensor(name, st_dtype, full, make))
             taken.add(name)

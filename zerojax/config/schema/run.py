@@ -48,7 +48,7 @@ class ModelConfig:
                                          "it from config.json's tie_word_embeddings).")
     hf_checkpoint: Optional[str] = option(
         None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
-              "not; Llama-family or GPT-2) to start from: its weights are read straight into the plan's "
+              "not; Llama-family, Mixtral or GPT-2) to start from: its weights are read straight into the plan's "
               "shards, and model keys not given are taken from its config.json.")
     n_experts: Optional[int] = option(
         None, "llama: experts per mixture-of-experts layer (DeepSpeed's MoE num_experts); unset or 0: the dense "
@@ -77,7 +77,8 @@ class ModelConfig:
     use_residual: bool = option(False, "llama MoE: PR-MoE (Residual MoE), a dense MLP beside the experts, the two "
                                        "mixed per token by a learned softmax coefficient.")
     moe_aux_loss_coef: float = option(0.01, "llama MoE: the training loss adds this times the MoE layers' summed "
-                                            "load-balancing loss (l_aux).", ge=0)
+                                            "load-balancing loss (l_aux); model.hf_checkpoint of a Mixtral "
+                                            "fills it from router_aux_loss_coef unless given.", ge=0)
 
 
 @dataclass(frozen=True)
