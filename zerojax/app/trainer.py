@@ -18,6 +18,7 @@ from zerojax.app.monitor import Monitor
 from zerojax.app.reports import comms_report, compile_step, flops_profile, memory_table, startup_table
 from zerojax.checkpoint import latest_tag
 from zerojax.config import Config
+from zerojax.core.mesh import row_size
 from zerojax.core.nonfinite import NonFiniteGuard, stop_message
 from zerojax.engine.engine import Engine
 from zerojax.errors import ConfigError, NonFiniteError
@@ -80,7 +81,8 @@ def build_model(config: Config, mesh: Any) -> Model:
         from zerojax.models import llama
         from zerojax.core.sharded_init import abstract_params
         params, loss_fn = llama.build(model_cfg, config.run.seed)
-        plan = make_plan(config, mesh, abstract_params(params))
+        # its logical axis names place the MoE experts on the expert axis (as `initialize` reads them)
+        plan = make_plan(config, mesh, abstract_params(params), logical_axes=loss_fn.logical_axes)
     else:
         plan = make_plan(config, mesh, gpt.abstract_params(model_cfg))  # validates before data or compile
     return Model(plan, pipeline, params, loss_fn)
@@ -214,7 +216,7 @@ class Run:
         _say(startup_table(engine, compiled=compiled))
         self.comms_text = compiled.as_text() if config.comms_logger.enabled else None
         if config.dump_state:
-            _say(config.explain(engine.plan.data_size))
+            _say(config.explain(row_size(engine.mesh)))
         _say(f"writing to {out}; checkpoints in {ckpt_dir}")
         rows = engine.plan.batch.train_batch_size
         self.monitor = Monitor(config, out, config.run.steps, tokens_per_step=rows * config.model.seq_len,
