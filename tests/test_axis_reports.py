@@ -85,3 +85,36 @@ def test_config_explain_prints_the_expert_and_sequence_plans(capsys: pytest.Capt
     assert main(["config", "explain", "configs/llama.yaml", "--set", "mesh.sequence=2"]) == 0
     out = capsys.readouterr().out
     assert "sequence parallel (Ulysses) over 2 devices" in out and "rows over data 4" in out
+
+
+# -- the comms logger -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("axis", ["expert", "sequence"])
+def test_comms_logger_names_the_all_to_alls_axis(axis: str) -> None:
+    from zerojax.app.reports import compile_step, comms_report
+    e = engine(axis)
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, TINY["vocab_size"], size=(8, TINY["seq_len"] + 1), dtype=np.int32)}
+    text = compile_step(e, batch).as_text()
+    report = comms_report(text, e.config.comms_logger, mesh=e.mesh)
+    kinds = {line.split("  ")[1].strip().split(" (")[1].split(")")[0]
+             for line in report.splitlines() if line.strip().startswith("all-to-all (")}
+    assert kinds == {axis}, report
+
+
+def test_a_collective_permute_is_labelled_with_the_axes_it_crosses() -> None:
+    from jax.sharding import Mesh, PartitionSpec as P
+    from zerojax.core import hlo
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+
+    @jax.jit
+    def shift(x: jax.Array) -> jax.Array:
+        return jax.shard_map(lambda v: jax.lax.ppermute(v, "b", ring), mesh=mesh, in_specs=P("a", "b"),
+                             out_specs=P("a", "b"))(x)
+
+    text = shift.lower(np.zeros((2, 4), np.float32)).compile().as_text()
+    permutes = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
+    assert permutes and all(len(c.pairs) == 8 for c in permutes)
+    assert {hlo.collective_axes(c, mesh) for c in permutes} == {"b"}
+    assert "collective-permute (b)" in hlo.comms_report(text, mesh=mesh)
