@@ -118,3 +118,20 @@ def test_a_collective_permute_is_labelled_with_the_axes_it_crosses() -> None:
     assert permutes and all(len(c.pairs) == 8 for c in permutes)
     assert {hlo.collective_axes(c, mesh) for c in permutes} == {"b"}
     assert "collective-permute (b)" in hlo.comms_report(text, mesh=mesh)
+
+
+# -- the long-context config ----------------------------------------------------------------------------
+
+def test_long_context_config_plans_sequence_4_by_data_2() -> None:
+    """configs/long_context.yaml as train.py plans it (a run takes minutes on CPU: it is run by hand)."""
+    from zerojax.app.trainer import build_model
+    from zerojax.planner.axes import sequence_plan
+    cfg = load_config("configs/long_context.yaml")
+    mesh = make_mesh(cfg)
+    assert dict(mesh.shape) == {"data": 2, "sequence": 4} and cfg.model.remat
+    plan = build_model(cfg, mesh).plan
+    assert plan.batch.micro_batch_size == 2 and plan.batch.gradient_accumulation_steps == 1
+    assert sequence_plan(plan, cfg.model.seq_len, (cfg.model.n_heads, cfg.model.n_kv_heads)).startswith(
+        "sequence parallel (Ulysses) over 4 devices (groups {0,1,2,3} {4,5,6,7}): rows over data 2, each row's "
+        "1024 tokens in chunks of 256; ZeRO over data x sequence 8\n  attention: all heads on a chunk -> 2 query / "
+        "1 key-value heads")

@@ -473,8 +473,8 @@ def test_unknown_key_in_a_file_names_the_path(tmp_path: Path) -> None:
 
 def test_shipped_configs_load() -> None:
     for path in sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "examples").glob("*.json")):
-        config = load_config(path)
-        assert config.batch(8).train_batch_size > 0, path
+        config = load_config(path)  # the batch triad counts the rows' data-parallel ranks of 8 devices
+        assert config.batch(config.mesh.data_parallel(8)).train_batch_size > 0, path
 
 
 # ---------------------------------------------------------------------------------------------
