@@ -473,8 +473,8 @@ def test_unknown_key_in_a_file_names_the_path(tmp_path: Path) -> None:
 
 def test_shipped_configs_load() -> None:
     for path in sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "examples").glob("*.json")):
-        config = load_config(path)
-        assert config.batch(8).train_batch_size > 0, path
+        config = load_config(path)  # the batch triad counts the rows' data-parallel ranks of 8 devices
+        assert config.batch(config.mesh.data_parallel(8)).train_batch_size > 0, path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -796,6 +796,31 @@ def test_offload_param_below_stage_3_warns_and_is_ignored_as_deepspeed_does() ->
     # cpu_offload_param, DeepSpeed's deprecated spelling, means offload_param.device=cpu
     old = load_config(with_batch(zero_optimization={"stage": 3, "cpu_offload_param": True}))
     assert old.zero_optimization.offload_param.device == "cpu"
+
+
+def test_deepspeeds_ulysses_tutorial_config_means_what_it_means_there() -> None:
+    """DeepSpeed's ALST tutorial config (tests/fixtures/ds_configs/README.md): sequence_parallel_size 2 on
+    8 devices is 4 data-parallel ranks of 2 (DeepSpeed's batch world size is world / sequence_parallel_size,
+    so a micro-batch of 1 makes a batch of 4), ZeRO-3 over all 8 (tests/test_sequence_parallel.py trains
+    such a mesh to the losses of data alone)."""
+    import jax
+    import zerojax
+    from zerojax.core.mesh import data_size
+    from zerojax.models import llama
+    from zerojax.planner.mesh import make_mesh
+    model = ["model.name=llama", "model.vocab_size=64", "model.seq_len=8", "model.d_model=32", "model.n_heads=4",
+             "model.n_kv_heads=2", "model.d_ff=32", "model.n_layers=1"]
+    config, warned = load_warned(FIXTURES / "deepspeed_ulysses_alst_tutorial.json", model)
+    assert warned == [] and config.sequence_parallel_size == 2 and config.mesh.sequence == 2
+    assert explain_row(config, "mesh.sequence") == ("2", "derived (sequence_parallel_size)")
+    assert config.zero_optimization.stage == 3 and config.optimizer.type == "adam"
+    mesh = make_mesh(config)
+    assert dict(mesh.shape) == {"data": 4, "sequence": 2} and data_size(mesh) == 8
+    assert config.batch(config.mesh.data_parallel(8)) == BatchSize(4, 1, 1)
+    params, loss_fn = llama.build(config.model, seed=0)
+    plan = zerojax.plan(config, mesh, params, logical_axes=loss_fn.logical_axes)
+    assert plan.batch == BatchSize(4, 1, 1)  # rows over the 4 data ranks; tokens over sequence in the step
+    assert all(s.spec[1] == ("data", "sequence") for s in jax.tree.leaves(plan.update_shardings["layers"]))
 
 
 # ---------------------------------------------------------------------------------------------

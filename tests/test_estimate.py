@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from zerojax.tools import estimate as E
-from zerojax.tools import estimate_tensor as TP
+from zerojax.tools import estimate_axes as AX, estimate_tensor as TP
 from zerojax.core import hlo
 from zerojax.app.cli import main
 from zerojax.config import load_config
@@ -429,3 +429,71 @@ def test_a_config_with_a_tensor_axis_is_estimated_at_its_size(tmp_path: Path, ca
     out = capsys.readouterr().out
     assert any(line.startswith("T=2 x data 32, stage 3") for line in out.splitlines()), out
     assert not any(line.startswith("T=4 x") for line in out.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert and sequence rows (ZeRO's formulas per group of weights; DeepSpeed has no estimator for them).
+
+MOE = dict(TINY, model={"name": "llama", "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
+                        "seq_len": 8, "vocab_size": 64, "n_experts": 4, "experts_per_token": 2})
+
+
+def test_expert_rows_are_the_plans_bytes_on_an_expert_mesh() -> None:
+    """Each row's state (non-expert weights ZeRO over all 8 devices, 1/E of the experts ZeRO over 8 / E)
+    is what the real plan on a data x expert mesh holds, less the optimizer's step counters."""
+    from zerojax.core.mesh import DATA, EXPERT
+    from zerojax.models import llama
+    cfg = load_config(MOE)
+    model, req = E.embedded_model(cfg), _request(8, 8)
+    rows = E.expert_rows(cfg, model, req)
+    assert [(r.size, r.choice) for r in rows] == [(e, c) for e in (1, 2, 4) for c in E.CHOICES[:4]]
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    for r in rows:
+        mesh = jax.sharding.AbstractMesh((8 // r.size, r.size), (DATA, EXPERT))
+        rep = make_plan(load_config(E.variant(cfg, r.choice), [f"mesh.expert={r.size}"]), mesh, params,
+                        logical_axes=loss_fn.logical_axes).report()
+        assert r.state_bytes == rep.formula_total and 0 < rep.device - r.state_bytes <= 32, r.label
+    # the stage-3 rows are the same at any E (everything is divided over 8 devices either way); below it
+    # the expert split divides what ZeRO leaves whole, and the all-to-alls grow with E
+    by = {(r.size, r.choice.stage): r for r in rows}
+    assert by[1, 3].state_bytes == by[4, 3].state_bytes and by[4, 0].state_bytes < by[2, 0].state_bytes
+    psi_e = AX.expert_params(model.abstract_params)
+    assert psi_e == 2 * 4 * 3 * 32 * 64  # layers x experts x (gate, up, down) x d_model x d_ff
+    # per MoE layer 2 all-to-alls forward, 2 backward, 2 in the recomputed forward (remat), of 8 tokens
+    # x top-2 x capacity 1.0 x 32 bf16 values, half of each sent
+    assert cfg.model.remat
+    assert by[2, 0].all_to_all_bytes == 2 * 6 * (1 / 2) * 8 * 2 * 1.0 * 32 * 2
+    assert by[1, 0].all_to_all_bytes == 0
+
+
+def test_sequence_rows_divide_activations_and_send_attentions_all_to_alls() -> None:
+    cfg = load_config(dict(MOE, model=dict(MOE["model"], n_experts=None)))
+    model, req = E.embedded_model(cfg), _request(8, 8)
+    rows, skipped = E.sequence_rows(cfg, model, req)
+    assert sorted({r.size for r in rows}) == [1, 2] and skipped == [
+        "S=4 does not divide the 2 key/value heads", "S=8 does not divide the 4 query heads"]
+    by = {(r.size, r.choice.stage): r for r in rows}
+    for stage in range(4):  # ZeRO over all 8 devices whatever S: the plan-exact rows' state
+        exact = E.plan_exact(cfg, model, 8, 8, E.Choice(stage))
+        assert by[1, stage].state_bytes == by[2, stage].state_bytes == exact.report.formula_total
+    # the same micro-batch per row shard, half of each row's tokens per device
+    assert by[2, 0].activation_bytes == by[1, 0].activation_bytes / 2
+    # per layer q (4 heads), k, v (2 heads each) and the output (4 heads) of 8 / 2 tokens, head_dim 8,
+    # bf16, half of it sent; forward, backward and remat's replay
+    assert by[2, 0].all_to_all_bytes == 2 * 3 * (1 / 2) * 8 / 2 * (4 + 2 + 2 + 4) * 8 * 2
+    assert by[1, 0].all_to_all_bytes == 0
+
+
+def test_cli_estimate_prints_expert_and_sequence_rows(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(dict(MOE, mesh={"expert": 2})))
+    assert main(["estimate", "--config", str(cfg), "--devices", "8", "--no-step-time"]) == 0
+    out = capsys.readouterr().out
+    assert "expert parallelism (mesh data x expert" in out and "E=4 x data 2, stage 3" in out
+    assert "sequence parallelism (DeepSpeed-Ulysses" not in out
+    dense = dict(MOE, model=dict(MOE["model"], n_experts=None), mesh={"sequence": 2})
+    cfg.write_text(json.dumps(dense))
+    assert main(["estimate", "--config", str(cfg), "--no-step-time"]) == 0
+    out = capsys.readouterr().out
+    assert "expert parallelism" not in out and "S=2 x data 4, stage 3" in out
+    assert "cluster: 8 devices" in out  # every device ZeRO shards over, not the 4 row shards

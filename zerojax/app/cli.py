@@ -293,23 +293,27 @@ def _explain(args: argparse.Namespace) -> int:
     import jax
     dp = config.mesh.data_parallel(jax.device_count())
     print(config.explain(dp))
-    if config.mesh.tensor > 1:  # which weights of the config's model the tensor axis splits, and why
-        print(_tensor_plan(config))
+    if config.mesh.tensor > 1 or config.mesh.expert > 1 or config.mesh.sequence > 1:
+        print(_axis_plans(config))  # which weights of the config's model each axis splits, and how
     return 0
 
 
-def _tensor_plan(config: Any) -> str:
-    """The tensor plan of the model the config's `model` section names (train.py's); a config without
-    one describes a model given in code, whose plan `initialize` prints at start-up."""
-    if not any(key == "model" or key.startswith("model.") for key in config.sources):
-        return ("tensor plan: the config names no model (a model given in code gets its plan at start-up, "
-                "or from zerojax.plan(config, mesh, params).tensor_plan)")
+def _axis_plans(config: Any) -> str:
+    """The tensor, expert and sequence plans of the model the config's `model` section names
+    (train.py's); a config without one describes a model given in code, whose plans `initialize`
+    prints at start-up."""
+    from zerojax.app.reports import named_model
+    if not named_model(config):
+        return ("axis plans: the config names no model (a model given in code gets its tensor, expert and "
+                "sequence plans at start-up, or from zerojax.plan(config, mesh, params))")
     from zerojax.app.trainer import build_model
+    from zerojax.planner.axes import axis_plans
     from zerojax.planner.mesh import make_mesh
     try:
-        return build_model(config, make_mesh(config)).plan.tensor_plan
+        plan = build_model(config, make_mesh(config)).plan
     except ConfigError as e:
-        return f"tensor plan: not shown ({e})"
+        return f"axis plans: not shown ({e})"
+    return "\n".join(t for t in (plan.tensor_plan, *axis_plans(plan, config.model)) if t is not None)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ import jax
 from zerojax.config import OP_NAMES
 from zerojax.core.hlo import comms_report as hlo_comms_report, work
 from zerojax.core.measure import array_bytes, live_device_bytes, step_memory
+from zerojax.core.mesh import row_size
 from zerojax.engine.engine import Engine
+from zerojax.planner.axes import axis_plans
 
-__all__ = ["compile_step", "startup_table", "comms_report", "memory_table", "flops_profile"]
+__all__ = ["compile_step", "named_model", "startup_table", "comms_report", "memory_table", "flops_profile"]
 
 
 def compile_step(engine: Engine, batch: Any) -> Any:
@@ -29,13 +31,20 @@ def _measured_line(engine: Engine) -> str:
         for name, dev, host in measured)
 
 
+def named_model(config: Any) -> bool:
+    """Whether the config's `model` section names the model (train.py's), rather than its defaults
+    standing for a model given in code."""
+    return any(key == "model" or key.startswith("model.") for key in config.sources)
+
+
 def startup_table(engine: Engine, batch: Any = None, compiled: Any = None) -> str:
     """The plan's bytes per device against the ZeRO formula, what the arrays really hold, and - given
     a batch or the compiled step - what the compiled step takes on device and on host."""
     report = engine.memory_report()
     lines = [engine.partition_report()] if hasattr(engine, "partition_report") else []
     lines += [report.table(), _measured_line(engine)]
-    for note in (engine.plan.annotations(), engine.plan.tensor_plan):
+    model = engine.config.model if named_model(engine.config) else None
+    for note in (engine.plan.annotations(), engine.plan.tensor_plan, *axis_plans(engine.plan, model)):
         if note is not None:
             lines.append(note)
     if compiled is None and batch is not None:
@@ -44,7 +53,7 @@ def startup_table(engine: Engine, batch: Any = None, compiled: Any = None) -> st
         lines.append(step_memory(compiled).line())
     b = engine.plan.batch
     lines.append(f"batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
-                 f"{b.gradient_accumulation_steps} x data {engine.plan.data_size}; mesh {dict(engine.mesh.shape)}; "
+                 f"{b.gradient_accumulation_steps} x data {row_size(engine.mesh)}; mesh {dict(engine.mesh.shape)}; "
                  f"precision {engine.config.compute_dtype}")
     return "\n".join(lines)
 
@@ -85,6 +94,6 @@ def flops_profile(engine: Engine, batch: Any, latency: float) -> str:
     compiled = engine.train_step_fn.lower(engine.state, placed).compile()
     # zerojax.core.hlo.work counts a scanned layer stack's matmuls once per layer (XLA's cost_analysis
     # counts a while body once, whatever its trip count)
-    flops = work(compiled.as_text()).flops * engine.plan.data_size  # the module is one device's program
+    flops = work(compiled.as_text()).flops * engine.mesh.size  # the module is each device's program
     return (f"flops profile: {flops:.3e} FLOPs per step (all devices), latency {1e3 * latency:.1f} ms, "
             f"{flops / latency / 1e12:.3f} TFLOPS")

@@ -18,6 +18,7 @@ from zerojax.app.monitor import Monitor
 from zerojax.app.reports import comms_report, compile_step, flops_profile, memory_table, startup_table
 from zerojax.checkpoint import latest_tag
 from zerojax.config import Config
+from zerojax.core.mesh import row_size
 from zerojax.core.nonfinite import NonFiniteGuard, stop_message
 from zerojax.engine.engine import Engine
 from zerojax.errors import ConfigError, NonFiniteError
@@ -213,7 +214,7 @@ class Run:
         _say(startup_table(engine, compiled=compiled))
         self.comms_text = compiled.as_text() if config.comms_logger.enabled else None
         if config.dump_state:
-            _say(config.explain(engine.plan.data_size))
+            _say(config.explain(row_size(engine.mesh)))
         _say(f"writing to {out}; checkpoints in {ckpt_dir}")
         rows = engine.plan.batch.train_batch_size
         self.monitor = Monitor(config, out, config.run.steps, tokens_per_step=rows * config.model.seq_len,

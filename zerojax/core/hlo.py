@@ -47,6 +47,7 @@ _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?")
 _DEVICE_IDS = re.compile(r"device_ids=\(\[([0-9,]*)\](?:T\(([0-9,]*)\))?\)")
 _GROUPS_EMPTY = re.compile(r"replica_groups=\{\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _NUM_PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _CONST = re.compile(r"%([\w.\-]+)\s*=\s*s(?:32|64)\[\]\s*constant\((-?\d+)\)")
 _COMPARE = re.compile(r"compare\(%([\w.\-]+),\s*%([\w.\-]+)\),\s*direction=(LT|LE|GT|GE)")
@@ -63,6 +64,7 @@ class Collective:
     count: int           # executions per run of the module (trip counts multiplied)
     line: str
     groups: tuple = ()   # replica groups: tuples of device (partition) ids that run it together
+    pairs: tuple = ()    # collective-permute: its (source, target) device pairs
 
     def crosses(self, groups: Iterable[Iterable[int]]) -> bool:
         """Some replica group holds devices from more than one of `groups` (e.g. hosts)."""
@@ -249,8 +251,14 @@ def collectives(text: str) -> list[Collective]:
                 result_bytes=sum(DTYPE_BYTES[d] * n for d, n in shapes),
                 result_elems=sum(n for _, n in shapes),
                 group=_group_size(line, num_partitions), count=runs[name], line=line.strip(),
-                groups=replica_groups(line, num_partitions)))
+                groups=replica_groups(line, num_partitions), pairs=source_target_pairs(line)))
     return found
+
+
+def source_target_pairs(line: str) -> tuple:
+    """A collective-permute's (source, target) device pairs; () for any other line."""
+    m = _PAIRS.search(line)
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) if m else ()
 
 
 def summarize(found: Iterable[Collective]) -> dict:
@@ -293,6 +301,25 @@ def mesh_axes(groups: tuple, mesh: Any) -> str:
     return "?"
 
 
+def permute_axes(pairs: tuple, mesh: Any) -> str:
+    """The mesh axes a collective-permute's pairs cross: those along which some source and its target
+    differ (e.g. "stage" for a pipeline's ring); "" for pairs that stay on their device."""
+    names, shape = tuple(mesh.axis_names), tuple(int(mesh.shape[a]) for a in mesh.axis_names)
+    crossed: set[int] = set()
+    for source, target in pairs:
+        a, b = np.unravel_index(source, shape), np.unravel_index(target, shape)
+        crossed |= {d for d in range(len(names)) if a[d] != b[d]}
+    return "+".join(names[d] for d in sorted(crossed))
+
+
+def collective_axes(c: Collective, mesh: Any) -> str:
+    """The mesh axes a collective runs over: a permute's the axes its pairs cross, any other's the
+    axes its replica groups span (`mesh_axes`)."""
+    if c.kind == "collective-permute" and c.pairs:
+        return permute_axes(c.pairs, mesh) or "none"
+    return mesh_axes(c.groups, mesh)
+
+
 def comms_report(text: str, *, steps: int = 1, kinds: Iterable[str] | None = None, verbose: bool = False,
                  debug: bool = False, mesh: Any = None) -> str:
     """DeepSpeed's comms-logger summary for a compiled step's HLO: per collective kind (and dtype,
@@ -305,9 +332,9 @@ def comms_report(text: str, *, steps: int = 1, kinds: Iterable[str] | None = Non
     """
     found = [c for c in collectives(text) if kinds is None or c.kind in set(kinds)]
     rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    axes = {c.groups: mesh_axes(c.groups, mesh) for c in found} if mesh is not None else {}
+    axes = {id(c): collective_axes(c, mesh) for c in found} if mesh is not None else {}
     for c in found:
-        kind = f"{c.kind} ({axes[c.groups]})" if axes else c.kind
+        kind = f"{c.kind} ({axes[id(c)]})" if axes else c.kind
         row = rows[(kind, "/".join(c.dtypes))]
         row[0] += c.count
         row[1] += c.bytes_per_device
@@ -324,7 +351,7 @@ def comms_report(text: str, *, steps: int = 1, kinds: Iterable[str] | None = Non
     if verbose:
         for c in found:
             where = f" in {c.computation}" if debug else ""
-            over = f" over {axes[c.groups]}" if axes else ""
+            over = f" over {axes[id(c)]}" if axes else ""
             lines.append(f"  - {c.kind}{over} {'/'.join(c.dtypes)} {_size(c.result_bytes)} result, group {c.group}, "
                          f"{c.count}x per step{where}")
     return "\n".join(lines)

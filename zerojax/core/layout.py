@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax.core.collectives import PARTIAL, REPLICATED, Placement, Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.measure import planned_bytes
-from zerojax.core.mesh import DATA, DATA_INNER, DATA_OUTER, TENSOR, DataAxis, data_axes, data_size, row_axes, tensor_size
+from zerojax.core.mesh import (DATA, DATA_INNER, DATA_OUTER, EXPERT, TENSOR, DataAxis, data_axes, data_size, expert_size,
+                               row_axes, sequence_size, tensor_size)
 from zerojax.core.offload import Memory
 from zerojax.core.precision import Policy, ScalerConfig
 from zerojax.core.remat import Remat
@@ -175,6 +176,8 @@ class MemoryReport(NamedTuple):
     optimizer_host: int = 0     # of `optimizer`, the bytes stored in host memory (offload)
     memory: str = "no offload"  # Memory.describe() of the plan
     tensor_size: int = 1        # devices a tensor-sliced weight is split over (the formula's Ψ is one slice)
+    expert_size: int = 1        # devices an expert weight's experts are split over (then ZeRO over data / expert)
+    sequence_size: int = 1      # devices one row's tokens are split over (part of `data_size`)
 
     @property
     def total(self) -> int:
@@ -199,14 +202,27 @@ class MemoryReport(NamedTuple):
                 ("gradients", self.grads, 0, self.formula_grads),
                 ("optimizer state", self.optimizer, self.optimizer_host, self.formula_optimizer),
                 ("total", self.total, self.host, self.formula_total)]
-        over = f"{self.data_size} data shards" + (f" x {self.tensor_size} tensor slices" if self.tensor_size > 1 else "")
-        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {over}; {self.memory}",
+        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {self.over()}; {self.memory}",
                f"{'per device':<16} {'device MiB':>10} {'host MiB':>10} {'formula':>10} {'ratio':>7}"]
         for name, got, host, want in rows:
             ratio = got / want if want else float("nan")  # wherever the bytes live
             out.append(f"{name:<16} {mib(got - host)} {mib(host)} {mib(want)} {ratio:7.3f}")
         out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
         return "\n".join(out)
+
+    def over(self) -> str:
+        """The devices the state is divided over, axis by axis: ZeRO's data shards (with the sequence
+        axis among them), the tensor slices, and the expert weights' own split."""
+        rows = self.data_size // self.sequence_size
+        over = f"{self.data_size} data shards"
+        if self.sequence_size > 1:
+            over += f" (data {rows} x sequence {self.sequence_size})"
+        if self.tensor_size > 1:
+            over += f" x {self.tensor_size} tensor slices"
+        if self.expert_size > 1:
+            over += (f" (expert weights: experts over {self.expert_size} expert devices, ZeRO over the "
+                     f"{self.data_size // self.expert_size} data shards)")
+        return over
 
 
 class UpdateRule(NamedTuple):
@@ -421,9 +437,14 @@ def memory_report(p: Plan) -> MemoryReport:
     """
     n, pol = p.data_size, p.policy
     psi = sum(math.prod(x.shape) for x in jax.tree.leaves(p.abstract_params))
-    # One device's tensor slice of the model: ZeRO's formula divides that by the data-parallel size.
-    psi_slice = sum(math.prod(x.shape) / (1 if lay.over(TENSOR) is None else p.tensor_size)
-                    for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=is_layout), jax.tree.leaves(p.abstract_params)))
+    ep = expert_size(p.mesh)
+    # One device's slice of the model (a tensor-sliced leaf's 1/tensor, an expert leaf's 1/expert) and
+    # the shards ZeRO divides it into: the data-parallel size, or data / expert for an expert leaf
+    # (its expert-data-parallel group, DeepSpeed's ep_size carving).
+    slices = [(math.prod(x.shape) / (1 if lay.over(TENSOR) is None else p.tensor_size)
+               / (1 if lay.over(EXPERT) is None else ep), n // (1 if lay.over(EXPERT) is None else ep))
+              for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=is_layout), jax.tree.leaves(p.abstract_params))]
+    psi_slice = sum(size for size, _ in slices)
     params = planned_bytes(p.abstract_params, p.param_shardings, pol.param)
     grads = planned_bytes(p.abstract_params, p.grad_shardings, pol.accum)
     master = planned_bytes(p.abstract_params, p.update_shardings, pol.master) if pol.mixed else 0
@@ -436,7 +457,8 @@ def memory_report(p: Plan) -> MemoryReport:
     parts = STAGE_PARTITIONS[p.stage]
 
     def share(role: str) -> float:
-        return 1 / n if role in parts else 1.0
+        """Elements per device of one role under the stage: each slice, divided by its ZeRO shards."""
+        return sum(size / shards if role in parts else size for size, shards in slices)
 
     # Fraction of model-state bytes that the stage would shard but stayed whole.
     kept = total = 0.0
@@ -451,12 +473,13 @@ def memory_report(p: Plan) -> MemoryReport:
     host_master = (planned_bytes(p.abstract_params, p.update_storage, pol.master, host_only=True)
                    if pol.mixed else 0)
     # hpZ's secondary copy is split over one inner group: Ψ/hpz parameters per device.
-    param_share = 1 / p.hpz if p.hpz > 1 else share(PARAMETERS)
+    param_elements = psi_slice / p.hpz if p.hpz > 1 else share(PARAMETERS)
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
-        formula_params=pol.param.itemsize * psi_slice * param_share,
-        formula_grads=pol.accum.itemsize * psi_slice * share(GRADIENTS),
-        formula_optimizer=k * psi_slice * share(OPTIMIZER), tensor_size=p.tensor_size,
+        formula_params=pol.param.itemsize * param_elements,
+        formula_grads=pol.accum.itemsize * share(GRADIENTS),
+        formula_optimizer=k * share(OPTIMIZER), tensor_size=p.tensor_size, expert_size=ep,
+        sequence_size=sequence_size(p.mesh),
         replicated_fraction=kept / total if total else 0.0,
         params_host=planned_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
         optimizer_host=host_master + planned_bytes(opt_abstract, p.opt_state_storage, host_only=True),

@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from zerojax.core.mesh import data_size, row_size, sequence_size, tensor_size
+
 __all__ = ["DeepSpeedAPI", "MicroBatchLoss", "DEEPSPEED_ONLY"]
 
 
@@ -88,8 +90,8 @@ DEEPSPEED_ONLY: dict[str, str] = {
     "compile": "the step is always compiled (jax.jit); nothing to call",
     "destroy": "del engine (a pending checkpoint save is finished first)",
     "empty_partition_cache": "ZeRO-3 gathers live inside the compiled step; nothing is cached between steps",
-    "mp_world_size": "there is no model-parallel axis yet: every device is in the data axis (or a pipeline stage)",
-    "get_sequence_parallel_group": "sequence parallelism is not built yet",
+    "get_sequence_parallel_group": "collectives are named mesh axes, not process groups: the `sequence` axis "
+                                   "of engine.mesh (engine.sequence_parallel_size devices)",
     "get_data_parallel_group": "collectives are named mesh axes, not process groups: engine.mesh.axis_names",
     "monitor": "train.py's monitors (tensorboard, csv, wandb) write metrics.jsonl and events; "
                "engine.train_batch(batch) returns the metrics",
@@ -209,7 +211,24 @@ class DeepSpeedAPI:
 
     @property
     def dp_world_size(self) -> int:
-        return self.plan.data_size
+        """Data-parallel ranks, each with its own rows (the batch triad's count): data x expert, not the
+        sequence axis, whose ranks share rows (DeepSpeed's `_get_data_parallel_world_size`)."""
+        return row_size(self.plan.mesh)
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks ZeRO shards over and gradients are averaged over: data-parallel x sequence-parallel."""
+        return data_size(self.plan.mesh)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks one row's tokens are split over (DeepSpeed-Ulysses; 1 without a sequence axis)."""
+        return sequence_size(self.plan.mesh)
+
+    @property
+    def mp_world_size(self) -> int:
+        """Ranks of one tensor-parallel group (1 without a tensor axis)."""
+        return tensor_size(self.plan.mesh)
 
     @property
     def device(self) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from zerojax.config import Config
+from zerojax.core.mesh import row_size
 from zerojax.errors import ConfigError
 
 GIB = 2 ** 30
@@ -124,10 +125,12 @@ def _host_available() -> int | None:
 def activation_bytes(config: Config, micro_rows: int) -> int:
     """A rough lower estimate of the embedded GPT's activations for one micro-batch on one device:
     each block's input is kept (all of a block's tensors without `model.remat`), one block is
-    live in full during its backward, and the fp32 logits and their gradient."""
+    live in full during its backward, and the fp32 logits and their gradient. With a sequence axis a
+    device holds 1/sequence of each row's tokens (and of the heads over the whole row in attention,
+    so the score term per token is unchanged)."""
     m = config.model
     width = {"bf16": 2, "fp16": 2}.get(config.compute_dtype, 4)
-    tokens = micro_rows * m.seq_len
+    tokens = micro_rows * m.seq_len // config.mesh.sequence
     block = tokens * (10 * m.d_model + 2 * (m.d_ff or 4 * m.d_model) + 2 * m.n_heads * m.seq_len) * width
     kept = m.n_layers * (tokens * m.d_model * width if m.remat else block)
     return kept + block + tokens * m.vocab_size * 4 * 2
@@ -159,7 +162,7 @@ def check_memory(config: Config, layout: Any, local_rows: int) -> None:
     if available is not None and host > available:
         if batch_host * 2 > host:  # the batch itself is the problem, not the model
             fix = (f"lower train_batch_size (micro {b.micro_batch_size} x accumulation "
-                   f"{b.gradient_accumulation_steps} x data {layout.data_size}): every optimizer step builds "
+                   f"{b.gradient_accumulation_steps} x data {row_size(layout.mesh)}): every optimizer step builds "
                    f"its whole batch on the host")
         raise ConfigError(f"train_batch_size: {b.train_batch_size} needs about {host / GIB:,.2f} GiB of host "
                           f"memory (this process's {local_rows} rows of each batch: {batch_host / GIB:,.2f} GiB"

@@ -32,7 +32,7 @@ import numpy as np
 
 from zerojax.config import Config, load_config
 from zerojax.errors import ConfigError
-from zerojax.tools import estimate_tensor as tp
+from zerojax.tools import estimate_axes as ax, estimate_tensor as tp
 from zerojax.tools.estimate_tensor import Arch
 
 GIB = 2 ** 30
@@ -425,6 +425,7 @@ def compiled_costs(config: Config) -> tuple[float, float, float, int]:
     `zerojax.core.hlo.collectives` (ZeRO-paper volume accounting), both counting loop bodies trip-count
     times - XLA's `cost_analysis()` counts a scanned layer stack's body once."""
     from zerojax.core import hlo
+    from zerojax.core.mesh import row_size
     from zerojax.planner.plan import make_plan
     from zerojax.planner.mesh import make_mesh
     from zerojax.models import gpt
@@ -432,7 +433,7 @@ def compiled_costs(config: Config) -> tuple[float, float, float, int]:
     from zerojax.planner.api import make_train_step
     mesh = make_mesh(config)
     p = make_plan(config, mesh, gpt.abstract_params(config.model))
-    rows = p.batch.micro_batch_size * p.batch.gradient_accumulation_steps * p.data_size
+    rows = p.batch.micro_batch_size * p.batch.gradient_accumulation_steps * row_size(mesh)
     batch = {"tokens": jax.ShapeDtypeStruct((rows, config.model.seq_len + 1), np.int32, sharding=p.batch_sharding)}
     step = make_train_step(config, p, gpt.make_loss_fn(config.model))
     text = step.lower(abstract_state(p), batch).compile().as_text()
@@ -629,6 +630,148 @@ def tensor_lines(config: Config, model: ModelShape, req: "Request", memory: floa
 
 
 # ---------------------------------------------------------------------------------------------
+# Expert and sequence parallelism: ZeRO's formulas per group of weights (estimate_axes).
+
+@dataclasses.dataclass(frozen=True)
+class AxisRow:
+    """One (axis size, ZeRO stage) layout of the expert or sequence axis: bytes per device and what
+    one device sends per optimizer step over that axis's groups and over ZeRO's."""
+    axis: str                 # "expert" or "sequence"
+    size: int
+    devices: int
+    choice: Choice
+    state_bytes: float
+    activation_bytes: float
+    all_to_all_bytes: float
+    data_bytes: float
+
+    @property
+    def device_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def label(self) -> str:
+        inner = self.devices // self.size
+        return f"{'E' if self.axis == 'expert' else 'S'}={self.size} x data {inner}, stage {self.choice.stage}"
+
+
+def _role_bytes(cfg: Config) -> tuple[ax.Bytes, int]:
+    """(P, G, K) of the config's precision and optimizer, and the gradients' communication itemsize.
+    K is read off the plan of one small leaf (its fp32 master and the optimizer's state per parameter,
+    as `Plan.report()` counts them), so any optimizer gets its own."""
+    from zerojax.planner.plan import make_plan
+    from zerojax.planner.settings import policy
+    pol, psi = policy(cfg), 64
+    rep = make_plan(cfg, abstract_mesh(1), {"w": _sds(psi)}).report()
+    return ax.Bytes(pol.param.itemsize, pol.accum.itemsize, round(rep.formula_optimizer / psi)), \
+        (pol.comm or pol.accum).itemsize
+
+
+def _divisors(n: int, *also: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0 and all(a % d == 0 for a in also)]
+
+
+def expert_rows(config: Config, model: ModelShape, req: "Request") -> list[AxisRow]:
+    """Every expert size dividing the devices and the experts, with ZeRO stages 0-3 (no offload); none
+    for a model without experts."""
+    psi_e = ax.expert_params(model.abstract_params)
+    m = config.model
+    if not psi_e or not m.n_experts:
+        return []
+    psi_d = model.total_params - psi_e
+    width = {"bf16": 2, "fp16": 2}.get(config.compute_dtype, 4)
+    moe_layers = m.n_layers // max(m.moe_every, 1)
+    rows = []
+    for ep in _divisors(req.devices, m.n_experts):
+        for choice in CHOICES[:4]:
+            cfg = variant(config, choice)
+            b, (bytes_, comm) = cfg.batch(req.devices), _role_bytes(cfg)
+            state = ax.expert_state(psi_d, psi_e, req.devices, ep, choice.stage, bytes_)
+            a2a = ax.expert_all_to_all_bytes(b.micro_batch_size * m.seq_len, m.d_model, m.experts_per_token,
+                                             m.capacity_factor, moe_layers, width, bool(m.remat), ep,
+                                             b.gradient_accumulation_steps)
+            data = zero_comm_bytes(psi_d, choice.stage, req.devices, comm, bytes_.param) + (
+                zero_comm_bytes(psi_e // ep, choice.stage, req.devices // ep, comm, bytes_.param)
+                if req.devices > ep else 0.0)
+            act = req.activations or 0
+            rows.append(AxisRow("expert", ep, req.devices, choice, state, act, a2a, data))
+    return rows
+
+
+def sequence_rows(config: Config, model: ModelShape, req: "Request") -> tuple[list[AxisRow], list[str]]:
+    """Every sequence size within a host dividing the devices, the heads and the sequence, with ZeRO
+    stages 0-3 (no offload), and the sizes left out (the batch's rows not dividing, say)."""
+    arch, seq = model.arch, config.model.seq_len
+    per_host = min(req.devices_per_host, req.devices)
+    rows, skipped = [], []
+    width = {"bf16": 2, "fp16": 2}.get(config.compute_dtype, 4)
+    remat = bool(config.model.remat)
+    for sp in _divisors(per_host, req.devices):
+        why = next((f"S={sp} does not divide the {n} {what}" for n, what in (
+            (arch.heads, "query heads"), (arch.kv_heads, "key/value heads"), (seq, "tokens of a row")) if n % sp), None)
+        if why:
+            skipped.append(why)
+            continue
+        for choice in CHOICES[:4]:
+            cfg = variant(config, choice)
+            try:
+                b = cfg.batch(req.devices // sp)
+            except ConfigError as e:
+                skipped.append(f"S={sp}: {e}")
+                break
+            bytes_, comm = _role_bytes(cfg)
+            state = ax.zero_state(model.total_params, req.devices, choice.stage, bytes_)
+            act = (req.activations / sp if req.activations is not None else
+                   ax.sequence_activation_bytes(arch, b.micro_batch_size, seq, width, remat, sp))
+            a2a = ax.sequence_all_to_all_bytes(arch, b.micro_batch_size, seq, width, remat, sp,
+                                               b.gradient_accumulation_steps)
+            data = zero_comm_bytes(model.total_params, choice.stage, req.devices, comm, bytes_.param)
+            rows.append(AxisRow("sequence", sp, req.devices, choice, state, act, a2a, data))
+    return rows, skipped
+
+
+def axis_lines(title: str, rows: list[AxisRow], notes: list[str], memory: float | None) -> list[str]:
+    """One axis's table: states, activations, all-to-all and ZeRO bytes per device, whether it fits."""
+    unit, scale = _unit([r.device_bytes for r in rows] + [r.all_to_all_bytes + r.data_bytes for r in rows])
+    lines = [f"{title}, {unit} per device, bytes sent per device per step:",
+             f"{'layout':<28}{'states':>9}{'activ.':>9}{'total':>9}{'all-to-all ' + unit:>16}{'ZeRO ' + unit:>10}"
+             + ("  fits" if memory is not None else "")]
+    for r in rows:
+        fits = ("   yes" if r.device_bytes <= memory else "    no") if memory is not None else ""
+        lines.append(f"{r.label:<28}{r.state_bytes / scale:9.2f}{r.activation_bytes / scale:9.2f}"
+                     f"{r.device_bytes / scale:9.2f}{r.all_to_all_bytes / scale:16.2f}{r.data_bytes / scale:10.2f}{fits}")
+    return lines + notes
+
+
+def expert_lines(config: Config, model: ModelShape, req: "Request", memory: float | None) -> list[str]:
+    rows = expert_rows(config, model, req)
+    if not rows:
+        return []
+    m = config.model
+    return axis_lines(
+        "expert parallelism (mesh data x expert, DeepSpeed's ep_size: experts split E ways, ZeRO over data; "
+        "every other weight ZeRO over data x expert)", rows,
+        [f"from ZeRO's formulas: {ax.expert_params(model.abstract_params):,} expert parameters / E, ZeRO over the "
+         f"{req.devices} / E devices of an expert-data-parallel group; all-to-alls of top-{m.experts_per_token} x "
+         f"capacity_factor {m.capacity_factor} slots per token, 2 forward and 2 backward per MoE layer; "
+         f"activations {'given (--activations)' if req.activations else 'not counted (add --activations)'}; "
+         f"docs/estimate.md"], memory)
+
+
+def sequence_lines(config: Config, model: ModelShape, req: "Request", memory: float | None) -> list[str]:
+    rows, skipped = sequence_rows(config, model, req)
+    if not rows:
+        return ["sequence parallelism: no sequence size applies" + (f" ({'; '.join(skipped)})" if skipped else "")]
+    notes = [f"from ZeRO's formulas: every weight ZeRO over all {req.devices} devices (data x sequence); "
+             f"activations of 1/S of each row's {config.model.seq_len} tokens; all-to-alls of q, k, v and the "
+             f"attention output, 2 forward and 2 backward per layer (and remat's replay); docs/estimate.md"]
+    if skipped:
+        notes.append("left out: " + "; ".join(skipped))
+    return axis_lines("sequence parallelism (DeepSpeed-Ulysses: rows over data, each row's tokens over S, "
+                      "ZeRO over data x sequence)", rows, notes, memory)
+
+
+# ---------------------------------------------------------------------------------------------
 # Text.
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -722,6 +865,9 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
     if config.mesh.tensor > 1:  # the config's tensor size is one of the rows; the data-parallel table is T=1
         req = dataclasses.replace(req, tensor=req.tensor or tuple(sorted({1, config.mesh.tensor})))
         config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, tensor=1))
+    # the data-parallel table is every device ZeRO shards over; the expert and sequence tables follow it
+    sequence = config.mesh.sequence > 1
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, expert=1, sequence=1))
     if req.devices < 1 or req.devices_per_host < 1:
         raise ConfigError("estimate: --devices and --devices-per-host must be positive")
     exact, ds = estimate_all(config, model, req)
@@ -779,6 +925,10 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
                          f"set {' '.join(best.choice.overrides())}")
     if model.arch is not None and req.tensor != (1,):
         lines += [""] + tensor_lines(config, model, req, memory)
+    if config.model.n_experts and ax.expert_params(model.abstract_params):
+        lines += [""] + expert_lines(config, model, req, memory)
+    if sequence and model.arch is not None:
+        lines += [""] + sequence_lines(config, model, req, memory)
     if req.step_time and req.device is not None:
         lines += [""] + step_time_lines(config, model, req)
     return "\n".join(lines)
@@ -816,8 +966,8 @@ def build_request(config: Config, args: Any) -> Request:
     """A Request from the CLI's arguments (argparse namespace)."""
     if args.devices is not None:
         devices = args.devices
-    else:
-        devices = config.mesh.data_parallel(jax.device_count())
+    else:  # every device ZeRO shards over: the rows' data-parallel devices times the sequence axis
+        devices = config.mesh.data_parallel(jax.device_count()) * config.mesh.sequence
     per_host = args.devices_per_host or devices
     device = None
     if args.device is not None:
