@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +168,22 @@ def to_numpy(tree: Any) -> Any:
             return np.asarray(x.astype(np.float32), np.float64)
         return np.asarray(x)
     return jax.tree.map(one, tree)
+
+
+def host_state(e: zerojax.Engine) -> dict[str, Any]:
+    """Everything a resume must give back, on the host (floats as float64)."""
+    s = e.state
+    return to_numpy({"params": s.params, "master": s.master, "opt_state": s.opt_state, "step": s.step,
+                     "skipped": s.skipped, "scaler": s.scaler, "rng": s.rng})
+
+
+class SavedRun(NamedTuple):
+    """A run that saved a checkpoint and went on: what a resume at another mesh size is held to."""
+    engine: zerojax.Engine
+    directory: Any  # its checkpoint folder
+    state: dict[str, Any]  # at the save
+    losses: list[float]  # the next steps' losses at its own size
+    after: dict[str, Any]  # the state after them
 
 
 def assert_tree_close(got: Any, want: Any, *, rtol: float, atol: float, what: str = "") -> None:

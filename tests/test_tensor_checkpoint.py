@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 import pytest
 
 import zerojax
-from helpers import assert_tree_close, to_numpy
+from helpers import SavedRun as Run, assert_tree_close, host_state
 from zerojax.core.mesh import tensor_size
 from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh
@@ -43,21 +43,6 @@ def engine(tensor: int, stage: int) -> zerojax.Engine:
     cfg = config(tensor, stage)
     params, loss_fn = llama.build(cfg.model, seed=0)
     return zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg))
-
-
-def host_state(e: zerojax.Engine) -> dict[str, Any]:
-    """Everything a resume must give back, on the host (floats as float64)."""
-    s = e.state
-    return to_numpy({"params": s.params, "master": s.master, "opt_state": s.opt_state, "step": s.step,
-                     "skipped": s.skipped, "scaler": s.scaler, "rng": s.rng})
-
-
-class Run(NamedTuple):
-    engine: zerojax.Engine
-    directory: Path  # its checkpoint, saved after SAVED_AT steps
-    state: dict[str, Any]  # at the save
-    losses: list[float]  # the next MORE steps at its own size
-    after: dict[str, Any]  # the state after them
 
 
 @functools.cache
