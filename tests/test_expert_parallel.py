@@ -15,7 +15,8 @@ import zerojax
 from helpers import assert_tree_close, to_numpy
 from zerojax.core import hlo
 from zerojax.core.collectives import REPLICATED, Shard
-from zerojax.core.mesh import DATA, EXPERT, data_axes, data_size, expert_size
+from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, data_axes, data_size, expert_data_axes, expert_size, row_axes,
+                               row_size)
 from zerojax.errors import ConfigError
 from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh
@@ -164,3 +165,29 @@ def test_step_holds_all_to_alls_over_the_expert_groups(stage: int) -> None:
     # the expert weights' gradients are summed over `data` only; the others over data x expert
     spans = {hlo.mesh_axes(c.groups, e.plan.mesh) for c in found if c.kind in ("all-reduce", "reduce-scatter")}
     assert {DATA, f"{DATA}+{EXPERT}"} <= spans
+
+
+# -- with the sequence axis -----------------------------------------------------------------------------
+
+def test_expert_and_sequence_axes_share_the_data_parallel_devices() -> None:
+    """data 2 x expert 2 x sequence 2: rows over data x expert, tokens over sequence; expert weights
+    ZeRO-sharded over data x sequence, every other weight over all three."""
+    cfg = config(3, {"expert": 2, "sequence": 2})
+    m = make_mesh(cfg)
+    assert m.axis_names == (DATA, EXPERT, SEQUENCE) and dict(m.shape) == {DATA: 2, EXPERT: 2, SEQUENCE: 2}
+    assert row_axes(m) == (DATA, EXPERT) and data_axes(m) == (DATA, EXPERT, SEQUENCE)
+    assert expert_data_axes(m) == (DATA, SEQUENCE) and row_size(m) == 4 and data_size(m) == 8
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    plan = zerojax.plan(cfg, m, params, logical_axes=loss_fn.logical_axes)
+    assert plan.batch.micro_batch_size == ROWS // 4
+    assert {lay.param.axis for lay in experts(plan.layouts).values()} == {(DATA, SEQUENCE)}
+    assert plan.layouts["layers"]["q"]["kernel"].param.axis is None  # the whole data axis
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_expert_and_sequence_parallel_llama_trains_to_the_single_device_parameters(stage: int) -> None:
+    want_losses, want = single(1)
+    e = engine(stage, {"expert": 2, "sequence": 2}, 8)
+    losses, got = train(e)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"data 2 x expert 2 x sequence 2, stage {stage}")

@@ -51,22 +51,11 @@ def request_cpu_devices(n: int | None) -> None:
         pass  # backends already initialized; make_mesh reports a shortfall
 
 
-def data_axes(mesh: Any) -> DataAxis:
-    """The mesh axis (or axes) ZeRO shards over: `data`, (`data`, `expert`) or (`data_outer`,
-    `data_inner`); with a `sequence` axis, those and `sequence`."""
-    names = tuple(mesh.axis_names)
-    if SEQUENCE in names:
-        return (*_tuple(row_axes(mesh)), SEQUENCE)
-    return row_axes(mesh)
-
-
 def _tuple(axes: DataAxis) -> tuple:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def row_axes(mesh: Any) -> DataAxis:
-    """The mesh axis (or axes) the batch's rows are split over: the data axes without `sequence`."""
-    names = tuple(mesh.axis_names)
+def _row_axes(names: tuple) -> DataAxis:
     if DATA in names and EXPERT in names:
         return (DATA, EXPERT)
     if DATA in names:
@@ -76,27 +65,48 @@ def row_axes(mesh: Any) -> DataAxis:
     raise ConfigError(f"mesh: needs an axis named '{DATA}' or the pair {HIERARCHICAL} (got axes {names})")
 
 
-def data_axis() -> DataAxis:
-    """The data axis of the mesh being traced (inside `shard_map`), for collectives in model code."""
-    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
-    if DATA not in names and all(a in names for a in HIERARCHICAL):
-        rows: DataAxis = HIERARCHICAL
-    elif DATA in names and EXPERT in names:
-        rows = (DATA, EXPERT)
-    else:
-        rows = DATA
+def _data_axes(names: tuple) -> DataAxis:
+    rows = _row_axes(names)
     return (*_tuple(rows), SEQUENCE) if SEQUENCE in names else rows
 
 
+def row_axes(mesh: Any) -> DataAxis:
+    """The mesh axis (or axes) the batch's rows are split over: `data`, (`data`, `expert`) or
+    (`data_outer`, `data_inner`)."""
+    return _row_axes(tuple(mesh.axis_names))
+
+
+def data_axes(mesh: Any) -> DataAxis:
+    """The mesh axis (or axes) ZeRO shards over and gradients are averaged over: every data-parallel
+    device, the row axes and then `sequence` (each row's tokens are split over it)."""
+    return _data_axes(tuple(mesh.axis_names))
+
+
+def data_axis() -> DataAxis:
+    """`data_axes` of the mesh being traced (inside `shard_map`), for collectives in step and model code."""
+    return _data_axes(tuple(jax.sharding.get_abstract_mesh().axis_names))
+
+
+def expert_data_axes(mesh: Any) -> DataAxis:
+    """What an expert weight (split over `expert`) is ZeRO-sharded and reduced over: the data axes less
+    `expert`, DeepSpeed's expert-data-parallel group (`data`, or (`data`, `sequence`))."""
+    rest = tuple(a for a in _tuple(data_axes(mesh)) if a != EXPERT)
+    return rest[0] if len(rest) == 1 else rest
+
+
+def axes_size(mesh: Any, axes: DataAxis) -> int:
+    """Devices spanned by one mesh axis or a tuple of them."""
+    return math.prod(int(mesh.shape[a]) for a in _tuple(axes))
+
+
 def data_size(mesh: Any) -> int:
-    """Number of data-parallel shards (what the batch triad counts)."""
-    axes = data_axes(mesh)
-    return math.prod(int(mesh.shape[a]) for a in ((axes,) if isinstance(axes, str) else axes))
+    """Devices ZeRO shards over (`data_axes`): rows x sequence. The 1/dp of the gradient mean divides by it."""
+    return axes_size(mesh, data_axes(mesh))
 
 
 def row_size(mesh: Any) -> int:
-    """Number of data-parallel row shards (what the batch triad counts): data_size / sequence_size."""
-    return data_size(mesh) // sequence_size(mesh)
+    """Data-parallel row shards (`row_axes`): what the batch triad counts, data_size / sequence_size."""
+    return axes_size(mesh, row_axes(mesh))
 
 
 def sequence_size(mesh: Any) -> int:

@@ -36,9 +36,6 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     m, n = config.mesh, len(devices)
     hierarchical = (m.data_outer is not None or m.data_inner is not None
                     or config.zero_optimization.zero_hpz_partition_size > 1)
-    if m.expert > 1 and m.sequence > 1:
-        raise ConfigError(f"mesh.expert: {m.expert} with mesh.sequence: {m.sequence} does not combine yet; use "
-                          f"expert parallelism or sequence parallelism")
     if m.expert > 1 and hierarchical:
         raise ConfigError(f"mesh.expert: {m.expert} does not combine with a hierarchical data axis "
                           f"(mesh.data_outer / mesh.data_inner, or ZeRO++ hpZ) yet; set mesh.expert: 1 or remove them")

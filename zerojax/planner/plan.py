@@ -19,8 +19,8 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
-from zerojax.core.mesh import (DATA, DATA_INNER, EXPERT, STAGE, TENSOR, data_axes, data_size, expert_size, row_size,
-                               tensor_size)
+from zerojax.core.mesh import (DATA, DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size,
+                               expert_data_axes, expert_size, row_size, tensor_size)
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
@@ -82,8 +82,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
                 raise ConfigError("kernels: 'pallas' fuses one weight decay and lr for every parameter; "
                                   "with optimizer.no_decay or param_groups use kernels: auto or xla")
             kernels = XLA
-    n = data_size(mesh)  # ZeRO's shards: data x sequence
-    batch = config.batch(row_size(mesh))  # the batch's rows are split over data only
+    n = data_size(mesh)  # ZeRO's shards: every data-parallel device (rows x sequence)
+    batch = config.batch(row_size(mesh))  # the batch's rows are split over the row axes only
     stage = config.zero_optimization.stage
     partitions = STAGE_PARTITIONS[stage]
     threshold = config.zero_optimization.stage3_param_persistence_threshold
@@ -114,6 +114,7 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     if ep > 1:
         kernels = XLA if config.kernels != "pallas" else kernels  # the fused update knows no expert split yet
         _check_expert(config, mesh, lead, kernels)
+        expert_zero = expert_data_axes(mesh)  # DeepSpeed's expert-data-parallel group
 
     def layout(x: Any, k: int, leaf_names: Any, tdim: int | None) -> LeafLayout:
         prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
@@ -122,9 +123,9 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
         edim = _expert_dim(x, leaf_names, ep)
         if edim is None:
             lay = leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k, split=pairs, prefer=prefer)
-        else:  # an expert weight: split over `expert`, ZeRO-sharded over `data` only
-            lay = leaf_layout(x.shape, n // ep, partitions, threshold, None if k < 0 else k,
-                              split=(*pairs, (edim, EXPERT)), prefer=prefer, axis=DATA)
+        else:  # an expert weight: split over `expert`, ZeRO-sharded over the other data axes only
+            lay = leaf_layout(x.shape, axes_size(mesh, expert_zero), partitions, threshold, None if k < 0 else k,
+                              split=(*pairs, (edim, EXPERT)), prefer=prefer, axis=expert_zero)
         return dataclasses.replace(lay, names=leaf_names)
 
     layouts = jax.tree.map(layout, abstract, axes, names, tensor_dims, is_leaf=lambda x: x is None)
