@@ -62,13 +62,14 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
 
 
 def _check_sequence(config: Config, hierarchical: bool) -> None:
-    """The sequence axis combines with data and ZeRO (any stage) only, for now."""
+    """The sequence axis combines with a flat data axis, ZeRO (any stage), the expert axis and the tensor
+    axis; not yet with pipeline stages or a hierarchical data axis."""
     m = config.mesh
-    other = ("mesh.stage" if m.stage > 1 else "mesh.tensor" if m.tensor > 1 else
+    other = ("mesh.stage" if m.stage > 1 else
              "mesh.data_outer / mesh.data_inner (or zero_hpz_partition_size)" if hierarchical else None)
     if other:
         raise ConfigError(f"mesh.sequence: {m.sequence} (sequence_parallel_size) does not combine with {other} yet; "
-                          f"use sequence parallelism with a flat data axis and ZeRO")
+                          f"use sequence parallelism with a flat data axis (and the expert or tensor axes)")
 
 
 def _check_model_axes(stage: int, tensor: int, n: int) -> None:
