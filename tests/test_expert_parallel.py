@@ -4,6 +4,7 @@ all-to-alls over the expert groups in the compiled step."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Any
 
@@ -15,7 +16,7 @@ import zerojax
 from helpers import assert_tree_close, to_numpy
 from zerojax.core import hlo
 from zerojax.core.collectives import REPLICATED, Shard
-from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, data_axes, data_size, expert_data_axes, expert_size, row_axes,
+from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, TENSOR, data_axes, data_size, expert_data_axes, expert_size, row_axes,
                                row_size)
 from zerojax.errors import ConfigError
 from zerojax.models import llama
@@ -88,9 +89,6 @@ def test_plan_refuses_what_is_not_built_with_the_expert_axis() -> None:
     cfg = config(mesh={"expert": 8})
     params, loss_fn = llama.build(cfg.model, seed=0)
     with pytest.raises(ConfigError, match=r"^mesh\.expert: 8 expert-parallel devices do not divide the 4 experts"):
-        zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
-    cfg = config(mesh={"expert": 2, "tensor": 2})
-    with pytest.raises(ConfigError, match=r"^mesh\.expert: 2: expert parallelism does not combine with a tensor"):
         zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
 
 
@@ -191,3 +189,23 @@ def test_expert_and_sequence_parallel_llama_trains_to_the_single_device_paramete
     losses, got = train(e)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"data 2 x expert 2 x sequence 2, stage {stage}")
+
+
+# -- with the tensor axis: each expert's MLP sliced Megatron-style ----------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_expert_and_tensor_parallel_llama_trains_to_the_single_device_parameters(
+        stage: int, caplog: pytest.LogCaptureFixture) -> None:
+    """data 2 x expert 2 x tensor 2: the all-to-alls stay on the expert axis; each device holds its experts'
+    gate/up columns and down rows (DeepSpeed-MoE's enable_expert_tensor_parallelism)."""
+    want_losses, want = single(1)
+    e = engine(stage, {"expert": 2, "tensor": 2}, 8)
+    assert dict(e.plan.mesh.shape) == {DATA: 2, EXPERT: 2, TENSOR: 2}
+    splits = {name: lay.split for name, lay in experts(e.plan.layouts).items()}
+    assert splits == {"gate": ((3, TENSOR), (1, EXPERT)), "up": ((3, TENSOR), (1, EXPERT)),
+                      "down": ((2, TENSOR), (1, EXPERT))}
+    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+        losses, got = train(e)
+    assert not caplog.records  # every equation, the all-to-alls included, ran on slices
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"data 2 x expert 2 x tensor 2, stage {stage}")

@@ -258,9 +258,6 @@ def _check_expert(config: Config, mesh: Mesh | AbstractMesh, lead: str | None, k
     if lead is not None or (STAGE in mesh.shape and mesh.shape[STAGE] > 1):
         raise ConfigError(f"{key}: expert parallelism does not combine with pipeline stages yet; set mesh.stage: 1 "
                           f"or mesh.expert: 1")
-    if tensor_size(mesh) > 1:
-        raise ConfigError(f"{key}: expert parallelism does not combine with a tensor axis yet (mesh.tensor is "
-                          f"{tensor_size(mesh)}); set mesh.tensor: 1 or mesh.expert: 1")
     if DATA not in mesh.shape:
         raise ConfigError(f"{key}: the expert axis needs a flat `data` axis beside it (got axes "
                           f"{tuple(mesh.axis_names)})")
