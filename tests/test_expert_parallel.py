@@ -209,3 +209,14 @@ def test_expert_and_tensor_parallel_llama_trains_to_the_single_device_parameters
     assert not caplog.records  # every equation, the all-to-alls included, ran on slices
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"data 2 x expert 2 x tensor 2, stage {stage}")
+
+
+def test_expert_sequence_and_tensor_axes_together_train_to_the_single_device_parameters() -> None:
+    """expert 2 x sequence 2 x tensor 2 (4 key/value heads: Ulysses takes one per device of each slice)."""
+    model = {**TOP1, "n_kv_heads": 4}
+    want_losses, want = train(engine(0, {}, 1, model))
+    e = engine(3, {"expert": 2, "sequence": 2, "tensor": 2}, 8, model)
+    assert dict(e.plan.mesh.shape) == {DATA: 1, EXPERT: 2, SEQUENCE: 2, TENSOR: 2}
+    losses, got = train(e)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what="expert 2 x sequence 2 x tensor 2, stage 3")
