@@ -1,20 +1,27 @@
-"""The device mesh: a `data` axis that ZeRO shards over (and, for pipelines, a `stage` axis; for tensor
-parallelism, a `tensor` axis, the innermost, so one tensor group is consecutive devices).
+"""The device mesh's axes and the groups they form; every layout, collective and batch split asks here.
 
-The data axis may be hierarchical (`mesh.data_outer`): two mesh axes, `data_outer` across hosts or
-slices (slow links) and `data_inner` within one (fast links), that every layout and collective
-treats together as "the data axis" - a ZeRO shard is split over both - while keeping the inner
-axis addressable on its own (a secondary partition within a host, as ZeRO++'s hpZ keeps, needs it).
+The axes, outermost first (an axis of size 1 is left out, `data` always kept):
 
-Expert parallelism (DeepSpeed's `ep_size`) carves an `expert` axis out of the data-parallel devices:
-the mesh is (`data`, `expert`), the data-parallel set is both (`data_axes` is the pair, as for the
-hierarchical axis: the batch rows and every non-expert ZeRO shard are split over both), and the MoE
-layers' expert weights are split over `expert` and ZeRO-sharded over `data` only.
+    stage  x  data  x  expert  x  sequence  x  tensor
 
-A `sequence` axis (DeepSpeed-Ulysses, `mesh.sequence`) sits inside the data-parallel set, between
-`data` and `tensor`: each row's tokens are split over it, and ZeRO shards weights over data x
-sequence together, as DeepSpeed's ALST does, so `data_axes` names both; `row_axes` / `row_size` are
-the part the batch's rows are split over (what the batch triad counts).
+* `stage`: pipeline stages. `tensor` (Megatron slicing), innermost: one tensor group is consecutive
+  devices, the fastest links.
+* `data`, or a hierarchical pair (`data_outer` across hosts or slices, `data_inner` within one) that
+  every layout and collective treats together as "the data axis" while keeping the inner axis
+  addressable on its own (ZeRO++'s hpZ partitions within a host).
+* `expert` (DeepSpeed's MoE `ep_size`) is carved out of the data-parallel devices: the batch's rows
+  are split over data x expert, and the MoE layers' expert weights over `expert`.
+* `sequence` (DeepSpeed-Ulysses) splits each row's tokens. It sits inside `expert`, next to `tensor`:
+  Ulysses' all-to-alls run in every attention layer, the experts' only in MoE layers.
+
+Three groups follow, and `row_axes`, `data_axes` and `expert_data_axes` are their one definition:
+
+* rows (`row_axes`, `row_size`): what the batch's rows are split over and the batch triad counts,
+  data x expert;
+* data-parallel (`data_axes`, `data_size`): what ZeRO shards every other weight over and the
+  gradient mean divides by, data x expert x sequence;
+* expert-data-parallel (`expert_data_axes`): what an expert weight, split over `expert`, is ZeRO-sharded
+  and reduced over, data x sequence.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The device mesh a config asks for: (`stage`, `data`, `tensor`) axes, or a hierarchical data axis.
+"""The device mesh a config asks for: (`stage`, `data`, `expert`, `sequence`, `tensor`) axes, or a
+hierarchical data axis.
 
 The axis names and what the layouts ask of a mesh live in `zerojax.core.mesh`; this module reads the
 config's `mesh` section (and ZeRO++'s hpZ partition size) into a `jax.sharding.Mesh`.
