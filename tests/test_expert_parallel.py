@@ -189,6 +189,10 @@ def test_expert_and_sequence_parallel_llama_trains_to_the_single_device_paramete
     losses, got = train(e)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"data 2 x expert 2 x sequence 2, stage {stage}")
+    if stage == 3:  # the experts' all-to-alls stay in the expert groups, Ulysses' in the sequence groups
+        text = e._train_step.lower(e.state, e.place_batch(batch(0))).compile().as_text()
+        a2a = [c for c in hlo.collectives(text) if c.kind == "all-to-all"]
+        assert {hlo.mesh_axes(c.groups, e.plan.mesh) for c in a2a} == {EXPERT, SEQUENCE}
 
 
 # -- with the tensor axis: each expert's MLP sliced Megatron-style ----------------------------------------
@@ -213,10 +217,10 @@ def test_expert_and_tensor_parallel_llama_trains_to_the_single_device_parameters
 
 def test_expert_sequence_and_tensor_axes_together_train_to_the_single_device_parameters() -> None:
     """expert 2 x sequence 2 x tensor 2 (4 key/value heads: Ulysses takes one per device of each slice)."""
-    model = {**TOP1, "n_kv_heads": 4}
-    want_losses, want = train(engine(0, {}, 1, model))
+    model = {**TOP1, "n_kv_heads": 4, "n_layers": 1}
+    want_losses, want = train(engine(0, {}, 1, model), steps=1)
     e = engine(3, {"expert": 2, "sequence": 2, "tensor": 2}, 8, model)
     assert dict(e.plan.mesh.shape) == {DATA: 1, EXPERT: 2, SEQUENCE: 2, TENSOR: 2}
-    losses, got = train(e)
+    losses, got = train(e, steps=1)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what="expert 2 x sequence 2 x tensor 2, stage 3")
