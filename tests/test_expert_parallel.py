@@ -16,8 +16,8 @@ import zerojax
 from helpers import assert_tree_close, to_numpy
 from zerojax.core import hlo
 from zerojax.core.collectives import REPLICATED, Shard
-from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, TENSOR, data_axes, data_size, expert_data_axes, expert_size, row_axes,
-                               row_size)
+from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, TENSOR, data_axes, data_size, expert_data_axes, expert_size,
+                               row_axes, row_size)
 from zerojax.errors import ConfigError
 from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh

@@ -1,4 +1,5 @@
-"""DeepSpeed-Ulysses sequence parallelism (`sequence_parallel_size` -> mesh.sequence) on the Llama."""
+"""DeepSpeed-Ulysses sequence parallelism (`sequence_parallel_size` -> mesh.sequence) on the Llama, alone and
+with the tensor axis."""
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,8 @@ def batch(i: int) -> dict[str, np.ndarray]:
             "loss_mask": (rng.random((ROWS, T)) > 0.3).astype(np.float32)}  # document boundaries
 
 
-def engine(stage: int, sp: int, n: int, **model: Any) -> zerojax.Engine:
-    cfg = config(stage, sp, **model)
+def engine(stage: int, sp: int, n: int, tensor: int = 1, **model: Any) -> zerojax.Engine:
+    cfg = config(stage, sp, tensor, **model)
     params, loss_fn = llama.build(cfg.model, seed=0)
     return zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:n]))
 
@@ -122,20 +123,17 @@ def single_unmasked() -> tuple[list[float], Any]:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_sequence_and_tensor_axes_equal_the_single_device_run(single_unmasked: tuple[list[float], Any], stage: int,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    cfg = config(stage, 2, 2, **TP)
-    params, loss_fn = llama.build(cfg.model, seed=0)
-    e = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:8]))
+    e = engine(stage, 2, 8, tensor=2, **TP)
     assert dict(e.mesh.shape) == {"data": 2, "sequence": 2, "tensor": 2}
     with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
         losses, got = trained(e)
     assert not caplog.records  # every equation ran on slices: Ulysses' all-to-alls on the slice's own heads
     np.testing.assert_allclose(losses, single_unmasked[0], rtol=1e-5)
-    assert_tree_close(got, single_unmasked[1], rtol=1e-4, atol=1e-5, what=f"data 2 x sequence 2 x tensor 2, stage {stage}")
+    assert_tree_close(got, single_unmasked[1], rtol=1e-4, atol=1e-5,
+                      what=f"data 2 x sequence 2 x tensor 2, stage {stage}")
 
 
 def test_heads_the_sequence_and_tensor_axes_do_not_divide_are_one_error() -> None:
-    cfg = config(0, 2, 2, **TP, n_kv_heads=2)
-    params, loss_fn = llama.build(cfg.model, seed=0)
-    e = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:4]))
+    e = engine(0, 2, 4, tensor=2, **TP, n_kv_heads=2)
     with pytest.raises(ValueError, match=r"mesh\.sequence: 2 .* x mesh\.tensor: 2 = 4 does not divide the 2 key/value"):
         e.train_batch(unmasked(0))

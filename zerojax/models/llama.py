@@ -211,7 +211,7 @@ class Llama(nnx.Module):
         axis = sequence_axis()
         offset = 0
         if axis is not None:  # `tokens` is chunk axis_index of each row: its global positions
-            ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_size())
+            ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_group_size())
             offset = jax.lax.axis_index(axis) * tokens.shape[1]
         cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta, offset)
         x = self.embed(tokens)

@@ -37,7 +37,7 @@ def check_heads(n_heads: int, n_kv_heads: int, sequence: int, tensor: int = 1) -
                              f"{n_kv_heads} key/value heads")
 
 
-def tensor_size() -> int:
+def tensor_group_size() -> int:
     """The tensor axis's size in the mesh being traced (1 without one)."""
     axis = tensor_axis()
     return 1 if axis is None else jax.lax.axis_size(axis)
@@ -47,7 +47,7 @@ def attention(attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array], q:
               v: jax.Array, axis: str) -> jax.Array:
     """`attend(q, k, v) -> [b, s, heads, d]` run on the whole sequence for this device's share of the heads,
     from and back to sequence chunks; q [b, s/P, h, d], k and v [b, s/P, kv, d] -> [b, s/P, h, d]."""
-    n, tp = jax.lax.axis_size(axis), tensor_size()
+    n, tp = jax.lax.axis_size(axis), tensor_group_size()
     b, t, h, d = q.shape
     kv = k.shape[2]
     check_heads(h, kv, n, tp)
