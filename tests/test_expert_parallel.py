@@ -1,6 +1,6 @@
 """The `expert` mesh axis (DeepSpeed's MoE `ep_size`) composed with ZeRO: the mesh and its errors, the
 expert weights' layouts, the MoE Llama trained at expert 2 and 4 against one device, and the
-all-to-alls over the expert groups in the compiled step."""
+all-to-alls over the expert groups in the compiled step; then with the sequence and tensor axes."""
 from __future__ import annotations
 
 import functools
@@ -21,6 +21,7 @@ from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, TENSOR, data_axes, data_s
 from zerojax.errors import ConfigError
 from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh
+from zerojax.planner.pipeline import make_pipeline_plan
 
 ROWS = 16
 SMALL = dict(name="llama", vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2,
@@ -90,6 +91,9 @@ def test_plan_refuses_what_is_not_built_with_the_expert_axis() -> None:
     params, loss_fn = llama.build(cfg.model, seed=0)
     with pytest.raises(ConfigError, match=r"^mesh\.expert: 8 expert-parallel devices do not divide the 4 experts"):
         zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
+    cfg = config(mesh={"expert": 2, "stage": 2}, model={**TOP1, "n_experts": 0})
+    with pytest.raises(ConfigError, match=r"^mesh\.expert: 2: expert parallelism does not combine with pipeline"):
+        make_pipeline_plan(cfg, make_mesh(cfg), llama.pipeline_module(cfg.model, num_stages=2))
 
 
 # -- the layouts ----------------------------------------------------------------------------------------
