@@ -1,9 +1,10 @@
 """The `expert` mesh axis (DeepSpeed's MoE `ep_size`) composed with ZeRO: the mesh and its errors, the
 expert weights' layouts, the MoE Llama trained at expert 2 and 4 against one device, and the
-all-to-alls over the expert groups in the compiled step."""
+all-to-alls over the expert groups in the compiled step; then with the sequence and tensor axes."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Any
 
@@ -15,10 +16,12 @@ import zerojax
 from helpers import assert_tree_close, to_numpy
 from zerojax.core import hlo
 from zerojax.core.collectives import REPLICATED, Shard
-from zerojax.core.mesh import DATA, EXPERT, data_axes, data_size, expert_size
+from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, TENSOR, data_axes, data_size, expert_data_axes, expert_size,
+                               row_axes, row_size)
 from zerojax.errors import ConfigError
 from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh
+from zerojax.planner.pipeline import make_pipeline_plan
 
 ROWS = 16
 SMALL = dict(name="llama", vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2,
@@ -88,9 +91,9 @@ def test_plan_refuses_what_is_not_built_with_the_expert_axis() -> None:
     params, loss_fn = llama.build(cfg.model, seed=0)
     with pytest.raises(ConfigError, match=r"^mesh\.expert: 8 expert-parallel devices do not divide the 4 experts"):
         zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
-    cfg = config(mesh={"expert": 2, "tensor": 2})
-    with pytest.raises(ConfigError, match=r"^mesh\.expert: 2: expert parallelism does not combine with a tensor"):
-        zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
+    cfg = config(mesh={"expert": 2, "stage": 2}, model={**TOP1, "n_experts": 0})
+    with pytest.raises(ConfigError, match=r"^mesh\.expert: 2: expert parallelism does not combine with pipeline"):
+        make_pipeline_plan(cfg, make_mesh(cfg), llama.pipeline_module(cfg.model, num_stages=2))
 
 
 # -- the layouts ----------------------------------------------------------------------------------------
@@ -164,3 +167,64 @@ def test_step_holds_all_to_alls_over_the_expert_groups(stage: int) -> None:
     # the expert weights' gradients are summed over `data` only; the others over data x expert
     spans = {hlo.mesh_axes(c.groups, e.plan.mesh) for c in found if c.kind in ("all-reduce", "reduce-scatter")}
     assert {DATA, f"{DATA}+{EXPERT}"} <= spans
+
+
+# -- with the sequence axis -----------------------------------------------------------------------------
+
+def test_expert_and_sequence_axes_share_the_data_parallel_devices() -> None:
+    """data 2 x expert 2 x sequence 2: rows over data x expert, tokens over sequence; expert weights
+    ZeRO-sharded over data x sequence, every other weight over all three."""
+    cfg = config(3, {"expert": 2, "sequence": 2})
+    m = make_mesh(cfg)
+    assert m.axis_names == (DATA, EXPERT, SEQUENCE) and dict(m.shape) == {DATA: 2, EXPERT: 2, SEQUENCE: 2}
+    assert row_axes(m) == (DATA, EXPERT) and data_axes(m) == (DATA, EXPERT, SEQUENCE)
+    assert expert_data_axes(m) == (DATA, SEQUENCE) and row_size(m) == 4 and data_size(m) == 8
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    plan = zerojax.plan(cfg, m, params, logical_axes=loss_fn.logical_axes)
+    assert plan.batch.micro_batch_size == ROWS // 4
+    assert {lay.param.axis for lay in experts(plan.layouts).values()} == {(DATA, SEQUENCE)}
+    assert plan.layouts["layers"]["q"]["kernel"].param.axis is None  # the whole data axis
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_expert_and_sequence_parallel_llama_trains_to_the_single_device_parameters(stage: int) -> None:
+    want_losses, want = single(1)
+    e = engine(stage, {"expert": 2, "sequence": 2}, 8)
+    losses, got = train(e)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"data 2 x expert 2 x sequence 2, stage {stage}")
+    if stage == 3:  # the experts' all-to-alls stay in the expert groups, Ulysses' in the sequence groups
+        text = e._train_step.lower(e.state, e.place_batch(batch(0))).compile().as_text()
+        a2a = [c for c in hlo.collectives(text) if c.kind == "all-to-all"]
+        assert {hlo.mesh_axes(c.groups, e.plan.mesh) for c in a2a} == {EXPERT, SEQUENCE}
+
+
+# -- with the tensor axis: each expert's MLP sliced Megatron-style ----------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_expert_and_tensor_parallel_llama_trains_to_the_single_device_parameters(
+        stage: int, caplog: pytest.LogCaptureFixture) -> None:
+    """data 2 x expert 2 x tensor 2: the all-to-alls stay on the expert axis; each device holds its experts'
+    gate/up columns and down rows (DeepSpeed-MoE's enable_expert_tensor_parallelism)."""
+    want_losses, want = single(1)
+    e = engine(stage, {"expert": 2, "tensor": 2}, 8)
+    assert dict(e.plan.mesh.shape) == {DATA: 2, EXPERT: 2, TENSOR: 2}
+    splits = {name: lay.split for name, lay in experts(e.plan.layouts).items()}
+    assert splits == {"gate": ((3, TENSOR), (1, EXPERT)), "up": ((3, TENSOR), (1, EXPERT)),
+                      "down": ((2, TENSOR), (1, EXPERT))}
+    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+        losses, got = train(e)
+    assert not caplog.records  # every equation, the all-to-alls included, ran on slices
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"data 2 x expert 2 x tensor 2, stage {stage}")
+
+
+def test_expert_sequence_and_tensor_axes_together_train_to_the_single_device_parameters() -> None:
+    """expert 2 x sequence 2 x tensor 2 (4 key/value heads: Ulysses takes one per device of each slice)."""
+    model = {**TOP1, "n_kv_heads": 4, "n_layers": 1}
+    want_losses, want = train(engine(0, {}, 1, model), steps=1)
+    e = engine(3, {"expert": 2, "sequence": 2, "tensor": 2}, 8, model)
+    assert dict(e.plan.mesh.shape) == {DATA: 1, EXPERT: 2, SEQUENCE: 2, TENSOR: 2}
+    losses, got = train(e, steps=1)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what="expert 2 x sequence 2 x tensor 2, stage 3")

@@ -1,6 +1,8 @@
-"""DeepSpeed-Ulysses sequence parallelism (`sequence_parallel_size` -> mesh.sequence) on the Llama."""
+"""DeepSpeed-Ulysses sequence parallelism (`sequence_parallel_size` -> mesh.sequence) on the Llama, alone and
+with the tensor axis."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -18,9 +20,10 @@ ROWS, T = 4, 16
 SMALL = dict(name="llama", vocab_size=64, seq_len=T, d_model=64, n_heads=8, n_kv_heads=4, d_ff=96, n_layers=2)
 
 
-def config(stage: int, sp: int, **model: Any) -> zerojax.Config:
+def config(stage: int, sp: int, tensor: int = 1, **model: Any) -> zerojax.Config:
     return zerojax.load_config({
         "train_batch_size": ROWS, "gradient_clipping": 0.0, "sequence_parallel_size": sp,
+        "mesh": {"tensor": tensor} if tensor > 1 else {},
         "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "model": {**SMALL, **model}})
@@ -32,8 +35,8 @@ def batch(i: int) -> dict[str, np.ndarray]:
             "loss_mask": (rng.random((ROWS, T)) > 0.3).astype(np.float32)}  # document boundaries
 
 
-def engine(stage: int, sp: int, n: int, **model: Any) -> zerojax.Engine:
-    cfg = config(stage, sp, **model)
+def engine(stage: int, sp: int, n: int, tensor: int = 1, **model: Any) -> zerojax.Engine:
+    cfg = config(stage, sp, tensor, **model)
     params, loss_fn = llama.build(cfg.model, seed=0)
     return zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:n]))
 
@@ -93,5 +96,44 @@ def test_deepspeed_sequence_parallel_size_sets_the_mesh() -> None:
     assert cfg.batch(4).micro_batch_size == 1  # the batch triad counts data only
     with pytest.raises(ConfigError, match="sequence_parallel_size: 2, but mesh.sequence is 4"):
         zerojax.load_config({"train_batch_size": 4, "sequence_parallel_size": 2, "mesh": {"sequence": 4}})
-    with pytest.raises(ConfigError, match="does not combine with mesh.tensor"):
-        make_mesh(zerojax.load_config({"train_batch_size": 4, "sequence_parallel_size": 2, "mesh": {"tensor": 2}}))
+    with pytest.raises(ConfigError, match=r"^mesh\.sequence: 2 \(sequence_parallel_size\) does not combine with "
+                                          r"mesh\.stage yet"):
+        make_mesh(zerojax.load_config({"train_batch_size": 4, "sequence_parallel_size": 2, "mesh": {"stage": 2}}))
+
+
+# -- with the tensor axis: Ulysses on each tensor slice's heads ----------------------------------------------
+
+TP = dict(d_model=32, n_layers=1)  # 8 query heads over 4 key/value heads of width 4
+
+
+def unmasked(i: int) -> dict[str, np.ndarray]:
+    """Without a loss mask each data shard's mean weighs the same number of predictions, so data 2 equals one device."""
+    return {"tokens": batch(i)["tokens"]}
+
+
+def trained(e: zerojax.Engine) -> tuple[list[float], Any]:
+    return [float(e.train_batch(unmasked(i))["loss"]) for i in range(2)], to_numpy(e.params)
+
+
+@pytest.fixture(scope="module")
+def single_unmasked() -> tuple[list[float], Any]:
+    return trained(engine(0, 1, 1, **TP))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sequence_and_tensor_axes_equal_the_single_device_run(single_unmasked: tuple[list[float], Any], stage: int,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    e = engine(stage, 2, 8, tensor=2, **TP)
+    assert dict(e.mesh.shape) == {"data": 2, "sequence": 2, "tensor": 2}
+    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+        losses, got = trained(e)
+    assert not caplog.records  # every equation ran on slices: Ulysses' all-to-alls on the slice's own heads
+    np.testing.assert_allclose(losses, single_unmasked[0], rtol=1e-5)
+    assert_tree_close(got, single_unmasked[1], rtol=1e-4, atol=1e-5,
+                      what=f"data 2 x sequence 2 x tensor 2, stage {stage}")
+
+
+def test_heads_the_sequence_and_tensor_axes_do_not_divide_are_one_error() -> None:
+    e = engine(0, 2, 4, tensor=2, **TP, n_kv_heads=2)
+    with pytest.raises(ValueError, match=r"mesh\.sequence: 2 .* x mesh\.tensor: 2 = 4 does not divide the 2 key/value"):
+        e.train_batch(unmasked(0))

@@ -1,20 +1,27 @@
-"""The device mesh: a `data` axis that ZeRO shards over (and, for pipelines, a `stage` axis; for tensor
-parallelism, a `tensor` axis, the innermost, so one tensor group is consecutive devices).
+"""The device mesh's axes and the groups they form; every layout, collective and batch split asks here.
 
-The data axis may be hierarchical (`mesh.data_outer`): two mesh axes, `data_outer` across hosts or
-slices (slow links) and `data_inner` within one (fast links), that every layout and collective
-treats together as "the data axis" - a ZeRO shard is split over both - while keeping the inner
-axis addressable on its own (a secondary partition within a host, as ZeRO++'s hpZ keeps, needs it).
+The axes, outermost first (an axis of size 1 is left out, `data` always kept):
 
-Expert parallelism (DeepSpeed's `ep_size`) carves an `expert` axis out of the data-parallel devices:
-the mesh is (`data`, `expert`), the data-parallel set is both (`data_axes` is the pair, as for the
-hierarchical axis: the batch rows and every non-expert ZeRO shard are split over both), and the MoE
-layers' expert weights are split over `expert` and ZeRO-sharded over `data` only.
+    stage  x  data  x  expert  x  sequence  x  tensor
 
-A `sequence` axis (DeepSpeed-Ulysses, `mesh.sequence`) sits inside the data-parallel set, between
-`data` and `tensor`: each row's tokens are split over it, and ZeRO shards weights over data x
-sequence together, as DeepSpeed's ALST does, so `data_axes` names both; `row_axes` / `row_size` are
-the part the batch's rows are split over (what the batch triad counts).
+* `stage`: pipeline stages. `tensor` (Megatron slicing), innermost: one tensor group is consecutive
+  devices, the fastest links.
+* `data`, or a hierarchical pair (`data_outer` across hosts or slices, `data_inner` within one) that
+  every layout and collective treats together as "the data axis" while keeping the inner axis
+  addressable on its own (ZeRO++'s hpZ partitions within a host).
+* `expert` (DeepSpeed's MoE `ep_size`) is carved out of the data-parallel devices: the batch's rows
+  are split over data x expert, and the MoE layers' expert weights over `expert`.
+* `sequence` (DeepSpeed-Ulysses) splits each row's tokens. It sits inside `expert`, next to `tensor`:
+  Ulysses' all-to-alls run in every attention layer, the experts' only in MoE layers.
+
+Three groups follow, and `row_axes`, `data_axes` and `expert_data_axes` are their one definition:
+
+* rows (`row_axes`, `row_size`): what the batch's rows are split over and the batch triad counts,
+  data x expert;
+* data-parallel (`data_axes`, `data_size`): what ZeRO shards every other weight over and the
+  gradient mean divides by, data x expert x sequence;
+* expert-data-parallel (`expert_data_axes`): what an expert weight, split over `expert`, is ZeRO-sharded
+  and reduced over, data x sequence.
 """
 from __future__ import annotations
 
@@ -51,22 +58,11 @@ def request_cpu_devices(n: int | None) -> None:
         pass  # backends already initialized; make_mesh reports a shortfall
 
 
-def data_axes(mesh: Any) -> DataAxis:
-    """The mesh axis (or axes) ZeRO shards over: `data`, (`data`, `expert`) or (`data_outer`,
-    `data_inner`); with a `sequence` axis, those and `sequence`."""
-    names = tuple(mesh.axis_names)
-    if SEQUENCE in names:
-        return (*_tuple(row_axes(mesh)), SEQUENCE)
-    return row_axes(mesh)
-
-
 def _tuple(axes: DataAxis) -> tuple:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def row_axes(mesh: Any) -> DataAxis:
-    """The mesh axis (or axes) the batch's rows are split over: the data axes without `sequence`."""
-    names = tuple(mesh.axis_names)
+def _row_axes(names: tuple) -> DataAxis:
     if DATA in names and EXPERT in names:
         return (DATA, EXPERT)
     if DATA in names:
@@ -76,27 +72,48 @@ def row_axes(mesh: Any) -> DataAxis:
     raise ConfigError(f"mesh: needs an axis named '{DATA}' or the pair {HIERARCHICAL} (got axes {names})")
 
 
-def data_axis() -> DataAxis:
-    """The data axis of the mesh being traced (inside `shard_map`), for collectives in model code."""
-    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
-    if DATA not in names and all(a in names for a in HIERARCHICAL):
-        rows: DataAxis = HIERARCHICAL
-    elif DATA in names and EXPERT in names:
-        rows = (DATA, EXPERT)
-    else:
-        rows = DATA
+def _data_axes(names: tuple) -> DataAxis:
+    rows = _row_axes(names)
     return (*_tuple(rows), SEQUENCE) if SEQUENCE in names else rows
 
 
+def row_axes(mesh: Any) -> DataAxis:
+    """The mesh axis (or axes) the batch's rows are split over: `data`, (`data`, `expert`) or
+    (`data_outer`, `data_inner`)."""
+    return _row_axes(tuple(mesh.axis_names))
+
+
+def data_axes(mesh: Any) -> DataAxis:
+    """The mesh axis (or axes) ZeRO shards over and gradients are averaged over: every data-parallel
+    device, the row axes and then `sequence` (each row's tokens are split over it)."""
+    return _data_axes(tuple(mesh.axis_names))
+
+
+def data_axis() -> DataAxis:
+    """`data_axes` of the mesh being traced (inside `shard_map`), for collectives in step and model code."""
+    return _data_axes(tuple(jax.sharding.get_abstract_mesh().axis_names))
+
+
+def expert_data_axes(mesh: Any) -> DataAxis:
+    """What an expert weight (split over `expert`) is ZeRO-sharded and reduced over: the data axes less
+    `expert`, DeepSpeed's expert-data-parallel group (`data`, or (`data`, `sequence`))."""
+    rest = tuple(a for a in _tuple(data_axes(mesh)) if a != EXPERT)
+    return rest[0] if len(rest) == 1 else rest
+
+
+def axes_size(mesh: Any, axes: DataAxis) -> int:
+    """Devices spanned by one mesh axis or a tuple of them."""
+    return math.prod(int(mesh.shape[a]) for a in _tuple(axes))
+
+
 def data_size(mesh: Any) -> int:
-    """Number of data-parallel shards (what the batch triad counts)."""
-    axes = data_axes(mesh)
-    return math.prod(int(mesh.shape[a]) for a in ((axes,) if isinstance(axes, str) else axes))
+    """Devices ZeRO shards over (`data_axes`): rows x sequence. The 1/dp of the gradient mean divides by it."""
+    return axes_size(mesh, data_axes(mesh))
 
 
 def row_size(mesh: Any) -> int:
-    """Number of data-parallel row shards (what the batch triad counts): data_size / sequence_size."""
-    return data_size(mesh) // sequence_size(mesh)
+    """Data-parallel row shards (`row_axes`): what the batch triad counts, data_size / sequence_size."""
+    return axes_size(mesh, row_axes(mesh))
 
 
 def sequence_size(mesh: Any) -> int:

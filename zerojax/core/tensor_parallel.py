@@ -461,6 +461,20 @@ def _gather(eqn: Any, ins: list[Any], group: Group) -> list[Any] | None:
     return None
 
 
+def _all_to_all(eqn: Any, ins: list[Any], group: Group) -> list[Any] | None:
+    """An all-to-all over another mesh axis (Ulysses' over `sequence`) that neither splits nor joins the
+    tensor-split dimension acts on each device's block alone: it stays split there."""
+    x = ins[0]
+    p = eqn.params
+    if group.axis in _axes(p["axis_name"]) or x.dim in (p["split_axis"], p["concat_axis"]):
+        return None
+    return [Split(bind(eqn, [x.local])[0], x.dim)]
+
+
+def _axes(name: Any) -> tuple:
+    return tuple(name) if isinstance(name, (tuple, list)) else (name,)
+
+
 def _optimization_barrier(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
     outs = bind(eqn, [x.local if isinstance(x, Split) else x for x in ins])
     return [Split(o, x.dim) if isinstance(x, Split) else o for o, x in zip(outs, ins)]
@@ -580,6 +594,7 @@ _RULES: dict[str, Callable[[Any, list[Any], Group], list[Any] | None]] = {
     "dot_general": _dot_general,
     "gather": _gather,
     "optimization_barrier": _optimization_barrier,
+    "all_to_all": _all_to_all,
     "pjit": _inline("jaxpr"), "jit": _inline("jaxpr"),
     "closed_call": _inline("call_jaxpr"), "core_call": _inline("call_jaxpr"),
     "custom_jvp_call": _inline("call_jaxpr"),

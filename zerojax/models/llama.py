@@ -211,10 +211,7 @@ class Llama(nnx.Module):
         axis = sequence_axis()
         offset = 0
         if axis is not None:  # `tokens` is chunk axis_index of each row: its global positions
-            ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis))
-            if is_moe(cfg):
-                raise ValueError("mesh.sequence: the mixture-of-experts Llama is not sequence-parallel yet; "
-                                 "set sequence_parallel_size: 1 or leave model.n_experts unset")
+            ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_group_size())
             offset = jax.lax.axis_index(axis) * tokens.shape[1]
         cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta, offset)
         x = self.embed(tokens)
@@ -336,7 +333,7 @@ def moe_loss(model: Llama, batch: dict[str, jax.Array], rngs: nnx.Rngs) -> jax.A
     (as Megatron-DeepSpeed adds it); evaluation (`model.eval()`) reports the language-model loss alone."""
     if model.deterministic:
         return loss(model, batch)
-    logits, l_aux = model.forward(batch["tokens"][:, :-1], rngs())
+    logits, l_aux = model.forward(inputs(batch), rngs())
     return next_token_loss(logits, batch) + model.cfg.moe_aux_loss_coef * l_aux
 
 

@@ -1,4 +1,5 @@
-"""The device mesh a config asks for: (`stage`, `data`, `tensor`) axes, or a hierarchical data axis.
+"""The device mesh a config asks for: (`stage`, `data`, `expert`, `sequence`, `tensor`) axes, or a
+hierarchical data axis.
 
 The axis names and what the layouts ask of a mesh live in `zerojax.core.mesh`; this module reads the
 config's `mesh` section (and ZeRO++'s hpZ partition size) into a `jax.sharding.Mesh`.
@@ -36,9 +37,6 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     m, n = config.mesh, len(devices)
     hierarchical = (m.data_outer is not None or m.data_inner is not None
                     or config.zero_optimization.zero_hpz_partition_size > 1)
-    if m.expert > 1 and m.sequence > 1:
-        raise ConfigError(f"mesh.expert: {m.expert} with mesh.sequence: {m.sequence} does not combine yet; use "
-                          f"expert parallelism or sequence parallelism")
     if m.expert > 1 and hierarchical:
         raise ConfigError(f"mesh.expert: {m.expert} does not combine with a hierarchical data axis "
                           f"(mesh.data_outer / mesh.data_inner, or ZeRO++ hpZ) yet; set mesh.expert: 1 or remove them")
@@ -65,13 +63,14 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
 
 
 def _check_sequence(config: Config, hierarchical: bool) -> None:
-    """The sequence axis combines with data and ZeRO (any stage) only, for now."""
+    """The sequence axis combines with a flat data axis, ZeRO (any stage), the expert axis and the tensor
+    axis; not yet with pipeline stages or a hierarchical data axis."""
     m = config.mesh
-    other = ("mesh.stage" if m.stage > 1 else "mesh.tensor" if m.tensor > 1 else
+    other = ("mesh.stage" if m.stage > 1 else
              "mesh.data_outer / mesh.data_inner (or zero_hpz_partition_size)" if hierarchical else None)
     if other:
         raise ConfigError(f"mesh.sequence: {m.sequence} (sequence_parallel_size) does not combine with {other} yet; "
-                          f"use sequence parallelism with a flat data axis and ZeRO")
+                          f"use sequence parallelism with a flat data axis (and the expert or tensor axes)")
 
 
 def _check_model_axes(stage: int, tensor: int, n: int) -> None:

@@ -19,8 +19,8 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
-from zerojax.core.mesh import (DATA, DATA_INNER, EXPERT, STAGE, TENSOR, data_axes, data_size, expert_size, row_size,
-                               tensor_size)
+from zerojax.core.mesh import (DATA, DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size,
+                               expert_data_axes, expert_size, row_size, tensor_size)
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
@@ -82,8 +82,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
                 raise ConfigError("kernels: 'pallas' fuses one weight decay and lr for every parameter; "
                                   "with optimizer.no_decay or param_groups use kernels: auto or xla")
             kernels = XLA
-    n = data_size(mesh)  # ZeRO's shards: data x sequence
-    batch = config.batch(row_size(mesh))  # the batch's rows are split over data only
+    n = data_size(mesh)  # ZeRO's shards: every data-parallel device (rows x sequence)
+    batch = config.batch(row_size(mesh))  # the batch's rows are split over the row axes only
     stage = config.zero_optimization.stage
     partitions = STAGE_PARTITIONS[stage]
     threshold = config.zero_optimization.stage3_param_persistence_threshold
@@ -111,6 +111,7 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
 
     data.discard(EXPERT)  # a dimension named "expert" is the expert axis's, not ZeRO's preference
     ep = expert_size(mesh)
+    expert_zero = expert_data_axes(mesh)  # DeepSpeed's expert-data-parallel group
     if ep > 1:
         kernels = XLA if config.kernels != "pallas" else kernels  # the fused update knows no expert split yet
         _check_expert(config, mesh, lead, kernels)
@@ -122,9 +123,9 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
         edim = _expert_dim(x, leaf_names, ep)
         if edim is None:
             lay = leaf_layout(x.shape, n, partitions, threshold, None if k < 0 else k, split=pairs, prefer=prefer)
-        else:  # an expert weight: split over `expert`, ZeRO-sharded over `data` only
-            lay = leaf_layout(x.shape, n // ep, partitions, threshold, None if k < 0 else k,
-                              split=(*pairs, (edim, EXPERT)), prefer=prefer, axis=DATA)
+        else:  # an expert weight: split over `expert`, ZeRO-sharded over the other data axes only
+            lay = leaf_layout(x.shape, axes_size(mesh, expert_zero), partitions, threshold, None if k < 0 else k,
+                              split=(*pairs, (edim, EXPERT)), prefer=prefer, axis=expert_zero)
         return dataclasses.replace(lay, names=leaf_names)
 
     layouts = jax.tree.map(layout, abstract, axes, names, tensor_dims, is_leaf=lambda x: x is None)
@@ -252,14 +253,12 @@ def _expert_dim(x: Any, leaf_names: Any, ep: int) -> int | None:
 
 
 def _check_expert(config: Config, mesh: Mesh | AbstractMesh, lead: str | None, kernels: str) -> None:
-    """Expert parallelism composes with ZeRO stages 0-3 on a (data, expert) mesh; not yet with the rest."""
+    """Expert parallelism composes with ZeRO stages 0-3 and the sequence and tensor axes; not yet with
+    pipeline stages or the fused Pallas update (a hierarchical data axis is refused with the mesh)."""
     key = f"mesh.expert: {expert_size(mesh)}"
     if lead is not None or (STAGE in mesh.shape and mesh.shape[STAGE] > 1):
         raise ConfigError(f"{key}: expert parallelism does not combine with pipeline stages yet; set mesh.stage: 1 "
                           f"or mesh.expert: 1")
-    if tensor_size(mesh) > 1:
-        raise ConfigError(f"{key}: expert parallelism does not combine with a tensor axis yet (mesh.tensor is "
-                          f"{tensor_size(mesh)}); set mesh.tensor: 1 or mesh.expert: 1")
     if DATA not in mesh.shape:
         raise ConfigError(f"{key}: the expert axis needs a flat `data` axis beside it (got axes "
                           f"{tuple(mesh.axis_names)})")

@@ -14,7 +14,9 @@ Sources, the first that applies to a leaf wins (each leaf's row in `TensorPlan.t
    them): query/key/value, gate and up split by output features, the attention output and down
    projections by input features, the embedding and head by vocabulary. Heads are split whole:
    key/value projections stay whole when the tensor size does not divide their heads, and the
-   GPT's fused qkv projection stays whole (its [q | k | v] columns are not head-major);
+   GPT's fused qkv projection stays whole (its [q | k | v] columns are not head-major); a MoE
+   layer's stacked experts (`experts.gate` / `up` / `down`) are sliced as its MLP is, every expert
+   alike (DeepSpeed-MoE's `enable_expert_tensor_parallelism`);
 4. the pairs read off the loss (`zerojax.find_tensor_splits`, passed as `tensor_dims`).
 """
 from __future__ import annotations
@@ -90,6 +92,8 @@ def _megatron(names: list[str], shape: tuple[int, ...], size: int, heads: tuple[
     """The shipped models' Megatron role of a leaf, or (None, reason)."""
     layer = names[-2] if len(names) >= 2 else ""
     leaf = names[-1] if names else ""
+    if layer == "experts" and leaf in _COLUMN_NAMES | _ROW_NAMES:
+        layer = leaf  # a MoE layer's stacked experts [..., experts, in, out]: each expert's MLP sliced as one
     if layer in _VOCAB and leaf == "embedding":
         dim = len(shape) - 2
         return (dim, "vocabulary-parallel embedding") if shape[dim] % size == 0 else \

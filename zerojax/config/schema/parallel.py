@@ -114,16 +114,20 @@ class MeshConfig:
     data_inner: Optional[int] = option(None, "Devices per data_outer group (default: data-parallel devices / "
                                              "data_outer); setting it alone also splits the data axis.", gt=0)
     tensor: int = option(1, "Tensor-parallel size (Megatron-style tensor slicing): the mesh is stage x data x "
-                            "tensor, tensor innermost, so one tensor group is consecutive devices (the fastest "
-                            "links). DeepSpeed's tensor_parallel.autotp_size sets it.", gt=0)
+                            "expert x sequence x tensor (axes of size 1 left out), tensor innermost, so one tensor "
+                            "group is consecutive devices (the fastest links). DeepSpeed's "
+                            "tensor_parallel.autotp_size sets it.", gt=0)
     expert: int = option(1, "Expert-parallel size (DeepSpeed's MoE ep_size, one size for every MoE layer): the "
                             "data-parallel devices are data x expert, the batch split over both; the MoE layers' "
                             "expert weights are split over the expert axis (each device holds n_experts / expert "
-                            "of them) and ZeRO-sharded over data only, with two all-to-alls around the experts. It "
-                            "must divide the data-parallel size and model.n_experts.", gt=0)
+                            "of them) and ZeRO-sharded over the other data-parallel axes (data, and sequence with "
+                            "one), with two all-to-alls around the experts; with a tensor axis each expert's MLP is "
+                            "sliced over it too. It must divide the data-parallel size and model.n_experts.", gt=0)
     sequence: int = option(1, "Sequence-parallel size (DeepSpeed-Ulysses): each row's tokens are split over a "
-                              "`sequence` axis between data and tensor; attention all-to-alls heads for tokens, "
-                              "and ZeRO shards over data x sequence. DeepSpeed's sequence_parallel_size sets it.",
+                              "`sequence` axis between data (and expert) and tensor; attention all-to-alls heads "
+                              "for tokens (each tensor slice's own heads with a tensor axis), and ZeRO shards over "
+                              "every data-parallel axis, sequence included. DeepSpeed's sequence_parallel_size sets "
+                              "it.",
                            gt=0)
     logical_axis_rules: AxisRules = option(
         factory=AxisRules, doc="Logical axis name (as a model annotates its parameters, e.g. "
