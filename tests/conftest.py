@@ -11,3 +11,8 @@ _cache = os.environ.get("ZEROJAX_TEST_CACHE", os.path.join(os.path.dirname(__fil
 jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# The same cache for the processes tests start (train.py, the CLI), which read JAX's options from the
+# environment: the many small runs of one config then compile its step once.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.abspath(_cache))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
