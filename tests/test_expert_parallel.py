@@ -164,3 +164,12 @@ def test_step_holds_all_to_alls_over_the_expert_groups(stage: int) -> None:
     # the expert weights' gradients are summed over `data` only; the others over data x expert
     spans = {hlo.mesh_axes(c.groups, e.plan.mesh) for c in found if c.kind in ("all-reduce", "reduce-scatter")}
     assert {DATA, f"{DATA}+{EXPERT}"} <= spans
+
+
+def test_train_py_plans_the_expert_split() -> None:
+    """train.py's model builder hands the Llama's logical axes to the plan, so mesh.expert splits the
+    experts there too (not only through `zerojax.initialize`)."""
+    from zerojax.app.trainer import build_model
+    cfg = config(3, {"expert": 2})
+    plan = build_model(cfg, make_mesh(cfg)).plan
+    assert all(lay.split == ((1, EXPERT),) for lay in experts(plan.layouts).values())

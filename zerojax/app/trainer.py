@@ -80,7 +80,8 @@ def build_model(config: Config, mesh: Any) -> Model:
         from zerojax.models import llama
         from zerojax.core.sharded_init import abstract_params
         params, loss_fn = llama.build(model_cfg, config.run.seed)
-        plan = make_plan(config, mesh, abstract_params(params))
+        # the model's logical axes travel with the plan: the expert weights' split over mesh.expert
+        plan = make_plan(config, mesh, abstract_params(params), logical_axes=loss_fn.logical_axes)
     else:
         plan = make_plan(config, mesh, gpt.abstract_params(model_cfg))  # validates before data or compile
     return Model(plan, pipeline, params, loss_fn)
