@@ -228,3 +228,12 @@ def test_expert_sequence_and_tensor_axes_together_train_to_the_single_device_par
     losses, got = train(e, steps=1)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what="expert 2 x sequence 2 x tensor 2, stage 3")
+
+
+def test_train_py_plans_the_expert_split() -> None:
+    """train.py's model builder hands the Llama's logical axes to the plan, so mesh.expert splits the
+    experts there too (not only through `zerojax.initialize`)."""
+    from zerojax.app.trainer import build_model
+    cfg = config(3, {"expert": 2})
+    plan = build_model(cfg, make_mesh(cfg)).plan
+    assert all(lay.split == ((1, EXPERT),) for lay in experts(plan.layouts).values())
