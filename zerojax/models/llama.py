@@ -59,6 +59,13 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * y.astype(x.dtype)
 
 
+def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
+    """The embedding rows of `tokens` in the table's own dtype. `nnx.Embed` fixes its compute dtype when
+    the model is built (float32), so under bf16 it would cast the bf16 table back and every layer after
+    it would compute in float32."""
+    return jnp.take(embed.embedding[...], tokens, axis=0)
+
+
 def rotary(t: int, head_dim: int, theta: float, offset: Any = 0) -> tuple[jax.Array, jax.Array]:
     """cos and sin [t, head_dim] of the rotary embedding (the two halves repeat the frequencies) for
     positions offset .. offset + t - 1 (a sequence chunk's global positions)."""
@@ -214,7 +221,7 @@ class Llama(nnx.Module):
             ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_group_size())
             offset = jax.lax.axis_index(axis) * tokens.shape[1]
         cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta, offset)
-        x = self.embed(tokens)
+        x = lookup(self.embed, tokens)
         if is_moe(cfg):
             x, l_aux = self._moe_stack(x, cos, sin, key)
             return self._logits(x), l_aux
@@ -278,7 +285,7 @@ class Embedding(nnx.Module):
                                rngs=rngs)
 
     def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
-        return self.embed(batch["tokens"][:, :-1])
+        return lookup(self.embed, batch["tokens"][:, :-1])
 
 
 class PipelineLayer(Layer):
