@@ -30,12 +30,12 @@ Gradients: shard_map's autodiff is not used (jax.vjp runs inside the body), and 
 shard_map's implicit psum is avoided explicitly: the row is cast to data-varying before it is
 differentiated, so its gradient is this device's contribution (PARTIAL over the data-parallel
 devices, `zerojax.core.mesh.data_axes`: data, and sequence where each device holds a chunk of the
-rows' tokens), never an implicit psum. ZeRO-0/1 add it to a whole-row accumulator reduced once after the last tick
-(all-reduce, or reduce-scatter into the update placement); ZeRO-2/3 reduce-scatter it inside the
-backward branch - every device of a stage's data group runs the same branch in the same tick, so
-the collective has all its participants - into an accumulator of 1/D of the row. Tied parameters
-are received from their owner stage before the first tick; their gradients are sent back and
-added into the owner's row after the last one.
+rows' tokens), never an implicit psum. ZeRO-0/1 add it to a whole-row accumulator reduced once
+after the last tick (all-reduce, or reduce-scatter into the update placement); ZeRO-2/3
+reduce-scatter it inside the backward branch - every device of a stage's data group runs the same
+branch in the same tick, so the collective has all its participants - into an accumulator of 1/D
+of the row. Tied parameters are received from their owner stage before the first tick; their
+gradients are sent back and added into the owner's row after the last one.
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ from zerojax.core.sequence import batch_specs, split_tokens
 from zerojax.core.tensor_parallel import tensor_parallel
 from zerojax.pipeline.buffers import StageRows
 from zerojax.pipeline.schedule import Backward, Forward, RecvActivation, RecvGrad, Schedule
+
 
 def vary(x: Any, axes: tuple[str, ...] | None = None) -> Any:
     """Type `x` as varying over `axes` (default: every manual axis of the mesh being traced; a no-op
@@ -103,10 +104,11 @@ class Pipeline:
     """What the executor needs: the mesh, the stage rows, the schedules and the dtypes/placements.
 
     `param` / `grad` / `update` are placements of a device's row (dimension 0 of the local row)
-    over the data-parallel axes (`data_axes`: data, and sequence with one): the parameters REPLICATED or Shard(0) (ZeRO-3); the gradient accumulator PARTIAL
-    (ZeRO-0/1: each backward adds the device's own contribution, reduced once after the last tick)
-    or Shard(0) (ZeRO-2/3: each backward's gradient is reduce-scattered at once, so the accumulator
-    is 1/D of the row); the reduced gradient at the update REPLICATED or Shard(0).
+    over the data-parallel axes (`data_axes`: data, and sequence with one): the parameters
+    REPLICATED or Shard(0) (ZeRO-3); the gradient accumulator PARTIAL (ZeRO-0/1: each backward
+    adds the device's own contribution, reduced once after the last tick) or Shard(0) (ZeRO-2/3:
+    each backward's gradient is reduce-scattered at once, so the accumulator is 1/D of the row);
+    the reduced gradient at the update REPLICATED or Shard(0).
     """
     mesh: Mesh
     rows: StageRows
