@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -249,6 +250,8 @@ def test_moe_yaml_trains(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ZeRO stage 3" in proc.stdout and "sample (8 tokens" in proc.stdout
     assert "mesh {'data': 4, 'expert': 2}" in proc.stdout  # configs/moe.yaml's mesh.expert: 2
+    # and the experts are split over it (train.py's plan once sharded them as ordinary weights)
+    assert re.search(r"expert parallel over 2 devices .*: 3 of \d+ weights split by experts", proc.stdout), proc.stdout
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"]
     saved = json.loads((out / "config.json").read_text())

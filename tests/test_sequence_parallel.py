@@ -1,5 +1,5 @@
-"""DeepSpeed-Ulysses sequence parallelism (`sequence_parallel_size` -> mesh.sequence) on the Llama, alone and
-with the tensor axis."""
+"""DeepSpeed-Ulysses sequence parallelism (`sequence_parallel_size` -> mesh.sequence) on the Llama, alone,
+with the tensor axis and with pipeline stages."""
 from __future__ import annotations
 
 import logging
@@ -97,8 +97,8 @@ def test_deepspeed_sequence_parallel_size_sets_the_mesh() -> None:
     with pytest.raises(ConfigError, match="sequence_parallel_size: 2, but mesh.sequence is 4"):
         zerojax.load_config({"train_batch_size": 4, "sequence_parallel_size": 2, "mesh": {"sequence": 4}})
     with pytest.raises(ConfigError, match=r"^mesh\.sequence: 2 \(sequence_parallel_size\) does not combine with "
-                                          r"mesh\.stage yet"):
-        make_mesh(zerojax.load_config({"train_batch_size": 4, "sequence_parallel_size": 2, "mesh": {"stage": 2}}))
+                                          r"mesh\.data_outer / mesh\.data_inner"):
+        make_mesh(zerojax.load_config({"train_batch_size": 4, "sequence_parallel_size": 2, "mesh": {"data_outer": 2}}))
 
 
 # -- with the tensor axis: Ulysses on each tensor slice's heads ----------------------------------------------
@@ -137,3 +137,43 @@ def test_heads_the_sequence_and_tensor_axes_do_not_divide_are_one_error() -> Non
     e = engine(0, 2, 4, tensor=2, **TP, n_kv_heads=2)
     with pytest.raises(ValueError, match=r"mesh\.sequence: 2 .* x mesh\.tensor: 2 = 4 does not divide the 2 key/value"):
         e.train_batch(unmasked(0))
+
+
+# -- with pipeline stages: a stage's layers run Ulysses on the sequence chunks the stages pass ---------------
+
+PIPE = dict(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, tie_embeddings=False)
+
+
+def pipelined(stage: int, sp: int) -> zerojax.Engine:
+    """The Llama's pipeline form on stage 2 x data 2 (x sequence sp): 2 micro-batches of one row per data shard."""
+    cfg = zerojax.load_config({
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+        "sequence_parallel_size": sp, "mesh": {"stage": 2, "data": 2}, "pipeline": {"schedule": "1f1b"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "model": {**SMALL, **PIPE}})
+    params, _ = llama.build(cfg.model, seed=0)
+    params = llama.pipeline_params(cfg.model, jax.tree.map(np.asarray, params.fn()))
+    return zerojax.initialize(cfg, model=llama.pipeline_module(cfg.model), params=params,
+                              mesh=make_mesh(cfg, jax.devices()[:4 * sp]))
+
+
+@pytest.fixture(scope="module")
+def pipelined_without_sequence() -> tuple[list[float], Any]:
+    e = pipelined(1, 1)
+    return [float(e.train_batch(batch(i))["loss"]) for i in range(2)], to_numpy(e.params)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipeline_stages_with_a_sequence_axis_equal_them_without(pipelined_without_sequence: tuple[list[float], Any],
+                                                                 stage: int) -> None:
+    """Each row's tokens over sequence inside every stage (Ulysses attention, chunk-wise rotary positions, the
+    masked mean's counts summed over the group), and the rows' ZeRO shards over data x sequence."""
+    e = pipelined(stage, 2)
+    assert dict(e.mesh.shape) == {"stage": 2, "data": 2, "sequence": 2}
+    losses = [float(e.train_batch(batch(i))["loss"]) for i in range(2)]
+    np.testing.assert_allclose(losses, pipelined_without_sequence[0], rtol=1e-5)
+    assert_tree_close(to_numpy(e.params), pipelined_without_sequence[1], rtol=1e-4, atol=1e-5,
+                      what=f"stage 2 x data 2 x sequence 2, ZeRO {stage}")
+    if stage == 3:
+        assert e.state.params["stages"].sharding.spec == jax.sharding.PartitionSpec("stage", ("data", "sequence"))

@@ -76,6 +76,13 @@ def rotary(t: int, head_dim: int, theta: float, offset: Any = 0) -> tuple[jax.Ar
     return jnp.cos(emb), jnp.sin(emb)
 
 
+def chunk_offset(t: int) -> Any:
+    """The global position of this device's first token: under a `sequence` axis (inside `shard_map`) a
+    device holds chunk axis_index of each row, t tokens long; 0 without one."""
+    axis = sequence_axis()
+    return 0 if axis is None else jax.lax.axis_index(axis) * t
+
+
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate pairs (i, i + head_dim/2) of `x` [b, t, heads, head_dim] by the position's angle."""
     half = x.shape[-1] // 2
@@ -216,11 +223,9 @@ class Llama(nnx.Module):
         model). `key` draws the gates' noise in training (none without it)."""
         cfg = self.cfg
         axis = sequence_axis()
-        offset = 0
-        if axis is not None:  # `tokens` is chunk axis_index of each row: its global positions
+        if axis is not None:  # `tokens` is chunk axis_index of each row (positions from chunk_offset)
             ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_group_size())
-            offset = jax.lax.axis_index(axis) * tokens.shape[1]
-        cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta, offset)
+        cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta, chunk_offset(tokens.shape[1]))
         x = lookup(self.embed, tokens)
         if is_moe(cfg):
             x, l_aux = self._moe_stack(x, cos, sin, key)
@@ -285,18 +290,19 @@ class Embedding(nnx.Module):
                                rngs=rngs)
 
     def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
-        return lookup(self.embed, batch["tokens"][:, :-1])
+        return lookup(self.embed, inputs(batch))  # under a sequence axis, this device's chunk of each row
 
 
 class PipelineLayer(Layer):
-    """A decoder layer that makes its own rotary table (a stage passes only the hidden states)."""
+    """A decoder layer that makes its own rotary table (a stage passes only the hidden states, under a
+    `sequence` axis a chunk of each row's: the table is then for the chunk's global positions)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         self.theta = cfg.rope_theta
 
     def __call__(self, x: jax.Array) -> jax.Array:  # type: ignore[override]
-        cos, sin = rotary(x.shape[1], self.head_dim, self.theta)
+        cos, sin = rotary(x.shape[1], self.head_dim, self.theta, chunk_offset(x.shape[1]))
         return super().__call__(x, cos, sin)
 
 

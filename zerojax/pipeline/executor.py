@@ -1,4 +1,4 @@
-"""Running a schedule: one `jax.shard_map` over the (`stage`, `data`) mesh, one `lax.scan` over ticks.
+"""Running a schedule: one `jax.shard_map` over the (`stage`, data-parallel) mesh, one `lax.scan` over ticks.
 
 The schedule (schedule.py) is turned into integer tables `[ticks, stages]` - which branch each
 stage runs, on which micro-batch, reading which buffer slot, and where to store what it receives -
@@ -13,7 +13,10 @@ and the scan walks them. Every tick, on every device:
    device's row of the `[S, width]` stage buffer (buffers.py).
 2. communicate: one `lax.ppermute` sends every stage's forward output to stage s+1, one sends every
    backward's input-gradient to stage s-1 (collectives stay outside the switch, so every device
-   takes part in every one; a stage that produced nothing sends zeros that nobody stores).
+   takes part in every one; a stage that produced nothing sends zeros that nobody stores). The
+   permutation is over `stage` only, so each device sends to the device with the same data (and
+   sequence, tensor) coordinates in the next stage: with a `sequence` axis (Ulysses) an activation
+   is a sequence chunk, passed from chunk holder to chunk holder.
 3. store: a stage that receives in this tick (table entry >= 0) writes into the slot the schedule
    allocated for that micro-batch.
 
@@ -25,13 +28,14 @@ each run of k layers inside that recomputation.
 
 Gradients: shard_map's autodiff is not used (jax.vjp runs inside the body), and the trap of
 shard_map's implicit psum is avoided explicitly: the row is cast to data-varying before it is
-differentiated, so its gradient is this device's contribution (PARTIAL over `data`), never an
-implicit psum. ZeRO-0/1 add it to a whole-row accumulator reduced once after the last tick
-(all-reduce, or reduce-scatter into the update placement); ZeRO-2/3 reduce-scatter it inside the
-backward branch - every device of a stage's data group runs the same branch in the same tick, so
-the collective has all its participants - into an accumulator of 1/D of the row. Tied parameters
-are received from their owner stage before the first tick; their gradients are sent back and
-added into the owner's row after the last one.
+differentiated, so its gradient is this device's contribution (PARTIAL over the data-parallel
+devices, `zerojax.core.mesh.data_axes`: data, and sequence where each device holds a chunk of the
+rows' tokens), never an implicit psum. ZeRO-0/1 add it to a whole-row accumulator reduced once
+after the last tick (all-reduce, or reduce-scatter into the update placement); ZeRO-2/3
+reduce-scatter it inside the backward branch - every device of a stage's data group runs the same
+branch in the same tick, so the collective has all its participants - into an accumulator of 1/D
+of the row. Tied parameters are received from their owner stage before the first tick; their
+gradients are sent back and added into the owner's row after the last one.
 """
 from __future__ import annotations
 
@@ -45,12 +49,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from zerojax.core.collectives import PARTIAL, Placement, Shard, move, zeros_like_local
 from zerojax.errors import ConfigError
-from zerojax.core.mesh import DATA, STAGE, TENSOR
+from zerojax.core.mesh import STAGE, TENSOR, data_axes, data_size, row_axes, row_size, sequence_size
+from zerojax.core.sequence import batch_specs, split_tokens
 from zerojax.core.tensor_parallel import tensor_parallel
 from zerojax.pipeline.buffers import StageRows
 from zerojax.pipeline.schedule import Backward, Forward, RecvActivation, RecvGrad, Schedule
-
-BOTH = (STAGE, DATA)
 
 
 def vary(x: Any, axes: tuple[str, ...] | None = None) -> Any:
@@ -101,10 +104,11 @@ class Pipeline:
     """What the executor needs: the mesh, the stage rows, the schedules and the dtypes/placements.
 
     `param` / `grad` / `update` are placements of a device's row (dimension 0 of the local row)
-    over `data`: the parameters REPLICATED or Shard(0) (ZeRO-3); the gradient accumulator PARTIAL
-    (ZeRO-0/1: each backward adds the device's own contribution, reduced once after the last tick)
-    or Shard(0) (ZeRO-2/3: each backward's gradient is reduce-scattered at once, so the accumulator
-    is 1/D of the row); the reduced gradient at the update REPLICATED or Shard(0).
+    over the data-parallel axes (`data_axes`: data, and sequence with one): the parameters
+    REPLICATED or Shard(0) (ZeRO-3); the gradient accumulator PARTIAL (ZeRO-0/1: each backward
+    adds the device's own contribution, reduced once after the last tick) or Shard(0) (ZeRO-2/3:
+    each backward's gradient is reduce-scattered at once, so the accumulator is 1/D of the row);
+    the reduced gradient at the update REPLICATED or Shard(0).
     """
     mesh: Mesh
     rows: StageRows
@@ -124,16 +128,23 @@ class Pipeline:
 
     @property
     def data_size(self) -> int:
-        return int(self.mesh.shape[DATA])
+        """Devices a row is ZeRO-sharded and its gradient reduced over (data x sequence)."""
+        return data_size(self.mesh)
+
+    @property
+    def row_size(self) -> int:
+        """Shards of each micro-batch's rows (data; the sequence axis splits tokens, not rows)."""
+        return row_size(self.mesh)
 
     @property
     def tensor(self) -> int:
         return self.rows.tensor
 
     def row_spec(self, placement: Placement) -> P:
-        """The rows' spec: `[S, width]`, or `[S, tensor, width]` with tensor slices; width over `data` when sharded."""
+        """The rows' spec: `[S, width]`, or `[S, tensor, width]` with tensor slices; width over the
+        data-parallel axes when sharded."""
         lead = (STAGE, TENSOR) if self.tensor > 1 else (STAGE,)
-        return P(*lead, DATA) if isinstance(placement, Shard) else P(*lead)
+        return P(*lead, data_axes(self.mesh)) if isinstance(placement, Shard) else P(*lead)
 
     @property
     def checks_vma(self) -> bool:
@@ -144,8 +155,11 @@ class Pipeline:
 
     @property
     def replicas(self) -> tuple[str, ...]:
-        """Axes whose devices compute the same loss: data, and tensor (its slices give one value)."""
-        return (DATA, TENSOR) if self.tensor > 1 else (DATA,)
+        """Axes the loss is averaged over: the data-parallel ones (each data shard's mean; under a
+        sequence axis each chunk's share of it), and tensor (its slices give one value)."""
+        data = data_axes(self.mesh)
+        data = (data,) if isinstance(data, str) else tuple(data)
+        return (*data, TENSOR) if self.tensor > 1 else data
 
 
 def _perms(stages: int, cyclic: bool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -210,7 +224,7 @@ def _enter(pipe: Pipeline, rows_local: jax.Array) -> tuple[jax.Array, dict[str, 
     rows = pipe.rows
     row = rows_local[0, 0] if pipe.tensor > 1 else rows_local[0]
     if isinstance(pipe.param, Shard):  # ZeRO-3: the stage's row is gathered once per step
-        row = jax.lax.all_gather(row, DATA, axis=0, tiled=True)
+        row = jax.lax.all_gather(row, data_axes(pipe.mesh), axis=0, tiled=True)
     # Differentiated per device: the row's gradient stays this device's contribution (PARTIAL).
     row = vary(row)
     tied_in = {}
@@ -224,16 +238,28 @@ def _enter(pipe: Pipeline, rows_local: jax.Array) -> tuple[jax.Array, dict[str, 
     return row, tied_in
 
 
-def _split_micro_batches(pipe: Pipeline, batch: Any) -> tuple[Any, Any]:
-    """Global `[M * dp * m, ...]` leaves -> `(M, dp, m, ...)`, and one micro-batch's abstract value."""
-    m_count, dp = pipe.schedule.micro_batches, pipe.data_size
+def _split_micro_batches(pipe: Pipeline, batch: Any) -> tuple[Any, Any, Any]:
+    """Global `[M * dp * m, ...]` leaves -> `(M, dp, m, ...)`, their specs (rows over the row axes) and
+    one micro-batch's abstract value on one device.
+
+    With a `sequence` axis the batch is first turned into `inputs` / `labels`
+    (`zerojax.core.sequence.split_tokens`) and dimension 1 of each micro-batch leaf is split over it:
+    a device's micro-batch is its chunk of each of its rows' tokens."""
+    m_count, dp, sp = pipe.schedule.micro_batches, pipe.row_size, sequence_size(pipe.mesh)
+    batch = split_tokens(batch, sp)
     rows = jax.tree.leaves(batch)[0].shape[0]
     if rows % (m_count * dp):
         raise ValueError(f"batch: {rows} rows do not split into {m_count} micro-batches x {dp} data shards")
     m = rows // (m_count * dp)
     shaped = jax.tree.map(lambda x: x.reshape(m_count, dp, m, *x.shape[1:]), batch)
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((m, *x.shape[3:]), x.dtype), shaped)
-    return shaped, micro
+
+    def local(x: jax.Array) -> jax.ShapeDtypeStruct:
+        tail = list(x.shape[3:])
+        if tail:
+            tail[0] //= sp  # the tokens (a no-op without a sequence axis)
+        return jax.ShapeDtypeStruct((m, *tail), x.dtype)
+
+    return shaped, batch_specs(shaped, row_axes(pipe.mesh), 1, sp, micro=True), jax.tree.map(local, shaped)
 
 
 def _forward_branches(stage_fns: list[Callable[..., Any]], row: jax.Array, tied_in: Any,
@@ -261,14 +287,15 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
     """(rows [S, width], batch, loss cotangent scale) -> (mean loss, gradient rows in `update`).
 
     batch leaves are global `[M * dp * m, ...]`; micro-batch i is rows [i*m*dp, (i+1)*m*dp) and
-    data shard d gets its d-th block of m rows, as in the unpipelined step. The gradient returned
+    data shard d gets its d-th block of m rows, as in the unpipelined step (with a sequence axis,
+    sequence device p takes chunk p of those rows' tokens). The gradient returned
     is `scale` times the gradient of the mean loss over the whole batch. With `trace`, also two
     `[ticks, stages]` tables of the branches each device's forward and backward switches executed
     (0: none, 1 + v: virtual stage v).
     """
     _check_tables(pipe)
     sched, rows = pipe.schedule, pipe.rows
-    S, V, M, dp = rows.stages, rows.virtual, sched.micro_batches, pipe.data_size
+    S, V, M, dp = rows.stages, rows.virtual, sched.micro_batches, pipe.data_size  # dp: data x sequence
     tab = tables(sched)
     fwd_perm, bwd_perm = _perms(S, rows.chunks > 1)
     stage_fns = [_stage_fn(pipe, v) for v in range(V)]
@@ -279,6 +306,8 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
         me = jax.lax.axis_index(STAGE)
         row, tied_in = _enter(pipe, rows_local)
         micro = jax.tree.map(lambda x: x[:, 0], micro)
+        # Each device's loss is its data shard's mean (under a sequence axis its chunk's share of
+        # it, `zerojax.models.loss.masked_mean`): the batch mean is their mean over the dp devices.
         cot = vary(scale.astype(jnp.float32) / (M * dp))
 
         def zeros_act() -> jax.Array:
@@ -340,12 +369,12 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
         return out
 
     def grad_fn(rows_array: jax.Array, batch: Any, scale: jax.Array | float = 1.0) -> Any:
-        shaped, micro0 = _split_micro_batches(pipe, batch)
+        shaped, specs, micro0 = _split_micro_batches(pipe, batch)
         act = activation_shape(pipe, micro0)
         out_specs = (P(), pipe.row_spec(update_local)) + ((P(None, STAGE), P(None, STAGE)) if trace else ())
         mapped = jax.shard_map(
             lambda r, b, s: local(r, b, act, s), mesh=pipe.mesh,
-            in_specs=(pipe.row_spec(pipe.param), P(None, DATA), P()), out_specs=out_specs, check_vma=pipe.checks_vma)
+            in_specs=(pipe.row_spec(pipe.param), specs, P()), out_specs=out_specs, check_vma=pipe.checks_vma)
         return mapped(rows_array, shaped, jnp.asarray(scale, jnp.float32))
 
     return grad_fn
@@ -390,10 +419,10 @@ def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
         return jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, pipe.replicas)
 
     def forward_fn(rows_array: jax.Array, batch: Any) -> jax.Array:
-        shaped, micro0 = _split_micro_batches(pipe, batch)
+        shaped, specs, micro0 = _split_micro_batches(pipe, batch)
         act = activation_shape(pipe, micro0)
         mapped = jax.shard_map(lambda r, b: local(r, b, act), mesh=pipe.mesh,
-                               in_specs=(pipe.row_spec(pipe.param), P(None, DATA)), out_specs=P(),
+                               in_specs=(pipe.row_spec(pipe.param), specs), out_specs=P(),
                                check_vma=pipe.checks_vma)
         return mapped(rows_array, shaped)
 

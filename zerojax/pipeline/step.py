@@ -5,7 +5,8 @@ ordinary ZeRO `plan` with its dimension 0 split over `stage` (`plan(..., lead="s
 optimizer step is literally the unpipelined one (`zerojax.apply_update`): unscale, finite check,
 global-norm clipping, the optax update on the ZeRO-sharded fp32 master, loss-scaler update and the
 parameter re-gather all run unchanged, and checkpoints save and restore the state as they do for
-any plan. ZeRO composes over `data` inside each stage:
+any plan. ZeRO composes over the data-parallel devices inside each stage (`data`, with a sequence
+axis data x sequence):
 
 * stage 0 all-reduces the row gradient once per step, stage 1 reduce-scatters it once (what
   DeepSpeed allows with pipelines);
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 
 from zerojax.core.collectives import Placement, Shard
 from zerojax.core.layout import MemoryReport, Plan
-from zerojax.core.mesh import STAGE, TENSOR
+from zerojax.core.mesh import STAGE, TENSOR, row_size
 from zerojax.core.state import TrainState, state_shardings
 from zerojax.core.step import apply_update, check_batch, check_eval_batch
 from zerojax.errors import ConfigError
@@ -155,7 +156,7 @@ def make_pipeline_eval_step(pp: PipelinePlan) -> Callable[[Any, Any], jax.Array]
 
     def eval_step(params: Any, batch: Any) -> jax.Array:
         check_eval_batch(plan, batch)
-        rows = jax.tree.leaves(batch)[0].shape[0] // plan.data_size
+        rows = jax.tree.leaves(batch)[0].shape[0] // row_size(plan.mesh)
         return compiled(eval_micro_batches(pp, rows))(params, batch)
 
     return eval_step

@@ -40,8 +40,11 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     if m.expert > 1 and hierarchical:
         raise ConfigError(f"mesh.expert: {m.expert} does not combine with a hierarchical data axis "
                           f"(mesh.data_outer / mesh.data_inner, or ZeRO++ hpZ) yet; set mesh.expert: 1 or remove them")
-    if m.sequence > 1:
-        _check_sequence(config, hierarchical)
+    if m.sequence > 1 and hierarchical:
+        raise ConfigError(f"mesh.sequence: {m.sequence} (sequence_parallel_size) does not combine with "
+                          f"mesh.data_outer / mesh.data_inner (or zero_hpz_partition_size) yet; use sequence "
+                          f"parallelism with a flat data axis (with pipeline stages and the expert or tensor "
+                          f"axes as needed)")
     if hierarchical:
         return hierarchical_mesh(config, devices)
     _check_model_axes(m.stage, m.tensor * m.sequence, n)
@@ -60,17 +63,6 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     axes = tuple(a for a, k in sizes.items() if a == DATA or k > 1)
     grid = np.array(devices[:used], dtype=object).reshape([sizes[a] for a in axes])
     return Mesh(grid, axes)
-
-
-def _check_sequence(config: Config, hierarchical: bool) -> None:
-    """The sequence axis combines with a flat data axis, ZeRO (any stage), the expert axis and the tensor
-    axis; not yet with pipeline stages or a hierarchical data axis."""
-    m = config.mesh
-    other = ("mesh.stage" if m.stage > 1 else
-             "mesh.data_outer / mesh.data_inner (or zero_hpz_partition_size)" if hierarchical else None)
-    if other:
-        raise ConfigError(f"mesh.sequence: {m.sequence} (sequence_parallel_size) does not combine with {other} yet; "
-                          f"use sequence parallelism with a flat data axis (and the expert or tensor axes)")
 
 
 def _check_model_axes(stage: int, tensor: int, n: int) -> None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from zerojax.config import Config
-from zerojax.core.mesh import STAGE, data_size, tensor_size
+from zerojax.core.mesh import STAGE, data_size, row_size, tensor_size
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import is_elementwise
 from zerojax.pallas.backend import XLA
@@ -66,7 +66,7 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
                           f"Adam, AdamW, Lion, Adagrad or SGD with pipelines")
     pipe_cfg = config.pipeline
     dp = data_size(mesh)
-    gas = config.batch(dp).gradient_accumulation_steps
+    gas = config.batch(row_size(mesh)).gradient_accumulation_steps  # the triad counts row shards
     chunks = pipe_cfg.chunks
     n = len(module.layers)
     if stages * chunks > n:
