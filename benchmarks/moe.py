@@ -298,14 +298,10 @@ def notes(rows: dict, memory: dict, n_dev: int) -> list[str]:
            f"- **Loss.** The first-step losses agree across the sizes (each device gates its own "
            f"{rows[eps[0]]['theory4']['tokens']} tokens: the same capacity and drops), as they must.", ""]
     if "f32" in rows[eps[-1]]["a2a_dtypes"] and rows[eps[-1]]["cfg"].bf16.enabled:
-        out += ["**Found: the all-to-alls carry float32 under bf16.** The Llama's residual stream is float32 "
-                "even with bf16 parameters: `nnx.Embed` fixes its compute dtype at construction "
-                "(`self.dtype = dtype or embedding.dtype`, float32 when the model is built) and casts the bf16 "
-                "table back to float32 on every call, and every `nnx.Linear` after it then promotes its bf16 "
-                "kernel to the float32 input. So the dispatched [E, C, M] buffer, and every activation, is float32 "
-                "where DeepSpeed's bf16 engine (the module cast to bf16) would send bf16: twice the all-to-all "
-                "bytes, and float32 matmuls. The theory above uses the compiled dtype (b = 4), so the ratios "
-                "isolate the count; against bf16 buffers the measured bytes are 2x.", ""]
+        out += ["**The all-to-alls carry float32 here, bf16 on a GPU.** The step sends the dispatched [E, C, M] "
+                "buffer in the compute dtype (the all-to-alls of the lowered module are bf16), but XLA:CPU widens "
+                "bf16 all-to-alls to float32 as it does all-reduces, so the compiled CPU step moves b = 4 bytes an "
+                "element; GPU backends keep bf16, half the bytes above.", ""]
     out += ["What a GPU would change: here the 8 devices are virtual devices of one process sharing this "
             "machine's 2 cores, and an XLA:CPU all-to-all is a memory copy, so step times weigh computation "
             "(and the work each virtual device duplicates: every device gates, dispatches and combines its own "
