@@ -65,6 +65,7 @@ def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array
     b, t, h, hd = q.shape
     kv = k.shape[2]
     g = h // kv
+    block = min(block, t)
     n = -(-t // block)
     if n * block != t:
         pad = [(0, 0), (0, n * block - t), (0, 0), (0, 0)]
@@ -100,7 +101,8 @@ def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array
         return None, out.astype(q.dtype)
 
     _, out = jax.lax.scan(jax.checkpoint(query_block, prevent_cse=False), None, (qb, starts))
-    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, n * block, h, hd)  # [n, b, kv, g, B, d] ->
+    # [n, b, kv, g, block, d] -> [b, n block, kv g, d], less the padding
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, n * block, h, hd)
     return out[:, :t]
 
 
