@@ -254,7 +254,7 @@ KEY_STATUS: dict[str, str] = {
     "mesh.logical_axis_rules": _TP_PLAN,
     "mesh.cpu_devices": HONOURED,
     **{f"model.{k}": _GPT for k in ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
-                                    "remat", "init_std", "norm_eps")},
+                                    "remat", "init_std", "norm_eps", "attention", "attention_block")},
     "model.n_kv_heads": _LLAMA,
     "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",
     "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",

@@ -20,6 +20,7 @@ from flax import nnx
 
 from zerojax.core.collectives import gather, gathers_params
 from zerojax.config import ActivationCheckpointingConfig, ModelConfig
+from zerojax.models import attention as causal_attention
 from zerojax.models.loss import next_token_loss
 from zerojax.planner.settings import remat_policy
 
@@ -37,6 +38,7 @@ class Block(nnx.Module):
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         self.n_heads = cfg.n_heads
+        self.attention_mode, self.attention_block = cfg.attention, cfg.attention_block
         eps = norm_eps(cfg)
         self.ln1 = nnx.LayerNorm(d, epsilon=eps, rngs=rngs)
         self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, rngs=rngs)
@@ -50,11 +52,14 @@ class Block(nnx.Module):
         h = self.n_heads
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
         q, k, v = (y.reshape(b, t, h, d // h) for y in (q, k, v))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(d // h))
-        mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(x.dtype)
-        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+        if causal_attention.uses_blockwise(self.attention_mode, self.attention_block, t):
+            att = causal_attention.blockwise(q, k, v, self.attention_block).reshape(b, t, d)
+        else:
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+            scores = scores / jnp.sqrt(jnp.float32(d // h))
+            mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
+            probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(x.dtype)
+            att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
         x = x + self.proj(att)
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 

@@ -29,6 +29,7 @@ from flax import nnx
 
 from zerojax.config import ModelConfig
 from zerojax.core.mesh import sequence_axis
+from zerojax.models import attention as causal_attention
 from zerojax.models import ulysses
 from zerojax.models.loss import inputs, next_token_loss
 from zerojax.models.moe import MoE
@@ -120,6 +121,7 @@ class Layer(nnx.Module):
             return nnx.Linear(n_in, n_out, use_bias=False, kernel_init=kernel_init, rngs=rngs)
 
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
+        self.attention_mode, self.attention_block = cfg.attention, cfg.attention_block
         self.attn_norm = RMSNorm(d, _eps(cfg))
         self.q = linear(d, h * hd)
         self.k = linear(d, kv * hd)
@@ -142,25 +144,14 @@ class Layer(nnx.Module):
         k = _rotate(self.k(x).reshape(b, t, kv, hd), cos, sin)
         v = self.v(x).reshape(b, t, kv, hd)
         axis = sequence_axis()
-        att = _attend(q, k, v) if axis is None else ulysses.attention(_attend, q, k, v, axis)
+        attend = causal_attention.attend(self.attention_mode, self.attention_block)
+        att = attend(q, k, v) if axis is None else ulysses.attention(attend, q, k, v, axis)
         return self.o(att.reshape(b, t, h * hd))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x = x + self.attention(self.attn_norm(x), cos, sin)
         y = self.mlp_norm(x)
         return x + self.down(jax.nn.silu(self.gate(y)) * self.up(y))
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal grouped-query attention: q [b, t, h, d], k and v [b, t, kv, d] -> [b, t, h, d]."""
-    b, t, h, hd = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped under the key/value head they share
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(hd))
-    mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
-    probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h, hd)
 
 
 class MoELayer(Layer):

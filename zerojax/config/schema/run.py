@@ -38,6 +38,16 @@ class ModelConfig:
     remat: bool = option(True, "Rematerialize each block in the backward pass (keeping its input only); "
                                 "activation_checkpointing.policy or cpu_checkpointing, when set, decide instead.")
     init_std: float = option(0.02, "Std of the normal initializer.", gt=0)
+    attention: str = option("auto", "Causal attention's form. dense: the [heads, T, T] scores materialized (memory "
+                                    "quadratic in T). blockwise: an online softmax over model.attention_block tiles "
+                                    "of queries and keys, rematerialized in the backward pass (memory linear in T, "
+                                    "the same arithmetic), for long rows and Ulysses sequence parallelism; see "
+                                    "docs/sequence_parallel.md. auto: blockwise when the attended sequence is longer "
+                                    "than model.attention_block, else dense.",
+                            choices=("auto", "dense", "blockwise"))
+    attention_block: int = option(512, "Tokens per query and key tile of the blockwise attention (a length it "
+                                       "does not divide is padded); with model.attention: auto, the longest "
+                                       "sequence attended densely.", gt=0)
     n_kv_heads: Optional[int] = option(None, "llama: key/value heads of grouped-query attention; must divide "
                                              "n_heads (default: n_heads, plain multi-head attention).", gt=0)
     rope_theta: float = option(10000.0, "llama: base of the rotary position embedding frequencies.", gt=0)

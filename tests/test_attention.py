@@ -1,0 +1,146 @@
+"""Blockwise causal attention (online softmax, memory linear in T) against the dense form: the same loss
+and gradients for the Llama (grouped-query heads, a loss mask, a length the block does not divide) and
+the GPT, on Ulysses over tensor slices, and a compiled step whose temporaries shrink with it."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zerojax
+from helpers import assert_tree_close, to_numpy
+from zerojax.config import ModelConfig
+from zerojax.errors import ConfigError
+from zerojax.models import attention, gpt, llama
+from zerojax.planner.mesh import make_mesh
+
+LLAMA = dict(name="llama", vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2)
+
+
+def qkv(t: int, dtype: Any = jnp.float32) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q with 4 heads over k and v with 2 (grouped-query), [2, t, heads, 16]."""
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(kq, (2, t, 4, 16), dtype), jax.random.normal(kk, (2, t, 2, 16), dtype),
+            jax.random.normal(kv, (2, t, 2, 16), dtype))
+
+
+def value_and_grads(fn: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
+    """A loss that weighs every output element differently, and its gradients in q, k and v."""
+    w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32).reshape(q.shape))
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w), argnums=(0, 1, 2)))(q, k, v)
+
+
+@pytest.mark.parametrize("t", [32, 29])  # 4 blocks of 8; and a length padded to 4 blocks
+def test_blockwise_equals_dense_with_grouped_heads(t: int) -> None:
+    q, k, v = qkv(t)
+    want, want_grads = value_and_grads(attention.dense, q, k, v)
+    got, got_grads = value_and_grads(lambda *a: attention.blockwise(*a, block=8), q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_blockwise_is_causal() -> None:
+    """Changing the keys and values after position p leaves the outputs up to p as they were."""
+    q, k, v = qkv(20)
+    p = 11
+    k2, v2 = k.at[:, p + 1:].multiply(-3.0), v.at[:, p + 1:].add(5.0)
+    run = jax.jit(lambda *a: attention.blockwise(*a, block=8))
+    before, after = run(q, k, v), run(q, k2, v2)
+    np.testing.assert_allclose(after[:, :p + 1], before[:, :p + 1], atol=1e-6)
+    assert not np.allclose(after[:, p + 1:], before[:, p + 1:])
+
+
+def test_blockwise_in_bf16_is_close_to_dense() -> None:
+    q, k, v = qkv(32, jnp.bfloat16)
+    got, want = jax.jit(lambda *a: attention.blockwise(*a, block=8))(q, k, v), jax.jit(attention.dense)(q, k, v)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=3e-2)
+
+
+def test_auto_is_dense_up_to_one_block() -> None:
+    assert not attention.uses_blockwise("auto", 512, 512) and attention.uses_blockwise("auto", 512, 513)
+    assert attention.uses_blockwise("blockwise", 512, 16) and not attention.uses_blockwise("dense", 8, 4096)
+
+
+def llama_loss_and_grads(t: int, **model: Any) -> tuple[jax.Array, Any]:
+    cfg = ModelConfig(**LLAMA, seq_len=t, **model)
+    graphdef, params = nnx.split(llama.Llama(cfg, rngs=nnx.Rngs(params=0)))
+    rng = np.random.default_rng(0)
+    batch = {"tokens": jnp.asarray(rng.integers(0, 64, (2, t + 1)), jnp.int32),
+             "loss_mask": jnp.asarray(rng.random((2, t)) > 0.2, jnp.float32)}  # dropped predictions
+    return jax.jit(jax.value_and_grad(lambda p: llama.loss(nnx.merge(graphdef, p), batch)))(params)
+
+
+def test_llama_blockwise_loss_and_gradients_equal_dense() -> None:
+    want, want_grads = llama_loss_and_grads(30, attention="dense")
+    got, got_grads = llama_loss_and_grads(30, attention="blockwise", attention_block=8)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_tree_close(to_numpy(nnx.to_pure_dict(got_grads)), to_numpy(nnx.to_pure_dict(want_grads)), rtol=1e-4,
+                      atol=1e-6, what="llama gradients, blockwise vs dense")
+
+
+def test_gpt_blockwise_loss_and_gradients_equal_dense() -> None:
+    def run(**model: Any) -> tuple[jax.Array, Any]:
+        cfg = ModelConfig(name="gpt", vocab_size=64, seq_len=32, d_model=32, n_heads=4, d_ff=64, n_layers=2, **model)
+        tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 33)), jnp.int32)
+        return jax.jit(jax.value_and_grad(gpt.make_loss_fn(cfg)))(gpt.init_params(cfg, 0), {"tokens": tokens})
+
+    want, want_grads = run(attention="dense")
+    got, got_grads = run(attention="blockwise", attention_block=8)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_tree_close(to_numpy(got_grads), to_numpy(want_grads), rtol=1e-4, atol=1e-6, what="gpt gradients")
+
+
+def test_ulysses_over_tensor_slices_with_blockwise_attention_equals_one_dense_device(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """data 2 x sequence 2 x tensor 2: the blockwise scans run on each tensor slice's heads, for the whole
+    sequence gathered by Ulysses' all-to-alls, and train as one device with the dense attention does."""
+    def trained(n: int, sp: int, tensor: int, **model: Any) -> tuple[list[float], Any]:
+        cfg = zerojax.load_config({
+            "train_batch_size": 4, "gradient_clipping": 0.0, "sequence_parallel_size": sp,
+            "mesh": {"tensor": tensor} if tensor > 1 else {},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 1},
+            "model": dict(name="llama", vocab_size=64, seq_len=16, d_model=32, n_heads=8, n_kv_heads=4, d_ff=64,
+                          n_layers=1, **model)})
+        params, loss_fn = llama.build(cfg.model, seed=0)
+        e = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:n]))
+        rng = np.random.default_rng(3)
+        loss = float(e.train_batch({"tokens": rng.integers(0, 64, (4, 17), dtype=np.int32)})["loss"])
+        return loss, to_numpy(e.params)
+
+    want = trained(1, 1, 1, attention="dense")
+    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+        got = trained(8, 2, 2, attention="blockwise", attention_block=4)
+    assert not caplog.records  # every equation, the scans' included, ran on tensor slices
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert_tree_close(got[1], want[1], rtol=1e-4, atol=1e-5, what="sequence 2 x tensor 2, blockwise")
+
+
+def test_blockwise_step_needs_far_less_temporary_memory() -> None:
+    """A compiled value-and-grad at T=512: the dense form holds [heads, T, T] scores, the blockwise one
+    [heads, 64, 64] tiles."""
+    def temp_bytes(mode: str) -> int:
+        cfg = ModelConfig(**{**LLAMA, "n_layers": 1}, seq_len=512, attention=mode, attention_block=64)
+        graphdef, params = nnx.split(llama.Llama(cfg, rngs=nnx.Rngs(params=0)))
+
+        def loss(p: Any, tokens: jax.Array) -> jax.Array:
+            return llama.loss(nnx.merge(graphdef, p), {"tokens": tokens})
+
+        tokens = jax.ShapeDtypeStruct((1, 513), jnp.int32)
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    dense, blockwise = temp_bytes("dense"), temp_bytes("blockwise")
+    assert blockwise < 0.5 * dense, (blockwise, dense)
+
+
+def test_an_unknown_attention_form_is_one_error_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="model.attention"):
+        zerojax.load_config({"train_batch_size": 8, "model": {"attention": "flash"}})

@@ -1,0 +1,124 @@
+"""Causal grouped-query attention: dense, or blockwise with an online softmax (memory linear in T).
+
+`dense` materializes the [heads, T, T] score matrix, so a device's attention memory grows as T². Under
+DeepSpeed-Ulysses every device attends over the whole sequence for H/P heads, so with dense attention
+the longest sequence that fits grows only as sqrt(P). `blockwise` never holds more than one
+[block, block] tile of scores per head: queries are taken a block at a time (an outer `lax.scan`),
+and for each, the key/value blocks are folded in one at a time (an inner `lax.scan`) into a running
+softmax state (max, denominator, weighted sum of values), the online softmax of Milakov & Gimelshein
+(2018) that flash attention (Dao et al. 2022) is built on. Both scan bodies are rematerialized, so the
+backward pass keeps one query block's inputs per outer step and recomputes the tiles: memory linear
+in T, and the longest sequence grows about linearly with the sequence axis, as DeepSpeed's ALST has
+it with flash attention.
+
+Both are written with plain `lax` primitives (einsums, elementwise ops, scans, checkpoints), so the
+tensor-parallel evaluator (zerojax.core.tensor_parallel) runs them on a tensor slice's heads and
+Ulysses (zerojax.models.ulysses) wraps either as its `attend`.
+
+The blockwise form computes every (query block, key block) tile, the ones above the diagonal masked
+out, so it does the dense form's arithmetic; it trades no flops for its memory.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("auto", "dense", "blockwise")
+_MASKED = -1e30
+
+
+def dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query attention: q [b, t, h, d], k and v [b, t, kv, d] -> [b, t, h, d]."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped under the key/value head they share
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(hd))
+    mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h, hd)
+
+
+class _Softmax(NamedTuple):
+    """A softmax over some keys, unnormalized: per query, the largest score `m`, the sum `l` of
+    exp(score - m) and the sum `acc` of exp(score - m) times the values. Two of them over disjoint keys
+    combine into the one over both (`_combine`)."""
+    m: jax.Array    # [b, kv, g, q]
+    l: jax.Array    # [b, kv, g, q]
+    acc: jax.Array  # [b, kv, g, q, d], float32
+
+
+def _combine(a: _Softmax, b: _Softmax) -> _Softmax:
+    m = jnp.maximum(a.m, b.m)
+    ca, cb = jnp.exp(a.m - m), jnp.exp(b.m - m)
+    return _Softmax(m, a.l * ca + b.l * cb, a.acc * ca[..., None] + b.acc * cb[..., None])
+
+
+def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    """`dense`'s result, computed a [block, block] tile of scores at a time (see the module docstring).
+
+    A length that `block` does not divide is padded at the end: the padded keys come after every real
+    query, so the causal mask already hides them, and the padded queries' rows are dropped."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    block = min(block, t)
+    n = -(-t // block)
+    if n * block != t:
+        pad = [(0, 0), (0, n * block - t), (0, 0), (0, 0)]
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+    # [n, b, block, heads..., d]: the blocks on a leading axis, for the scans to walk
+    qb = jnp.moveaxis(q.reshape(b, n, block, kv, g, hd), 1, 0)
+    kb = jnp.moveaxis(k.reshape(b, n, block, kv, hd), 1, 0)
+    vb = jnp.moveaxis(v.reshape(b, n, block, kv, hd), 1, 0)
+    starts = jnp.arange(n, dtype=jnp.int32) * block
+    offsets = jnp.arange(block, dtype=jnp.int32)
+
+    def query_block(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        qi, q0 = xs
+
+        def tile(k0: jax.Array, kj: jax.Array, vj: jax.Array) -> _Softmax:
+            s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
+            causal = (q0 + offsets)[:, None] >= (k0 + offsets)[None, :]
+            s = jnp.where(causal, s, _MASKED)
+            m = jnp.max(s, axis=-1)
+            p = jnp.exp(s - m[..., None])
+            acc = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+            return _Softmax(m, jnp.sum(p, axis=-1), acc)
+
+        def fold(state: _Softmax, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[_Softmax, None]:
+            return _combine(state, tile(*xs)), None
+
+        # Key block 0 holds position 0, which every query sees: starting from it keeps `m` finite, so a
+        # block wholly above the diagonal adds exp(-1e30 - m) = 0 of itself.
+        first = tile(starts[0], kb[0], vb[0])
+        state, _ = jax.lax.scan(jax.checkpoint(fold, prevent_cse=False), first, (starts[1:], kb[1:], vb[1:]))
+        out = state.acc / state.l[..., None]  # [b, kv, g, block, d]
+        return None, out.astype(q.dtype)
+
+    _, out = jax.lax.scan(jax.checkpoint(query_block, prevent_cse=False), None, (qb, starts))
+    # [n, b, kv, g, block, d] -> [b, n block, kv g, d], less the padding
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, n * block, h, hd)
+    return out[:, :t]
+
+
+def uses_blockwise(mode: str, block: int, t: int) -> bool:
+    """Whether `mode` (model.attention) takes the blockwise form at sequence length `t`: `auto` does
+    once the sequence is longer than one block."""
+    if mode not in MODES:
+        raise ValueError(f"model.attention: {mode!r} is not one of {', '.join(MODES)}")
+    return mode == "blockwise" or (mode == "auto" and t > block)
+
+
+def causal(q: jax.Array, k: jax.Array, v: jax.Array, mode: str = "auto", block: int = 512) -> jax.Array:
+    """Causal grouped-query attention in the form `mode` picks for this length (q's whole sequence)."""
+    return blockwise(q, k, v, block) if uses_blockwise(mode, block, q.shape[1]) else dense(q, k, v)
+
+
+def attend(mode: str, block: int) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """`causal` with the model's choice bound: the `attend(q, k, v)` that Ulysses wraps."""
+    return functools.partial(causal, mode=mode, block=block)
