@@ -186,6 +186,22 @@ class SavedRun(NamedTuple):
     after: dict[str, Any]  # the state after them
 
 
+def save_and_go_on(e: zerojax.Engine, directory: Any, batch: Callable[[int], Any], saved_at: int,
+                   more: int) -> SavedRun:
+    """Train `saved_at` steps on `batch(i)`, save to `directory`, then train `more` steps."""
+    for i in range(saved_at):
+        e.train_batch(batch(i))
+    e.save_checkpoint(str(directory))
+    state = host_state(e)
+    losses = [float(e.train_batch(batch(i))["loss"]) for i in range(saved_at, saved_at + more)]
+    return SavedRun(e, directory, state, losses, host_state(e))
+
+
+def moved(after: Any, before: Any) -> Any:
+    """How far each leaf moved: `after - before`, leaf by leaf."""
+    return jax.tree.map(lambda a, b: a - b, after, before)
+
+
 def assert_tree_close(got: Any, want: Any, *, rtol: float, atol: float, what: str = "") -> None:
     """Leaf by leaf: |got - want| <= atol + rtol * max|want| (a per-leaf scale, so moments as small
     as Adam's v are compared relative to their own size)."""

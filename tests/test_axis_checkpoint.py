@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 import pytest
 
 import zerojax
-from helpers import SavedRun as Run, assert_tree_close, host_state
+from helpers import SavedRun as Run, assert_tree_close, host_state, moved, save_and_go_on
 from zerojax.core.mesh import expert_size, sequence_size
 from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh
@@ -50,22 +49,12 @@ def run(axis: str, size: int, stage: int, root: Path) -> Run:
     params, loss_fn = llama.build(cfg.model, seed=0)
     e = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg))
     assert (expert_size if axis == "expert" else sequence_size)(e.plan.mesh) == size
-    for i in range(SAVED_AT):
-        e.train_batch(batch(i))
-    directory = root / f"{axis}{size}_stage{stage}"
-    e.save_checkpoint(str(directory))
-    state = host_state(e)
-    losses = [float(e.train_batch(batch(i))["loss"]) for i in range(SAVED_AT, SAVED_AT + MORE)]
-    return Run(e, directory, state, losses, host_state(e))
+    return save_and_go_on(e, root / f"{axis}{size}_stage{stage}", batch, SAVED_AT, MORE)
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("axis_ckpt")
-
-
-def moved(after: Any, before: Any) -> Any:
-    return jax.tree.map(lambda a, b: a - b, after, before)
 
 
 STAGE = {1: 1, 2: 3, 4: 1}  # the ZeRO stage each size runs at: size 2 saves/resumes at ZeRO-3

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 import pytest
 
 import zerojax
-from helpers import SavedRun as Run, assert_tree_close, host_state
+from helpers import SavedRun as Run, assert_tree_close, host_state, moved, save_and_go_on
 from zerojax.core.mesh import tensor_size
 from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh
@@ -51,22 +50,12 @@ def run(tensor: int, stage: int, root: Path) -> Run:
     engine is kept: later it loads the other sizes' checkpoints (one compile per size)."""
     e = engine(tensor, stage)
     assert tensor_size(e.plan.mesh) == tensor
-    for i in range(SAVED_AT):
-        e.train_batch(batch(i))
-    directory = root / f"tensor{tensor}_stage{stage}"
-    e.save_checkpoint(str(directory))
-    state = host_state(e)
-    losses = [float(e.train_batch(batch(i))["loss"]) for i in range(SAVED_AT, SAVED_AT + MORE)]
-    return Run(e, directory, state, losses, host_state(e))
+    return save_and_go_on(e, root / f"tensor{tensor}_stage{stage}", batch, SAVED_AT, MORE)
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tensor_ckpt")
-
-
-def moved(after: Any, before: Any) -> Any:
-    return jax.tree.map(lambda a, b: a - b, after, before)
 
 
 @pytest.mark.parametrize("source, target", [
