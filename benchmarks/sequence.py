@@ -57,11 +57,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quantum", type=int, default=64, help="the bisection's finest step in tokens")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens a row in the timed steps")
     ap.add_argument("--rows", type=int, default=8, help="global rows a step in the timed steps")
+    ap.add_argument("--attentions", nargs="+", default=["dense", "blockwise"], choices=["dense", "blockwise"],
+                    help="model.attention of each longest-sequence table (the budget is the first's)")
+    ap.add_argument("--attention-block", type=int, default=256, help="model.attention_block for blockwise")
     output_args(ap, "benchmarks.md", warmup=1, rounds=5)
     return ap.parse_args(argv)
 
 
-def config(args: argparse.Namespace, sequence: int, seq_len: int, rows: int) -> Any:
+def config(args: argparse.Namespace, sequence: int, seq_len: int, rows: int, attention: str = "auto") -> Any:
     import zerojax
     return zerojax.load_config({
         "train_batch_size": rows, "gradient_accumulation_steps": 1, "sequence_parallel_size": sequence,
@@ -69,14 +72,16 @@ def config(args: argparse.Namespace, sequence: int, seq_len: int, rows: int) -> 
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "model": {"name": "llama", "d_model": args.d_model, "n_layers": args.layers, "n_heads": args.heads,
                   "n_kv_heads": args.kv_heads, "d_ff": args.d_ff, "seq_len": seq_len,
-                  "vocab_size": args.vocab, "remat": True}})
+                  "vocab_size": args.vocab, "remat": True, "attention": attention,
+                  "attention_block": args.attention_block}})
 
 
-def setup(args: argparse.Namespace, sequence: int, seq_len: int, rows: int) -> tuple[Any, Any, Any, Any]:
+def setup(args: argparse.Namespace, sequence: int, seq_len: int, rows: int,
+          attention: str = "auto") -> tuple[Any, Any, Any, Any]:
     """(config, plan, loss_fn, params) on the 8 devices."""
     import zerojax
     from zerojax.models import llama
-    cfg = config(args, sequence, seq_len, rows)
+    cfg = config(args, sequence, seq_len, rows, attention)
     params, loss_fn = llama.build(cfg.model, seed=0)
     plan = zerojax.plan(cfg, zerojax.make_mesh(cfg), params)
     return cfg, plan, loss_fn, params
@@ -85,12 +90,12 @@ def setup(args: argparse.Namespace, sequence: int, seq_len: int, rows: int) -> t
 # ------------------------------------------------------------------------------------------------
 # (a) the longest sequence under a budget: compiled, never run.
 
-def compiled_peak(args: argparse.Namespace, sequence: int, seq_len: int) -> dict:
+def compiled_peak(args: argparse.Namespace, sequence: int, seq_len: int, attention: str) -> dict:
     """Per-device bytes of the compiled train step at one row per data shard."""
     import zerojax
     from zerojax.core.state import abstract_state
     rows = DEVICES // sequence
-    cfg, plan, loss_fn, _ = setup(args, sequence, seq_len, rows)
+    cfg, plan, loss_fn, _ = setup(args, sequence, seq_len, rows, attention)
     step = zerojax.make_train_step(cfg, plan, loss_fn)
     batch = {"tokens": jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32, sharding=plan.batch_sharding)}
     t = time.perf_counter()
@@ -99,15 +104,15 @@ def compiled_peak(args: argparse.Namespace, sequence: int, seq_len: int) -> dict
             "peak": mem.argument_size_in_bytes + mem.temp_size_in_bytes, "compile_s": time.perf_counter() - t}
 
 
-def longest(args: argparse.Namespace, sequence: int, budget: float, known: dict) -> dict:
+def longest(args: argparse.Namespace, sequence: int, budget: float, known: dict, attention: str) -> dict:
     """The longest seq_len (a multiple of `--quantum`) whose compiled peak fits `budget`: doubling
     from `--budget-len` while it fits, then bisecting."""
     probes: dict[int, dict] = dict(known)
 
     def fits(n: int) -> bool:
         if n not in probes:
-            probes[n] = compiled_peak(args, sequence, n)
-            print(f"sequence {sequence}: seq_len {n} peak {probes[n]['peak'] / MiB:.1f} MiB "
+            probes[n] = compiled_peak(args, sequence, n, attention)
+            print(f"{attention}, sequence {sequence}: seq_len {n} peak {probes[n]['peak'] / MiB:.1f} MiB "
                   f"({'fits' if probes[n]['peak'] <= budget else 'over'})", file=sys.stderr, flush=True)
         return probes[n]["peak"] <= budget
 
@@ -181,11 +186,14 @@ def measure(args: argparse.Namespace) -> dict:
         if args.heads % sp or args.kv_heads % sp or args.budget_len % (sp * args.quantum // math.gcd(sp, args.quantum)):
             raise SystemExit(f"--sizes {sp}: must divide --heads {args.heads} and --kv-heads {args.kv_heads}, and "
                              f"--budget-len / --quantum must be multiples of it")
-    base = compiled_peak(args, 1, args.budget_len)
+    first = args.attentions[0]
+    base = compiled_peak(args, 1, args.budget_len, first)
     budget = base["peak"]
-    print(f"budget: {budget / MiB:.1f} MiB a device (sequence 1, seq_len {args.budget_len})", file=sys.stderr, flush=True)
-    fitting = {sp: longest(args, sp, budget, {args.budget_len: base} if sp == 1 else {}) for sp in args.sizes}
-    return {"budget": budget, "fitting": fitting, "timed": timed(args)}
+    print(f"budget: {budget / MiB:.1f} MiB a device ({first}, sequence 1, seq_len {args.budget_len})", file=sys.stderr,
+          flush=True)
+    modes = {mode: {sp: longest(args, sp, budget, {args.budget_len: base} if (sp, mode) == (1, first) else {}, mode)
+                    for sp in args.sizes} for mode in args.attentions}
+    return {"budget": budget, "modes": modes, "timed": timed(args)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,8 +209,7 @@ def scores(args: argparse.Namespace, sequence: int, seq_len: int) -> float:
 
 
 def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
-    fitting, timed_rows, budget = results["fitting"], results["timed"], results["budget"]
-    one = fitting[min(fitting)]["longest"]
+    modes, timed_rows, budget = results["modes"], results["timed"], results["budget"]
     hd = args.d_model // args.heads
     out = [BEGIN, "## Sequence parallelism (Ulysses): the longest sequence, and the step at sequence 1-8", "",
            f"`python -m benchmarks.sequence` ({elapsed:.0f} s here): the shipped Llama at a tiny width (d_model "
@@ -212,29 +219,37 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
            "### Longest sequence under a fixed memory budget", "",
            f"One row per data shard (train_batch_size {DEVICES} / sequence), so a device holds seq_len / sequence "
            f"tokens of one row. Budget: **{_mib(budget)} MiB** a device, the compiled step's peak (`memory_analysis()` "
-           f"arguments + temporaries) at sequence 1 and seq_len {args.budget_len}. At each size seq_len doubles "
+           f"arguments + temporaries) at sequence 1 and seq_len {args.budget_len} with `model.attention: "
+           f"{args.attentions[0]}`, the same budget for every table. At each size seq_len doubles "
            f"from {args.budget_len} while the step fits, then bisects to {args.quantum} tokens (or 1/16 of the length); "
            "every probe is compiled, none is run. **peak at " + str(args.budget_len) + "** is the step's peak at "
-           "the budget's length (it must fall with the axis); **over** is the shortest length found not to fit; "
-           "**4 x scores** is four float32 [h/P, seq_len, seq_len] buffers at the longest length (one row a "
-           "device): what XLA's live-range report of the compiled step finds live at its peak (below).", "",
-           f"| sequence | mesh | peak at {args.budget_len} MiB | / sequence 1 | longest seq_len | / sequence 1 | "
-           "target (x sequence) | over | args MiB | temp MiB | peak MiB | 4 x scores MiB | compiles |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    at_base = {sp: f["probes"][args.budget_len]["peak"] for sp, f in fitting.items()}
-    for sp, f in fitting.items():
-        at = f["at"]
-        mesh = f"data {DEVICES // sp}" + (f" x sequence {sp}" if sp > 1 else "")
-        out.append(f"| {sp} | {mesh} | {_mib(at_base[sp])} | {at_base[sp] / at_base[min(at_base)]:.2f} | "
-                   f"{f['longest']} | {f['longest'] / one:.2f} | {sp} | {f['over']} | "
-                   f"{_mib(at['args'])} | {_mib(at['temp'])} | {_mib(at['peak'])} | "
-                   f"{_mib(4 * scores(args, sp, f['longest']))} | {len(f['probes'])} |")
+           "that length (it must fall with the axis); **over** is the shortest length found not to fit; "
+           "**4 x scores** (dense) is four float32 [h/P, seq_len, seq_len] buffers at the longest length (one row a "
+           "device): what XLA's live-range report of the compiled dense step finds live at its peak (below)."]
+    for mode, fitting in modes.items():
+        one = fitting[min(fitting)]["longest"]
+        what = ("the whole [h/P, seq_len, seq_len] scores of each layer" if mode == "dense" else
+                f"tiles of {args.attention_block} keys with an online softmax (`model.attention_block: "
+                f"{args.attention_block}`)")
+        out += ["", f"`model.attention: {mode}`: {what}.", "",
+                f"| sequence | mesh | peak at {args.budget_len} MiB | / sequence 1 | longest seq_len | / sequence 1 | "
+                "target (x sequence) | over | args MiB | temp MiB | peak MiB | 4 x scores MiB | compiles |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        at_base = {sp: f["probes"][args.budget_len]["peak"] for sp, f in fitting.items()}
+        for sp, f in fitting.items():
+            at = f["at"]
+            mesh = f"data {DEVICES // sp}" + (f" x sequence {sp}" if sp > 1 else "")
+            four = _mib(4 * scores(args, sp, f["longest"])) if mode == "dense" else "-"
+            out.append(f"| {sp} | {mesh} | {_mib(at_base[sp])} | {at_base[sp] / at_base[min(at_base)]:.2f} | "
+                       f"{f['longest']} | {f['longest'] / one:.2f} | {sp} | {f['over']} | "
+                       f"{_mib(at['args'])} | {_mib(at['temp'])} | {_mib(at['peak'])} | {four} | {len(f['probes'])} |")
     base = timed_rows[min(timed_rows)]["step_s"]
     tokens = args.rows * args.seq_len
     out += ["", "### Step time at the same global tokens", "",
             f"{args.rows} rows of {args.seq_len} tokens a step ({tokens:,} tokens) at every size: at sequence P, "
             f"`data` is {DEVICES}/P and each device holds the seq_len/P-token chunks of P rows, the same tokens and "
-            f"matmul FLOPs as one whole row at sequence 1. Median of {args.rounds} steps, the sizes interleaved "
+            f"matmul FLOPs as one whole row at sequence 1 (`model.attention: auto`: blockwise, the row being longer "
+            f"than one block). Median of {args.rounds} steps, the sizes interleaved "
             f"round by round after {args.warmup} warm-up.", "",
             "| sequence | mesh | rows a device x tokens a row | step s | / sequence 1 | tokens/s | loss 1 | peak MiB | "
             "compile s |", "|---|---|---|---|---|---|---|---|---|"]
@@ -248,26 +263,35 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
 
 
 def notes(args: argparse.Namespace, results: dict) -> list[str]:
-    fitting = results["fitting"]
-    one = fitting[min(fitting)]["longest"]
-    last = max(fitting)
-    grown = fitting[last]["longest"] / one
-    longest = fitting[last]["longest"]
-    out = ["### Reading the numbers", "",
-           f"- **Length.** The target was a longest sequence growing about linearly with the axis; at sequence "
-           f"{last} it is {grown:.2f}x sequence 1's (sqrt({last}) = {math.sqrt(last):.2f}). The memory at a "
-           "fixed length does fall with the axis, but the peak is attention's: Ulysses divides every "
-           "token-wise activation by P (a device holds seq_len / P tokens), while attention runs over the "
-           "whole sequence for h/P heads and `_attend` materializes the float32 scores [rows, h/P, seq_len, "
-           "seq_len]. XLA's live-range report of the compiled step (sequence 1 and 8 at seq_len 1024) has four "
-           "such buffers live at the peak, in the checkpointed layer's backward (the rematerialized scores "
-           "and probabilities, and their gradients): 16 h/P seq_len^2 bytes a device, "
-           f"{_mib(4 * scores(args, 1, one))} of the {_mib(fitting[1]['at']['peak'])} MiB peak at sequence 1 and "
-           f"seq_len {one}, {_mib(4 * scores(args, last, longest))} of {_mib(fitting[last]['at']['peak'])} MiB at "
-           f"sequence {last} and seq_len {longest} (the rest: XLA's buffer assignment around them, the token-wise "
-           "activations, the state). A budget held by a term in h/P x seq_len^2 lets seq_len grow as sqrt(P) "
-           "(1.41, 2, 2.83), not P. DeepSpeed-Ulysses' linear scaling assumes an attention whose memory is "
-           "linear in the length (FlashAttention); a blockwise attention in `_attend` would give it here.",
+    out = ["### Reading the numbers", ""]
+    for mode, fitting in results["modes"].items():
+        one = fitting[min(fitting)]["longest"]
+        last = max(fitting)
+        grown = fitting[last]["longest"] / one
+        longest = fitting[last]["longest"]
+        if mode == "dense":
+            out.append(
+                f"- **Length, dense attention.** At sequence {last} the longest sequence is {grown:.2f}x sequence 1's "
+                f"(sqrt({last}) = {math.sqrt(last):.2f}, linear {last}). The memory at a fixed length falls with the "
+                "axis, but the peak is attention's: Ulysses divides every token-wise activation by P (a device holds "
+                "seq_len / P tokens), while attention runs over the whole sequence for h/P heads and dense attention "
+                "materializes the float32 scores [rows, h/P, seq_len, seq_len]. XLA's live-range report of the "
+                "compiled step has four such buffers live at the peak, in the checkpointed layer's backward (the "
+                "rematerialized scores and probabilities, and their gradients): 16 h/P seq_len^2 bytes a device, "
+                f"{_mib(4 * scores(args, 1, one))} of the {_mib(fitting[1]['at']['peak'])} MiB peak at sequence 1 and "
+                f"seq_len {one}, {_mib(4 * scores(args, last, longest))} of {_mib(fitting[last]['at']['peak'])} MiB at "
+                f"sequence {last} and seq_len {longest}. A budget held by a term in h/P x seq_len^2 lets seq_len grow "
+                "as sqrt(P), not P.")
+        else:
+            out.append(
+                f"- **Length, blockwise attention.** At sequence {last} the longest sequence is {grown:.2f}x sequence "
+                f"1's, against {last} for linear growth, and {longest / results['modes'][args.attentions[0]][1]['longest']:.1f}x "
+                f"what {args.attentions[0]} attention fits at sequence 1 in the same budget. No [seq_len, seq_len] "
+                "buffer exists: each query block meets the keys a block at a time with a running max and sum "
+                "(both scans rematerialized in the backward), so attention's memory is h/P x seq_len x block, and "
+                "the whole step's is linear in seq_len / P, as DeepSpeed-Ulysses' linear scaling assumes of "
+                "FlashAttention.")
+    out += [
            "- **Step time.** The same tokens and the same matmul FLOPs at every size (P rows' chunks, h/P heads "
            "each over the whole row), so the ratios stay within the machine's noise; what changes is Ulysses' "
            "two all-to-alls per layer (q, k, v out and the attention output back; their replay under remat and "
@@ -280,8 +304,8 @@ def notes(args: argparse.Namespace, results: dict) -> list[str]:
            "and Ulysses' all-to-alls ride NVLink: per layer forward they move q, k, v and the output, about "
            "4 N d / P elements a device for N tokens of width d (the Ulysses paper's count), so the "
            "communication per device falls with P at a fixed length, which the CPU cannot show. The memory numbers are the "
-           "compiler's for this program and carry over; with a flash-attention kernel on a GPU the quadratic "
-           "term above disappears and the longest length grows with P as DeepSpeed reports. Step times move by "
+           "compiler's for this program and carry over; a fused flash-attention kernel on a GPU would also skip "
+           "the tiles above the diagonal, which the blockwise form computes and masks. Step times move by "
            "tens of percent between runs on a shared machine: read the lengths and memory, which are "
            "deterministic, over the times.", ""]
     return out
