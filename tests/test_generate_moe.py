@@ -15,9 +15,9 @@ from helpers import data_mesh
 from zerojax.models import decode, llama
 from zerojax.planner.mesh import make_mesh
 
-#: Two groups of (one dense layer, one MoE layer), top-2 of 4 experts with a PR-MoE residual branch;
-#: no token dropped (Mixtral's setting), so the cached decode and the full window route alike.
-MOE = dict(name="llama", vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=4,
+#: One group of (a dense layer, a MoE layer), top-2 of 4 experts with a PR-MoE residual branch; no
+#: token dropped (Mixtral's setting), so the cached decode and the full window route alike.
+MOE = dict(name="llama", vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2,
            n_experts=4, experts_per_token=2, moe_every=2, use_residual=True, drop_tokens=False)
 N = 5
 PROMPTS = [[(7 * r + 3 * i) % 64 for i in range(n)] for r, n in enumerate([5, 2, 9, 1, 3, 7, 4, 6])]
@@ -31,10 +31,19 @@ def config(stage: int, **model: Any) -> zerojax.Config:
         "model": {**MOE, **model}})
 
 
+@functools.lru_cache(maxsize=None)
+def initial(model: Any) -> Any:
+    """Random params of the model's shapes, drawn on the host (building the NNX model's initializer
+    compiles for seconds; the equivalence holds for any weights)."""
+    params, _ = llama.build(model, seed=0)
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda a: (0.3 * rng.standard_normal(a.shape)).astype(a.dtype), params.abstract)
+
+
 def engine(cfg: zerojax.Config, mesh: Any = None) -> zerojax.Engine:
-    params, loss_fn = llama.build(cfg.model, seed=0)
-    return zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=data_mesh() if mesh is None else mesh,
-                              decode=decode.decoder(cfg.model))
+    _, loss_fn = llama.build(cfg.model, seed=0)
+    return zerojax.initialize(cfg, params=initial(cfg.model), loss_fn=loss_fn,
+                              mesh=data_mesh() if mesh is None else mesh, decode=decode.decoder(cfg.model))
 
 
 @functools.lru_cache(maxsize=None)
