@@ -267,12 +267,9 @@ class MoELlamaDecoder(LlamaDecoder):
             lay.moe.eval()  # no gate noise, eval_capacity_factor
             x, k_moe, v_moe = self._attention(lay, x, k_cache[-1], v_cache[-1], positions, extra)
             y, _, _ = lay.moe(lay.mlp_norm(x))
-            if dense_run is not None:
-                k_moe = jnp.concatenate([k_dense, k_moe[None]])
-                v_moe = jnp.concatenate([v_dense, v_moe[None]])
-            else:
-                k_moe, v_moe = k_moe[None], v_moe[None]
-            return x + y, (k_moe, v_moe)
+            if dense_run is None:
+                return x + y, (k_moe[None], v_moe[None])
+            return x + y, (jnp.concatenate([k_dense, k_moe[None]]), jnp.concatenate([v_dense, v_moe[None]]))
 
         def grouped(c: jax.Array) -> jax.Array:
             return c.reshape(self.groups, self.every, *c.shape[1:])
