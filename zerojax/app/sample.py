@@ -70,7 +70,7 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
         raise ValueError("generate: the prompt needs at least one token")
     window = cfg.seq_len
     from zerojax.models.decode import decoder
-    if len(prompt) + n <= window and decoder(cfg) is not None:  # the KV-cache path: one program for the whole text
+    if len(prompt) + n <= window:  # the KV-cache path: one program for the whole text
         from zerojax.core.generate import generate as cached
         if plan is None:
             params = jax.device_put(jax.tree.map(np.asarray, params), jax.devices()[0])
@@ -178,8 +178,7 @@ def end_of_run_sample(config: Config, params: Any, plan: Plan | None = None) -> 
     n = config.run.sample_tokens
     if not n or jax.process_count() > 1 or config.mesh.stage > 1 or config.model.name not in ("gpt", "llama"):
         return None
-    from zerojax.models.decode import decoder
-    if plan is not None and len(_prompt_ids(config)) + n <= config.model.seq_len and decoder(config.model) is not None:
+    if plan is not None and len(_prompt_ids(config)) + n <= config.model.seq_len:
         return sample_text(config, params, None, n, seed=config.run.seed, plan=plan)
     if sum(x.size * 4 for x in jax.tree.leaves(params)) > 2 ** 31:
         return None

@@ -1,4 +1,4 @@
-"""KV-cache decoding of the shipped GPT and Llama, as pure functions over the training params.
+"""KV-cache decoding of the shipped GPT and Llama (dense or MoE), as pure functions over the training params.
 
 The params are the very pytree training uses (`gpt.init_params`, the Llama's `from_nnx` dict, an
 engine's `state.params`); nothing is converted. Each decoder answers the protocol
@@ -9,7 +9,7 @@ engine's `state.params`); nothing is converted. Each decoder answers the protoco
     decode_step(params, cache, tokens [B], positions [B]) -> (logits [B, vocab], cache)
     max_positions: the longest sequence the model can place (the GPT's learned positions), or None
 
-Both are one function, `_forward`: embed the tokens at their positions, and in each layer write
+Each is one function, `_forward`: embed the tokens at their positions, and in each layer write
 their keys and values into the cache at those positions and attend to every cached position at or
 before the query's. The prefill runs the right-padded prompts in one call (positions 0..T-1); a
 pad's keys sit beyond its row's length and are overwritten by the row's own next token before any
@@ -19,6 +19,7 @@ projections and norms are the training ones; logits are float32.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -187,6 +188,13 @@ class LlamaDecoder(_Decoder):
     def _layer(self, layer: Any, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
                extra: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         lay = _rebuild(self._make, layer)
+        x, k_cache, v_cache = self._attention(lay, x, k_cache, v_cache, positions, extra)
+        y = lay.mlp_norm(x)
+        return x + lay.down(jax.nn.silu(lay.gate(y)) * lay.up(y)), k_cache, v_cache
+
+    def _attention(self, lay: llama.Layer, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                   positions: jax.Array, extra: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The layer's residual attention block over the cache, which it first writes x's keys and values to."""
         cos, sin = extra
         b, t, _ = x.shape
         h, kv, hd = self.cfg.n_heads, self.n_kv_heads, self.head_dim
@@ -195,9 +203,7 @@ class LlamaDecoder(_Decoder):
         k = _rotate(lay.k(y).reshape(b, t, kv, hd), cos, sin)
         v = lay.v(y).reshape(b, t, kv, hd)
         k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
-        x = x + lay.o(attend(q, k_cache, v_cache, positions))
-        y = lay.mlp_norm(x)
-        return x + lay.down(jax.nn.silu(lay.gate(y)) * lay.up(y)), k_cache, v_cache
+        return x + lay.o(attend(q, k_cache, v_cache, positions)), k_cache, v_cache
 
     def _logits(self, params: Any, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -211,6 +217,68 @@ class LlamaDecoder(_Decoder):
                           preferred_element_type=jnp.float32)
 
 
+class MoELlamaDecoder(LlamaDecoder):
+    """The MoE Llama (`model.n_experts`): `LlamaDecoder`'s attention and cache, and in every
+    `moe_every`-th layer the model's mixture of experts for the MLP, gated as the model's evaluation
+    forward gates (`llama.apply`: no noise, `eval_capacity_factor`).
+
+    The params follow `llama.Llama._moe_stack`: `layers` holds the groups' MoE layers [groups, ...]
+    and `dense_layers` the `moe_every - 1` dense layers before each [groups, moe_every - 1, ...]; the
+    cache stays one [n_layers, ...] array, viewed as [groups, moe_every, ...] (layer g * moe_every + j
+    is group g's j-th).
+
+    The gate routes the tokens of one call together, as the model routes a batch: the prefill's
+    batch x prompt width (pads included), a decode step's batch (one token per row). So with
+    `drop_tokens` the capacity, and which tokens an expert drops, depend on that count, and the
+    cached decode can differ from a forward over the whole window; with `drop_tokens: false`
+    (Mixtral's setting) no token is dropped in either and the two agree. DeepSpeed's top-1 gate
+    refuses fewer tokens than `min_capacity`; a call that routes fewer (a small batch's decode step)
+    gates with `min_capacity` lowered to its token count, which still leaves room for every token, so
+    the routing and the outputs are those of the configured gate.
+
+    With an expert mesh axis the generation program gathers every weight replicated before the
+    prefill (`zerojax.core.generate`), so each device holds every expert and the layer runs without
+    all-to-alls.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.groups, self.every = cfg.n_layers // cfg.moe_every, cfg.moe_every
+
+    def _forward(self, params: Any, cache: Cache, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Cache]:
+        x = self._embed(params, tokens, positions)
+        extra = self._extra(positions)
+        unroll = tokens.shape[1] == 1  # as `_Decoder._forward`: a decode step's layers run unrolled
+        cfg = dataclasses.replace(self.cfg, min_capacity=min(self.cfg.min_capacity, tokens.size))
+
+        def make_moe() -> llama.MoELayer:
+            return llama.MoELayer(cfg, rngs=nnx.Rngs(0))
+
+        def dense(x: jax.Array, xs: tuple[Any, jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            layer, k_cache, v_cache = xs
+            x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, extra)
+            return x, (k_cache, v_cache)
+
+        def group(x: jax.Array, xs: tuple[Any, Any, jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            dense_run, moe_layer, k_cache, v_cache = xs  # caches [moe_every, B, S, kv, hd]
+            if dense_run is not None:
+                x, (k_dense, v_dense) = jax.lax.scan(dense, x, (dense_run, k_cache[:-1], v_cache[:-1]), unroll=unroll)
+            lay = _rebuild(make_moe, moe_layer)
+            lay.moe.eval()  # no gate noise, eval_capacity_factor
+            x, k_moe, v_moe = self._attention(lay, x, k_cache[-1], v_cache[-1], positions, extra)
+            y, _, _ = lay.moe(lay.mlp_norm(x))
+            if dense_run is None:
+                return x + y, (k_moe[None], v_moe[None])
+            return x + y, (jnp.concatenate([k_dense, k_moe[None]]), jnp.concatenate([v_dense, v_moe[None]]))
+
+        def grouped(c: jax.Array) -> jax.Array:
+            return c.reshape(self.groups, self.every, *c.shape[1:])
+
+        xs = (params.get("dense_layers"), params["layers"], grouped(cache["k"]), grouped(cache["v"]))
+        x, (k, v) = jax.lax.scan(group, x, xs, unroll=unroll)
+        return x, {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
+
+
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """llama._rotate with a per-row angle: x [B, T, heads, hd], cos and sin [B, T, hd]."""
     half = x.shape[-1] // 2
@@ -219,9 +287,9 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def decoder(cfg: ModelConfig) -> GPTDecoder | LlamaDecoder | None:
-    """The decoder of the model `cfg.name` names (what train.py hands its engine as `decode=`); None
-    for the MoE Llama, which has no KV-cache forward yet (`zerojax.app.sample` recomputes the window)."""
+def decoder(cfg: ModelConfig) -> GPTDecoder | LlamaDecoder:
+    """The decoder of the model `cfg.name` names (what train.py hands its engine as `decode=`):
+    the GPT's, the dense Llama's or the MoE Llama's."""
     if llama.is_moe(cfg):
-        return None
+        return MoELlamaDecoder(cfg)
     return LlamaDecoder(cfg) if cfg.name == "llama" else GPTDecoder(cfg)
