@@ -291,3 +291,24 @@ def computations_with(hlo: str, op: str) -> set[str]:
 def while_bodies(hlo: str) -> set[str]:
     """Names of the computations that are the body of a while loop."""
     return {m.group(1) for m in _WHILE_BODY.finditer(hlo)}
+
+
+def greedy_by_recompute(forward: Callable[[Any, np.ndarray], Any], params: Any, prompts: Sequence[Sequence[int]],
+                        n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy tokens [rows, n] and their log-probabilities by full recomputation: `forward(params,
+    tokens [rows, width]) -> logits` on each row's growing sequence (left-aligned in the window,
+    logits read at its last token). What a KV-cache decoder must reproduce."""
+    params = jax.device_get(params)
+    seqs = [list(p) for p in prompts]
+    toks, logps = np.zeros((len(seqs), n), np.int32), np.zeros((len(seqs), n), np.float32)
+    for i in range(n):
+        buf = np.zeros((len(seqs), width), np.int32)
+        for r, s in enumerate(seqs):
+            buf[r, :len(s)] = s
+        logits = np.asarray(forward(params, buf))
+        for r, s in enumerate(seqs):
+            row = logits[r, len(s) - 1]
+            toks[r, i] = int(np.argmax(row))
+            logps[r, i] = np.asarray(jax.nn.log_softmax(jnp.asarray(row)))[toks[r, i]]
+            s.append(int(toks[r, i]))
+    return toks, logps

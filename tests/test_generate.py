@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from helpers import computations_with, data_mesh, while_bodies
+from helpers import computations_with, data_mesh, greedy_by_recompute, while_bodies
 from zerojax.core import generate as gen
 from zerojax.engine.pipeline import PipelineEngine
 from zerojax.models import decode, gpt, llama
@@ -53,23 +53,8 @@ def _forward(model: str) -> Any:
 
 
 def reference(model: str, params: Any, prompts: list[list[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy tokens and their log-probabilities by full recomputation: the model's own `apply` on
-    each row's growing sequence (left-aligned in a fixed window, logits read at its last token)."""
-    params = jax.device_get(params)
-    width = config(model, 0).model.seq_len
-    seqs = [list(p) for p in prompts]
-    toks, logps = np.zeros((len(seqs), n), np.int32), np.zeros((len(seqs), n), np.float32)
-    for i in range(n):
-        buf = np.zeros((len(seqs), width), np.int32)
-        for r, s in enumerate(seqs):
-            buf[r, :len(s)] = s
-        logits = np.asarray(_forward(model)(params, buf))
-        for r, s in enumerate(seqs):
-            row = logits[r, len(s) - 1]
-            toks[r, i] = int(np.argmax(row))
-            logps[r, i] = np.asarray(jax.nn.log_softmax(jnp.asarray(row)))[toks[r, i]]
-            s.append(int(toks[r, i]))
-    return toks, logps
+    """Greedy tokens and their log-probabilities by full recomputation with the model's own `apply`."""
+    return greedy_by_recompute(_forward(model), params, prompts, n, config(model, 0).model.seq_len)
 
 
 def stop_at(toks: np.ndarray, logps: np.ndarray, eos: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

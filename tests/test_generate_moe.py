@@ -6,12 +6,11 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import zerojax
-from helpers import data_mesh
+from helpers import data_mesh, greedy_by_recompute
 from zerojax.models import decode, llama
 from zerojax.planner.mesh import make_mesh
 
@@ -52,22 +51,8 @@ def _forward(model: Any) -> Any:
 
 
 def reference(model: Any, params: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy tokens and their log-probabilities by full recomputation of each row's growing sequence
-    (the model's evaluation forward over a fixed window, read at the row's last token)."""
-    params = jax.device_get(params)
-    seqs = [list(p) for p in PROMPTS]
-    toks, logps = np.zeros((len(seqs), n), np.int32), np.zeros((len(seqs), n), np.float32)
-    for i in range(n):
-        buf = np.zeros((len(seqs), model.seq_len), np.int32)
-        for r, s in enumerate(seqs):
-            buf[r, :len(s)] = s
-        logits = np.asarray(_forward(model)(params, buf))
-        for r, s in enumerate(seqs):
-            row = logits[r, len(s) - 1]
-            toks[r, i] = int(np.argmax(row))
-            logps[r, i] = np.asarray(jax.nn.log_softmax(jnp.asarray(row)))[toks[r, i]]
-            s.append(int(toks[r, i]))
-    return toks, logps
+    """Greedy tokens and their log-probabilities by full recomputation with the model's evaluation forward."""
+    return greedy_by_recompute(_forward(model), params, PROMPTS, n, model.seq_len)
 
 
 def check(eng: zerojax.Engine, model: Any) -> None:
