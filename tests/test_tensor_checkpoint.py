@@ -27,7 +27,7 @@ SAVED_AT, MORE = 2, 2  # steps before the save, and after it
 
 def config(tensor: int, stage: int) -> zerojax.Config:
     return zerojax.load_config({
-        "train_batch_size": ROWS, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        "train_batch_size": ROWS, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "mesh": {"tensor": tensor}, "model": TINY})
@@ -70,17 +70,16 @@ def test_a_checkpoint_resumes_at_another_tensor_size(source: tuple[int, int], ta
     path, _ = e.load_checkpoint(str(src.directory))
     assert Path(path) == src.directory / f"global_step{SAVED_AT}" and e.global_steps == SAVED_AT
     # read straight into this plan's layout: each leaf as it splits it over (data, tensor)
-    for got, want in ((e.state.params, e.plan.param_shardings), (e.state.master, e.plan.update_shardings),
-                      (e.state.opt_state, e.plan.opt_state_shardings)):
+    for got, want in ((e.state.params, e.plan.param_shardings), (e.state.opt_state, e.plan.opt_state_shardings)):
         assert [x.sharding for x in jax.tree.leaves(got)] == jax.tree.leaves(want)
-    # the same state, bit for bit: parameters, fp32 master, Adam's moments, counters, scaler, key
+    # the same state, bit for bit: parameters, Adam's moments, counters, scaler, key
     assert_tree_close(host_state(e), src.state, rtol=0, atol=0, what="restored")
     # and the same run from there as the one that went on at the saving size. The split matmuls sum in
-    # another order at another tensor size, so equal to rounding: the losses to float32's, the
-    # master's updates within 5% (bf16 gradients through Adam give ~2%; a restore with fresh Adam
-    # moments is ~170% off)
+    # another order at another tensor size, so equal to rounding: the losses to float32's, the updates
+    # within 0.1% (a restore with fresh Adam moments is ~170% off). float32 on purpose: in bf16 the
+    # rounding of another split alone moves Adam's first updates of rarely seen rows by up to the lr.
     losses = [float(e.train_batch(batch(i))["loss"]) for i in range(SAVED_AT, SAVED_AT + MORE)]
     np.testing.assert_allclose(losses, src.losses, rtol=2e-5)
     assert e.global_steps == SAVED_AT + MORE
-    assert_tree_close(moved(host_state(e)["master"], src.state["master"]),
-                      moved(src.after["master"], src.state["master"]), rtol=0.05, atol=0, what="update")
+    assert_tree_close(moved(host_state(e)["params"], src.state["params"]),
+                      moved(src.after["params"], src.state["params"]), rtol=1e-3, atol=0, what="update")
