@@ -90,8 +90,10 @@ def data_axes(mesh: Any) -> DataAxis:
 
 
 def data_axis() -> DataAxis:
-    """`data_axes` of the mesh being traced (inside `shard_map`), for collectives in step and model code."""
-    return _data_axes(tuple(jax.sharding.get_abstract_mesh().axis_names))
+    """`data_axes` of the mesh being traced (inside `shard_map`), for collectives in step and model code;
+    `data` outside any mesh (a collective built before it is placed, or a placement-only call)."""
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    return _data_axes(names) if names else DATA
 
 
 def expert_data_axes(mesh: Any) -> DataAxis:
