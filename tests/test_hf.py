@@ -203,6 +203,13 @@ def test_clear_errors(tmp_path: Path) -> None:
     cfg = zerojax.load_config({"train_batch_size": 8, "model": {"hf_checkpoint": str(no_weights)}}).model
     with pytest.raises(zerojax.ConfigError, match="neither model.safetensors.*pytorch_model.bin.*safe_serialization"):
         hf.read_params(no_weights, cfg)
+    # a truncated weights file (a copy cut short) names the file, not safetensors' header error alone
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    shutil.copy(FIXTURES / "llama" / "config.json", cut / "config.json")
+    (cut / "model.safetensors").write_bytes((FIXTURES / "llama" / "model.safetensors").read_bytes()[:2000])
+    with pytest.raises(zerojax.ConfigError, match="cut/model.safetensors is not a readable safetensors file"):
+        hf.read_params(cut, cfg)
     # config.json says 4 key/value heads; the tensors have 2
     wrong = tmp_path / "wrong"
     shutil.copytree(FIXTURES / "llama", wrong)

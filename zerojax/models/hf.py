@@ -190,7 +190,11 @@ class Checkpoint:
             for path in files:
                 if not path.is_file():
                     raise HFError(f"model.hf_checkpoint: {path} is listed in {INDEX_FILE} but missing")
-                handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+                try:
+                    handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+                except Exception as e:  # safetensors' own error type: a truncated or foreign file
+                    raise HFError(f"model.hf_checkpoint: {path} is not a readable safetensors file ({e}); "
+                                  f"re-save it with save_pretrained(..., safe_serialization=True)") from None
                 self._files[path] = handle
                 if not self.where:
                     self.where = {name: path for name in handle.keys()}
