@@ -202,6 +202,26 @@ def moved(after: Any, before: Any) -> Any:
     return jax.tree.map(lambda a, b: a - b, after, before)
 
 
+def assert_resumes_like(e: zerojax.Engine, src: SavedRun, batch: Callable[[int], Any], saved_at: int,
+                        more: int) -> None:
+    """`e` (another mesh size) loads `src`'s checkpoint into its own layout, holds the saved state bit for
+    bit, and goes on as `src` did: the losses to float32's rounding (sums run in another order at
+    another size), the parameter updates within 0.1% (a restore with fresh Adam moments is far off).
+    Runs in float32: in bf16 another split's rounding alone moves Adam's first, sign-like updates of
+    rarely seen rows by up to the learning rate."""
+    import pathlib
+    path, _ = e.load_checkpoint(str(src.directory))
+    assert pathlib.Path(path) == pathlib.Path(src.directory) / f"global_step{saved_at}" and e.global_steps == saved_at
+    for got, want in ((e.state.params, e.plan.param_shardings), (e.state.opt_state, e.plan.opt_state_shardings)):
+        assert [x.sharding for x in jax.tree.leaves(got)] == jax.tree.leaves(want)  # read into this layout
+    assert_tree_close(host_state(e), src.state, rtol=0, atol=0, what="restored")
+    losses = [float(e.train_batch(batch(i))["loss"]) for i in range(saved_at, saved_at + more)]
+    np.testing.assert_allclose(losses, src.losses, rtol=2e-5)
+    assert e.global_steps == saved_at + more
+    assert_tree_close(moved(host_state(e)["params"], src.state["params"]),
+                      moved(src.after["params"], src.state["params"]), rtol=1e-3, atol=0, what="update")
+
+
 def assert_tree_close(got: Any, want: Any, *, rtol: float, atol: float, what: str = "") -> None:
     """Leaf by leaf: |got - want| <= atol + rtol * max|want| (a per-leaf scale, so moments as small
     as Adam's v are compared relative to their own size)."""
