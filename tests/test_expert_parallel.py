@@ -144,6 +144,17 @@ def test_expert_parallel_llama_trains_to_the_single_device_parameters(ep: int, s
     assert moved > 1e-4  # the experts did train
 
 
+def test_an_expert_data_group_of_one_device_accumulates_per_expert_device() -> None:
+    """data 1 x expert 2 at ZeRO-2: the experts' gradients are reduced over a group of one device (their
+    accumulator REPLICATED over it), yet each expert device holds other experts' gradients."""
+    want_losses, want = single(1)
+    e = engine(2, {"expert": 2}, 2)
+    assert dict(e.plan.mesh.shape) == {DATA: 1, EXPERT: 2}
+    losses, got = train(e)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what="data 1 x expert 2, stage 2")
+
+
 def test_aux_loss_is_per_device_as_without_the_expert_axis() -> None:
     """With l_aux on, expert 2 over 4 devices equals 4 data-parallel devices (both gate per device)."""
     model = {**TOP1, "moe_aux_loss_coef": 0.1}

@@ -274,8 +274,11 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
 
         def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
             z = jnp.zeros(sharding.shard_shape(x.shape), pol.accum)
-            # Accumulators holding per-device values (PARTIAL, Shard) are typed as varying.
-            return z if lay.grad == REPLICATED else to_varying(z)
+            # Accumulators holding per-device values (PARTIAL, Shard) are typed as varying, and so is a
+            # leaf's block over the axes it is split over (an expert weight's over `expert`, even where
+            # its expert-data-parallel group is one device and its gradient is REPLICATED over it).
+            z = z if lay.grad == REPLICATED else to_varying(z)
+            return to_varying(z, lay.split_axes) if lay.split else z
 
         acc0 = map_layouts(zeros, layouts, plan.abstract_params, plan.grad_shardings)
         acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
