@@ -21,6 +21,7 @@ from typing import Any, Callable, Union
 import jax
 from flax import nnx
 
+from zerojax.core.annotations import logical_axes
 from zerojax.core.sharded_init import ParamsInit
 
 __all__ = ["from_nnx", "to_nnx", "logical_axes"]
@@ -33,24 +34,6 @@ def _build(constructor: Callable[[], nnx.Module]) -> nnx.Module:
     (zerojax places them) and keep their annotations as metadata."""
     with nnx.use_eager_sharding(False):
         return constructor()
-
-
-def _names(variable: Any) -> tuple[str | None, ...] | None:
-    meta = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
-    names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
-    if names is None:
-        return None
-    return tuple(n if n is None or isinstance(n, str) else tuple(n) for n in names)
-
-
-def logical_axes(param_state: Any) -> Any:
-    """The logical axis names a model's parameters were annotated with (`nnx.with_partitioning`,
-    `sharding_names`), as a tree shaped like its params dict: a tuple per annotated leaf, None for the
-    others; None when no leaf is annotated."""
-    axes = jax.tree.map(_names, param_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    names = nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
-    annotated = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
-    return names if any(isinstance(x, tuple) for x in annotated) else None
 
 
 def _takes_rngs(loss: Callable[..., Any]) -> bool:
