@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import zerojax  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.pipeline.executor import _stage_fn, activation_shape, make_grad_fn  # noqa: E402
-from zerojax.pipeline.step import ROWS, init_rows, make_pipeline_train_step  # noqa: E402
+from zerojax.pipeline.step import init_rows, make_pipeline_train_step  # noqa: E402
 from zerojax.planner.pipeline import make_pipeline_plan
 from zerojax.core.state import init_state  # noqa: E402
 
@@ -88,7 +88,7 @@ def measure(args: argparse.Namespace, schedule: str, micro_batches: int) -> dict
 
     # The executed schedule: which branch every device ran in every tick.
     grad_fn = jax.jit(make_grad_fn(pp.train, trace=True))
-    _, _, fwd, bwd = grad_fn(state.params[ROWS], batch, 1.0)
+    _, _, fwd, bwd = grad_fn(state.params, batch, 1.0)
     fwd, bwd = np.asarray(fwd), np.asarray(bwd)
     sched = pp.schedule
     ran = (fwd > 0).sum(axis=0) + (bwd > 0).sum(axis=0)

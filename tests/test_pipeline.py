@@ -184,7 +184,7 @@ def test_executor_runs_the_schedule_it_is_given() -> None:
     engine = zerojax.initialize(cfg, model=MODULES[True], params=PARAMS0[True])
     grad_fn = jax.jit(make_grad_fn(engine.pipeline.train, trace=True))
     data = batches(engine.train_batch_size())[0]
-    loss, _, fwd, bwd = grad_fn(engine.state.params["stages"], data, 1.0)
+    loss, _, fwd, bwd = grad_fn(engine.state.params, data, 1.0)
     want = tables(engine.pipeline.schedule)
     np.testing.assert_array_equal(np.asarray(fwd), want["fwd"])
     np.testing.assert_array_equal(np.asarray(bwd), want["bwd"])
@@ -298,3 +298,48 @@ def test_bad_layers_and_tied_shapes() -> None:
 def test_pallas_kernels_are_not_used_by_pipelines() -> None:
     with pytest.raises(zerojax.ConfigError, match=r"kernels: 'pallas' is not supported with pipeline parallelism"):
         zerojax.initialize(config(2, 2, kernels="pallas"), model=MODULES[False])
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers that draw noise (a MoE gate's) get keys, the same in a micro-batch's forward and backward.
+
+class Noisy(nnx.Module):
+    """Scales its input by a weight and, in training, by noise drawn from the key it is handed."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs):
+        self.w = nnx.Param(jnp.ones((d,)))
+
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        noise = 1.0 if rng is None else jax.random.uniform(rng, x.shape, minval=0.5, maxval=1.5)
+        return x * self.w[...] * noise
+
+
+def test_a_layer_that_takes_rng_gets_one_key_per_micro_batch_in_forward_and_backward() -> None:
+    """With the keys the executor derives (the step's key, the data shard, the micro-batch, the layer
+    index), the pipeline's loss and gradient are those of the unpipelined loss under the same keys: a
+    backward that recomputed with another key than its forward would give another gradient. Evaluation
+    hands out no key."""
+    module = zerojax.PipelineModule([inputs, zerojax.LayerSpec(nnx.Linear, D_IN, H), zerojax.LayerSpec(Noisy, H),
+                                     zerojax.LayerSpec(nnx.Linear, H, D_IN)], loss_fn=mse)
+    assert [layer.spec.takes_rng for layer in module.layers[1:]] == [False, True, False]
+    cfg = config(2, 2, stage=1, mesh={"stage": 2, "data": 1})
+    engine = zerojax.initialize(cfg, model=module, params=module.init(0), mesh=jax.sharding.Mesh(
+        np.array(jax.devices()[:2]).reshape(2, 1), ("stage", "data")))
+    data = batches(engine.train_batch_size())[0]
+    key = jax.random.key_data(jax.random.key(7))
+    loss, grads = jax.jit(make_grad_fn(engine.pipeline.train))(engine.state.params, data, 1.0, key)
+
+    shard = jax.random.fold_in(jax.random.wrap_key_data(key), 0)  # the one data shard
+
+    def reference(params: Any) -> jax.Array:
+        micro = [jax.tree.map(lambda x, i=i: x[i:i + 1], data) for i in range(2)]
+        return sum(module.loss(params, mb, jax.random.fold_in(shard, i)) for i, mb in enumerate(micro)) / 2
+
+    want_loss, want = jax.value_and_grad(reference)(module.init(0))
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    assert_tree_close(engine.pipeline.rows.unpack(jax.device_get(grads)), to_numpy(want), rtol=1e-5, atol=1e-6,
+                      what="gradient under the drawn keys")
+    # without noise the gradient is another one: the keys were used
+    plain = jax.grad(lambda p: module.loss(p, data))(module.init(0))
+    assert not np.allclose(np.asarray(plain["layer_02"]["w"]), np.asarray(want["layer_02"]["w"]), rtol=1e-3)
+    np.testing.assert_allclose(float(engine.eval_batch(data)), float(module.loss(module.init(0), data)), rtol=1e-6)

@@ -100,25 +100,28 @@ def export_safetensors(directory: PathLike, tag: str | None, out_path: PathLike,
 
 def _exported_arrays(tag_dir: Path, meta: Mapping[str, Any], rows: Mapping[str, Any] | None
                      ) -> Iterator[np.ndarray]:
-    """The parameters to export, in header order: saved leaves, or slices of pipeline rows."""
+    """The parameters to export, in header order: saved leaves, or slices of pipeline rows (the stage
+    rows, and the expert rows an entry's `array` names)."""
     if not rows:
         sources = [join(meta["truth"], name) for name in meta["params"]]
         for _, array in read_leaves(tag_dir / STATE_DIR, sources):
             yield array
         return
-    (_, table), = read_leaves(tag_dir / STATE_DIR, [join(meta["truth"], rows["array"])])
+    names = dict.fromkeys(entry.get("array", rows["array"]) for entry in rows["leaves"].values())
+    tables = dict(read_leaves(tag_dir / STATE_DIR, [join(meta["truth"], name) for name in names]))
     for entry in rows["leaves"].values():
-        yield pipeline_leaf(table, entry)
+        yield pipeline_leaf(tables[join(meta["truth"], entry.get("array", rows["array"]))], entry)
 
 
 def pipeline_leaf(table: np.ndarray, entry: Mapping[str, Any]) -> np.ndarray:
-    """One logical parameter out of pipeline rows: `[S, width]`, or `[S, tensor, width]` whose rows
-    hold tensor slices (joined along the entry's `tensor_dim`; a whole leaf is read from slice 0)."""
+    """One logical parameter out of pipeline rows: `[S, width]`, or `[S, slices, width]` whose rows hold
+    tensor or expert slices (joined along the entry's `tensor_dim` or `expert_dim`; a whole leaf is read
+    from slice 0)."""
     start, shape = entry["offset"], entry.get("block", entry["shape"])
     if table.ndim == 2:
         return table[entry["row"], start:start + math.prod(shape)].reshape(shape)
     blocks = [table[entry["row"], t, start:start + math.prod(shape)].reshape(shape) for t in range(table.shape[1])]
-    dim = entry.get("tensor_dim")
+    dim = entry.get("tensor_dim", entry.get("expert_dim"))
     return blocks[0] if dim is None else np.concatenate(blocks, axis=dim)
 
 

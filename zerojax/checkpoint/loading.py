@@ -104,9 +104,10 @@ def _unflatten(abstract: Any, prefix: str, values: Mapping[str, Any]) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Relayout:
     """How saved leaves of another layout become the plan's (a pipeline's stage rows saved at another
-    stage count or tensor size): `convert(saved array, the tag's meta)` gives the target's array, for
-    every leaf `wanted(name, meta)` picks and every leaf saved under its name with another shape."""
-    convert: Callable[[np.ndarray, Mapping[str, Any]], np.ndarray]
+    stage count, tensor or expert size): `convert(leaf name, saved array, the tag's meta)` gives the
+    target's array, for every leaf `wanted(name, meta)` picks and every leaf saved under its name with
+    another shape."""
+    convert: Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray]
     wanted: Callable[[str, Mapping[str, Any]], bool] = lambda name, meta: False
 
 
@@ -158,7 +159,7 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     values = _restore(tag_dir / STATE_DIR, {k: v for k, v in targets.items() if k not in moved})
     for name, array in read_leaves(tag_dir / STATE_DIR, [k for k in targets if k in moved]):
         want = targets[name]
-        values[name] = jax.device_put(np.asarray(relayout.convert(array, meta), want.dtype), want.sharding)
+        values[name] = jax.device_put(np.asarray(relayout.convert(name, array, meta), want.dtype), want.sharding)
 
     truth = _unflatten(truth_target, meta["truth"], values)
     missing = [f for f, _ in state_fields(target) if f not in ("params", "master") and f not in restored_fields]

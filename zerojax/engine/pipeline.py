@@ -18,7 +18,8 @@ from zerojax.config import Config
 from zerojax.engine.engine import Engine
 from zerojax.core.layout import MemoryReport
 from zerojax.pipeline.module import PipelineModule
-from zerojax.pipeline.step import (ROWS, PipelinePlan, init_rows, make_pipeline_eval_step, make_pipeline_train_step, pack_params)
+from zerojax.pipeline.step import (ROWS, PipelinePlan, init_rows, make_pipeline_eval_step, make_pipeline_train_step,
+                                   pack_params)
 from zerojax.planner.pipeline import make_pipeline_plan
 
 
@@ -41,7 +42,7 @@ class PipelineEngine(Engine):
     def params(self) -> dict[str, Any]:
         """Logical parameters (host numpy arrays): the fp32 master copy under mixed precision."""
         tree = self.state.master if self.plan.policy.mixed else self.state.params
-        return self.pipeline.rows.unpack(tree[ROWS])
+        return self.pipeline.rows.unpack(tree)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
                         extra: Mapping[str, Any] | None = None, async_save: bool | None = None) -> str:
@@ -53,8 +54,8 @@ class PipelineEngine(Engine):
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         ) -> tuple[str, Any]:
-        """As Engine.load_checkpoint; rows laid out otherwise (another stage count, tensor size or
-        partition: the saved row manifest differs) are read whole, cut into the logical parameters by
+        """As Engine.load_checkpoint; rows laid out otherwise (another stage count, tensor or expert size
+        or partition: the saved row manifest differs) are read whole, cut into the logical parameters by
         that manifest and packed into this run's rows (the optimizer's moments with them: the
         pipeline optimizers are elementwise)."""
         from zerojax import checkpoint
@@ -64,7 +65,7 @@ class PipelineEngine(Engine):
 
         def wanted(name: str, meta: Mapping[str, Any]) -> bool:
             saved = meta.get("extra", {}).get(checkpoint.PIPELINE_ROWS, {}).get("leaves")
-            return name.split(".")[-1] == ROWS and saved is not None and saved != mine
+            return name.split(".")[-1] in self.pipeline.rows.arrays and saved is not None and saved != mine
 
         self.state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
                                             load_module_only=load_module_only,
@@ -73,29 +74,33 @@ class PipelineEngine(Engine):
         resolved = tag or checkpoint.latest_tag(load_dir)
         return str(Path(load_dir) / str(resolved)), extra.get("client_state")
 
-    def _relayout(self, saved: Any, meta: Mapping[str, Any]) -> Any:
-        """Saved rows -> this run's: each logical leaf cut out by the saved manifest, checked against
-        this module's parameters, and the entries rebuilt in their own tree order before packing."""
+    def _relayout(self, name: str, saved: Any, meta: Mapping[str, Any]) -> Any:
+        """Saved rows -> this run's (`name`: the state leaf, ending in the array's name): each logical leaf
+        the array holds cut out by the saved manifest, checked against this module's parameters, and
+        packed into this run's array of that name."""
         from zerojax.checkpoint import PIPELINE_ROWS, CheckpointError
         from zerojax.checkpoint.export import pipeline_leaf
         from zerojax.core.names import dotted
         entries = meta.get("extra", {}).get(PIPELINE_ROWS, {}).get("leaves")
         if entries is None:
             raise CheckpointError("checkpoint: stage rows of another layout, without the row manifest to convert them")
+        array, rows = name.split(".")[-1], self.pipeline.rows
         table, logical = np.asarray(saved), {}
         for key, entry in self.module.abstract_params().items():
             paths, treedef = jax.tree_util.tree_flatten_with_path(entry)
             leaves = []
             for path, want in paths:
-                name = dotted(path, key)
-                found = entries.get(name)
+                leaf = dotted(path, key)
+                found = entries.get(leaf)
                 if found is None or tuple(found["shape"]) != tuple(want.shape):
                     got = "missing" if found is None else f"shape {tuple(found['shape'])}"
-                    raise CheckpointError(f"checkpoint holds a different model: {name} is {got}, this pipeline's "
+                    raise CheckpointError(f"checkpoint holds a different model: {leaf} is {got}, this pipeline's "
                                           f"model has shape {tuple(want.shape)}")
-                leaves.append(pipeline_leaf(table, found))
+                # leaves of the other array are not read: zeros of their shape fill the entry for packing
+                leaves.append(pipeline_leaf(table, found) if found.get("array", ROWS) == array
+                              else np.zeros(want.shape, table.dtype))
             logical[key] = jax.tree.unflatten(treedef, leaves)
-        return np.asarray(self.pipeline.rows.pack(logical, saved.dtype))
+        return np.asarray(rows.pack(logical, saved.dtype)[array])
 
     def generate(self, prompts: Any, max_new_tokens: int, **kwargs: Any) -> Any:
         """Refused: a pipeline's layers live on different stages, and generation here runs the whole model."""

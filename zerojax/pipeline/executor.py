@@ -20,6 +20,9 @@ and the scan walks them. Every tick, on every device:
 3. store: a stage that receives in this tick (table entry >= 0) writes into the slot the schedule
    allocated for that micro-batch.
 
+An activation is an array or a tuple of arrays (a MoE model passes its load-balancing loss beside the
+hidden states): buffers, sends and stores go leaf by leaf.
+
 Backward recomputes the stage's forward from its stored *input* and backpropagates at once
 (`jax.vjp` inside the branch), so what a stage keeps per in-flight micro-batch is one activation,
 the schedule's slot count bounds activation memory (1F1B: S slots, GPipe: M), and residuals of
@@ -36,6 +39,14 @@ reduce-scatter it inside the backward branch - every device of a stage's data gr
 branch in the same tick, so the collective has all its participants - into an accumulator of 1/D
 of the row. Tied parameters are received from their owner stage before the first tick; their
 gradients are sent back and added into the owner's row after the last one.
+
+The parameters are one or two arrays of rows (`RowGroup`): the stage rows, and for a mixture of experts
+the expert rows, whose width is ZeRO-sharded and whose gradient is summed over the expert-data-parallel
+devices only (each device of an expert group holds other experts; the all-to-all's transpose has already
+brought every token's contribution to its expert). Both go through the same gathers and reductions.
+
+Layers that draw noise (a MoE gate's) get a key per step, data shard, micro-batch and layer, the same in
+a micro-batch's forward and in its backward's recomputation.
 """
 from __future__ import annotations
 
@@ -47,12 +58,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax.core.collectives import PARTIAL, Placement, Shard, move, zeros_like_local
+from zerojax.core.collectives import PARTIAL, REPLICATED, Placement, Shard, move, zeros_like_local
 from zerojax.errors import ConfigError
-from zerojax.core.mesh import STAGE, TENSOR, data_axes, data_size, row_axes, row_size, sequence_size
+from zerojax.core.mesh import (STAGE, TENSOR, DataAxis, axes_size, data_axes, data_size, row_axes, row_size,
+                               sequence_size)
 from zerojax.core.sequence import batch_specs, split_tokens
 from zerojax.core.tensor_parallel import tensor_parallel
-from zerojax.pipeline.buffers import StageRows
+from zerojax.pipeline.buffers import ROWS, StageRows
 from zerojax.pipeline.schedule import Backward, Forward, RecvActivation, RecvGrad, Schedule
 
 
@@ -99,27 +111,42 @@ def tables(schedule: Schedule) -> dict[str, np.ndarray]:
     return out
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Pipeline:
-    """What the executor needs: the mesh, the stage rows, the schedules and the dtypes/placements.
+@dataclasses.dataclass(frozen=True)
+class RowGroup:
+    """One array of rows as the executor handles it.
 
     `param` / `grad` / `update` are placements of a device's row (dimension 0 of the local row)
-    over the data-parallel axes (`data_axes`: data, and sequence with one): the parameters
-    REPLICATED or Shard(0) (ZeRO-3); the gradient accumulator PARTIAL (ZeRO-0/1: each backward
-    adds the device's own contribution, reduced once after the last tick) or Shard(0) (ZeRO-2/3:
-    each backward's gradient is reduce-scattered at once, so the accumulator is 1/D of the row);
-    the reduced gradient at the update REPLICATED or Shard(0).
+    over `zero`, the devices its width is ZeRO-sharded over and its gradient summed over (the stage
+    rows: every data-parallel device, `data_axes`; the expert rows: the expert-data-parallel ones): the
+    parameters REPLICATED or Shard(0) (ZeRO-3); the gradient accumulator PARTIAL (ZeRO-0/1: each
+    backward adds the device's own contribution, reduced once after the last tick) or Shard(0)
+    (ZeRO-2/3: each backward's gradient is reduce-scattered at once, so the accumulator is 1/D of the
+    row); the reduced gradient at the update REPLICATED or Shard(0). `param_spec` / `update_spec` are
+    the whole array's PartitionSpecs; `lead` the leading dimensions of a device's block before its width
+    (1: `[1, width]`; 2: `[1, 1, width]`, a tensor or expert slice).
     """
+    name: str
+    zero: DataAxis
+    param: Placement
+    grad: Placement
+    update: Placement
+    param_spec: P
+    update_spec: P
+    lead: int = 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipeline:
+    """What the executor needs: the mesh, the stage rows, the schedules, the dtypes and the row groups
+    (`RowGroup`, the stage rows first)."""
     mesh: Mesh
     rows: StageRows
     schedule: Schedule
     param_dtype: Any
     accum_dtype: Any
     comm_dtype: Any
-    param: Placement
-    update: Placement
+    groups: tuple[RowGroup, ...]
     interval: int = 0
-    grad: Placement = PARTIAL
     partition_activations: bool = False  # tensor slices: checkpointed layers keep their inputs split
 
     @property
@@ -140,11 +167,9 @@ class Pipeline:
     def tensor(self) -> int:
         return self.rows.tensor
 
-    def row_spec(self, placement: Placement) -> P:
-        """The rows' spec: `[S, width]`, or `[S, tensor, width]` with tensor slices; width over the
-        data-parallel axes when sharded."""
-        lead = (STAGE, TENSOR) if self.tensor > 1 else (STAGE,)
-        return P(*lead, data_axes(self.mesh)) if isinstance(placement, Shard) else P(*lead)
+    def specs(self, which: str) -> dict[str, P]:
+        """Per row group, the PartitionSpec of its parameters (`param`) or reduced gradients (`update`)."""
+        return {g.name: getattr(g, f"{which}_spec") for g in self.groups}
 
     @property
     def checks_vma(self) -> bool:
@@ -168,30 +193,32 @@ def _perms(stages: int, cyclic: bool) -> tuple[list[tuple[int, int]], list[tuple
     return fwd, bwd
 
 
-def _stage_fn(pipe: Pipeline, v: int) -> Callable[..., tuple[Any, jax.Array]]:
-    """Virtual stage v as (row, tied_in, x, micro_batch) -> (activation out, loss); the last stage
-    has no activation out and the others no loss (None)."""
+def _stage_fn(pipe: Pipeline, v: int, deterministic: bool = False) -> Callable[..., tuple[Any, jax.Array]]:
+    """Virtual stage v as (rows, tied_in, x, micro_batch, rng) -> (activation out, loss); the last stage
+    has no activation out and the others no loss (None). `deterministic`: evaluation (layers in eval mode)."""
     rows, module = pipe.rows, pipe.rows.module
     layers = [module.layers[i] for i in rows.partition.layers(v)]
     last = v == rows.virtual - 1
 
-    def layers_fn(params: dict[str, Any], x: Any, micro: Any) -> Any:
-        out = module.run_layers(params, micro if v == 0 else x, layers, pipe.interval)
+    def layers_fn(params: dict[str, Any], x: Any, micro: Any, rng: Any) -> Any:
+        out = module.run_layers(params, micro if v == 0 else x, layers, pipe.interval, rng, deterministic)
         return jnp.asarray(module.loss_fn(out, micro), jnp.float32) if last else out
 
     if rows.tensor > 1:  # the stage's layers on this device's tensor slices, with Megatron's collectives
         layers_fn = tensor_parallel(layers_fn, rows.stage_dims(v), TENSOR, rows.tensor,
                                     partition_activations=pipe.partition_activations)
 
-    def run(row: jax.Array, tied_in: dict[str, jax.Array], x: Any, micro: Any) -> tuple[Any, jax.Array]:
-        out = layers_fn(rows.read_stage(v, row, tied_in), x, micro)
+    def run(row: dict[str, jax.Array], tied_in: dict[str, jax.Array], x: Any, micro: Any,
+            rng: Any = None) -> tuple[Any, jax.Array]:
+        out = layers_fn(rows.read_stage(v, row, tied_in), x, micro, rng)
         return (None, out) if last else (out, None)
 
     return run
 
 
-def activation_shape(pipe: Pipeline, micro: Any) -> jax.ShapeDtypeStruct:
-    """The activation passed between stages; every stage boundary must pass the same one."""
+def activation_shape(pipe: Pipeline, micro: Any) -> Any:
+    """The activation passed between stages (an array's or a tuple of arrays' shapes); every stage
+    boundary must pass the same one."""
     rows, module = pipe.rows, pipe.rows.module
     abstract = {k: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, pipe.param_dtype), p)
                 for k, p in module.abstract_params().items()}
@@ -204,12 +231,22 @@ def activation_shape(pipe: Pipeline, micro: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((), jnp.float32)
     for v, sh in enumerate(shapes):
         leaves = jax.tree.leaves(sh)
-        if len(leaves) != 1 or leaves[0].shape != shapes[0].shape or leaves[0].dtype != shapes[0].dtype:
+        if (jax.tree.structure(sh) != jax.tree.structure(shapes[0]) or not leaves
+                or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(leaves, jax.tree.leaves(shapes[0])))):
             raise ConfigError(
                 f"PipelineModule: stage {v} passes {sh} to stage {v + 1} but stage 0 passes {shapes[0]}; "
-                f"every stage boundary must carry one array of one shape (choose partition_method / "
-                f"layers so that cuts fall between layers with equal outputs)")
+                f"every stage boundary must carry the same arrays of the same shapes (choose partition_method "
+                f"/ layers so that cuts fall between layers with equal outputs)")
     return shapes[0]
+
+
+def _zeros(shapes: Any, lead: tuple[int, ...] = ()) -> Any:
+    """Zeros (typed per device) shaped like an activation, with `lead` extra leading dimensions (buffers)."""
+    return jax.tree.map(lambda a: vary(jnp.zeros((*lead, *a.shape), a.dtype)), shapes)
+
+
+def _at(buffers: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda b: b[i], buffers)
 
 
 def _check_tables(pipe: Pipeline) -> None:
@@ -219,23 +256,24 @@ def _check_tables(pipe: Pipeline) -> None:
                          f"rows are for {rows.stages} x {rows.chunks}")
 
 
-def _enter(pipe: Pipeline, rows_local: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """A device's whole row, typed per-device, and the tied vectors it receives from their owners."""
-    rows = pipe.rows
-    row = rows_local[0, 0] if pipe.tensor > 1 else rows_local[0]
-    if isinstance(pipe.param, Shard):  # ZeRO-3: the stage's row is gathered once per step
-        row = jax.lax.all_gather(row, data_axes(pipe.mesh), axis=0, tiled=True)
-    # Differentiated per device: the row's gradient stays this device's contribution (PARTIAL).
-    row = vary(row)
+def _enter(pipe: Pipeline, local: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """A device's whole rows (per group), typed per-device, and the tied vectors it receives from their owners."""
+    rows, out = pipe.rows, {}
+    for g in pipe.groups:
+        row = local[g.name][(0,) * g.lead]
+        if isinstance(g.param, Shard):  # ZeRO-3: the stage's row is gathered once per step
+            row = jax.lax.all_gather(row, g.zero, axis=0, tiled=True)
+        # Differentiated per device: the row's gradient stays this device's contribution (PARTIAL).
+        out[g.name] = vary(row)
     tied_in = {}
     for t in rows.tied:
         if not t.users:
             continue
         slot = rows.slot(t.key)
-        piece = jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
+        piece = jax.lax.slice_in_dim(out[ROWS], slot.offset, slot.offset + slot.size)
         got = [jax.lax.ppermute(piece, STAGE, [(t.owner, u)]) for u in t.users]
         tied_in[t.key] = vary(sum(got[1:], got[0]))
-    return row, tied_in
+    return out, tied_in
 
 
 def _split_micro_batches(pipe: Pipeline, batch: Any) -> tuple[Any, Any, Any]:
@@ -262,34 +300,41 @@ def _split_micro_batches(pipe: Pipeline, batch: Any) -> tuple[Any, Any, Any]:
     return shaped, batch_specs(shaped, row_axes(pipe.mesh), 1, sp, micro=True), jax.tree.map(local, shaped)
 
 
-def _forward_branches(stage_fns: list[Callable[..., Any]], row: jax.Array, tied_in: Any,
-                      act: jax.ShapeDtypeStruct) -> list[Callable[..., Any]]:
-    """`lax.switch` branches `(x, micro_batch) -> (activation out, loss)`: index 0 idles, index
-    v + 1 runs virtual stage v. Every branch returns the same types (zeros where a stage has no
-    output or no loss), as a switch needs."""
-    def zeros_act() -> jax.Array:
-        return vary(jnp.zeros(act.shape, act.dtype))
-
-    def idle(x: jax.Array, mb: Any) -> tuple[jax.Array, jax.Array]:
-        return zeros_act(), vary(jnp.zeros((), jnp.float32))
+def _forward_branches(stage_fns: list[Callable[..., Any]], rows: dict[str, jax.Array], tied_in: Any,
+                      act: Any, rng_of: Callable[[Any, int], Any]) -> list[Callable[..., Any]]:
+    """`lax.switch` branches `(x, micro_batch, micro-batch index) -> (activation out, loss)`: index 0
+    idles, index v + 1 runs virtual stage v. Every branch returns the same types (zeros where a stage
+    has no output or no loss), as a switch needs."""
+    def idle(x: Any, mb: Any, i: jax.Array) -> tuple[Any, jax.Array]:
+        return _zeros(act), vary(jnp.zeros((), jnp.float32))
 
     def forward(v: int) -> Callable[..., Any]:
-        def branch(x: jax.Array, mb: Any) -> tuple[jax.Array, jax.Array]:
-            y, loss = stage_fns[v](row, tied_in, x, mb)
+        def branch(x: Any, mb: Any, i: jax.Array) -> tuple[Any, jax.Array]:
+            y, loss = stage_fns[v](rows, tied_in, x, mb, rng_of(i, v))
             loss = jnp.zeros((), jnp.float32) if loss is None else loss
-            return (zeros_act() if y is None else vary(y)), vary(loss)
+            return (_zeros(act) if y is None else vary(y)), vary(loss)
         return branch
 
     return [idle] + [forward(v) for v in range(len(stage_fns))]
 
 
+def _keys(pipe: Pipeline, key: Any) -> Callable[[Any, int], Any]:
+    """(micro-batch index, virtual stage) -> the key its layers fold their index into: the step's key
+    folded with this device's data-parallel index and the micro-batch (None without a key)."""
+    if key is None:
+        return lambda i, v: None
+    shard = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axes(pipe.mesh)))
+    return lambda i, v: jax.random.fold_in(shard, i)
+
+
 def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
-    """(rows [S, width], batch, loss cotangent scale) -> (mean loss, gradient rows in `update`).
+    """(params {group: rows}, batch, loss cotangent scale, key) -> (mean loss, gradient rows in `update`).
 
     batch leaves are global `[M * dp * m, ...]`; micro-batch i is rows [i*m*dp, (i+1)*m*dp) and
     data shard d gets its d-th block of m rows, as in the unpipelined step (with a sequence axis,
     sequence device p takes chunk p of those rows' tokens). The gradient returned
-    is `scale` times the gradient of the mean loss over the whole batch. With `trace`, also two
+    is `scale` times the gradient of the mean loss over the whole batch. `key` (raw key data, or None)
+    feeds the layers that draw noise. With `trace`, also two
     `[ticks, stages]` tables of the branches each device's forward and backward switches executed
     (0: none, 1 + v: virtual stage v).
     """
@@ -300,33 +345,34 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
     fwd_perm, bwd_perm = _perms(S, rows.chunks > 1)
     stage_fns = [_stage_fn(pipe, v) for v in range(V)]
     tied = [t for t in rows.tied if t.users]
-    update_local = pipe.update
+    groups = pipe.groups
 
-    def local(rows_local: jax.Array, micro: Any, act: jax.ShapeDtypeStruct, scale: jax.Array) -> Any:
+    def local(rows_local: dict[str, jax.Array], micro: Any, act: Any, scale: jax.Array, key: Any) -> Any:
         me = jax.lax.axis_index(STAGE)
         row, tied_in = _enter(pipe, rows_local)
+        rng_of = _keys(pipe, key)
         micro = jax.tree.map(lambda x: x[:, 0], micro)
         # Each device's loss is its data shard's mean (under a sequence axis its chunk's share of
         # it, `zerojax.models.loss.masked_mean`): the batch mean is their mean over the dp devices.
         cot = vary(scale.astype(jnp.float32) / (M * dp))
 
-        def zeros_act() -> jax.Array:
-            return vary(jnp.zeros(act.shape, act.dtype))
-
-        def no_backward(x, dy, mb, acc, acc_tied):
-            return zeros_act(), acc, acc_tied
+        def no_backward(x, dy, mb, i, acc, acc_tied):
+            return _zeros(act), acc, acc_tied
 
         def backward(v):
-            def branch(x, dy, mb, acc, acc_tied):
-                (y, loss), pullback = jax.vjp(lambda p, tv, h: stage_fns[v](p, tv, h, mb), row, tied_in, x)
+            def branch(x, dy, mb, i, acc, acc_tied):
+                (y, loss), pullback = jax.vjp(lambda p, tv, h: stage_fns[v](p, tv, h, mb, rng_of(i, v)),
+                                              row, tied_in, x)
                 dp_, dtied, dx = pullback((None if y is None else dy, None if loss is None else cot))
                 # ZeRO-2/3: reduce-scattered here, over the data group that runs this same branch.
-                acc = acc + move(dp_.astype(acc.dtype), PARTIAL, pipe.grad, comm_dtype=pipe.comm_dtype)
+                acc = {g.name: acc[g.name] + move(dp_[g.name].astype(acc[g.name].dtype), PARTIAL, g.grad,
+                                                  comm_dtype=pipe.comm_dtype, axis=g.zero) for g in groups}
                 acc_tied = {k: a + dtied[k].astype(a.dtype) for k, a in acc_tied.items()}
-                return (zeros_act() if v == 0 else vary(dx.astype(act.dtype))), acc, acc_tied
+                dx = _zeros(act) if v == 0 else jax.tree.map(lambda d, a: vary(d.astype(a.dtype)), dx, act)
+                return dx, acc, acc_tied
             return branch
 
-        forwards = _forward_branches(stage_fns, row, tied_in, act)
+        forwards = _forward_branches(stage_fns, row, tied_in, act, rng_of)
         backwards = [no_backward] + [backward(v) for v in range(V)]
 
         def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
@@ -334,20 +380,19 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
             at = {k: x[me] for k, x in xs.items()}
             # The forward slot runs first: the last stage's backward of micro-batch m may follow
             # its forward of m in the same tick (paired schedules).
-            out_act, loss = jax.lax.switch(at["fwd"], forwards, stash[at["fwd_buf"]],
-                                           jax.tree.map(lambda a: a[at["fwd_mb"]], micro))
+            out_act, loss = jax.lax.switch(at["fwd"], forwards, _at(stash, at["fwd_buf"]),
+                                           _at(micro, at["fwd_mb"]), at["fwd_mb"])
             out_grad, acc, acc_tied = jax.lax.switch(
-                at["bwd"], backwards, stash[at["bwd_buf"]], gstash[at["bwd_gbuf"]],
-                jax.tree.map(lambda a: a[at["bwd_mb"]], micro), acc, acc_tied)
+                at["bwd"], backwards, _at(stash, at["bwd_buf"]), _at(gstash, at["bwd_gbuf"]),
+                _at(micro, at["bwd_mb"]), at["bwd_mb"], acc, acc_tied)
             act_in = jax.lax.ppermute(out_act, STAGE, fwd_perm)
             grad_in = jax.lax.ppermute(out_grad, STAGE, bwd_perm)
             stash = _store(stash, at["recv_act"], act_in)
             gstash = _store(gstash, at["recv_grad"], grad_in)
             return (stash, gstash, acc, acc_tied, loss_sum + loss), (at["fwd"], at["bwd"])
 
-        carry = (vary(jnp.zeros((sched.act_buffers, *act.shape), act.dtype)),
-                 vary(jnp.zeros((sched.grad_buffers, *act.shape), act.dtype)),
-                 vary(zeros_like_local(row.shape, pipe.accum_dtype, pipe.grad, dp)),
+        acc0 = {g.name: _accumulator(pipe, g, row[g.name].shape) for g in groups}
+        carry = (_zeros(act, (sched.act_buffers,)), _zeros(act, (sched.grad_buffers,)), acc0,
                  {t.key: vary(jnp.zeros((rows.slot(t.key).size,), pipe.accum_dtype)) for t in tied},
                  vary(jnp.zeros((), jnp.float32)))
         xs = {k: jnp.asarray(v) for k, v in tab.items()}
@@ -355,39 +400,55 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
 
         # ReduceTiedGrads: every user's gradient goes back to the owner's row (non-owners receive
         # zeros from the ppermute and add nothing).
+        dense = groups[0]
         for t in tied:
             slot = rows.slot(t.key)
             back = [jax.lax.ppermute(acc_tied[t.key], STAGE, [(u, t.owner)]) for u in t.users]
-            full = jnp.zeros(row.shape, acc.dtype).at[slot.offset:slot.offset + slot.size].set(sum(back[1:], back[0]))
-            acc = acc + move(full, PARTIAL, pipe.grad, comm_dtype=pipe.comm_dtype)
+            full = jnp.zeros(row[ROWS].shape, pipe.accum_dtype).at[slot.offset:slot.offset + slot.size].set(
+                sum(back[1:], back[0]))
+            acc[ROWS] = acc[ROWS] + move(full, PARTIAL, dense.grad, comm_dtype=pipe.comm_dtype, axis=dense.zero)
         # ReduceGrads: the accumulator -> the update placement (all-reduce, reduce-scatter or nothing).
-        grads = move(acc, pipe.grad, update_local, comm_dtype=pipe.comm_dtype)
+        grads = {g.name: move(acc[g.name], g.grad, g.update, comm_dtype=pipe.comm_dtype, axis=g.zero)[(None,) * g.lead]
+                 for g in groups}
         loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, pipe.replicas)
-        out = (loss, grads[None, None] if pipe.tensor > 1 else grads[None])
+        out = (loss, grads)
         if trace:  # identical over data (the tables depend on the stage only); pmax just types it so
             out += (jax.lax.pmax(fwd_ran, pipe.replicas)[:, None], jax.lax.pmax(bwd_ran, pipe.replicas)[:, None])
         return out
 
-    def grad_fn(rows_array: jax.Array, batch: Any, scale: jax.Array | float = 1.0) -> Any:
+    def grad_fn(params: dict[str, jax.Array], batch: Any, scale: jax.Array | float = 1.0, key: Any = None) -> Any:
         shaped, specs, micro0 = _split_micro_batches(pipe, batch)
         act = activation_shape(pipe, micro0)
-        out_specs = (P(), pipe.row_spec(update_local)) + ((P(None, STAGE), P(None, STAGE)) if trace else ())
-        mapped = jax.shard_map(
-            lambda r, b, s: local(r, b, act, s), mesh=pipe.mesh,
-            in_specs=(pipe.row_spec(pipe.param), specs, P()), out_specs=out_specs, check_vma=pipe.checks_vma)
-        return mapped(rows_array, shaped, jnp.asarray(scale, jnp.float32))
+        out_specs = (P(), pipe.specs("update")) + ((P(None, STAGE), P(None, STAGE)) if trace else ())
+        keyed = key is not None
+        mapped = jax.shard_map(lambda r, b, s, k: local(r, b, act, s, k if keyed else None), mesh=pipe.mesh,
+                               in_specs=(pipe.specs("param"), specs, P(), P()), out_specs=out_specs,
+                               check_vma=pipe.checks_vma)
+        return mapped({g.name: params[g.name] for g in groups}, shaped, jnp.asarray(scale, jnp.float32),
+                      key if keyed else jnp.zeros((), jnp.uint32))
 
     return grad_fn
 
 
-def _store(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    """buf[slot] = value where slot >= 0 (the schedule's receive); unchanged otherwise."""
+def _accumulator(pipe: Pipeline, group: RowGroup, shape: tuple[int, ...]) -> jax.Array:
+    """A row group's zero gradient accumulator, typed per device except over the axes a REPLICATED
+    accumulator is already reduced over (its ZeRO group of one device: every backward all-reduces into it)."""
+    zeros = zeros_like_local(shape, pipe.accum_dtype, group.grad, axes_size(pipe.mesh, group.zero))
+    if group.grad != REPLICATED:
+        return vary(zeros)
+    zero = (group.zero,) if isinstance(group.zero, str) else tuple(group.zero)
+    return vary(zeros, tuple(a for a in pipe.mesh.axis_names if a not in zero))
+
+
+def _store(buf: Any, slot: jax.Array, value: Any) -> Any:
+    """buf[slot] = value where slot >= 0 (the schedule's receive); unchanged otherwise (leaf by leaf)."""
     i = jnp.maximum(slot, 0)
-    return buf.at[i].set(jnp.where(slot >= 0, value, buf[i]))
+    return jax.tree.map(lambda b, x: b.at[i].set(jnp.where(slot >= 0, x, b[i])), buf, value)
 
 
-def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
-    """(rows, batch) -> mean loss, by the forward-only schedule in `pipe.schedule`.
+def make_forward_fn(pipe: Pipeline) -> Callable[[dict[str, jax.Array], Any], jax.Array]:
+    """(params {group: rows}, batch) -> mean loss, by the forward-only schedule in `pipe.schedule`, every
+    layer in eval mode.
 
     batch leaves are `[M * dp * m, ...]` with M = pipe.schedule.micro_batches.
     """
@@ -396,34 +457,34 @@ def make_forward_fn(pipe: Pipeline) -> Callable[[jax.Array, Any], jax.Array]:
     S, V, M = rows.stages, rows.virtual, sched.micro_batches
     tab = tables(sched)
     fwd_perm, _ = _perms(S, rows.chunks > 1)
-    stage_fns = [_stage_fn(pipe, v) for v in range(V)]
+    stage_fns = [_stage_fn(pipe, v, deterministic=True) for v in range(V)]
 
-    def local(rows_local: jax.Array, micro: Any, act: jax.ShapeDtypeStruct) -> jax.Array:
+    def local(rows_local: dict[str, jax.Array], micro: Any, act: Any) -> jax.Array:
         me = jax.lax.axis_index(STAGE)
         row, tied_in = _enter(pipe, rows_local)
         micro = jax.tree.map(lambda x: x[:, 0], micro)
 
-        branches = _forward_branches(stage_fns, row, tied_in, act)
+        branches = _forward_branches(stage_fns, row, tied_in, act, lambda i, v: None)
 
         def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
             stash, loss_sum = carry
             at = {k: x[me] for k, x in xs.items()}
-            mb = jax.tree.map(lambda a: a[at["fwd_mb"]], micro)
-            y, loss = jax.lax.switch(at["fwd"], branches, stash[at["fwd_buf"]], mb)
+            y, loss = jax.lax.switch(at["fwd"], branches, _at(stash, at["fwd_buf"]), _at(micro, at["fwd_mb"]),
+                                     at["fwd_mb"])
             stash = _store(stash, at["recv_act"], jax.lax.ppermute(y, STAGE, fwd_perm))
             return (stash, loss_sum + loss), None
 
-        carry = (vary(jnp.zeros((sched.act_buffers, *act.shape), act.dtype)), vary(jnp.zeros((), jnp.float32)))
+        carry = (_zeros(act, (sched.act_buffers,)), vary(jnp.zeros((), jnp.float32)))
         xs = {k: jnp.asarray(v) for k, v in tab.items() if k in ("fwd", "fwd_mb", "fwd_buf", "recv_act")}
         (_, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         return jax.lax.pmean(jax.lax.psum(loss_sum, STAGE) / M, pipe.replicas)
 
-    def forward_fn(rows_array: jax.Array, batch: Any) -> jax.Array:
+    def forward_fn(params: dict[str, jax.Array], batch: Any) -> jax.Array:
         shaped, specs, micro0 = _split_micro_batches(pipe, batch)
         act = activation_shape(pipe, micro0)
         mapped = jax.shard_map(lambda r, b: local(r, b, act), mesh=pipe.mesh,
-                               in_specs=(pipe.row_spec(pipe.param), specs), out_specs=P(),
+                               in_specs=(pipe.specs("param"), specs), out_specs=P(),
                                check_vma=pipe.checks_vma)
-        return mapped(rows_array, shaped)
+        return mapped({g.name: params[g.name] for g in pipe.groups}, shaped)
 
     return forward_fn

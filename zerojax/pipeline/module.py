@@ -11,9 +11,15 @@
   use call it differently (`lambda emb, x: emb.attend(x)`). The parameters are stored once, on the
   first stage that uses them; the gradients of every use are summed into that copy.
 * A plain function in the list is a layer without parameters (`lambda x: x.reshape(...)`).
+* A layer whose `__call__` takes a parameter named `rng` receives a PRNG key in training (a new one for
+  every step, data shard, micro-batch and layer; None in evaluation), for gates that draw noise such
+  as a mixture of experts'. Evaluation runs every layer in eval mode (`module.eval()`), as DeepSpeed's
+  `eval_batch` calls `module.eval()`.
 
 Data flow: the first layer receives the micro-batch (the whole batch pytree, sliced to the
-micro-batch's rows), each layer the previous layer's output, and `loss_fn(output, micro_batch)`
+micro-batch's rows), each layer the previous layer's output (an array, or a tuple of arrays as
+DeepSpeed's stages may pass: a MoE model carries its load-balancing loss beside the hidden states),
+and `loss_fn(output, micro_batch)`
 returns the mean loss over the micro-batch's rows. The same description runs unpipelined with
 `module.loss(params, batch)`: that is the reference the pipeline must reproduce.
 
@@ -24,12 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from zerojax.core.annotations import logical_axes
 from zerojax.errors import ConfigError
 from zerojax.pipeline import partition as partitioning
 
@@ -51,9 +59,19 @@ class LayerSpec:
         return self.typename.__name__
 
     def build(self, key: Any) -> Any:
-        """The real module, parameters initialized from `key`."""
+        """The real module, parameters initialized from `key` (annotated ones unplaced: zerojax places
+        every array itself)."""
         from flax import nnx
-        return self.typename(*self.module_args, rngs=nnx.Rngs(params=key), **self.module_kwargs)
+        with nnx.use_eager_sharding(False):
+            return self.typename(*self.module_args, rngs=nnx.Rngs(params=key), **self.module_kwargs)
+
+    @property
+    def takes_rng(self) -> bool:
+        """The module's `__call__` has a parameter named `rng` (it draws noise in training)."""
+        try:
+            return "rng" in inspect.signature(self.typename.__call__).parameters
+        except (TypeError, ValueError):
+            return False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
@@ -85,6 +103,7 @@ class Layer:
     fn: Callable[..., Any] | None    # a parameterless function layer
     abstract: Any                    # ShapeDtypeStructs of its parameters ({} for functions)
     graphdef: Any = None
+    axes: Any = None                 # the logical axis names its parameters were annotated with, or None
 
     @property
     def count(self) -> int:
@@ -98,19 +117,25 @@ class Layer:
         from flax import nnx
         return nnx.to_pure_dict(nnx.state(self.spec.build(key), nnx.Param))
 
-    def __call__(self, params: Any, x: Any) -> Any:
+    def __call__(self, params: Any, x: Any, rng: Any = None, deterministic: bool = False) -> Any:
+        """The layer on `x`; `rng` reaches a module that takes one, `deterministic` puts it in eval mode."""
         if self.spec is None:
             return self.fn(x)
         from flax import nnx
         module = nnx.merge(self.graphdef, params)
+        if deterministic:
+            module.eval()
         forward = getattr(self.spec, "forward_fn", None)
-        return forward(module, x) if forward is not None else module(x)
+        if forward is not None:
+            return forward(module, x)
+        return module(x, rng=rng) if self.spec.takes_rng else module(x)
 
 
 def _describe(index: int, entry: Any) -> Layer:
     if isinstance(entry, LayerSpec):
         from flax import nnx
-        model = nnx.eval_shape(lambda: entry.build(jax.random.key(0)))
+        with nnx.use_eager_sharding(False):
+            model = nnx.eval_shape(lambda: entry.build(jax.random.key(0)))
         _, _, rest = nnx.split(model, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise ConfigError(f"layers[{index}] ({entry.name}): holds state other than nnx.Param "
@@ -119,7 +144,7 @@ def _describe(index: int, entry: Any) -> Layer:
         graphdef, params = nnx.split(model)
         abstract = nnx.to_pure_dict(params)
         key = f"tied_{entry.key}" if isinstance(entry, TiedLayerSpec) else None
-        return Layer(index, entry.name, key, entry, None, abstract, graphdef)
+        return Layer(index, entry.name, key, entry, None, abstract, graphdef, logical_axes(params))
     from flax import nnx
     if callable(entry) and not isinstance(entry, (type, nnx.Module)):
         return Layer(index, getattr(entry, "__name__", type(entry).__name__), None, None, entry, {})
@@ -228,6 +253,11 @@ class PipelineModule:
                 out[layer.param_key] = layer.abstract
         return out
 
+    def logical_axes(self) -> dict[str, Any]:
+        """Per logical entry, the logical axis names its layer annotated its parameters with (a tuple per
+        leaf, None for a leaf without; None for an entry without any)."""
+        return {k: self.first_use(k).axes for k in self.abstract_params()}
+
     def init_layer(self, param_key: str, key: jax.Array) -> Any:
         """Parameters of one logical entry; the key depends on the layer index only, so the model
         is the same whatever the partition."""
@@ -239,12 +269,15 @@ class PipelineModule:
         key = jax.random.key(key) if isinstance(key, int) else key
         return {k: self.init_layer(k, key) for k in self.abstract_params()}
 
-    def run_layers(self, params: dict[str, Any], x: Any, layers: Sequence[Layer], interval: int = 0) -> Any:
-        """Apply `layers` in order; interval k > 0 rematerializes each run of k layers."""
+    def run_layers(self, params: dict[str, Any], x: Any, layers: Sequence[Layer], interval: int = 0,
+                   rng: Any = None, deterministic: bool = False) -> Any:
+        """Apply `layers` in order; interval k > 0 rematerializes each run of k layers. A layer that takes
+        an `rng` gets `rng` folded with its index (so every partition draws the same keys)."""
         def segment(chunk: Sequence[Layer]) -> Callable[[Any, Any], Any]:
             def run(p: dict[str, Any], h: Any) -> Any:
                 for layer in chunk:
-                    h = layer(p.get(layer.param_key), h)
+                    key = None if rng is None else jax.random.fold_in(rng, layer.index)
+                    h = layer(p.get(layer.param_key), h, key, deterministic)
                 return h
             return run
 
@@ -260,13 +293,13 @@ class PipelineModule:
                 x = run(params, x)
         return x
 
-    def apply(self, params: dict[str, Any], batch: Any) -> Any:
+    def apply(self, params: dict[str, Any], batch: Any, rng: Any = None, deterministic: bool = False) -> Any:
         """The last layer's output for `batch`, all layers in sequence (no pipeline)."""
-        return self.run_layers(params, batch, self.layers)
+        return self.run_layers(params, batch, self.layers, rng=rng, deterministic=deterministic)
 
-    def loss(self, params: dict[str, Any], batch: Any) -> jax.Array:
+    def loss(self, params: dict[str, Any], batch: Any, rng: Any = None, deterministic: bool = False) -> jax.Array:
         """The unpipelined loss: what every pipelined schedule reproduces."""
-        return jnp.asarray(self.loss_fn(self.apply(params, batch), batch), jnp.float32)
+        return jnp.asarray(self.loss_fn(self.apply(params, batch, rng, deterministic), batch), jnp.float32)
 
     # -- stages -----------------------------------------------------------------------------------
     @functools.lru_cache(maxsize=None)

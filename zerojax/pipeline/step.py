@@ -1,6 +1,7 @@
 """The pipelined train and eval steps: the executor's gradients into the shared `apply_update`.
 
-A pipeline's model state is one tree, `{"stages": [S, width]}` (buffers.py), laid out by the
+A pipeline's model state is one tree, `{"stages": [S, width]}` (with expert weights also
+`"expert_stages": [S, ep, width]`; buffers.py), laid out by the
 ordinary ZeRO `plan` with its dimension 0 split over `stage` (`plan(..., lead="stage")`). So the
 optimizer step is literally the unpipelined one (`zerojax.apply_update`): unscale, finite check,
 global-norm clipping, the optax update on the ZeRO-sharded fp32 master, loss-scaler update and the
@@ -31,16 +32,17 @@ import jax.numpy as jnp
 
 from zerojax.core.collectives import Placement, Shard
 from zerojax.core.layout import MemoryReport, Plan
-from zerojax.core.mesh import STAGE, TENSOR, row_size
+from zerojax.core.mesh import EXPERT, STAGE, TENSOR, row_size
 from zerojax.core.state import TrainState, state_shardings
-from zerojax.core.step import apply_update, check_batch, check_eval_batch
+from zerojax.core.step import apply_update, check_batch, check_eval_batch, step_key
 from zerojax.errors import ConfigError
-from zerojax.pipeline.buffers import StageRows
+from zerojax.pipeline.buffers import EXPERT_ROWS, ROWS, StageRows
 from zerojax.pipeline.executor import Pipeline, make_forward_fn, make_grad_fn
 from zerojax.pipeline.module import PipelineModule
 from zerojax.pipeline.schedule import Schedule, build
 
-ROWS = "stages"
+__all__ = ["EXPERT_ROWS", "ROWS", "PipelinePlan", "init_rows", "make_pipeline_eval_step", "make_pipeline_train_step",
+           "pack_params", "row_placement"]
 
 
 def row_placement(p: Placement) -> Placement:
@@ -84,30 +86,39 @@ class PipelinePlan:
 
 
 def init_rows(pp: PipelinePlan, key: jax.Array | int = 0) -> dict[str, jax.Array]:
-    """Fresh fp32 rows in the update placement; each stage creates only the parameters it stores.
+    """Fresh fp32 rows in the update placement; each stage creates only the parameters it stores (and
+    each expert device only its slice of the expert rows).
 
     Parameters depend on the key and the layer index only (`PipelineModule.init_layer`), so any
     partition gives the model `module.init(key)` gives.
     """
     key = jax.random.key(key) if isinstance(key, int) else key
     rows = pp.rows
-
     sliced = rows.tensor > 1
+    experts = rows.experts
+    split = experts is not None and experts.size > 1
 
-    def branch(device: int) -> Callable[[], jax.Array]:
-        def make() -> jax.Array:
+    def branch(device: int) -> Callable[[], dict[str, jax.Array]]:
+        def make() -> dict[str, jax.Array]:
             params = {k: pp.module.init_layer(k, key) for k in rows.slots[device]}
             block = jax.lax.axis_index(TENSOR) if sliced else 0
-            return rows.pack_device(device, params, jnp.float32, block)
+            out = {ROWS: rows.pack_device(device, params, jnp.float32, block)}
+            if experts is not None:
+                out[EXPERT_ROWS] = experts.pack_device(device, params, jnp.float32,
+                                                       jax.lax.axis_index(EXPERT) if split else 0)
+            return out
         return make
 
-    def local() -> jax.Array:
-        row = jax.lax.switch(jax.lax.axis_index(STAGE), [branch(d) for d in range(rows.stages)])
-        return row[None, None] if sliced else row[None]
+    def local() -> dict[str, jax.Array]:
+        out = jax.lax.switch(jax.lax.axis_index(STAGE), [branch(d) for d in range(rows.stages)])
+        return {name: x[(None,) * (2 if name == EXPERT_ROWS or sliced else 1)] for name, x in out.items()}
 
-    spec = jax.sharding.PartitionSpec(STAGE, TENSOR) if sliced else jax.sharding.PartitionSpec(STAGE)
-    mapped = jax.shard_map(local, mesh=pp.plan.mesh, in_specs=(), out_specs=spec, check_vma=False)
-    return jax.jit(lambda: {ROWS: mapped()}, out_shardings=pp.plan.update_shardings)()
+    P = jax.sharding.PartitionSpec
+    specs = {ROWS: P(STAGE, TENSOR) if sliced else P(STAGE)}
+    if experts is not None:
+        specs[EXPERT_ROWS] = P(STAGE, EXPERT if split else None)
+    mapped = jax.shard_map(local, mesh=pp.plan.mesh, in_specs=(), out_specs=specs, check_vma=False)
+    return jax.jit(mapped, out_shardings=pp.plan.update_shardings)()
 
 
 def pack_params(pp: PipelinePlan, params: dict[str, Any]) -> dict[str, jax.Array]:
@@ -117,7 +128,7 @@ def pack_params(pp: PipelinePlan, params: dict[str, Any]) -> dict[str, jax.Array
             tuple(a.shape) != tuple(b.shape) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want))):
         raise ConfigError(f"initialize: params= does not match the PipelineModule's parameters; expected the "
                           f"structure of module.init(): {jax.tree.map(lambda x: tuple(x.shape), want)}")
-    return jax.jit(lambda p: {ROWS: pp.rows.pack(p, jnp.float32)}, out_shardings=pp.plan.update_shardings)(params)
+    return jax.jit(lambda p: pp.rows.pack(p, jnp.float32), out_shardings=pp.plan.update_shardings)(params)
 
 
 def make_pipeline_train_step(pp: PipelinePlan) -> Callable[[TrainState, Any], Any]:
@@ -127,8 +138,8 @@ def make_pipeline_train_step(pp: PipelinePlan) -> Callable[[TrainState, Any], An
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         check_batch(plan, batch)
-        loss, grads = grad_fn(state.params[ROWS], batch, state.scaler.scale)
-        return apply_update(plan, state, {ROWS: grads}, loss)
+        loss, grads = grad_fn(state.params, batch, state.scaler.scale, step_key(state))
+        return apply_update(plan, state, grads, loss)
 
     shardings = state_shardings(plan)
     return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
@@ -152,7 +163,7 @@ def make_pipeline_eval_step(pp: PipelinePlan) -> Callable[[Any, Any], jax.Array]
     @functools.lru_cache(maxsize=None)
     def compiled(micro_batches: int) -> Callable[[Any, Any], jax.Array]:
         fwd = make_forward_fn(pp.eval_pipeline(micro_batches))
-        return jax.jit(lambda params, batch: fwd(params[ROWS], batch), in_shardings=(plan.param_shardings, None))
+        return jax.jit(fwd, in_shardings=(plan.param_shardings, None))
 
     def eval_step(params: Any, batch: Any) -> jax.Array:
         check_eval_batch(plan, batch)

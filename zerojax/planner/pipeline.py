@@ -1,8 +1,11 @@
 """The pipeline's plan builder: a PipelineModule, the config and the mesh into a `PipelinePlan`.
 
-The stage rows (`{"stages": [S, width]}`) get the ordinary ZeRO plan with dimension 0 split over
-`stage` (`make_plan(..., lead="stage")`); the schedule, partition and activation checkpointing of
-the config's `pipeline` section ride along in the executor's `Pipeline`.
+The stage rows (`{"stages": [S, width]}`, and `{"expert_stages": [S, ep, width]}` for a model with
+expert weights) get the ordinary ZeRO plan with dimension 0 split over `stage`
+(`make_plan(..., lead="stage")`; the expert rows' dimension 1 is named `expert`, so the plan splits it
+over the expert axis and ZeRO-shards them over the expert-data-parallel devices only, as it does any
+expert weight); the schedule, partition and activation checkpointing of the config's `pipeline`
+section ride along in the executor's `Pipeline`.
 """
 from __future__ import annotations
 
@@ -14,15 +17,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from zerojax.config import Config
-from zerojax.core.mesh import STAGE, data_size, row_size, tensor_size
+from zerojax.core.layout import Plan
+from zerojax.core.mesh import (EXPERT, STAGE, DataAxis, axes_size, data_axes, data_size, expert_data_axes,
+                               expert_size, row_size, tensor_size)
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import is_elementwise
 from zerojax.pallas.backend import XLA
-from zerojax.pipeline.buffers import stage_rows
-from zerojax.pipeline.executor import Pipeline
+from zerojax.pipeline.buffers import EXPERT_ROWS, ROWS, stage_rows
+from zerojax.pipeline.executor import Pipeline, RowGroup
 from zerojax.pipeline.module import PipelineModule
 from zerojax.pipeline.schedule import build
-from zerojax.pipeline.step import ROWS, PipelinePlan, row_placement
+from zerojax.pipeline.step import PipelinePlan, row_placement
 from zerojax.planner.plan import make_plan, tensor_split
 from zerojax.planner.tensor import TensorPlan
 
@@ -79,10 +84,15 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     tensor = tensor_size(mesh)
     layer_plan = _layer_plan(config, mesh, module) if tensor > 1 else None
     rows = stage_rows(module, stages, chunks, align=math.lcm(dp, 128), tensor=tensor,
-                      dims=_layer_dims(module, layer_plan) if layer_plan is not None else None)
+                      dims=_layer_dims(module, layer_plan) if layer_plan is not None else None,
+                      expert=expert_size(mesh), expert_align=math.lcm(axes_size(mesh, expert_data_axes(mesh)), 128))
     shape = (stages, tensor, rows.width) if tensor > 1 else (stages, rows.width)
-    plan = make_plan(config, mesh, {ROWS: jax.ShapeDtypeStruct(shape, jnp.float32)}, lead=STAGE,
-                     tensor_dims={ROWS: 1 if tensor > 1 else None})
+    arrays, names = {ROWS: jax.ShapeDtypeStruct(shape, jnp.float32)}, {ROWS: None}
+    if rows.experts is not None:  # dimension 1 named `expert`: split over the expert axis, ZeRO over the rest
+        arrays[EXPERT_ROWS] = jax.ShapeDtypeStruct((stages, rows.experts.size, rows.experts.width), jnp.float32)
+        names[EXPERT_ROWS] = (None, EXPERT, None)
+    plan = make_plan(config, mesh, arrays, lead=STAGE, logical_axes=names,
+                     tensor_dims={k: 1 if k == ROWS and tensor > 1 else None for k in arrays})
     if tensor > 1:  # whole leaves are copied into every tensor slice's row: the norm counts them once
         plan = dataclasses.replace(plan, tensor_plan=layer_plan.describe(tensor),
                                    rule=plan.rule._replace(norm=rows.norm))
@@ -93,11 +103,19 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
             raise ConfigError("kernels: 'pallas' is not supported with pipeline parallelism yet; use "
                               "kernels: auto or xla (pipelines run the optax update)")
         plan = plan.with_kernels(XLA)
-    lay = plan.layouts[ROWS]
     pol = plan.policy
     interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
                 else pipe_cfg.activation_checkpoint_interval)
-    train = Pipeline(mesh, rows, schedule, pol.param, pol.accum, pol.comm, row_placement(lay.param),
-                     row_placement(lay.update), interval, row_placement(lay.grad),
+    groups = (_group(plan, ROWS, data_axes(mesh), 2 if tensor > 1 else 1),)
+    if rows.experts is not None:
+        groups += (_group(plan, EXPERT_ROWS, expert_data_axes(mesh), 2),)
+    train = Pipeline(mesh, rows, schedule, pol.param, pol.accum, pol.comm, groups, interval,
                      config.activation_checkpointing.partition_activations)
     return PipelinePlan(plan, module, rows, train)
+
+
+def _group(plan: Plan, name: str, zero: DataAxis, lead: int) -> RowGroup:
+    """The executor's view of one array of rows: its placements on a device's row, and its specs."""
+    lay = plan.layouts[name]
+    return RowGroup(name, zero, row_placement(lay.param), row_placement(lay.grad), row_placement(lay.update),
+                    plan.param_specs[name], plan.update_specs[name], lead)
