@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 from helpers import assert_tree_close, to_numpy
@@ -91,8 +92,8 @@ def test_plan_refuses_what_is_not_built_with_the_expert_axis() -> None:
     params, loss_fn = llama.build(cfg.model, seed=0)
     with pytest.raises(ConfigError, match=r"^mesh\.expert: 8 expert-parallel devices do not divide the 4 experts"):
         zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
-    cfg = config(mesh={"expert": 2, "stage": 2}, model={**TOP1, "n_experts": 0})
-    with pytest.raises(ConfigError, match=r"^mesh\.expert: 2: expert parallelism does not combine with pipeline"):
+    cfg = config(mesh={"expert": 2, "stage": 2, "tensor": 2})
+    with pytest.raises(ConfigError, match=r"^mesh\.tensor: 2 with a pipelined mixture-of-experts model"):
         make_pipeline_plan(cfg, make_mesh(cfg), llama.pipeline_module(cfg.model, num_stages=2))
 
 
@@ -248,3 +249,87 @@ def test_train_py_plans_the_expert_split() -> None:
     cfg = config(3, {"expert": 2})
     plan = build_model(cfg, make_mesh(cfg)).plan
     assert all(lay.split == ((1, EXPERT),) for lay in experts(plan.layouts).values())
+
+
+# -- with pipeline stages: the experts in rows of their own ----------------------------------------------
+
+def pipeline_config(stage: int, mesh: dict) -> zerojax.Config:
+    """Two micro-batches of two rows per data shard, AdamW with clipping, the aux loss on: it travels
+    between the stages beside the hidden states."""
+    return zerojax.load_config({
+        "train_batch_size": ROWS, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "pipeline": {"schedule": "1f1b"},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "mesh": mesh, "model": {**SMALL, **TOP2, "moe_aux_loss_coef": 0.01}})
+
+
+@functools.lru_cache(maxsize=None)
+def unpipelined() -> tuple[Any, list[float], Any, float]:
+    """The MoE Llama at data 2 x expert 2 without stages: its start, losses, end (as pipeline layers) and
+    evaluation loss. Each device gates the same micro-batch's rows as in the pipeline, so l_aux agrees."""
+    cfg = pipeline_config(0, {"expert": 2})
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    e = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:4]))
+    start = llama.pipeline_params(cfg.model, to_numpy(e.params))
+    losses, end = train(e)
+    return start, losses, llama.pipeline_params(cfg.model, end), float(e.eval_batch(batch(9)))
+
+
+def pipelined(stage: int, expert: int, start: Any = None) -> zerojax.Engine:
+    cfg = pipeline_config(stage, {"stage": 2, "expert": expert})
+    return zerojax.initialize(cfg, model=llama.pipeline_module(cfg.model), params=start, mesh=make_mesh(cfg))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipelined_moe_llama_equals_it_unpipelined(stage: int) -> None:
+    """stage 2 x data 2 x expert 2: the experts' rows split over stage and expert and ZeRO-sharded over data
+    only, the other weights' rows over data x expert; losses, evaluation and parameters as without stages."""
+    start, want_losses, want, want_eval = unpipelined()
+    e = pipelined(stage, 2, start)
+    assert dict(e.mesh.shape) == {"stage": 2, DATA: 2, EXPERT: 2}
+    rows = e.pipeline.rows
+    assert rows.arrays == ("stages", "expert_stages") and rows.experts.size == 2
+    zero = {"param": stage == 3, "update": True}
+    for role, shardings in (("param", e.plan.param_shardings), ("update", e.plan.update_shardings)):
+        assert shardings["expert_stages"].spec == P("stage", EXPERT, DATA if zero[role] else None)
+        assert shardings["stages"].spec == P("stage", (DATA, EXPERT) if zero[role] else None)
+    # a device holds 1/2 of its stage's expert leaves (and under ZeRO-3 1/2 of that row)
+    whole = sum(x.size for entry in start.values() for x in jax.tree.leaves(entry.get("moe", {}).get("experts", {})))
+    assert sum(s.size for d in rows.experts.slots for s in d.values()) * 2 == whole
+    block = e.state.params["expert_stages"].addressable_shards[0].data.shape
+    assert block == (1, 1, rows.experts.width // (2 if stage == 3 else 1))
+    losses, got = train(e)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"stage 2 x data 2 x expert 2, ZeRO {stage}")
+    np.testing.assert_allclose(float(e.eval_batch(batch(9))), want_eval, rtol=1e-5)
+
+
+def test_pipelined_moe_checkpoint_resumes_at_another_expert_size(tmp_path: Any) -> None:
+    """Expert rows saved at expert 2 are cut into the logical experts by the saved manifest and packed into
+    the rows of expert 1 and 4 (parameters and Adam's moments): the same model, the same next loss. The
+    export writes the logical model, each expert whole."""
+    saved = pipelined(1, 2, unpipelined()[0])
+    saved.train_batch(batch(0))
+    saved.save_checkpoint(str(tmp_path), async_save=False)
+    on_disk = zerojax.checkpoint.read_params(tmp_path)[0]
+    want = float(saved.train_batch(batch(1))["loss"])
+    for expert in (1, 4):
+        e = pipelined(3, expert)
+        e.load_checkpoint(str(tmp_path))
+        assert e.global_steps == 1 and e.pipeline.rows.experts.size == expert
+        assert_tree_close(e.params, on_disk, rtol=0, atol=0, what=f"expert {expert}")
+        np.testing.assert_allclose(float(e.train_batch(batch(1))["loss"]), want, rtol=2e-5)
+        assert_tree_close(e.params, saved.params, rtol=1e-4, atol=1e-4, what=f"after a step at expert {expert}")
+    from zerojax.checkpoint import export_safetensors
+    exported = zerojax.load_exported(str(export_safetensors(tmp_path, None, tmp_path / "model.safetensors")))
+    assert set(exported) == set(on_disk) and exported["layer_01"]["moe"]["experts"]["gate"].shape == (4, 32, 48)
+    assert_tree_close(to_numpy(exported), on_disk, rtol=0, atol=0, what="exported")
+
+
+def test_train_py_pipelines_the_moe_llama() -> None:
+    """train.py's model builder cuts the MoE Llama into stages with its experts in expert rows."""
+    from zerojax.app.trainer import build_model
+    cfg = pipeline_config(1, {"stage": 2, "expert": 2})
+    model = build_model(cfg, make_mesh(cfg))
+    assert model.pipeline.rows.arrays == ("stages", "expert_stages")
+    assert model.plan.layouts["expert_stages"].split == ((0, "stage"), (1, EXPERT))

@@ -63,13 +63,12 @@ def build_model(config: Config, mesh: Any) -> Model:
     pipeline = None
     params: Any = None
     loss_fn: Any = None
-    unpipelined = model_cfg.name == "llama" and (model_cfg.tie_embeddings or model_cfg.n_experts)
+    unpipelined = model_cfg.name == "llama" and model_cfg.tie_embeddings
     if config.mesh.stage > 1 and (model_cfg.hf_checkpoint or unpipelined):
-        what = ("model.hf_checkpoint" if model_cfg.hf_checkpoint
-                else "a Llama with model.tie_embeddings or model.n_experts")
+        what = "model.hf_checkpoint" if model_cfg.hf_checkpoint else "a Llama with model.tie_embeddings"
         raise ConfigError(f"mesh.stage: {config.mesh.stage} pipeline stages, but train.py pipelines the embedded GPT "
-                          f"and an untied, dense Llama trained from scratch ({what} given); set mesh.stage: 1 (ZeRO-3 "
-                          f"shards the model over the data axis instead)")
+                          f"and an untied Llama (dense or MoE) trained from scratch ({what} given); set mesh.stage: 1 "
+                          f"(ZeRO-3 shards the model over the data axis instead)")
     if config.mesh.stage > 1:  # the model as pipeline layers, cut into mesh.stage stages
         from zerojax.planner.pipeline import make_pipeline_plan
         from zerojax.models import llama

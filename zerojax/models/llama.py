@@ -21,6 +21,7 @@ untouched by any of this.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -274,60 +275,110 @@ def loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
 # The same model as pipeline layers (train.py with mesh.stage > 1): embedding, decoder layers, head.
 
 class Embedding(nnx.Module):
-    """The token embedding: the first pipeline layer, reading the batch itself."""
+    """The token embedding: the first pipeline layer, reading the batch itself. A MoE model's stages pass
+    (hidden states, summed load-balancing loss), so its embedding starts the sum at 0."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nnx.initializers.normal(cfg.init_std),
                                rngs=rngs)
+        self.carries_aux = is_moe(cfg)
 
-    def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
-        return lookup(self.embed, inputs(batch))  # under a sequence axis, this device's chunk of each row
+    def __call__(self, batch: dict[str, jax.Array]) -> Any:
+        x = lookup(self.embed, inputs(batch))  # under a sequence axis, this device's chunk of each row
+        return (x, jnp.zeros((), jnp.float32)) if self.carries_aux else x
 
 
 class PipelineLayer(Layer):
     """A decoder layer that makes its own rotary table (a stage passes only the hidden states, under a
-    `sequence` axis a chunk of each row's: the table is then for the chunk's global positions)."""
+    `sequence` axis a chunk of each row's: the table is then for the chunk's global positions). In a
+    MoE model it passes the load-balancing loss beside the hidden states on unchanged."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+        super().__init__(cfg, rngs=rngs, moe=moe)
         self.theta = cfg.rope_theta
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # type: ignore[override]
-        cos, sin = rotary(x.shape[1], self.head_dim, self.theta, chunk_offset(x.shape[1]))
-        return super().__call__(x, cos, sin)
+    def rotary(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return rotary(x.shape[1], self.head_dim, self.theta, chunk_offset(x.shape[1]))
+
+    def __call__(self, x: Any) -> Any:  # type: ignore[override]
+        if isinstance(x, tuple):
+            h, aux = x
+            return super().__call__(h, *self.rotary(h)), aux
+        return super().__call__(x, *self.rotary(x))
+
+
+class MoEPipelineLayer(PipelineLayer):
+    """The MoE decoder layer as a pipeline layer: (hidden states, l_aux so far) -> the same with this
+    layer's load-balancing loss added in training (none in evaluation, as `moe_loss`). `rng` draws the
+    gate's noise (the pipeline hands every layer that takes one its key)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs, moe=True)
+
+    def __call__(self, x: tuple[jax.Array, jax.Array], rng: jax.Array | None = None  # type: ignore[override]
+                 ) -> tuple[jax.Array, jax.Array]:
+        h, aux = x
+        h = h + self.attention(self.attn_norm(h), *self.rotary(h))
+        y, l_aux, _ = self.moe(self.mlp_norm(h), rng)
+        return h + y, aux if self.moe.deterministic else aux + l_aux
 
 
 class Head(nnx.Module):
-    """Final RMSNorm and LM head: the last pipeline layer, giving float32 logits."""
+    """Final RMSNorm and LM head: the last pipeline layer, giving float32 logits (and, in a MoE model, the
+    summed load-balancing loss it received)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.norm = RMSNorm(cfg.d_model, _eps(cfg))
         self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
                                kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: Any) -> Any:
+        if isinstance(x, tuple):
+            h, aux = x
+            return self(h), aux
         x = self.norm(x)
         return jnp.einsum("btd,dv->btv", x, self.head.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
+def _is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    """Decoder layer i (from 0) is a MoE layer: every `moe_every`-th, counted from 1 (Megatron-DeepSpeed's)."""
+    return is_moe(cfg) and (i + 1) % cfg.moe_every == 0
+
+
 def pipeline_module(cfg: ModelConfig, partition_method: str = "parameters", num_stages: int | None = None) -> Any:
-    """A PipelineModule of the Llama (untied head) with its loss."""
+    """A PipelineModule of the Llama (untied head) with its loss; a MoE Llama's MoE layers are
+    `MoEPipelineLayer`s and its loss adds `moe_aux_loss_coef` times the summed load-balancing loss."""
     from zerojax.pipeline import LayerSpec, PipelineModule
-    if cfg.tie_embeddings or is_moe(cfg):
-        raise ValueError("llama.pipeline_module: tied embeddings and mixture-of-experts layers are not pipelined; "
-                         "set model.tie_embeddings: false and leave model.n_experts unset")
+    if cfg.tie_embeddings:
+        raise ValueError("llama.pipeline_module: tied embeddings are not pipelined; set model.tie_embeddings: false")
     method = "parameters" if partition_method == "best" else partition_method
-    layers = [LayerSpec(Embedding, cfg), *[LayerSpec(PipelineLayer, cfg) for _ in range(cfg.n_layers)],
-              LayerSpec(Head, cfg)]
-    return PipelineModule(layers, num_stages=num_stages, loss_fn=next_token_loss, partition_method=method)
+    decoder = [LayerSpec(MoEPipelineLayer if _is_moe_layer(cfg, i) else PipelineLayer, cfg) for i in range(cfg.n_layers)]
+    layers = [LayerSpec(Embedding, cfg), *decoder, LayerSpec(Head, cfg)]
+    loss_fn = functools.partial(moe_pipeline_loss, cfg.moe_aux_loss_coef) if is_moe(cfg) else next_token_loss
+    return PipelineModule(layers, num_stages=num_stages, loss_fn=loss_fn, partition_method=method)
+
+
+def moe_pipeline_loss(coef: float, out: tuple[jax.Array, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
+    """The MoE pipeline's loss: next-token cross-entropy plus `coef` times the layers' summed l_aux (0 in
+    evaluation), as `moe_loss`."""
+    logits, aux = out
+    return next_token_loss(logits, batch) + coef * aux
 
 
 def pipeline_params(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
-    """`build`-shaped parameters (a dict of arrays) -> the pipeline module's logical parameters."""
+    """`build`-shaped parameters (a dict of arrays) -> the pipeline module's logical parameters (a MoE
+    Llama's groups of `moe_every - 1` dense layers and one MoE layer unstacked in layer order)."""
     width = max(2, len(str(cfg.n_layers + 1)))
     out = {f"layer_{0:0{width}d}": {"embed": params["embed"]}}
     for i in range(cfg.n_layers):
-        out[f"layer_{i + 1:0{width}d}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+        if not is_moe(cfg):
+            layer = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+        elif _is_moe_layer(cfg, i):
+            layer = jax.tree.map(lambda x, g=i // cfg.moe_every: x[g], params["layers"])
+        else:
+            g, j = divmod(i, cfg.moe_every)
+            layer = jax.tree.map(lambda x, g=g, j=j: x[g, j], params["dense_layers"])
+        out[f"layer_{i + 1:0{width}d}"] = layer
     out[f"layer_{cfg.n_layers + 1:0{width}d}"] = {"norm": params["norm"], "head": params["head"]}
     return out
 
