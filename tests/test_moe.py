@@ -315,8 +315,15 @@ def test_config_rejects_bad_moe() -> None:
         zerojax.load_config({"train_batch_size": 8, "model": {"n_experts": 4}})
     with pytest.raises(zerojax.ConfigError, match="model.moe_every: 3 does not divide"):
         zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "moe_every": 3}})
+    with pytest.raises(zerojax.ConfigError, match=r"model.experts_per_token: 5, but a layer has model.n_experts 4 "
+                                                  r"experts .*choose at most 4"):
+        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 5}})
     with pytest.raises(zerojax.ConfigError, match="model.experts_per_token"):
-        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 3}})
+        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 0}})
+    with pytest.raises(zerojax.ConfigError, match="model.gating"):
+        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "gating": "top3"}})
+    m = zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 4}}).model
+    assert m.experts_per_token == 4 and m.gating == "auto"
 
 
 def test_moe_yaml_trains(tmp_path: Path) -> None:
