@@ -87,14 +87,18 @@ def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
 
 
 def _check_mixtral(cfg: Any) -> None:
-    """The MoE Llama is a transformers Mixtral only in Mixtral's shape; else one error naming the key."""
+    """The MoE Llama is a transformers Mixtral only in Mixtral's shape and with a gate that renormalizes
+    its top-k weights (every gate but DeepSpeed's top-1); else one error naming the key."""
     for key, want, why in (("moe_every", 1, "every Mixtral layer's MLP is a mixture of experts"),
-                           ("experts_per_token", 2, "transformers' Mixtral renormalizes its top-k weights, which "
-                                                    "DeepSpeed's gate computes for top-2 only"),
                            ("use_residual", False, "Mixtral has no residual MLP beside its experts (PR-MoE)")):
         if getattr(cfg, key) != want:
             raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face MoE checkpoint (Mixtral) needs "
                           f"{json.dumps(want)}: {why}; export this model with --format safetensors instead")
+    if cfg.experts_per_token == 1 and cfg.gating != "topk":
+        raise HFError(f"model.gating: {cfg.gating} with model.experts_per_token 1 is DeepSpeed's top-1 gate, which "
+                      f"weights a token's expert by its softmax probability where a Hugging Face Mixtral "
+                      f"renormalizes it to 1 (model.gating: topk); export this model with --format safetensors "
+                      f"instead")
 
 
 def _mixtral_names(cfg: Any) -> dict[tuple[str, ...], Source]:
