@@ -28,8 +28,8 @@ has made them differ. Its position table is `model.seq_len` rows (an import keep
 of n_positions; an export writes those back and copies the rows past them from the source).
 GPT-2's Conv1D weights are already stored [in, out] and are not transposed.
 
-Mixtral goes into the mixture-of-experts Llama (every layer's MLP a MoE layer, top-2 routing with no
-token dropped: zerojax.config.hf says why that is transformers' routing). Its experts are separate
+Mixtral goes into the mixture-of-experts Llama (every layer's MLP a MoE layer, its top-k routing with
+no token dropped: zerojax.config.hf says which gate computes transformers' routing for each k). Its experts are separate
 tensors per layer and expert (`block_sparse_moe.experts.{j}.w1`), ours one leaf stacked [layers,
 experts, ...]: a device's block of that leaf is read as the block of each (layer, expert) tensor in it.
 """
