@@ -104,7 +104,7 @@ def a2a_theory(cfg: Any, ep: int, batch: Any, itemsize: int, per_layer: int) -> 
     from zerojax.models.moe import capacity
     m = cfg.model
     tokens = batch.micro_batch_size * m.seq_len  # each device gates its own micro-batch
-    factor = m.capacity_factor * (2 if m.experts_per_token == 2 else 1)
+    factor = m.capacity_factor * m.experts_per_token  # DeepSpeed's gates: factor x k slots (top-1: x 1)
     cap = capacity(tokens, m.n_experts, factor, m.min_capacity) if m.drop_tokens else tokens
     moe_layers = m.n_layers // m.moe_every
     buffer = m.n_experts * cap * m.d_model * itemsize
@@ -243,7 +243,8 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
             f"{t4['gas']} here), L = {t4['moe_layers']} MoE "
             f"layers, E = {m.n_experts} experts, C = {t4['capacity']} slots per expert (DeepSpeed's `_capacity`: "
             f"ceil({t4['tokens']} tokens a device gates / {m.n_experts} x {m.capacity_factor}"
-            f"{' x 2 for top-2' if m.experts_per_token == 2 else ''}), M = {m.d_model}, b = {b} bytes "
+            f"{f' x {m.experts_per_token} for top-{m.experts_per_token}' if m.experts_per_token > 1 else ''}), "
+            f"M = {m.d_model}, b = {b} bytes "
             f"(the dtype the compiled all-to-alls carry, {', '.join(first['a2a_dtypes']) or 'none at ep 1'}: see "
             f"below): per MoE layer two all-to-alls of the dispatched [E, C, M] buffer "
             f"({t4['buffer']:,} B) forward (tokens to their experts, results back) and their two transposes "

@@ -55,9 +55,9 @@ def reference(model: Any, params: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     return greedy_by_recompute(_forward(model), params, PROMPTS, n, model.seq_len)
 
 
-def check(eng: zerojax.Engine, model: Any) -> None:
-    toks, logps = reference(model, eng.state.params, N)
-    out = eng.generate(PROMPTS, N)
+def check(eng: zerojax.Engine, model: Any, n: int = N) -> None:
+    toks, logps = reference(model, eng.state.params, n)
+    out = eng.generate(PROMPTS, n)
     np.testing.assert_array_equal(np.asarray(out.tokens), toks)
     np.testing.assert_allclose(np.asarray(out.logprobs), logps, atol=1e-5, rtol=0)
 
@@ -86,3 +86,10 @@ def test_top1_every_layer_with_experts_split_over_an_expert_axis() -> None:
     gate = eng.state.params["layers"]["moe"]["experts"]["gate"]
     assert gate.addressable_shards[0].data.shape[1] == 2  # two of the four experts per device
     check(eng, cfg.model)
+
+
+def test_top3_gate() -> None:
+    """DeepSpeed's top-k gate (3 of 4 experts, one MoE layer, nothing dropped): the prefill and a
+    decode step give what the full window computes; the decoder runs the model's own gate, whatever k."""
+    cfg = config(0, n_layers=1, moe_every=1, experts_per_token=3, use_residual=False)
+    check(engine(cfg), cfg.model, n=2)

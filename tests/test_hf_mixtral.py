@@ -2,8 +2,10 @@
 
 tests/fixtures/hf/mixtral is a random tiny MixtralForCausalLM (4 experts a layer, top-2, grouped-query
 attention) saved by transformers with its logits for fixed tokens (tests/fixtures/hf/make_fixtures.py;
-torch is never needed here). Imported at ZeRO stage 0, stage 3, and stage 3 with the experts split over
-an expert axis, the model must give those logits; export -> import must give back the exact weights.
+torch is never needed here); mixtral_top1 (4 experts, num_experts_per_tok 1) and mixtral_top3 (6
+experts, num_experts_per_tok 3) are made the same way. Imported at ZeRO stage 0, stage 3, and stage 3
+with the experts split over an expert axis, the model must give those logits; export -> import must
+give back the exact weights.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from zerojax.models import hf, llama
 from zerojax.planner.mesh import make_mesh
 
 SOURCE = Path(__file__).resolve().parent / "fixtures" / "hf" / "mixtral"
+TOP1, TOP3 = SOURCE.parent / "mixtral_top1", SOURCE.parent / "mixtral_top3"
 
 
 def config(stage: int = 0, expert: int = 1, src: Path = SOURCE, **model: Any) -> zerojax.Config:
@@ -120,6 +123,39 @@ def test_export_then_import_gives_the_exact_weights(tmp_path: Path) -> None:
     assert all(getattr(engine.config.model, k) == v for k, v in keys.items()), keys
 
 
+def test_other_top_k_take_the_gate_that_renormalizes() -> None:
+    """num_experts_per_tok 3: DeepSpeed's top-k gate (what TopKGate picks from k = 3); 1: the top-k gate
+    too (gating: topk), whose one kept weight is 1 as Mixtral's, not the top-1 gate's probability."""
+    m3, m1 = config(src=TOP3).model, config(src=TOP1).model
+    assert (m3.n_experts, m3.experts_per_token, m3.gating, m3.drop_tokens) == (6, 3, "auto", False)
+    assert (m1.n_experts, m1.experts_per_token, m1.gating, m1.drop_tokens) == (4, 1, "topk", False)
+    with pytest.raises(zerojax.ConfigError, match=r"model.gating: auto given, but the checkpoint .* has topk"):
+        config(src=TOP1, gating="auto")
+
+
+@pytest.mark.parametrize("src, stage, expert", [(TOP1, 0, 1), (TOP3, 3, 2)], ids=["top1", "top3-stage3-expert2"])
+def test_imported_top_k_logits_match_transformers(src: Path, stage: int, expert: int) -> None:
+    cfg = config(stage, expert, src=src)
+    engine = engine_of(cfg)
+    tokens, want = np.load(src / "tokens.npy"), np.load(src / "logits.npy")
+    got = np.asarray(jax.jit(lambda p, t: llama.apply(cfg.model, p, t))(engine.params, jnp.asarray(tokens)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_export_writes_num_experts_per_tok_and_refuses_the_top1_gate(tmp_path: Path) -> None:
+    """A MoE Llama trained from scratch exports its k; DeepSpeed's top-1 gate is not Mixtral's forward."""
+    base = {"name": "llama", "vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 4, "n_experts": 4}
+    for k, gating in ((3, "auto"), (1, "topk")):
+        cfg = zerojax.load_config({"train_batch_size": 8, "model": {**base, "experts_per_token": k,
+                                                                    "gating": gating}}).model
+        assert hf.hf_config(cfg)["num_experts_per_tok"] == k
+    cfg = zerojax.load_config({"train_batch_size": 8, "model": {**base, "experts_per_token": 1}}).model
+    params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), hf.abstract_params(cfg))
+    with pytest.raises(zerojax.ConfigError, match=r"model.gating: auto with model.experts_per_token 1 is "
+                                                  r"DeepSpeed's top-1 gate, .*--format safetensors"):
+        hf.save_params(tmp_path, cfg, params)
+
+
 def _edited(tmp_path: Path, **changes: Any) -> Path:
     dst = tmp_path / "edited"
     shutil.copytree(SOURCE, dst)
@@ -129,7 +165,8 @@ def _edited(tmp_path: Path, **changes: Any) -> Path:
 
 
 @pytest.mark.parametrize("changes, seq_len, match", [
-    ({"num_experts_per_tok": 1}, None, r"has num_experts_per_tok: 1; .*top-2 only"),
+    ({"num_experts_per_tok": 5}, None, r"has num_experts_per_tok: 5; a token is routed to between 1 and "
+                                       r"num_local_experts \(4\) experts"),
     ({"router_jitter_noise": 0.1}, None, r"has router_jitter_noise: 0.1; .*use 0"),
     ({"sliding_window": 8}, 16, r"has sliding_window: 8, shorter than model.seq_len 16; .*set model.seq_len <= 8"),
     ({"hidden_act": "gelu"}, None, r"has hidden_act: \"gelu\"; the llama model's MLP is SwiGLU"),

@@ -105,6 +105,78 @@ def test_gating_matches_deepspeeds_rules(k: int, drop: bool) -> None:
         assert kept.sum() == k * S and cap == want["counts"].max()
 
 
+K_E = 6  # top-k's tests: 3 of 6 experts, so a token's three experts are a real choice
+
+
+def topk_logits(seed: int = 0) -> np.ndarray:
+    """Router logits [S, 6] with favoured experts that overflow; float32, as the gate receives them."""
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(S, K_E)) * 1.5 + np.array([1.5, 0.8, 0.3, 0.0, -0.5, -1.0])).astype(np.float32)
+
+
+def reference_topk(x: np.ndarray, k: int, factor: float, min_capacity: int, drop: bool, policy: str) -> dict:
+    """DeepSpeed's topkgating, route by route: each token's k most probable experts; an over-full expert
+    keeps its first routes (position) or the routes of largest softmax probability (probs); the kept
+    tokens take an expert's slots in token order; each token's kept probabilities renormalized to one."""
+    gates = softmax(x)
+    n, e = x.shape
+    routes = [sorted(np.argsort(-gates[s])[:k]) for s in range(n)]
+    counts = np.bincount(np.concatenate(routes), minlength=e)
+    ce = counts / n  # every route counts, before any drop
+    l_aux = np.mean(gates.mean(0) * ce) * e * e / k
+    cap = ds_capacity(n, e, k * factor, min_capacity) if drop else counts.max()
+    kept = {(s, j) for s in range(n) for j in routes[s]}
+    if drop:
+        for j in range(e):
+            mine = [s for s in range(n) if j in routes[s]]
+            if policy == "probs":
+                mine = sorted(mine, key=lambda s: -gates[s, j])
+            kept -= {(s, j) for s in mine[cap:]}
+    combine = np.zeros((n, e, cap))
+    used = np.zeros(e, int)
+    for s in range(n):
+        mine = [j for j in routes[s] if (s, j) in kept]
+        denom = max(sum(gates[s, j] for j in mine), np.finfo(np.float32).eps)
+        for j in mine:
+            combine[s, j, used[j]] = gates[s, j] / denom
+            used[j] += 1
+    return dict(combine=combine, l_aux=l_aux, counts=counts, kept=used, capacity=cap)
+
+
+@pytest.mark.parametrize("k, drop, policy", [(3, True, "probs"), (3, True, "position"), (3, False, "probs"),
+                                             (1, True, "probs"), (1, False, "probs")])
+def test_topk_gating_matches_deepspeeds_rules(k: int, drop: bool, policy: str) -> None:
+    x = topk_logits(k)
+    want = reference_topk(x, k, 1.0, 4, drop, policy)
+    got = jax.jit(lambda l: moe.topk_gating(l, k, 1.0, 4, drop_tokens=drop, drop_policy=policy))(jnp.asarray(x))
+    cap = want["capacity"]
+    combine = np.asarray(got.combine, np.float64)
+    np.testing.assert_array_equal(np.asarray(got.exp_counts), want["counts"])
+    np.testing.assert_allclose(float(got.l_aux), want["l_aux"], rtol=1e-6)
+    assert not combine[:, :, cap:].any()  # no dropping: the static buffer holds every token, the rest empty
+    np.testing.assert_allclose(combine[:, :, :cap], want["combine"], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got.dispatch)[:, :, :cap], want["combine"] > 0)
+    kept = np.asarray(got.dispatch).sum((0, 2))
+    np.testing.assert_array_equal(kept, want["kept"])
+    np.testing.assert_allclose(combine.sum((1, 2))[combine.any((1, 2))], 1.0, rtol=1e-6)  # renormalized
+    if drop:
+        assert combine.shape[2] == cap == (16 if k == 3 else 6) and kept.max() == cap and kept.sum() < k * S
+    else:
+        assert kept.sum() == k * S and cap == want["counts"].max()
+
+
+def test_topk_drop_policies_keep_different_tokens() -> None:
+    """On the same logits "probs" keeps an over-full expert's most probable tokens, "position" its first."""
+    x = jnp.asarray(topk_logits(3))
+    probs, first = (moe.topk_gating(x, 3, 1.0, 4, drop_policy=p).dispatch.any(2) for p in ("probs", "position"))
+    assert (np.asarray(probs) != np.asarray(first)).any()
+    gates = softmax(np.asarray(x))
+    busy = int(np.asarray(first).sum(0).argmax())
+    assert gates[np.asarray(probs)[:, busy], busy].min() >= gates[np.asarray(first)[:, busy], busy].min()
+    with pytest.raises(ValueError, match="drop_policy 'random'"):
+        moe.topk_gating(x, 3, 1.0, 4, drop_policy="random")
+
+
 def test_capacity_rounds_like_deepspeed() -> None:
     assert moe.capacity(10, 1, 1.2, 0) == 12  # float32: 10 * 1.2f ties to 12; float64 would give 13
     assert moe.capacity(64, 8, 1.25, 4) == 10
@@ -125,13 +197,18 @@ def test_random_token_selection_keeps_a_random_subset() -> None:
         assert list(loc[d1[:, e], e]) == list(range(d1[:, e].sum()))
 
 
-def test_layer_output_is_the_gated_sum_of_experts() -> None:
-    layer = moe.MoE(16, 24, E, k=2, capacity_factor=0.5, min_capacity=2, use_residual=True, rngs=nnx.Rngs(1))
+@pytest.mark.parametrize("k, gating", [(2, "auto"), (3, "auto"), (1, "topk")])
+def test_layer_output_is_the_gated_sum_of_experts(k: int, gating: str) -> None:
+    """The layer gates with DeepSpeed's TopKGate choice (top-2; top-k from 3) or, with gating="topk",
+    with topkgating for any k (at k = 1 a kept token's weight is 1)."""
+    layer = moe.MoE(16, 24, E, k=k, capacity_factor=0.5, min_capacity=2, use_residual=True, gating=gating,
+                    rngs=nnx.Rngs(1))
     x = jax.random.normal(jax.random.key(2), (2, 8, 16))
     out, l_aux, counts = layer(x)
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
     t = np.asarray(x, np.float64).reshape(-1, 16)
-    g = reference_top2(t @ p["router"]["kernel"], 0.5, 2, True)  # S = 16 tokens
+    router = t @ p["router"]["kernel"]  # S = 16 tokens
+    g = reference_top2(router, 0.5, 2, True) if k == 2 else reference_topk(router, k, 0.5, 2, True, "probs")
     ex = p["experts"]
 
     def swiglu(v: np.ndarray, gw: np.ndarray, uw: np.ndarray, dw: np.ndarray) -> np.ndarray:
@@ -143,7 +220,9 @@ def test_layer_output_is_the_gated_sum_of_experts() -> None:
     c = softmax(t @ p["coefficient"]["kernel"] + p["coefficient"]["bias"])
     m = p["mlp"]
     y = y * c[:, :1] + swiglu(t, m["gate"]["kernel"], m["up"]["kernel"], m["down"]["kernel"]) * c[:, 1:]
-    assert (w > 0).sum() < 2 * 16  # capacity 4 per expert: some choices dropped
+    assert (w > 0).sum() < k * 16  # capacity 2 (top-1), 4 (top-2), 6 (top-3) per expert: some choices dropped
+    if k == 1:
+        assert set(np.unique(w)) == {0.0, 1.0}  # the top-k gate's renormalized weight, not the probability
     np.testing.assert_allclose(np.asarray(out).reshape(-1, 16), y, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(float(l_aux), g["l_aux"], rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(counts), g["counts"])
@@ -236,8 +315,15 @@ def test_config_rejects_bad_moe() -> None:
         zerojax.load_config({"train_batch_size": 8, "model": {"n_experts": 4}})
     with pytest.raises(zerojax.ConfigError, match="model.moe_every: 3 does not divide"):
         zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "moe_every": 3}})
+    with pytest.raises(zerojax.ConfigError, match=r"model.experts_per_token: 5, but a layer has model.n_experts 4 "
+                                                  r"experts .*choose at most 4"):
+        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 5}})
     with pytest.raises(zerojax.ConfigError, match="model.experts_per_token"):
-        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 3}})
+        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 0}})
+    with pytest.raises(zerojax.ConfigError, match="model.gating"):
+        zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "gating": "top3"}})
+    m = zerojax.load_config({"train_batch_size": 8, "model": {**SMALL, "n_experts": 4, "experts_per_token": 4}}).model
+    assert m.experts_per_token == 4 and m.gating == "auto"
 
 
 def test_moe_yaml_trains(tmp_path: Path) -> None:

@@ -54,11 +54,10 @@ def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], r
     """The MoE keys of a Mixtral config.json: every layer a mixture of `num_local_experts` SwiGLU experts.
 
     transformers' Mixtral routes each token to the top `num_experts_per_tok` of softmax(router logits)
-    and renormalizes those weights to sum to one, dropping no token. DeepSpeed's top-2 gate with no
-    token dropped and no noise computes exactly that for k = 2; its top-1 gate keeps the raw softmax
-    weight (Mixtral's would be 1), and it has no top-k beyond 2, so any other k is refused."""
-    refuse("num_experts_per_tok", 2, "zerojax's gate (DeepSpeed's TopKGate) reproduces Mixtral's renormalized "
-                                     "top-k routing for top-2 only; use a checkpoint routing to 2 experts")
+    and renormalizes those weights to sum to one, dropping no token. With no token dropped and no
+    noise, DeepSpeed's gates compute exactly that: its top-2 gate for k = 2, its top-k gate for k >= 3.
+    Its top-1 gate keeps the raw softmax weight where Mixtral's is 1, so k = 1 takes the top-k gate
+    (`gating: topk`, DeepSpeed's `topkgating` with k = 1), which renormalizes the one weight to 1."""
     refuse("router_jitter_noise", (0, 0.0), "transformers jitters the experts' input as well as the router's "
                                             "in training, which DeepSpeed's Jitter policy does not; use 0")
     window = hf.get("sliding_window")
@@ -71,12 +70,17 @@ def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], r
                           f"sliding window only for sequences of at most {window} tokens: set model.seq_len <= "
                           f"{window}")
     n_experts = int(need("num_local_experts"))
-    if n_experts < 2:
-        raise HFError(f"model.hf_checkpoint: {where} has num_local_experts: {n_experts}; top-2 routing needs at "
-                      f"least 2 experts")
-    return {"n_experts": n_experts, "experts_per_token": 2, "moe_every": 1, "use_residual": False,
+    k = hf.get("num_experts_per_tok")
+    k = 2 if k is None else int(k)  # MixtralConfig's default
+    if not 1 <= k <= n_experts:
+        raise HFError(f"model.hf_checkpoint: {where} has num_experts_per_tok: {k}; a token is routed to between "
+                      f"1 and num_local_experts ({n_experts}) experts")
+    keys = {"n_experts": n_experts, "experts_per_token": k, "moe_every": 1, "use_residual": False,
             "drop_tokens": False, "noisy_gate_policy": None, "top2_2nd_expert_sampling": False,
             "moe_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001))}
+    if k == 1:  # the one gate whose choice changes the forward (k >= 2: both choices compute Mixtral's)
+        keys["gating"] = "topk"
+    return keys
 
 
 def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) -> tuple[dict[str, Any], str]:

@@ -321,6 +321,10 @@ def _check_sections(config: Config) -> None:
         if m.n_layers % m.moe_every:
             raise ConfigError(f"model.moe_every: {m.moe_every} does not divide model.n_layers {m.n_layers}; the "
                               f"layers are scanned in groups of moe_every (its last one MoE), so choose a divisor")
+        if m.experts_per_token > m.n_experts:
+            raise ConfigError(f"model.experts_per_token: {m.experts_per_token}, but a layer has model.n_experts "
+                              f"{m.n_experts} experts and each token goes to distinct ones; choose at most "
+                              f"{m.n_experts}")
     if m.name == "gpt" and m.tie_embeddings and config.mesh.stage > 1:
         raise ConfigError(f"model.tie_embeddings: the pipelined gpt model (mesh.stage {config.mesh.stage}) keeps "
                           f"its own LM head on the last stage; set model.tie_embeddings: false, or mesh.stage: 1")

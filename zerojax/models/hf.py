@@ -28,8 +28,8 @@ has made them differ. Its position table is `model.seq_len` rows (an import keep
 of n_positions; an export writes those back and copies the rows past them from the source).
 GPT-2's Conv1D weights are already stored [in, out] and are not transposed.
 
-Mixtral goes into the mixture-of-experts Llama (every layer's MLP a MoE layer, top-2 routing with no
-token dropped: zerojax.config.hf says why that is transformers' routing). Its experts are separate
+Mixtral goes into the mixture-of-experts Llama (every layer's MLP a MoE layer, its top-k routing with
+no token dropped: zerojax.config.hf says which gate computes transformers' routing for each k). Its experts are separate
 tensors per layer and expert (`block_sparse_moe.experts.{j}.w1`), ours one leaf stacked [layers,
 experts, ...]: a device's block of that leaf is read as the block of each (layer, expert) tensor in it.
 """
@@ -87,14 +87,18 @@ def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
 
 
 def _check_mixtral(cfg: Any) -> None:
-    """The MoE Llama is a transformers Mixtral only in Mixtral's shape; else one error naming the key."""
+    """The MoE Llama is a transformers Mixtral only in Mixtral's shape and with a gate that renormalizes
+    its top-k weights (every gate but DeepSpeed's top-1); else one error naming the key."""
     for key, want, why in (("moe_every", 1, "every Mixtral layer's MLP is a mixture of experts"),
-                           ("experts_per_token", 2, "transformers' Mixtral renormalizes its top-k weights, which "
-                                                    "DeepSpeed's gate computes for top-2 only"),
                            ("use_residual", False, "Mixtral has no residual MLP beside its experts (PR-MoE)")):
         if getattr(cfg, key) != want:
             raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face MoE checkpoint (Mixtral) needs "
                           f"{json.dumps(want)}: {why}; export this model with --format safetensors instead")
+    if cfg.experts_per_token == 1 and cfg.gating != "topk":
+        raise HFError(f"model.gating: {cfg.gating} with model.experts_per_token 1 is DeepSpeed's top-1 gate, which "
+                      f"weights a token's expert by its softmax probability where a Hugging Face Mixtral "
+                      f"renormalizes it to 1 (model.gating: topk); export this model with --format safetensors "
+                      f"instead")
 
 
 def _mixtral_names(cfg: Any) -> dict[tuple[str, ...], Source]:

@@ -1,11 +1,11 @@
 """A mixture-of-experts layer in Flax NNX with DeepSpeed's `deepspeed.moe.layer.MoE` semantics.
 
-The gate is DeepSpeed's `TopKGate` (GShard's top-1 / top-2 routing): softmax of fp32 router logits,
-a per-expert `capacity` of token slots, tokens over capacity dropped, and the load-balancing loss
-`l_aux`. Dispatch and combine are the einsum formulation of GShard's Algorithm 2 (DeepSpeed's
-`MOELayer`): a dispatch mask and combine weights [tokens, experts, capacity] place every kept token in
-one slot of an [experts, capacity, model] buffer, each expert runs on its own rows, and the combine
-weights gather the results back.
+The gate is DeepSpeed's `TopKGate` (top-1 Switch and top-2 GShard routing, and its top-k gate for
+k >= 3): softmax of fp32 router logits, a per-expert `capacity` of token slots, tokens over capacity
+dropped, and the load-balancing loss `l_aux`. Dispatch and combine are the einsum formulation of
+GShard's Algorithm 2 (DeepSpeed's `MOELayer`): a dispatch mask and combine weights [tokens, experts,
+capacity] place every kept (token, expert) route in one slot of an [experts, capacity, model] buffer,
+each expert runs on its own rows, and the combine weights gather the results back.
 
 Everything random (Jitter, RSample, Random Token Selection, top-2's sampled second expert) is drawn
 from an explicit key and only in training mode: `module.eval()` (what zerojax's evaluation does) or a
@@ -30,6 +30,8 @@ from flax import nnx
 from zerojax.core.mesh import expert_axis
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+DROP_POLICIES = ("probs", "position")  # DeepSpeed's topkgating: which tokens an over-full expert keeps
+GATINGS = ("auto", "topk")  # auto: DeepSpeed's TopKGate choice by k; topk: its topkgating for every k
 JITTER_EPS = 1e-2  # DeepSpeed's multiplicative_jitter epsilon
 
 
@@ -55,9 +57,10 @@ def _one_hot(idx: jax.Array, n: int) -> jax.Array:
 
 
 def _slots(mask: jax.Array, locations: jax.Array, cap: int) -> jax.Array:
-    """[S, E, C] one-hot of each kept (token, expert) pair's slot; zero rows for dropped pairs."""
-    loc_s = jnp.sum(locations * mask, axis=1)
-    return mask[:, :, None] * _one_hot(loc_s, cap)[:, None, :]
+    """[S, E, C] one-hot of each kept (token, expert) pair's slot; zero rows for dropped pairs.
+
+    Per pair, so a token may hold slots with several experts (top-k's mask has k ones a row)."""
+    return mask[:, :, None] * _one_hot(locations * mask, cap)
 
 
 def _l_aux(gates: jax.Array, mask1: jax.Array) -> jax.Array:
@@ -76,15 +79,35 @@ def _keep_first(mask: jax.Array, cap: int) -> jax.Array:
     return mask * (locations < cap)
 
 
+def _keep_highest(mask: jax.Array, priority: jax.Array, cap: int) -> jax.Array:
+    """Each expert keeps the `cap` of its routed tokens with the highest `priority` [S, E] (DeepSpeed's
+    `torch.topk(..., dim=0)` over tokens, then `mask &`): with fewer routed tokens than `cap` it keeps
+    them all, the rest of the selection landing on unrouted entries that the mask clears. At equal
+    priorities the earlier token wins (torch's ties are unspecified)."""
+    k = min(cap, mask.shape[0])  # topk cannot pick more tokens than there are; C may still be larger
+    _, top = jax.lax.top_k(priority.T, k)  # [E, k] token indices
+    chosen = jnp.zeros(mask.shape[::-1], jnp.int32).at[jnp.arange(mask.shape[1])[:, None], top].set(1).T
+    return mask * chosen
+
+
 def _keep_random(mask: jax.Array, cap: int, key: jax.Array) -> jax.Array:
     """Random Token Selection: each expert keeps `cap` of its tokens chosen by a uniform priority
     (DeepSpeed's `mask1 * uniform` then `topk` over tokens), so the sequence's end is not always
     the part dropped."""
-    priority = mask * jax.random.uniform(key, mask.shape, jnp.float32)
-    k = min(cap, mask.shape[0])
-    _, top = jax.lax.top_k(priority.T, k)  # [E, k] token indices
-    chosen = jnp.zeros(mask.shape[::-1], jnp.int32).at[jnp.arange(mask.shape[1])[:, None], top].set(1).T
-    return mask * chosen
+    return _keep_highest(mask, mask * jax.random.uniform(key, mask.shape, jnp.float32), cap)
+
+
+def _keep_most_probable(mask: jax.Array, gates: jax.Array, cap: int) -> jax.Array:
+    """Top-k's `drop_policy="probs"`: each expert keeps the `cap` routed tokens with the largest raw
+    softmax probability for it.
+
+    DeepSpeed ranks its top-k-masked *gates* (the softmax probabilities of each token's k experts,
+    zeros elsewhere), not the renormalized weights and, since its #7986, not the logits (before it, a
+    routed negative logit ranked below the unrouted zeros and its route was dropped even with room to
+    spare). Quirks kept: the probability is not comparable across tokens of different sharpness (a
+    token spread over its k experts loses to a confident one), and the survivors then take their
+    slots in token order, not in rank order."""
+    return _keep_highest(mask, gates * mask, cap)
 
 
 def top1_gating(logits: jax.Array, capacity_factor: float, min_capacity: int, *, drop_tokens: bool = True,
@@ -143,6 +166,41 @@ def top2_gating(logits: jax.Array, capacity_factor: float, min_capacity: int, *,
     slots1, slots2 = _slots(mask1, locations1, cap), _slots(mask2, locations2, cap)
     combine = (g1 / denom)[:, None, None] * slots1 + (g2 / denom)[:, None, None] * slots2
     return Gating(combine, (slots1 + slots2).astype(bool), l_aux, exp_counts)
+
+
+def topk_gating(logits: jax.Array, k: int, capacity_factor: float, min_capacity: int, *,
+                drop_tokens: bool = True, drop_policy: str = "probs") -> Gating:
+    """DeepSpeed's `topkgating` on fp32 logits [S, E] (its `TopKGate` uses it for k >= 3).
+
+    Each token is routed to the k experts of largest softmax probability; l_aux and exp_counts count
+    all k routes before any drop (l_aux = mean(me * ce) * E * E / k). With dropping, capacity is
+    `_capacity` with factor `capacity_factor * k`; an over-full expert keeps its most probable tokens
+    (`drop_policy="probs"`, DeepSpeed's default and the only one its layer uses) or its first ones
+    (`"position"`). The kept routes' probabilities are renormalized to sum to one per token (at k = 1
+    a kept token's weight is 1). Slots are taken in token order. Without dropping the capacity is
+    every token (S); DeepSpeed sizes it to the busiest expert, which leaves the same slots filled and
+    the rest empty.
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"top-k gating: drop_policy {drop_policy!r}; choose one of {DROP_POLICIES}")
+    logits = logits.astype(jnp.float32)
+    s, e = logits.shape
+    gates = jax.nn.softmax(logits, axis=1)
+    _, top = jax.lax.top_k(gates, k)  # [S, k]; at equal probabilities the lower expert index first
+    mask = jnp.sum(_one_hot(top, e), axis=1)  # [S, E], k ones a row
+    exp_counts = jnp.sum(mask, axis=0)
+    me, ce = jnp.mean(gates, axis=0), jnp.mean(mask.astype(jnp.float32), axis=0)
+    l_aux = jnp.mean(me * ce) * e * e / k
+    if drop_tokens:
+        cap = capacity(s, e, capacity_factor * k, min_capacity)
+        mask = _keep_most_probable(mask, gates, cap) if drop_policy == "probs" else _keep_first(mask, cap)
+    else:
+        cap = s
+    locations = jnp.cumsum(mask, axis=0) - 1
+    kept = gates * mask
+    weights = kept / jnp.maximum(jnp.sum(kept, axis=1, keepdims=True), jnp.finfo(jnp.float32).eps)
+    slots = _slots(mask, locations, cap)
+    return Gating(weights[:, :, None] * slots, slots.astype(bool), l_aux, exp_counts)
 
 
 def moe_apply(x: jax.Array, gating: Gating, experts: Callable[[jax.Array], jax.Array],
@@ -204,6 +262,13 @@ class MoE(nnx.Module):
     """DeepSpeed's `MoE(hidden_size, expert, num_experts, ep_size=1, k, capacity_factor, ...)` with
     SwiGLU experts; `__call__(x, key)` returns (output, l_aux, exp_counts) as DeepSpeed's forward does.
 
+    `k` is any number of experts up to `num_experts`: as DeepSpeed's `TopKGate`, k = 1 gates with
+    `top1gating`, k = 2 with `top2gating`, k >= 3 with `topkgating` (drop policy "probs": DeepSpeed's
+    layer passes no other). `gating="topk"` (not a DeepSpeed argument) takes `topkgating` for every
+    k: at k = 1 that renormalizes the kept weight to 1 (transformers' Mixtral with one expert a token)
+    where `top1gating` weights by the raw probability. `topkgating` has no RSample, RTS or sampled
+    second expert; Jitter applies to every gate.
+
     `use_residual` is PR-MoE (Residual MoE): a dense MLP beside the experts, mixed per token by a
     softmax over a learned 2-way coefficient. `deterministic` (set by `module.eval()`) selects
     `eval_capacity_factor` and turns every noise source off.
@@ -212,10 +277,13 @@ class MoE(nnx.Module):
     def __init__(self, hidden_size: int, d_ff: int, num_experts: int, *, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
-                 use_rts: bool = True, top2_2nd_expert_sampling: bool = True, init_std: float = 0.02,
-                 out_init_std: Optional[float] = None, rngs: nnx.Rngs):
-        if k not in (1, 2):
-            raise ValueError(f"MoE: k={k}; DeepSpeed's MoE layer routes each token to 1 or 2 experts")
+                 use_rts: bool = True, top2_2nd_expert_sampling: bool = True, gating: str = "auto",
+                 init_std: float = 0.02, out_init_std: Optional[float] = None, rngs: nnx.Rngs):
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"MoE: k={k}; each token is routed to between 1 and num_experts ({num_experts}) "
+                             f"experts")
+        if gating not in GATINGS:
+            raise ValueError(f"MoE: gating {gating!r}; choose one of {GATINGS}")
         if noisy_gate_policy == "None":
             noisy_gate_policy = None
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
@@ -226,7 +294,7 @@ class MoE(nnx.Module):
         self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_capacity_factor
         self.min_capacity, self.drop_tokens, self.use_rts = min_capacity, drop_tokens, use_rts
         self.noisy_gate_policy, self.top2_2nd_expert_sampling = noisy_gate_policy, top2_2nd_expert_sampling
-        self.use_residual = use_residual
+        self.use_residual, self.gating = use_residual, gating
         self.deterministic = False
         self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, kernel_init=init, rngs=rngs)
         self.experts = SwiGLUExperts(num_experts, hidden_size, d_ff, init=init, out_init=out_init, rngs=rngs)
@@ -257,6 +325,8 @@ class MoE(nnx.Module):
                                                    1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
         logits = gate_in @ self.router.kernel[...].astype(jnp.float32)
         factor = self.capacity_factor if training else self.eval_capacity_factor
+        if self.k >= 3 or self.gating == "topk":
+            return topk_gating(logits, self.k, factor, self.min_capacity, drop_tokens=self.drop_tokens)
         if self.k == 1:
             return top1_gating(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
                                rts_key=keys[1] if self.use_rts else None,

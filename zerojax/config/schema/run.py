@@ -63,13 +63,22 @@ class ModelConfig:
     n_experts: Optional[int] = option(
         None, "llama: experts per mixture-of-experts layer (DeepSpeed's MoE num_experts); unset or 0: the dense "
               "model. The MLP of every model.moe_every-th layer becomes a MoE layer; see docs/moe.md.", ge=0)
-    experts_per_token: int = option(1, "llama MoE: experts each token is routed to (DeepSpeed's k): 1 (top-1, "
-                                       "Switch) or 2 (top-2, GShard).", choices=(1, 2))
+    experts_per_token: int = option(1, "llama MoE: experts each token is routed to (DeepSpeed's k), at most "
+                                       "model.n_experts: 1 (top-1, Switch), 2 (top-2, GShard) or more "
+                                       "(DeepSpeed's top-k gate, which keeps an over-full expert's most "
+                                       "probable tokens).", ge=1)
+    gating: str = option("auto", "llama MoE: the gate function. auto: DeepSpeed's TopKGate choice by "
+                                 "model.experts_per_token (top1gating, top2gating, topkgating from 3). topk: "
+                                 "DeepSpeed's topkgating for every k (the kept weights renormalized to one: at "
+                                 "k 1 a kept token's weight is 1, not its probability; no RSample, RTS or "
+                                 "second-expert sampling); model.hf_checkpoint of a Mixtral routing to one "
+                                 "expert sets it.", choices=("auto", "topk"))
     moe_every: int = option(1, "llama MoE: every moe_every-th layer is a MoE layer (Megatron-DeepSpeed's "
                                "expert_interval; 2: every other layer, the first one dense); must divide "
                                "n_layers.", gt=0)
     capacity_factor: float = option(1.0, "llama MoE: token slots per expert in training, as a multiple of "
-                                         "tokens / experts (times k for top-2); at least model.min_capacity.",
+                                         "k x tokens / experts (k: model.experts_per_token); at least "
+                                         "model.min_capacity.",
                                     gt=0)
     eval_capacity_factor: float = option(1.0, "llama MoE: capacity_factor in evaluation and generation.", gt=0)
     min_capacity: int = option(4, "llama MoE: the fewest token slots per expert, whatever the capacity factor.",
