@@ -8,17 +8,21 @@ shows what a GPU would run: two kernel launches per step, reading and writing th
 """
 from __future__ import annotations
 
+import functools
 import re
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 import zerojax
 from helpers import ADAM, data_mesh, make_batch, make_config, mlp_params, mse_loss, to_numpy, train_steps
 from zerojax.pallas.backend import resolve
 from zerojax.pallas import multi_tensor
+from zerojax.pallas.update import sum_groups
 
 TBS = 32
 PARAMS0 = mlp_params(0)
@@ -133,6 +137,91 @@ def test_fp16_overflow_skipping_with_kernels_equals_xla() -> None:
     assert int(s_pallas.skipped) == 1
     paths = zerojax.plan(make_config(2, kernels="xla", **kw), data_mesh(), PARAMS0).leaf_paths
     assert [k for k, bad in zip(paths, np.asarray(s_pallas.scaler.first_bad)) if bad] == ["['w_in']"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Leaves split over mesh axes besides the data axes (tensor, expert, a pipeline's stage): their
+# gradient statistics add up over those axes too. Each run trains a clean step, a step whose loss
+# is finite but whose gradient has one NaN element in a block held away from device 0 (skipped:
+# the per-leaf finiteness must see it), and a clean step; clipping is engaged on both updates.
+
+CLIP = 0.05
+
+
+def nan_gradient(element: jax.Array, flag: jax.Array) -> jax.Array:
+    """0 in value; its gradient is NaN at `element` where `flag` is 1 and 0 where it is 0
+    (d sqrt(u)/du is inf at u = 0, and |x - x| has slope 0 there)."""
+    return jnp.sqrt(jnp.abs(element - element) + 1.0 - flag) - jnp.sqrt(1.0 - flag)
+
+
+def poisonable(loss_fn: Callable[..., jax.Array], element: Callable[[Any], jax.Array]) -> Callable[..., jax.Array]:
+    """`loss_fn` on the batch's other keys, plus a NaN gradient at `element(params)` for a batch whose
+    `poison` column is 1."""
+    @functools.wraps(loss_fn)  # keeps the model's logical_axes
+    def loss(params: Any, batch: dict[str, Any]) -> jax.Array:
+        rest = {k: v for k, v in batch.items() if k != "poison"}
+        return loss_fn(params, rest) + nan_gradient(element(params), jnp.max(batch["poison"]))
+    return loss
+
+
+def with_poison(batch: dict[str, np.ndarray], value: float) -> dict[str, np.ndarray]:
+    rows = len(next(iter(batch.values())))
+    return {**batch, "poison": np.full((rows,), value, np.float32)}
+
+
+def three_steps(batches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """Clean, poisoned, clean."""
+    return [with_poison(batches[0], 0.0), with_poison(batches[1], 1.0), with_poison(batches[2], 0.0)]
+
+
+def assert_fused_matches_optax(make_engine: Callable[[str], zerojax.Engine], data: Sequence[Any]) -> None:
+    """The same runs with `kernels: pallas` and `xla`: the NaN step skipped by both and blamed on the
+    same leaf, the clipped gradient norms and the final states (2 updates) equal."""
+    runs = {}
+    for kernels in ("pallas", "xla"):
+        e = make_engine(kernels)
+        runs[kernels] = (e, [jax.device_get(e.train_batch(b)) for b in data])
+    (fused, m_fused), (optax_, m_optax) = runs["pallas"], runs["xla"]
+    assert fused.plan.kernels == "interpret" and optax_.plan.kernels == "xla"
+    assert [bool(m["skipped"]) for m in m_fused] == [bool(m["skipped"]) for m in m_optax] == [False, True, False]
+    blamed = np.asarray(fused.state.scaler.first_bad)
+    assert blamed.sum() == 1 and np.array_equal(blamed, np.asarray(optax_.state.scaler.first_bad))
+    for i in (0, 2):
+        np.testing.assert_allclose(m_fused[i]["grad_norm"], m_optax[i]["grad_norm"], rtol=REL)
+        assert float(m_optax[i]["grad_norm"]) > 2 * CLIP, "clipping never engaged"
+    assert_states_match(fused.state, optax_.state)
+
+
+TP_PARAMS = mlp_params(0, divisible=True)
+TP_DIMS = {"w_in": 1, "b_in": None, "layers": {"w": 1, "b": None}, "w_out": 0, "b_out": None}  # the loss's pairs
+
+
+def tensor_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
+
+
+@pytest.mark.parametrize("stage, want", [
+    (0, {("tensor",): ["['layers']['w']", "['w_in']", "['w_out']"]}),  # the biases are whole: no sum
+    (3, {("data",): ["['b_in']", "['b_out']", "['layers']['b']"],
+         ("data", "tensor"): ["['layers']['w']", "['w_in']", "['w_out']"]}),
+])
+def test_statistics_are_summed_once_per_set_of_split_axes(stage: int, want: dict) -> None:
+    cfg = make_config(stage, optimizer=ADAM, kernels="pallas", mesh={"tensor": 2})
+    plan = zerojax.plan(cfg, tensor_mesh(), TP_PARAMS, tensor_dims=TP_DIMS)
+    paths = plan.leaf_paths
+    assert {axes: [paths[i] for i in leaves] for axes, leaves in sum_groups(plan)} == want
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tensor_split_leaves_with_kernels_equal_xla(stage: int) -> None:
+    """data 4 x tensor 2: w_in's last column (the NaN) lives in tensor slice 1 only."""
+    loss_fn = poisonable(mse_loss, lambda p: p["w_in"][0, -1])
+
+    def make(kernels: str) -> zerojax.Engine:
+        cfg = make_config(stage, optimizer=ADAM, clip=CLIP, kernels=kernels, mesh={"tensor": 2})
+        return zerojax.initialize(cfg, params=TP_PARAMS, loss_fn=loss_fn, mesh=tensor_mesh(), tensor_dims=TP_DIMS)
+
+    assert_fused_matches_optax(make, three_steps(BATCHES))
 
 
 # ------------------------------------------------------------------------------------------------
