@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh
 
 import zerojax
@@ -187,21 +188,21 @@ def three_steps(batches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.n
 
 
 def assert_fused_matches_optax(make_engine: Callable[[str], zerojax.Engine], data: Sequence[Any],
-                               rel: float = REL) -> None:
-    """The same runs with `kernels: pallas` and `xla`: the NaN step skipped by both and blamed on the
-    same leaf, the clipped gradient norms and the final states (2 updates) equal, to `rel` of each
-    leaf's scale (a statistic summed over the wrong axes is off by far more: a missed skip moves
-    every leaf by about the learning rate)."""
+                               rel: float = REL, poisoned: Sequence[bool] = (False, True, False)) -> None:
+    """The same runs with `kernels: pallas` and `xla`: the `poisoned` steps (a NaN gradient) skipped
+    by both and blamed on the same leaf, the clipped gradient norms and the final states equal, to
+    `rel` of each leaf's scale (a statistic summed over the wrong axes is off by far more: a missed
+    skip moves every leaf by about the learning rate)."""
     runs = {}
     for kernels in ("pallas", "xla"):
         e = make_engine(kernels)
         runs[kernels] = (e, [jax.device_get(e.train_batch(b)) for b in data])
     (fused, m_fused), (optax_, m_optax) = runs["pallas"], runs["xla"]
     assert fused.plan.kernels == "interpret" and optax_.plan.kernels == "xla"
-    assert [bool(m["skipped"]) for m in m_fused] == [bool(m["skipped"]) for m in m_optax] == [False, True, False]
+    assert [bool(m["skipped"]) for m in m_fused] == [bool(m["skipped"]) for m in m_optax] == list(poisoned)
     blamed = np.asarray(fused.state.scaler.first_bad)
-    assert blamed.sum() == 1 and np.array_equal(blamed, np.asarray(optax_.state.scaler.first_bad))
-    for i in (0, 2):
+    assert blamed.sum() == any(poisoned) and np.array_equal(blamed, np.asarray(optax_.state.scaler.first_bad))
+    for i in (i for i, bad in enumerate(poisoned) if not bad):
         np.testing.assert_allclose(m_fused[i]["grad_norm"], m_optax[i]["grad_norm"], rtol=rel)
         assert float(m_optax[i]["grad_norm"]) > 2 * CLIP, "clipping never engaged"
     assert_states_match(fused.state, optax_.state, rel)
@@ -276,6 +277,79 @@ def test_expert_split_leaves_with_kernels_equal_xla(stage: int) -> None:
     shows at up to ~1e-6 of a leaf's scale."""
     make = functools.partial(moe_engine, stage)
     assert_fused_matches_optax(make, three_steps([moe_batch(i) for i in range(3)]), rel=1e-5)
+
+
+class Flagged(nnx.Module):
+    """A Linear layer whose kernel's gradient is NaN at [0, 0] where its input reaches |x| = 1 (the
+    poisoned batch saturates the tanh before it); its output is the Linear's."""
+
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.linear.kernel[...]
+        flag = (jnp.max(jnp.abs(x)) >= 1.0).astype(jnp.float32)
+        return self.linear(x) + nan_gradient(kernel, jnp.zeros(kernel.shape).at[0, 0].set(flag))
+
+
+def pipe_inputs(batch: dict[str, Any]) -> jax.Array:
+    return batch["x"]
+
+
+def pipe_mse(out: jax.Array, batch: dict[str, Any]) -> jax.Array:
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+# Two stages: [inputs, Linear(8, 16), tanh] and [Flagged(16, 8)], so the NaN is in stage 1's row.
+PIPE = zerojax.PipelineModule([pipe_inputs, zerojax.LayerSpec(nnx.Linear, 8, 16), jnp.tanh,
+                               zerojax.LayerSpec(Flagged, 16, 8)], loss_fn=pipe_mse)
+
+
+def pipe_batches(rows: int) -> list[dict[str, np.ndarray]]:
+    """Clean, poisoned (a column of 50s saturates the tanh), clean."""
+    out = []
+    for i in range(3):
+        x = np.random.default_rng(200 + i).normal(size=(rows, 8)).astype(np.float32)
+        out.append({"x": x, "y": np.tanh(1.5 * x[:, ::-1])})
+    out[1]["x"][:, 0] = 50.0
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_pipeline_rows_with_kernels_equal_xla(stage: int) -> None:
+    """configs/pipeline.yaml's shape: stage 2 x data 4, 1F1B, ZeRO 0-1. The rows are split over `stage`:
+    stage 1's NaN must stop the step on stage 0 too, and the norm add both stages' rows."""
+    def make(kernels: str) -> zerojax.Engine:
+        cfg = zerojax.load_config({
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "optimizer": ADAM,
+            "gradient_clipping": CLIP, "kernels": kernels, "zero_optimization": {"stage": stage},
+            "mesh": {"stage": 2, "data": 4}, "pipeline": {"schedule": "1f1b"}})
+        return zerojax.initialize(cfg, model=PIPE, params=PIPE.init(0))
+
+    engine = make("xla")
+    assert [engine.pipeline.rows.owner(k) for k in sorted(PIPE.abstract_params())] == [0, 1]
+    assert_fused_matches_optax(make, pipe_batches(engine.train_batch_size()))
+
+
+GPT = dict(name="gpt", vocab_size=64, seq_len=16, d_model=32, n_heads=4, d_ff=64, n_layers=2, tie_embeddings=False)
+
+
+def test_pipeline_rows_split_over_tensor_with_kernels_equal_xla() -> None:
+    """stage 2 x data 2 x tensor 2, the GPT's layers as stage rows [S, tensor, width]: whole leaves
+    (norms, biases of row-parallel layers) are copied into both tensor slices, and the plan's own
+    norm counts them once; the fused update must too."""
+    from zerojax.models import gpt
+
+    def make(kernels: str) -> zerojax.Engine:
+        cfg = zerojax.load_config({
+            "train_batch_size": 16, "gradient_accumulation_steps": 2, "optimizer": ADAM, "gradient_clipping": CLIP,
+            "kernels": kernels, "zero_optimization": {"stage": 1}, "mesh": {"stage": 2, "tensor": 2},
+            "pipeline": {"schedule": "1f1b"}, "model": GPT})
+        devices = np.array(jax.devices()).reshape(2, 2, 2)
+        return zerojax.initialize(cfg, model=gpt.pipeline_module(cfg.model), mesh=Mesh(devices, ("stage", "data", "tensor")))
+
+    tokens = [{"tokens": np.random.default_rng(7 + i).integers(0, 64, size=(16, 17), dtype=np.int32)} for i in range(2)]
+    assert_fused_matches_optax(make, tokens, poisoned=(False, False))
 
 
 # ------------------------------------------------------------------------------------------------

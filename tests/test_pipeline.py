@@ -293,8 +293,3 @@ def test_bad_layers_and_tied_shapes() -> None:
                                 zerojax.TiedLayerSpec("io", nnx.Linear, 3, 3)], loss_fn=mse)
     with pytest.raises(zerojax.ConfigError, match=r"loss_fn"):
         zerojax.PipelineModule([inputs])
-
-
-def test_pallas_kernels_are_not_used_by_pipelines() -> None:
-    with pytest.raises(zerojax.ConfigError, match=r"kernels: 'pallas' is not supported with pipeline parallelism"):
-        zerojax.initialize(config(2, 2, kernels="pallas"), model=MODULES[False])

@@ -13,6 +13,11 @@ names, and a leaf no axis splits counts once. Leaves that name the same axes sha
 shard_maps run with `check_vma=False` so that one launch can take every kind of leaf; that is exact
 because a leaf's results are the same on every device that holds the same block of it.
 
+A plan whose layout stores some values more than once inside one leaf (a pipeline's rows with a
+tensor axis copy whole leaves into every tensor slice) carries its own norm (`rule.norm`, which
+counts each value once); per-leaf sums cannot see that, so such a plan's norm is the rule's, read
+under the automatic partitioner, and the kernel gives the finiteness only.
+
 The optimizer state keeps optax's structure exactly (`tx.init`'s pytree): the fused path reads
 Adam's moments out of it and writes them back in place, and advances its scalar bookkeeping (update
 counts, the schedule's hyperparameters) by running the optax transform itself on empty arrays.
@@ -99,7 +104,15 @@ class FusedUpdate:
         inv_scale = jnp.asarray(inv_scale, jnp.float32)
         per_leaf = jax.shard_map(self._local_stats, mesh=self.plan.mesh, in_specs=(self._specs, P()),
                                  out_specs=P(), check_vma=False)(grads, inv_scale)
-        return GradStats(norm=jnp.sqrt(jnp.sum(per_leaf[0])), leaf_finite=per_leaf[1] == 0)
+        return GradStats(norm=self._norm(per_leaf[0], grads, inv_scale), leaf_finite=per_leaf[1] == 0)
+
+    def _norm(self, sumsq: jax.Array, grads: Any, inv_scale: jax.Array) -> jax.Array:
+        """The global norm from the leaves' sums of squares; a plan with its own norm (a layout that
+        holds copies inside a leaf, which per-leaf sums would count again) has that read instead,
+        one more pass over the gradients under the automatic partitioner."""
+        if self.plan.rule.norm is None:
+            return jnp.sqrt(jnp.sum(sumsq))
+        return self.plan.rule.norm(jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads))
 
     def _local_stats(self, grads: Any, inv_scale: jax.Array) -> jax.Array:
         """Per leaf (sum of squares, non-finite count) of the whole leaf, from this device's blocks."""

@@ -17,7 +17,6 @@ from zerojax.config import Config
 from zerojax.core.mesh import STAGE, data_size, row_size, tensor_size
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import is_elementwise
-from zerojax.pallas.backend import XLA
 from zerojax.pipeline.buffers import stage_rows
 from zerojax.pipeline.executor import Pipeline
 from zerojax.pipeline.module import PipelineModule
@@ -86,13 +85,6 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     if tensor > 1:  # whole leaves are copied into every tensor slice's row: the norm counts them once
         plan = dataclasses.replace(plan, tensor_plan=layer_plan.describe(tensor),
                                    rule=plan.rule._replace(norm=rows.norm))
-    if plan.kernels != XLA:
-        # The fused kernels reduce their gradient statistics over `data` only; a pipeline's rows
-        # are split over `stage` too, so pipelines keep the optax update.
-        if plan.rule.strict:
-            raise ConfigError("kernels: 'pallas' is not supported with pipeline parallelism yet; use "
-                              "kernels: auto or xla (pipelines run the optax update)")
-        plan = plan.with_kernels(XLA)
     lay = plan.layouts[ROWS]
     pol = plan.policy
     interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
