@@ -16,7 +16,7 @@ import pytest
 
 import zerojax
 import zerojax.planner.plan
-from helpers import data_mesh, make_config, mlp_params
+from helpers import ADAM, data_mesh, make_config, mlp_params
 from zerojax.pallas import adam, loss_scale, selfcheck
 from zerojax.core.step import checked_kernels
 from zerojax.pallas.backend import INTERPRET, TRITON, XLA
@@ -52,6 +52,19 @@ def test_auto_falls_back_to_xla_with_one_line_when_the_kernels_do_not_build(as_o
     assert len(lines) == 1, lines          # one line per process and backend, not per plan
     assert lines[0].startswith("zerojax: kernels: auto: using the XLA (optax) update; the Pallas kernels' "
                                "self-check failed (triton on cpu): compile/run error: ")
+
+
+def test_a_pipeline_engine_runs_the_check_and_names_the_update_that_runs(as_on_gpu: None, capsys) -> None:
+    """Pipelines use the fused update too, so `auto` checks it where the pipelined step is made."""
+    from flax import nnx
+    module = zerojax.PipelineModule([lambda b: b["x"], zerojax.LayerSpec(nnx.Linear, 4, 4), jnp.tanh,
+                                     zerojax.LayerSpec(nnx.Linear, 4, 4)],
+                                    loss_fn=lambda out, b: jnp.mean((out - b["y"]) ** 2))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "optimizer": ADAM,
+           "mesh": {"stage": 2, "data": 4}}
+    engine = zerojax.initialize(cfg, model=module)
+    assert engine.plan.kernels == XLA and engine.pipeline.plan.kernels == XLA
+    assert "self-check failed (triton on cpu)" in capsys.readouterr().out
 
 
 def test_pallas_fails_loudly_when_the_kernels_do_not_build(as_on_gpu: None) -> None:

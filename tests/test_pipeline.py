@@ -295,11 +295,6 @@ def test_bad_layers_and_tied_shapes() -> None:
         zerojax.PipelineModule([inputs])
 
 
-def test_pallas_kernels_are_not_used_by_pipelines() -> None:
-    with pytest.raises(zerojax.ConfigError, match=r"kernels: 'pallas' is not supported with pipeline parallelism"):
-        zerojax.initialize(config(2, 2, kernels="pallas"), model=MODULES[False])
-
-
 # ------------------------------------------------------------------------------------------------
 # Layers that draw noise (a MoE gate's) get keys, the same in a micro-batch's forward and backward.
 

@@ -6,6 +6,7 @@ TrainState) whose plan lays out the stage rows and whose steps run the pipeline 
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 from zerojax.config import Config
 from zerojax.engine.engine import Engine
 from zerojax.core.layout import MemoryReport
+from zerojax.core.step import checked_kernels
 from zerojax.pipeline.module import PipelineModule
 from zerojax.pipeline.step import (ROWS, PipelinePlan, init_rows, make_pipeline_eval_step, make_pipeline_train_step,
                                    pack_params)
@@ -33,7 +35,10 @@ class PipelineEngine(Engine):
     def __init__(self, config: Config, module: PipelineModule, mesh: Mesh, params: Any = None,
                  pipeline: PipelinePlan | None = None):
         self.module = module
-        self.pipeline = pipeline if pipeline is not None else make_pipeline_plan(config, mesh, module)
+        pipeline = pipeline if pipeline is not None else make_pipeline_plan(config, mesh, module)
+        # the kernels' self-check, where the step is made (as Engine does): the plan then names the
+        # update that really runs
+        self.pipeline = dataclasses.replace(pipeline, plan=checked_kernels(pipeline.plan))
         rows = init_rows(self.pipeline, config.run.seed) if params is None else pack_params(self.pipeline, params)
         self._start(config, mesh, module.loss, self.pipeline.plan, rows, make_pipeline_train_step(self.pipeline),
                     make_pipeline_eval_step(self.pipeline))

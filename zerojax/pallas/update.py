@@ -2,13 +2,21 @@
 
 A Pallas kernel is a custom call the SPMD partitioner cannot split (left to it, XLA would gather
 the operands and run the kernel on whole arrays). So both kernels run inside `jax.shard_map` over
-`data` with the plan's `update` specs, the placement gradients arrive in and master weights and
-optimizer state live in: no data moves in or out of the kernels.
+the whole mesh with the plan's `update` specs, the placement gradients arrive in and master weights
+and optimizer state live in: no data moves in or out of the kernels. Adam is elementwise, so a
+device's blocks are all it needs, whatever axes split them.
 
-Leaves whose update placement is replicated (stage 0, leaves no mesh size divides) are computed
-identically on every device. Their statistics are added once; sharded leaves' are summed over
-`data`. The shard_maps run with `check_vma=False` so that one launch can take both kinds of leaf;
-that is exact because replicated leaves' results are the same on every device.
+A device holds a block of each leaf: its update spec splits the leaf over some mesh axes (the data
+axes where ZeRO shards it, and the leaf's `split` axes: a pipeline's `stage`, `tensor`, `expert`) and
+copies it over the others. So a leaf's partial statistics are summed over exactly the axes its spec
+names, and a leaf no axis splits counts once. Leaves that name the same axes share one `psum`. The
+shard_maps run with `check_vma=False` so that one launch can take every kind of leaf; that is exact
+because a leaf's results are the same on every device that holds the same block of it.
+
+A plan whose layout stores some values more than once inside one leaf (a pipeline's rows with a
+tensor axis copy whole leaves into every tensor slice) carries its own norm (`rule.norm`, which
+counts each value once); per-leaf sums cannot see that, so such a plan's norm is the rule's, read
+under the automatic partitioner, and the kernel gives the finiteness only.
 
 The optimizer state keeps optax's structure exactly (`tx.init`'s pytree): the fused path reads
 Adam's moments out of it and writes them back in place, and advances its scalar bookkeeping (update
@@ -17,16 +25,14 @@ So checkpoints, layouts and everything else cannot tell which path produced a st
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax.core.collectives import Shard
-from zerojax.core.layout import Plan, is_layout
-from zerojax.core.mesh import data_axis
+from zerojax.core.layout import Plan
 from zerojax.optim.transforms import ScaleByMomentsState, bias_corrections
 from zerojax.pallas.adam import AdamScalars, adam_update_pallas
 from zerojax.pallas.backend import XLA
@@ -43,8 +49,22 @@ class GradStats(NamedTuple):
     leaf_finite: jax.Array
 
 
-def _sharded(plan: Plan) -> list[bool]:
-    return [isinstance(lay.update, Shard) for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout)]
+def split_axes(spec: P, mesh_axes: Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec splits its array over, in mesh order (a block differs along
+    each of them; along every other axis the devices hold copies)."""
+    named: set[str] = set()
+    for entry in spec:
+        named.update(() if entry is None else (entry,) if isinstance(entry, str) else entry)
+    return tuple(a for a in mesh_axes if a in named)
+
+
+def sum_groups(plan: Plan) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
+    """Leaf indices (tree order) grouped by the mesh axes their update blocks split them over:
+    one `psum` per distinct set of axes; leaves no axis splits are whole on every device."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, sharding in enumerate(jax.tree.leaves(plan.update_shardings)):
+        groups.setdefault(split_axes(sharding.spec, plan.mesh.axis_names), []).append(i)
+    return tuple((axes, tuple(leaves)) for axes, leaves in groups.items() if axes)
 
 
 def _find_moments(opt_state: Any) -> ScaleByMomentsState:
@@ -74,26 +94,38 @@ class FusedUpdate:
         if settings is None:
             raise ValueError("FusedUpdate: the plan's optimizer is not Adam; the fused kernel runs Adam only")
         self.plan, self.settings, self.backend = plan, settings, plan.kernels
-        self._sharded = _sharded(plan)
+        self._groups = sum_groups(plan)
         self._specs = plan.update_specs
         self._treedef = jax.tree.structure(plan.abstract_params)
 
     # -- loss-scale kernel ------------------------------------------------------------------------
     def grad_stats(self, grads: Any, inv_scale: jax.Array | float = 1.0) -> GradStats:
         """Norm and finiteness of `grads * inv_scale` (grads in the update placement, any float dtype)."""
-        sharded = self._sharded
+        inv_scale = jnp.asarray(inv_scale, jnp.float32)
+        per_leaf = jax.shard_map(self._local_stats, mesh=self.plan.mesh, in_specs=(self._specs, P()),
+                                 out_specs=P(), check_vma=False)(grads, inv_scale)
+        return GradStats(norm=self._norm(per_leaf[0], grads, inv_scale), leaf_finite=per_leaf[1] == 0)
 
-        def local(grads: Any, inv_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-            sumsq, bad = grad_stats_pallas(jax.tree.leaves(grads), inv_scale, backend=self.backend)
-            per_leaf = jnp.stack([jnp.stack(sumsq), jnp.stack(bad)])          # (2, leaves)
-            own = jnp.asarray(sharded)
-            # invariant: sharded leaves' partial sums add up over `data`; replicated ones are whole.
-            summed = jax.lax.psum(jnp.where(own, per_leaf, 0.0), data_axis())
-            return jnp.where(own, summed, per_leaf)
+    def _norm(self, sumsq: jax.Array, grads: Any, inv_scale: jax.Array) -> jax.Array:
+        """The global norm from the leaves' sums of squares; a plan with its own norm (a layout that
+        holds copies inside a leaf, which per-leaf sums would count again) has that read instead,
+        one more pass over the gradients under the automatic partitioner."""
+        if self.plan.rule.norm is None:
+            return jnp.sqrt(jnp.sum(sumsq))
+        return self.plan.rule.norm(jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads))
 
-        per_leaf = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(self._specs, P()),
-                                 out_specs=P(), check_vma=False)(grads, jnp.asarray(inv_scale, jnp.float32))
-        return GradStats(norm=jnp.sqrt(jnp.sum(per_leaf[0])), leaf_finite=per_leaf[1] == 0)
+    def _local_stats(self, grads: Any, inv_scale: jax.Array) -> jax.Array:
+        """Per leaf (sum of squares, non-finite count) of the whole leaf, from this device's blocks."""
+        sumsq, bad = grad_stats_pallas(jax.tree.leaves(grads), inv_scale, backend=self.backend)
+        local = jnp.stack([jnp.stack(sumsq), jnp.stack(bad)])          # (2, leaves)
+        whole = local
+        for axes, leaves in self._groups:
+            cols = jnp.asarray(leaves)
+            # invariant: the blocks of these leaves along `axes` partition them (each element is on
+            # exactly one device of every group along `axes`), so their partial sums add up to the
+            # leaf's; along the other axes the devices hold copies and are not added.
+            whole = whole.at[:, cols].set(jax.lax.psum(local[:, cols], axes))
+        return whole
 
     # -- fused Adam -------------------------------------------------------------------------------
     def adam(self, grads: Any, master: Any, opt_state: Any, *, grad_scale: jax.Array | float = 1.0,

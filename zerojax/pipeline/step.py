@@ -34,7 +34,7 @@ from zerojax.core.collectives import Placement, Shard
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.core.mesh import EXPERT, STAGE, TENSOR, row_size
 from zerojax.core.state import TrainState, state_shardings
-from zerojax.core.step import apply_update, check_batch, check_eval_batch, step_key
+from zerojax.core.step import apply_update, check_batch, check_eval_batch, checked_kernels, step_key
 from zerojax.errors import ConfigError
 from zerojax.pipeline.buffers import EXPERT_ROWS, ROWS, StageRows
 from zerojax.pipeline.executor import Pipeline, make_forward_fn, make_grad_fn
@@ -134,7 +134,7 @@ def pack_params(pp: PipelinePlan, params: dict[str, Any]) -> dict[str, jax.Array
 def make_pipeline_train_step(pp: PipelinePlan) -> Callable[[TrainState, Any], Any]:
     """A jitted `step(state, batch) -> (state, metrics)`, metrics as the unpipelined step's."""
     grad_fn = make_grad_fn(pp.train)
-    plan = pp.plan
+    plan = checked_kernels(pp.plan)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         check_batch(plan, batch)

@@ -22,7 +22,6 @@ from zerojax.core.mesh import (EXPERT, STAGE, DataAxis, axes_size, data_axes, da
                                expert_size, row_size, tensor_size)
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import is_elementwise
-from zerojax.pallas.backend import XLA
 from zerojax.pipeline.buffers import EXPERT_ROWS, ROWS, stage_rows
 from zerojax.pipeline.executor import Pipeline, RowGroup
 from zerojax.pipeline.module import PipelineModule
@@ -96,13 +95,6 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
     if tensor > 1:  # whole leaves are copied into every tensor slice's row: the norm counts them once
         plan = dataclasses.replace(plan, tensor_plan=layer_plan.describe(tensor),
                                    rule=plan.rule._replace(norm=rows.norm))
-    if plan.kernels != XLA:
-        # The fused kernels reduce their gradient statistics over `data` only; a pipeline's rows
-        # are split over `stage` too, so pipelines keep the optax update.
-        if plan.rule.strict:
-            raise ConfigError("kernels: 'pallas' is not supported with pipeline parallelism yet; use "
-                              "kernels: auto or xla (pipelines run the optax update)")
-        plan = plan.with_kernels(XLA)
     pol = plan.policy
     interval = (module.activation_checkpoint_interval if module.activation_checkpoint_interval is not None
                 else pipe_cfg.activation_checkpoint_interval)

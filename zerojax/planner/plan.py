@@ -113,8 +113,7 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     ep = expert_size(mesh)
     expert_zero = expert_data_axes(mesh)  # DeepSpeed's expert-data-parallel group
     if ep > 1:
-        kernels = XLA if config.kernels != "pallas" else kernels  # the fused update knows no expert split yet
-        _check_expert(config, mesh, kernels)
+        _check_expert(config, mesh)
 
     def layout(x: Any, k: int, leaf_names: Any, tdim: int | None) -> LeafLayout:
         prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
@@ -252,16 +251,13 @@ def _expert_dim(x: Any, leaf_names: Any, ep: int) -> int | None:
     return dim
 
 
-def _check_expert(config: Config, mesh: Mesh | AbstractMesh, kernels: str) -> None:
-    """Expert parallelism composes with ZeRO stages 0-3, pipeline stages and the sequence and tensor
-    axes; not yet with the fused Pallas update (a hierarchical data axis is refused with the mesh)."""
+def _check_expert(config: Config, mesh: Mesh | AbstractMesh) -> None:
+    """Expert parallelism composes with ZeRO stages 0-3, pipeline stages, the sequence and tensor axes
+    and the fused update (a hierarchical data axis is refused with the mesh)."""
     key = f"mesh.expert: {expert_size(mesh)}"
     if DATA not in mesh.shape:
         raise ConfigError(f"{key}: the expert axis needs a flat `data` axis beside it (got axes "
                           f"{tuple(mesh.axis_names)})")
-    if kernels != XLA:
-        raise ConfigError(f"kernels: 'pallas' with {key}: the fused update does not know expert-split "
-                          f"weights yet; set kernels: auto or xla")
 
 
 def _check_quantized(config: Config) -> None:
