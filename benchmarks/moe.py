@@ -78,35 +78,40 @@ def expert_bytes(engine: Any) -> dict[str, tuple[int, int, float]]:
     """(whole, on one device, formula) bytes of the expert leaves: of the parameters, and of their
     optimizer state (fp32 masters where they exist, and every optimizer-state leaf under `experts`).
 
-    The formula per leaf: 1/ep of the experts on each device, and of that 1/(devices/ep) where ZeRO
-    shards the state over `data` (DeepSpeed's expert-data-parallel group): parameters at stage 3 unless
-    under `stage3_param_persistence_threshold`, optimizer state from stage 1."""
+    The formula per leaf: 1/ep of the experts on each device (of a pipeline, of its stage's experts:
+    1/(stages x ep)), and of that 1/(the expert-data-parallel devices) where ZeRO shards the state over
+    them (DeepSpeed's expert-data-parallel group): parameters at stage 3 unless under
+    `stage3_param_persistence_threshold`, optimizer state from stage 1."""
+    from zerojax.core.mesh import axes_size, expert_data_axes
     cfg, mesh = engine.config, engine.plan.mesh
-    ep, devices = int(mesh.shape.get("expert", 1)), mesh.devices.size
+    ep, stages = int(mesh.shape.get("expert", 1)), int(mesh.shape.get("stage", 1))
+    edp = axes_size(mesh, expert_data_axes(mesh))
     zero = cfg.zero_optimization
     out = {"params": [0, 0, 0.0], "optimizer": [0, 0, 0.0]}
     state = engine.state
     for part, tree in (("params", state.params), ("optimizer", (state.master, state.opt_state))):
         for path, x in jax.tree_util.tree_leaves_with_path(tree):
-            if "'experts'" not in jax.tree_util.keystr(path):
+            name = jax.tree_util.keystr(path)
+            if "'experts'" not in name and "'expert_stages'" not in name:  # a pipeline's expert rows
                 continue
             sharded = (zero.stage >= 1 if part == "optimizer"
                        else zero.stage >= 3 and x.size > zero.stage3_param_persistence_threshold)
             out[part][0] += x.nbytes
             out[part][1] += math.prod(x.addressable_shards[0].data.shape) * x.dtype.itemsize
-            out[part][2] += x.nbytes / ep / (devices // ep if sharded else 1)
+            out[part][2] += x.nbytes / stages / ep / (edp if sharded else 1)
     return {k: (int(a), int(b), c) for k, (a, b, c) in out.items()}
 
 
 def a2a_theory(cfg: Any, ep: int, batch: Any, itemsize: int, per_layer: int) -> dict[str, float]:
     """Bytes one device sends in the expert all-to-alls per step: `per_layer` all-to-alls of the
-    dispatched [E, C, M] buffer per MoE layer and micro-batch, (ep - 1) / ep of each leaving the device."""
+    dispatched [E, C, M] buffer per MoE layer (of its pipeline stage) and micro-batch, (ep - 1) / ep of
+    each leaving the device."""
     from zerojax.models.moe import capacity
     m = cfg.model
     tokens = batch.micro_batch_size * m.seq_len  # each device gates its own micro-batch
     factor = m.capacity_factor * m.experts_per_token  # DeepSpeed's gates: factor x k slots (top-1: x 1)
     cap = capacity(tokens, m.n_experts, factor, m.min_capacity) if m.drop_tokens else tokens
-    moe_layers = m.n_layers // m.moe_every
+    moe_layers = m.n_layers // m.moe_every // cfg.mesh.stage  # a pipeline stage runs its own MoE layers
     buffer = m.n_experts * cap * m.d_model * itemsize
     gas = batch.gradient_accumulation_steps
     return {"tokens": tokens, "capacity": cap, "buffer": buffer, "moe_layers": moe_layers, "gas": gas,

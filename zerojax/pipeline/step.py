@@ -71,10 +71,12 @@ class PipelinePlan:
                                                               self.rows.chunks))
 
     def memory_report(self) -> MemoryReport:
-        """Per-device bytes against the ZeRO formula for one stage's row (what a device holds)."""
+        """Per-device bytes against the ZeRO formula for one stage's row (what a device holds: with expert
+        leaves, its stage row and its expert row)."""
         r = self.plan.report()
         s = self.stages
-        return r._replace(n_params=self.rows.width, formula_params=r.formula_params / s,
+        width = self.rows.width + (self.rows.experts.width if self.rows.experts is not None else 0)
+        return r._replace(n_params=width, formula_params=r.formula_params / s,
                           formula_grads=r.formula_grads / s, formula_optimizer=r.formula_optimizer / s)
 
     def table(self) -> str:
