@@ -208,9 +208,9 @@ def _stage_fn(pipe: Pipeline, v: int, deterministic: bool = False) -> Callable[.
         layers_fn = tensor_parallel(layers_fn, rows.stage_dims(v), TENSOR, rows.tensor,
                                     partition_activations=pipe.partition_activations)
 
-    def run(row: dict[str, jax.Array], tied_in: dict[str, jax.Array], x: Any, micro: Any,
+    def run(arrays: dict[str, jax.Array], tied_in: dict[str, jax.Array], x: Any, micro: Any,
             rng: Any = None) -> tuple[Any, jax.Array]:
-        out = layers_fn(rows.read_stage(v, row, tied_in), x, micro, rng)
+        out = layers_fn(rows.read_stage(v, arrays, tied_in), x, micro, rng)
         return (None, out) if last else (out, None)
 
     return run
@@ -301,7 +301,7 @@ def _split_micro_batches(pipe: Pipeline, batch: Any) -> tuple[Any, Any, Any]:
 
 
 def _forward_branches(stage_fns: list[Callable[..., Any]], rows: dict[str, jax.Array], tied_in: Any,
-                      act: Any, rng_of: Callable[[Any, int], Any]) -> list[Callable[..., Any]]:
+                      act: Any, rng_of: Callable[[Any], Any]) -> list[Callable[..., Any]]:
     """`lax.switch` branches `(x, micro_batch, micro-batch index) -> (activation out, loss)`: index 0
     idles, index v + 1 runs virtual stage v. Every branch returns the same types (zeros where a stage
     has no output or no loss), as a switch needs."""
@@ -310,7 +310,7 @@ def _forward_branches(stage_fns: list[Callable[..., Any]], rows: dict[str, jax.A
 
     def forward(v: int) -> Callable[..., Any]:
         def branch(x: Any, mb: Any, i: jax.Array) -> tuple[Any, jax.Array]:
-            y, loss = stage_fns[v](rows, tied_in, x, mb, rng_of(i, v))
+            y, loss = stage_fns[v](rows, tied_in, x, mb, rng_of(i))
             loss = jnp.zeros((), jnp.float32) if loss is None else loss
             return (_zeros(act) if y is None else vary(y)), vary(loss)
         return branch
@@ -318,13 +318,13 @@ def _forward_branches(stage_fns: list[Callable[..., Any]], rows: dict[str, jax.A
     return [idle] + [forward(v) for v in range(len(stage_fns))]
 
 
-def _keys(pipe: Pipeline, key: Any) -> Callable[[Any, int], Any]:
-    """(micro-batch index, virtual stage) -> the key its layers fold their index into: the step's key
-    folded with this device's data-parallel index and the micro-batch (None without a key)."""
+def _keys(pipe: Pipeline, key: Any) -> Callable[[Any], Any]:
+    """micro-batch index -> the key its layers fold their index into: the step's key folded with this
+    device's data-parallel index and the micro-batch (None without a key)."""
     if key is None:
-        return lambda i, v: None
+        return lambda i: None
     shard = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axes(pipe.mesh)))
-    return lambda i, v: jax.random.fold_in(shard, i)
+    return lambda i: jax.random.fold_in(shard, i)
 
 
 def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
@@ -361,7 +361,7 @@ def make_grad_fn(pipe: Pipeline, *, trace: bool = False) -> Callable[..., Any]:
 
         def backward(v):
             def branch(x, dy, mb, i, acc, acc_tied):
-                (y, loss), pullback = jax.vjp(lambda p, tv, h: stage_fns[v](p, tv, h, mb, rng_of(i, v)),
+                (y, loss), pullback = jax.vjp(lambda p, tv, h: stage_fns[v](p, tv, h, mb, rng_of(i)),
                                               row, tied_in, x)
                 dp_, dtied, dx = pullback((None if y is None else dy, None if loss is None else cot))
                 # ZeRO-2/3: reduce-scattered here, over the data group that runs this same branch.
@@ -464,7 +464,7 @@ def make_forward_fn(pipe: Pipeline) -> Callable[[dict[str, jax.Array], Any], jax
         row, tied_in = _enter(pipe, rows_local)
         micro = jax.tree.map(lambda x: x[:, 0], micro)
 
-        branches = _forward_branches(stage_fns, row, tied_in, act, lambda i, v: None)
+        branches = _forward_branches(stage_fns, row, tied_in, act, lambda i: None)
 
         def tick(carry: Any, xs: dict[str, jax.Array]) -> Any:
             stash, loss_sum = carry
