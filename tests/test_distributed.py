@@ -291,6 +291,21 @@ def test_train_py_under_launch_runs_200_steps_to_the_end(tmp_path: Path) -> None
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step200"
 
 
+def test_a_pipelined_moe_run_trains_and_evaluates_under_launch(tmp_path: Path) -> None:
+    """configs/moe.yaml cut into 2 stages (stage 2 x data 2 x expert 2, the experts in rows of their own)
+    over two processes: both agree on the train and the eval programs (the pipeline's evaluation picks
+    its program per batch; it used to lack the `lower` the agreement compiles with) and finish."""
+    out = tmp_path / "run"
+    small = ["mesh.stage=2", "run.steps=3", "run.log_every=1000", "steps_per_print=1000", "model.d_model=32",
+             "model.n_layers=2", "model.moe_every=1", "model.n_heads=2", "model.seq_len=16", "model.d_ff=32",
+             "data.max_bytes=100000", "run.eval_batches=1", "run.progress=false", "run.save_every=1000",
+             f"run.output_dir={out}"]
+    proc = launch("-n", "2", "train.py", "--config", "configs/moe.yaml", "--set", *small, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "[0] expert parallel over 2 devices" in proc.stdout and "expert_stages" in proc.stdout, proc.stdout[-3000:]
+    assert "[0] done: 3 steps" in proc.stdout and "validation loss" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_a_stalled_process_is_reported_by_every_process_and_named() -> None:
     """Process 1 stops before step 4; process 0 then waits in that step's collectives. Within the hang
     timeout both dump their stacks saying where they are, and the launcher names both and fails."""

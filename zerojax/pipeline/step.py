@@ -158,18 +158,33 @@ def eval_micro_batches(pp: PipelinePlan, rows_per_shard: int) -> int:
                       f"of mesh.stage={pp.stages} micro-batches for the interleaved schedule")
 
 
-def make_pipeline_eval_step(pp: PipelinePlan) -> Callable[[Any, Any], jax.Array]:
-    """`eval_step(params, batch) -> mean loss` through the forward-only schedule."""
-    plan = pp.plan
+class PipelineEvalStep:
+    """`eval_step(params, batch) -> mean loss` through the forward-only schedule, one jitted program per
+    micro-batch count (the batch's rows decide it). `lower(params, batch)` lowers the program that batch
+    runs, as a jitted step's does: a multi-process run compares it across processes before its first
+    call (`Engine._agreed`)."""
+
+    def __init__(self, pp: PipelinePlan):
+        self.pp = pp
 
     @functools.lru_cache(maxsize=None)
-    def compiled(micro_batches: int) -> Callable[[Any, Any], jax.Array]:
-        fwd = make_forward_fn(pp.eval_pipeline(micro_batches))
-        return jax.jit(fwd, in_shardings=(plan.param_shardings, None))
+    def _program(self, micro_batches: int) -> Any:
+        fwd = make_forward_fn(self.pp.eval_pipeline(micro_batches))
+        return jax.jit(fwd, in_shardings=(self.pp.plan.param_shardings, None))
 
-    def eval_step(params: Any, batch: Any) -> jax.Array:
+    def _for(self, batch: Any) -> Any:
+        plan = self.pp.plan
         check_eval_batch(plan, batch)
         rows = jax.tree.leaves(batch)[0].shape[0] // row_size(plan.mesh)
-        return compiled(eval_micro_batches(pp, rows))(params, batch)
+        return self._program(eval_micro_batches(self.pp, rows))
 
-    return eval_step
+    def __call__(self, params: Any, batch: Any) -> jax.Array:
+        return self._for(batch)(params, batch)
+
+    def lower(self, params: Any, batch: Any) -> Any:
+        return self._for(batch).lower(params, batch)
+
+
+def make_pipeline_eval_step(pp: PipelinePlan) -> PipelineEvalStep:
+    """`eval_step(params, batch) -> mean loss` through the forward-only schedule."""
+    return PipelineEvalStep(pp)
