@@ -19,7 +19,7 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
-from zerojax.core.mesh import (DATA, DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size,
+from zerojax.core.mesh import (DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size,
                                expert_data_axes, expert_size, row_size, tensor_size)
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
@@ -112,8 +112,6 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     data.discard(EXPERT)  # a dimension named "expert" is the expert axis's, not ZeRO's preference
     ep = expert_size(mesh)
     expert_zero = expert_data_axes(mesh)  # DeepSpeed's expert-data-parallel group
-    if ep > 1:
-        _check_expert(config, mesh)
 
     def layout(x: Any, k: int, leaf_names: Any, tdim: int | None) -> LeafLayout:
         prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
@@ -249,15 +247,6 @@ def _expert_dim(x: Any, leaf_names: Any, ep: int) -> int | None:
         raise ConfigError(f"mesh.expert: {ep} expert-parallel devices do not divide the {x.shape[dim]} experts of "
                           f"a weight of shape {tuple(x.shape)} (model.n_experts); choose mesh.expert dividing it")
     return dim
-
-
-def _check_expert(config: Config, mesh: Mesh | AbstractMesh) -> None:
-    """Expert parallelism composes with ZeRO stages 0-3, pipeline stages, the sequence and tensor axes
-    and the fused update (a hierarchical data axis is refused with the mesh)."""
-    key = f"mesh.expert: {expert_size(mesh)}"
-    if DATA not in mesh.shape:
-        raise ConfigError(f"{key}: the expert axis needs a flat `data` axis beside it (got axes "
-                          f"{tuple(mesh.axis_names)})")
 
 
 def _check_quantized(config: Config) -> None:
