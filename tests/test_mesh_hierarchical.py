@@ -2,7 +2,7 @@
 mesh helpers, every device used once, and every ZeRO stage trains on a (2 x 4) mesh exactly like a
 single device (the same comparison as tests/test_step.py); then with the expert and sequence axes inside
 data_inner (data_outer 2 x data_inner 2 x expert or sequence 2), their groups, and the MoE Llama trained
-there against one device."""
+there against one device. hpZ on these meshes is tests/test_zeropp.py's."""
 from __future__ import annotations
 
 import functools
@@ -180,3 +180,17 @@ def test_hierarchical_data_with_sequence_axis_equals_one_device() -> None:
     assert e.plan.batch.micro_batch_size == 2
     assert_single_device(e, "data_outer 2 x data_inner 2 x sequence 2, stage 3")
 
+
+def test_startup_lines_name_the_hosts_and_groups() -> None:
+    from zerojax.planner.axes import axis_plans
+    cfg = moe_config(3, {"expert": 2, "sequence": 2}, hpz=4)
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    lines = "\n".join(axis_plans(zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes),
+                                  cfg.model))
+    assert ("hierarchical data axis: data_outer 2 (hosts: groups {0,1,2,3} {4,5,6,7}) x data_inner 1; expert, "
+            "sequence inside each host") in lines
+    assert ("hpZ: parameters' secondary copy over data_inner x expert x sequence 4 (one host's part of the ZeRO "
+            "group), expert weights' over data_inner x sequence 2") in lines
+    assert "ZeRO over data_outer x data_inner x sequence 4 (the expert-data-parallel group)" in lines
+    assert "ZeRO dim 2 over data_inner x sequence x data_outer, parameters over data_inner x sequence (hpZ)" in lines
+    assert "rows over data_outer x data_inner x expert 4" in lines
