@@ -79,7 +79,6 @@ def test_expert_axis_is_carved_out_of_the_data_parallel_devices() -> None:
 
 @pytest.mark.parametrize("mesh, match", [
     ({"expert": 3}, r"^mesh\.expert: 3 does not divide the data-parallel size 8"),
-    ({"expert": 2, "data_outer": 2}, r"^mesh\.expert: 2 does not combine with a hierarchical data axis"),
     ({"expert": 4, "data": 2}, r"^mesh\.expert: 4 does not divide the data-parallel size 2"),
 ])
 def test_bad_expert_sizes_are_named(mesh: dict, match: str) -> None:

@@ -20,8 +20,11 @@ from test_step import run_and_compare
 from zerojax.core import hlo, quantize
 from zerojax.core.collectives import Shard
 from zerojax.errors import ConfigError
-from zerojax.core.mesh import DATA_INNER, DATA_OUTER
+from zerojax.core.mesh import (DATA_INNER, DATA_OUTER, EXPERT, SEQUENCE, axes_size, data_axes, expert_data_axes,
+                               host_axes, inner_major)
+from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh
+from test_mesh_hierarchical import assert_single_device, moe_batch, moe_config, moe_engine
 
 INNER = 4
 HOSTS = ((0, 1, 2, 3), (4, 5, 6, 7))   # partition ids of the (2 x 4) mesh's inner groups
@@ -36,6 +39,10 @@ def zeropp(stage: int = 3, *, hpz: int = 1, qw: bool = False, qg: bool = False, 
     if outer is not None:
         over.append(f"mesh.data_outer={outer}")
     return zerojax.load_config(make_config(stage, optimizer=ADAM, **kw), over)
+
+
+def _axes(axis: Any) -> tuple:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
 def compiled_collectives(cfg: zerojax.Config, params: Any, loss_fn: Any = mse_loss) -> list[hlo.Collective]:
@@ -113,7 +120,7 @@ def test_hpz_size_builds_the_hierarchical_mesh() -> None:
 
 @pytest.mark.parametrize("cfg, mesh, match", [
     (dict(stage=2, hpz=4), None, "needs stage 3"),
-    (dict(hpz=2), None, "data_inner axis has 4 devices; they must be equal"),
+    (dict(hpz=2), None, "data-parallel devices within a host are data_inner 4 = 4; they must be equal"),
     (dict(hpz=4), "flat", "needs a hierarchical data axis"),
     (dict(stage=2, qw=True), None, "zero_quantized_weights: ZeRO.. quantizes stage 3"),
     (dict(stage=1, qg=True), None, "zero_quantized_gradients: ZeRO.. quantizes stage 3"),
@@ -260,3 +267,64 @@ def test_a_checkpoint_moves_between_hpz_and_plain_zero3(tmp_path: Any, saved_hpz
         np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
     for x, y in zip(jax.tree.leaves(b.params), jax.tree.leaves(straight.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+# -- hpZ with the expert and sequence axes -------------------------------------------------------------------
+
+def test_hpz_partition_counts_the_hosts_data_parallel_devices() -> None:
+    """zero_hpz_partition_size is DeepSpeed's: the devices of one host sharing the secondary copy, so with
+    expert and sequence axes inside data_inner it is data_inner x expert x sequence."""
+    shapes = {(4, (("expert", 2),)): {DATA_OUTER: 2, DATA_INNER: 2, EXPERT: 2},
+              (2, (("expert", 2),)): {DATA_OUTER: 4, DATA_INNER: 1, EXPERT: 2},
+              (4, (("sequence", 2),)): {DATA_OUTER: 2, DATA_INNER: 2, SEQUENCE: 2},
+              (4, (("expert", 2), ("sequence", 2))): {DATA_OUTER: 2, DATA_INNER: 1, EXPERT: 2, SEQUENCE: 2}}
+    for (hpz, axes), shape in shapes.items():
+        cfg = moe_config(3, dict(axes), hpz=hpz)
+        mesh = make_mesh(cfg)
+        assert dict(mesh.shape) == shape
+        params, loss_fn = llama.build(cfg.model, seed=0)
+        p = zerojax.plan(cfg, mesh, params, logical_axes=loss_fn.logical_axes)
+        data, experts = data_axes(mesh), expert_data_axes(mesh)
+        q, gate = p.layouts["layers"]["q"]["kernel"], p.layouts["layers"]["moe"]["experts"]["gate"]
+        assert q.param.axis == host_axes(data) and q.update.axis == inner_major(data)
+        if EXPERT in shape:  # an expert weight: within the host's part of its expert-data-parallel group
+            assert gate.param.axis == host_axes(experts) and gate.update.axis == inner_major(experts)
+            assert gate.param.axis == ((DATA_INNER, SEQUENCE) if SEQUENCE in shape else DATA_INNER)
+        rep = p.report()  # Ψ/hpz parameters per device, the expert weights' 1/expert slices included
+        assert rep.formula_params == pytest.approx(4 * rep.n_params / hpz) and rep.params == rep.formula_params
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(hpz=3, mesh={"expert": 2}), r"zero_hpz_partition_size: 3 is not a multiple of mesh\.expert x mesh\.sequence"),
+    (dict(hpz=2, mesh={"data_inner": 2, "sequence": 2}), r"data-parallel devices within a host are data_inner 2 x "
+                                                        r"sequence 2 = 4; they must be equal"),
+])
+def test_hpz_sizes_that_are_not_the_hosts_part_are_one_error(cfg: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        c = moe_config(3, cfg["mesh"], hpz=cfg["hpz"])
+        params, loss_fn = llama.build(c.model, seed=0)
+        zerojax.plan(c, make_mesh(c), params, logical_axes=loss_fn.logical_axes)
+
+
+@pytest.mark.parametrize("axis", ["expert", "sequence"])
+def test_hpz_with_expert_or_sequence_axis_matches_a_single_device(axis: str) -> None:
+    """hpZ 4 on data_outer 2 x data_inner 2 x (expert or sequence) 2 trains as one device does, and every
+    parameter gather of the loss stays inside a host: over data_inner x expert (or x sequence) for an
+    ordinary weight, data_inner alone for an expert weight; the only cross-host gathers refresh the
+    secondary copy, once per sharded leaf over data_outer."""
+    e = moe_engine(moe_config(3, {axis: 2}, hpz=4))
+    assert dict(e.mesh.shape) == {DATA_OUTER: 2, DATA_INNER: 2, axis: 2}
+    assert_single_device(e, f"hpZ 4 on data_outer 2 x data_inner 2 x {axis} 2")
+    text = e._train_step.lower(e.state, e.place_batch(moe_batch(0))).compile().as_text()
+    found = hlo.collectives(text)
+    assert {hlo.mesh_axes(c.groups, e.mesh) for c in found if c.kind == "all-to-all"} == {axis}  # within hosts
+    gathers = [c for c in found if c.kind == "all-gather"]
+    inner = {hlo.mesh_axes(c.groups, e.mesh) for c in gathers if not c.crosses(HOSTS)}
+    cross = [c for c in gathers if c.crosses(HOSTS)]
+    want = {f"{DATA_INNER}+{axis}"} | ({DATA_INNER} if axis == EXPERT else set())
+    assert inner == want
+    assert {hlo.mesh_axes(c.groups, e.mesh) for c in cross} == {DATA_OUTER} and all(c.count == 1 for c in cross)
+    lays = jax.tree.leaves(e.plan.layouts, is_leaf=lambda x: hasattr(x, "param"))
+    secondary = sum(x.size // axes_size(e.mesh, (*lay.split_axes, *_axes(lay.param.axis)))
+                    for lay, x in zip(lays, jax.tree.leaves(e.plan.abstract_params)) if isinstance(lay.param, Shard))
+    assert sum(c.result_elems for c in cross) == secondary  # exactly each device's secondary blocks

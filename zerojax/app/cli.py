@@ -293,13 +293,15 @@ def _explain(args: argparse.Namespace) -> int:
     import jax
     dp = config.mesh.data_parallel(jax.device_count())
     print(config.explain(dp))
-    if config.mesh.tensor > 1 or config.mesh.expert > 1 or config.mesh.sequence > 1:
+    from zerojax.planner.mesh import is_hierarchical
+    m = config.mesh
+    if m.tensor > 1 or m.expert > 1 or m.sequence > 1 or is_hierarchical(config):
         print(_axis_plans(config))  # which weights of the config's model each axis splits, and how
     return 0
 
 
 def _axis_plans(config: Any) -> str:
-    """The tensor, expert and sequence plans of the model the config's `model` section names
+    """The tensor, hierarchical data, expert and sequence plans of the model the config's `model` section names
     (train.py's); a config without one describes a model given in code, whose plans `initialize`
     prints at start-up."""
     from zerojax.app.reports import named_model

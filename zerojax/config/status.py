@@ -131,8 +131,9 @@ KEY_STATUS: dict[str, str] = {
     "zero_optimization.round_robin_gradients": _BUCKETS,
     "zero_optimization.ignore_unused_parameters": f"{REFUSED} when false (JAX gives unused parameters zero "
                                                   f"gradients; it cannot tell them from used ones)",
-    "zero_optimization.zero_hpz_partition_size": HONOURED + " (ZeRO++ hpZ, stage 3: must equal mesh.data_inner; "
-                                                            "sets it when no data_outer/data_inner is given)",
+    "zero_optimization.zero_hpz_partition_size": HONOURED + " (ZeRO++ hpZ, stage 3: must equal mesh.data_inner x "
+                                                            "expert x sequence; sets data_inner when no "
+                                                            "data_outer/data_inner is given)",
     "zero_optimization.zero_quantized_weights": HONOURED + " (ZeRO++ qwZ, stage 3: int8 parameter gathers)",
     "zero_optimization.zero_quantized_gradients": HONOURED + " (ZeRO++ qgZ, stage 3: int4 all-to-all gradient "
                                                              "reduce-scatter)",

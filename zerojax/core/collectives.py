@@ -43,9 +43,11 @@ class Shard(NamedTuple):
     """Block-sharded over the data axis along `dim` (a non-negative dimension index).
 
     `axis`: the mesh axis, or axes (major first), the block is split over; None is the whole data
-    axis. ZeRO++'s hpZ places its parameters' secondary copy over the inner axis only
-    (`Shard(dim, "data_inner")`, replicated over the outer one) and the primary partition inner-major
-    (`Shard(dim, ("data_inner", "data_outer"))`), so a gather over the outer axis turns one into the other.
+    axis. ZeRO++'s hpZ places its parameters' secondary copy over the group's axes inside one host only
+    (`Shard(dim, "data_inner")`, or `("data_inner", "expert", "sequence")` on a mesh with those axes;
+    replicated over the outer one) and the primary partition inner-major (`Shard(dim, ("data_inner",
+    "data_outer"))`, `("data_inner", "expert", "sequence", "data_outer")`), so a gather over the outer
+    axis turns one into the other.
     """
     dim: int
     axis: Any = None
@@ -53,8 +55,8 @@ class Shard(NamedTuple):
 
 class PartialShard(NamedTuple):
     """Block `axis` of a value that is still a sum over the data axis's other axes: the gradient of a
-    parameter gathered over the inner axis only (hpZ) leaves the backward pass reduce-scattered over
-    that axis; a reduce-scatter over the rest finishes it."""
+    parameter gathered within a host only (hpZ) leaves the backward pass reduce-scattered over those
+    axes; a reduce-scatter over the rest (`data_outer`) finishes it."""
     dim: int
     axis: Any
 

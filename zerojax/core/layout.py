@@ -20,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax.core.collectives import PARTIAL, REPLICATED, Placement, Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.measure import planned_bytes
-from zerojax.core.mesh import (DATA, DATA_INNER, DATA_OUTER, EXPERT, TENSOR, DataAxis, data_axes, data_size, expert_size,
-                               row_axes, sequence_size, tensor_size)
+from zerojax.core.mesh import (DATA, EXPERT, TENSOR, DataAxis, data_axes, data_size, expert_size, host_axes,
+                               inner_major, row_axes, sequence_size, tensor_size)
 from zerojax.core.offload import Memory
 from zerojax.core.precision import Policy, ScalerConfig
 from zerojax.core.remat import Remat
@@ -125,15 +125,23 @@ def leaf_layout(shape: tuple[int, ...], n: int, partitions: frozenset[str],
     return LeafLayout(param=param, grad=grad, update=update, split=split)
 
 
-def hpz_layout(lay: LeafLayout) -> LeafLayout:
-    """ZeRO++ hpZ (`zero_hpz_partition_size`): the stored parameters are a secondary copy split over
-    `data_inner` only (replicated across `data_outer`), so every forward/backward gather stays within
-    an inner group; gradients and optimizer state stay split over every device, inner-major, so that
-    gathering an updated shard over `data_outer` yields exactly the secondary copy's block."""
+def hpz_layout(lay: LeafLayout, data: DataAxis) -> LeafLayout:
+    """ZeRO++ hpZ (`zero_hpz_partition_size`): the stored parameters are a secondary copy split over the
+    part of the leaf's ZeRO group inside one host (`host_axes`; replicated across `data_outer`), so every
+    forward/backward gather stays within a host; gradients and optimizer state stay split over the whole
+    group, inner-major (`inner_major`), so that gathering an updated shard over `data_outer` yields
+    exactly the secondary copy's block. `data` is the mesh's data axes, the group of a Shard whose axis
+    is None (an expert weight's Shard names its expert-data-parallel group itself)."""
+    def group(p: Shard) -> DataAxis:
+        return data if p.axis is None else p.axis
+
+    def secondary(p: Placement) -> Placement:
+        return Shard(p.dim, host_axes(group(p))) if isinstance(p, Shard) else p
+
     def primary(p: Placement) -> Placement:
-        return Shard(p.dim, (DATA_INNER, DATA_OUTER)) if isinstance(p, Shard) else p
-    param = Shard(lay.param.dim, DATA_INNER) if isinstance(lay.param, Shard) else lay.param
-    return dataclasses.replace(lay, param=param, grad=primary(lay.grad), update=primary(lay.update))
+        return Shard(p.dim, inner_major(group(p))) if isinstance(p, Shard) else p
+
+    return dataclasses.replace(lay, param=secondary(lay.param), grad=primary(lay.grad), update=primary(lay.update))
 
 
 def spec(placement: Placement, ndim: int, split: tuple[tuple[int, str], ...] = (), data: DataAxis = DATA) -> P:
@@ -444,7 +452,6 @@ def memory_report(p: Plan) -> MemoryReport:
     slices = [(math.prod(x.shape) / (1 if lay.over(TENSOR) is None else p.tensor_size)
                / (1 if lay.over(EXPERT) is None else ep), n // (1 if lay.over(EXPERT) is None else ep))
               for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=is_layout), jax.tree.leaves(p.abstract_params))]
-    psi_slice = sum(size for size, _ in slices)
     params = planned_bytes(p.abstract_params, p.param_shardings, pol.param)
     grads = planned_bytes(p.abstract_params, p.grad_shardings, pol.accum)
     master = planned_bytes(p.abstract_params, p.update_shardings, pol.master) if pol.mixed else 0
@@ -456,9 +463,10 @@ def memory_report(p: Plan) -> MemoryReport:
     k = (pol.master.itemsize if pol.mixed else 0) + opt_full / psi
     parts = STAGE_PARTITIONS[p.stage]
 
-    def share(role: str) -> float:
-        """Elements per device of one role under the stage: each slice, divided by its ZeRO shards."""
-        return sum(size / shards if role in parts else size for size, shards in slices)
+    def share(role: str, hosts: int = 1) -> float:
+        """Elements per device of one role under the stage: each slice, divided by its ZeRO shards (by those
+        within one of `hosts` hosts, for hpZ's secondary copy)."""
+        return sum(size / (shards // hosts) if role in parts else size for size, shards in slices)
 
     # Fraction of model-state bytes that the stage would shard but stayed whole.
     kept = total = 0.0
@@ -472,8 +480,10 @@ def memory_report(p: Plan) -> MemoryReport:
                 kept += size * width * (not isinstance(place, Shard))
     host_master = (planned_bytes(p.abstract_params, p.update_storage, pol.master, host_only=True)
                    if pol.mixed else 0)
-    # hpZ's secondary copy is split over one inner group: Ψ/hpz parameters per device.
-    param_elements = psi_slice / p.hpz if p.hpz > 1 else share(PARAMETERS)
+    # hpZ's secondary copy is split over the host's part of each leaf's ZeRO group (its shards over the
+    # n / hpz hosts): hpz devices for an ordinary weight (data_inner x expert x sequence), hpz / expert
+    # for an expert weight's 1/expert slice, so Ψ/hpz parameters per device either way.
+    param_elements = share(PARAMETERS, hosts=n // p.hpz if p.hpz > 1 else 1)
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
         formula_params=pol.param.itemsize * param_elements,

@@ -3,25 +3,35 @@
 The axes, outermost first (an axis of size 1 is left out, `data` always kept):
 
     stage  x  data  x  expert  x  sequence  x  tensor
+           or data_outer x data_inner  x  expert  x  sequence  x  tensor
 
 * `stage`: pipeline stages. `tensor` (Megatron slicing), innermost: one tensor group is consecutive
   devices, the fastest links.
 * `data`, or a hierarchical pair (`data_outer` across hosts or slices, `data_inner` within one) that
   every layout and collective treats together as "the data axis" while keeping the inner axis
-  addressable on its own (ZeRO++'s hpZ partitions within a host).
+  addressable on its own (ZeRO++'s hpZ partitions within a host). Both axes of the pair are kept,
+  even at size 1.
 * `expert` (DeepSpeed's MoE `ep_size`) is carved out of the data-parallel devices: the batch's rows
   are split over data x expert, and the MoE layers' expert weights over `expert`.
 * `sequence` (DeepSpeed-Ulysses) splits each row's tokens. It sits inside `expert`, next to `tensor`:
   Ulysses' all-to-alls run in every attention layer, the experts' only in MoE layers.
 
+On a hierarchical mesh every axis but `data_outer` lies inside one host: a host is one `data_outer` row
+of data_inner x expert x sequence x tensor devices, so the experts' and Ulysses' all-to-alls and the
+tensor collectives never cross hosts, as DeepSpeed keeps its expert and sequence groups inside a node;
+only ZeRO's data-parallel reductions and gathers span `data_outer`.
+
 Three groups follow, and `row_axes`, `data_axes` and `expert_data_axes` are their one definition:
 
 * rows (`row_axes`, `row_size`): what the batch's rows are split over and the batch triad counts,
-  data x expert;
+  data x expert (data_outer x data_inner x expert);
 * data-parallel (`data_axes`, `data_size`): what ZeRO shards every other weight over and the
   gradient mean divides by, data x expert x sequence;
 * expert-data-parallel (`expert_data_axes`): what an expert weight, split over `expert`, is ZeRO-sharded
   and reduced over, data x sequence.
+
+Each group has a part within one host (`host_axes`: the group less `data_outer`), where ZeRO++'s hpZ
+keeps a weight's secondary copy (`inner_major` orders the group for its primary partition).
 """
 from __future__ import annotations
 
@@ -62,14 +72,22 @@ def _tuple(axes: DataAxis) -> tuple:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def _row_axes(names: tuple) -> DataAxis:
-    if DATA in names and EXPERT in names:
-        return (DATA, EXPERT)
+def _data_axis(names: tuple) -> tuple:
+    """The data axis proper: (`data`,) or the hierarchical pair (`data_outer`, `data_inner`)."""
     if DATA in names:
-        return DATA
+        return (DATA,)
     if all(a in names for a in HIERARCHICAL):
         return HIERARCHICAL
     raise ConfigError(f"mesh: needs an axis named '{DATA}' or the pair {HIERARCHICAL} (got axes {names})")
+
+
+def _one(axes: tuple) -> DataAxis:
+    """A group of one axis is named by the axis alone (`data`), of several by the tuple."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _row_axes(names: tuple) -> DataAxis:
+    return _one((*_data_axis(names), *((EXPERT,) if EXPERT in names else ())))
 
 
 def _data_axes(names: tuple) -> DataAxis:
@@ -78,8 +96,8 @@ def _data_axes(names: tuple) -> DataAxis:
 
 
 def row_axes(mesh: Any) -> DataAxis:
-    """The mesh axis (or axes) the batch's rows are split over: `data`, (`data`, `expert`) or
-    (`data_outer`, `data_inner`)."""
+    """The mesh axis (or axes) the batch's rows are split over: the data axis (`data`, or
+    (`data_outer`, `data_inner`)), then `expert` where there is one."""
     return _row_axes(tuple(mesh.axis_names))
 
 
@@ -98,9 +116,24 @@ def data_axis() -> DataAxis:
 
 def expert_data_axes(mesh: Any) -> DataAxis:
     """What an expert weight (split over `expert`) is ZeRO-sharded and reduced over: the data axes less
-    `expert`, DeepSpeed's expert-data-parallel group (`data`, or (`data`, `sequence`))."""
-    rest = tuple(a for a in _tuple(data_axes(mesh)) if a != EXPERT)
-    return rest[0] if len(rest) == 1 else rest
+    `expert`, DeepSpeed's expert-data-parallel group (`data`, or (`data`, `sequence`); hierarchical:
+    (`data_outer`, `data_inner`[, `sequence`]))."""
+    return _one(tuple(a for a in _tuple(data_axes(mesh)) if a != EXPERT))
+
+
+def host_axes(group: DataAxis) -> DataAxis:
+    """The part of a data-parallel group (`data_axes`, `expert_data_axes`) inside one host: the group less
+    `data_outer`. ZeRO++'s hpZ keeps a weight's secondary copy split over it, so a parameter gather never
+    crosses hosts: data_inner x expert x sequence for an ordinary weight, data_inner x sequence for an
+    expert weight (its experts are split over `expert` already)."""
+    return _one(tuple(a for a in _tuple(group) if a != DATA_OUTER))
+
+
+def inner_major(group: DataAxis) -> tuple:
+    """The group's axes with the within-host part first and `data_outer` last: hpZ's primary partition.
+    Block i of the host part then holds exactly the `data_outer` blocks of that host's devices, so an
+    all-gather over `data_outer` turns a primary shard into the secondary copy's block."""
+    return (*_tuple(host_axes(group)), DATA_OUTER) if DATA_OUTER in _tuple(group) else _tuple(group)
 
 
 def axes_size(mesh: Any, axes: DataAxis) -> int:

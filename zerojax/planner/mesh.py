@@ -1,5 +1,5 @@
 """The device mesh a config asks for: (`stage`, `data`, `expert`, `sequence`, `tensor`) axes, or a
-hierarchical data axis.
+hierarchical data axis (`data_outer`, `data_inner`) with the expert, sequence and tensor axes inside it.
 
 The axis names and what the layouts ask of a mesh live in `zerojax.core.mesh`; this module reads the
 config's `mesh` section (and ZeRO++'s hpZ partition size) into a `jax.sharding.Mesh`.
@@ -17,7 +17,7 @@ from zerojax.config import Config, as_config
 from zerojax.core.mesh import DATA, EXPERT, HIERARCHICAL, SEQUENCE, STAGE, TENSOR
 from zerojax.errors import ConfigError
 
-__all__ = ["make_mesh", "hierarchical_sizes", "hierarchical_mesh"]
+__all__ = ["make_mesh", "is_hierarchical", "hierarchical_sizes", "hierarchical_mesh"]
 
 
 def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -28,31 +28,18 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     `data` mesh); `data` is by default every device stage x tensor leave over. `tensor` is innermost:
     one tensor group is consecutive devices, the fastest links. With `mesh.data_outer` /
     `mesh.data_inner` the data axis is (`data_outer`, `data_inner`) (`hierarchical_mesh`); with neither,
-    `zero_optimization.zero_hpz_partition_size` > 1 builds that mesh with `data_inner` = the hpZ
-    partition size.
+    `zero_optimization.zero_hpz_partition_size` > 1 builds that mesh with data_inner x expert x sequence
+    = the hpZ partition size.
 
     `config` is a Config, a dict or a config file path (as `initialize` takes it)."""
     config = as_config(config)
     devices = list(devices if devices is not None else jax.devices())
     m, n = config.mesh, len(devices)
-    hierarchical = (m.data_outer is not None or m.data_inner is not None
-                    or config.zero_optimization.zero_hpz_partition_size > 1)
-    if m.expert > 1 and hierarchical:
-        raise ConfigError(f"mesh.expert: {m.expert} does not combine with a hierarchical data axis "
-                          f"(mesh.data_outer / mesh.data_inner, or ZeRO++ hpZ) yet; set mesh.expert: 1 or remove them")
-    if m.sequence > 1 and hierarchical:
-        raise ConfigError(f"mesh.sequence: {m.sequence} (sequence_parallel_size) does not combine with "
-                          f"mesh.data_outer / mesh.data_inner (or zero_hpz_partition_size) yet; use sequence "
-                          f"parallelism with a flat data axis (with pipeline stages and the expert or tensor "
-                          f"axes as needed)")
-    if hierarchical:
+    if is_hierarchical(config):
         return hierarchical_mesh(config, devices)
     _check_model_axes(m.stage, m.tensor * m.sequence, n)
     dp = m.data_parallel(n)
-    if dp % m.expert:
-        raise ConfigError(f"mesh.expert: {m.expert} does not divide the data-parallel size {dp}, so data x expert "
-                          f"cannot fill it; choose mesh.expert dividing {dp} (expert groups are carved out of the "
-                          f"data-parallel devices, as DeepSpeed's ep_size)")
+    _check_expert_divides(m.expert, dp)
     sizes = {STAGE: m.stage, DATA: dp // m.expert, EXPERT: m.expert, SEQUENCE: m.sequence, TENSOR: m.tensor}
     used = math.prod(sizes.values())
     if used > n:
@@ -63,6 +50,20 @@ def make_mesh(config: Config | Mapping[str, Any] | str, devices: Sequence[jax.De
     axes = tuple(a for a, k in sizes.items() if a == DATA or k > 1)
     grid = np.array(devices[:used], dtype=object).reshape([sizes[a] for a in axes])
     return Mesh(grid, axes)
+
+
+def is_hierarchical(config: Config) -> bool:
+    """The config asks for a hierarchical data axis: mesh.data_outer or mesh.data_inner, or ZeRO++'s hpZ."""
+    m = config.mesh
+    return m.data_outer is not None or m.data_inner is not None or config.zero_optimization.zero_hpz_partition_size > 1
+
+
+def _check_expert_divides(expert: int, dp: int) -> None:
+    """Expert groups are carved out of the data-parallel devices, so mesh.expert must divide them."""
+    if dp % expert:
+        raise ConfigError(f"mesh.expert: {expert} does not divide the data-parallel size {dp}, so data x expert "
+                          f"cannot fill it; choose mesh.expert dividing {dp} (expert groups are carved out of the "
+                          f"data-parallel devices, as DeepSpeed's ep_size)")
 
 
 def _check_model_axes(stage: int, tensor: int, n: int) -> None:
@@ -83,33 +84,56 @@ def _granules(devices: Sequence[jax.Device]) -> tuple[str, int]:
     return "processes", len({d.process_index for d in devices})
 
 
+def _host_axes(config: Config) -> dict[str, int]:
+    """The axes inside data_inner, each within one host, outermost first: `expert`, `sequence`, `tensor`
+    (those above 1). Ulysses' and the experts' all-to-alls and the tensor collectives then stay on the
+    fast links, as DeepSpeed keeps its expert and sequence groups inside a node."""
+    m = config.mesh
+    return {a: k for a, k in ((EXPERT, m.expert), (SEQUENCE, m.sequence), (TENSOR, m.tensor)) if k > 1}
+
+
+def _hpz_inner(config: Config) -> int | None:
+    """data_inner from ZeRO++'s partition size: hpZ's secondary group is the host's part of the ZeRO group,
+    data_inner x expert x sequence devices (DeepSpeed's zero_hpz_partition_size counts a node's ranks that
+    share the secondary copy), so data_inner is the partition size over expert x sequence."""
+    m, hpz = config.mesh, config.zero_optimization.zero_hpz_partition_size
+    within = m.expert * m.sequence
+    if hpz % within:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size: {hpz} is not a multiple of mesh.expert x "
+                          f"mesh.sequence = {within}; hpZ's secondary partition is data_inner x expert x sequence "
+                          f"devices of one host, so choose a multiple of {within} (or set mesh.data_inner)")
+    return hpz // within
+
+
 def hierarchical_sizes(config: Config, n_devices: int) -> tuple[int, int]:
-    """(data_outer, data_inner) from the config for `n_devices`, every device used exactly once (the data
-    axis holds n_devices / mesh.tensor of them)."""
+    """(data_outer, data_inner) from the config for `n_devices`, every device used exactly once: the data
+    axis holds n_devices / (expert x sequence x tensor) of them (the data-parallel size, mesh.data, is
+    data_outer x data_inner x expert)."""
     m = config.mesh
     if m.stage != 1:
         raise ConfigError(f"mesh.data_outer: a hierarchical data axis does not combine with pipeline stages yet "
                           f"(mesh.stage is {m.stage}); set mesh.stage: 1 or remove mesh.data_outer")
-    _check_model_axes(m.stage, m.tensor, n_devices)
-    left = n_devices // m.tensor  # the data axis's devices
+    _check_model_axes(m.stage, m.tensor * m.sequence, n_devices)
+    left = n_devices // (m.tensor * m.sequence)  # the data-parallel devices: data x expert
     data = m.data or left
     if data != left:
-        by = f" left by mesh.tensor {m.tensor}" if m.tensor > 1 else ""
+        by = " x ".join(f"mesh.{a} {k}" for a, k in _host_axes(config).items() if a != EXPERT)
+        by = f" left by {by}" if by else ""
         raise ConfigError(f"mesh.data: {data} of the {left} devices{by} with a hierarchical data axis; it must use "
-                          f"every device (remove mesh.data, or run on {data * m.tensor} devices)")
+                          f"every device (remove mesh.data, or run on {n_devices // left * data} devices)")
+    _check_expert_divides(m.expert, data)
+    data //= m.expert  # the data axis proper, data_outer x data_inner
     outer, inner = m.data_outer, m.data_inner
-    hpz = config.zero_optimization.zero_hpz_partition_size
-    if outer is None and inner is None and hpz > 1:
-        inner = hpz  # ZeRO++ hpZ: one secondary partition per inner group
+    if outer is None and inner is None and config.zero_optimization.zero_hpz_partition_size > 1:
+        inner = _hpz_inner(config)  # ZeRO++ hpZ: one secondary partition per host's data-parallel devices
+    of = f"{data} data-parallel devices" + (f" per expert slot (mesh.expert {m.expert})" if m.expert > 1 else "")
     if outer is None:
         outer = data // inner if inner and data % inner == 0 else None
         if outer is None:
-            raise ConfigError(f"mesh.data_inner: {inner} does not divide the {data} data-parallel devices; "
-                              f"choose a divisor of {data}")
+            raise ConfigError(f"mesh.data_inner: {inner} does not divide the {of}; choose a divisor of {data}")
     if inner is None:
         if data % outer:
-            raise ConfigError(f"mesh.data_outer: {outer} does not divide the {data} data-parallel devices; "
-                              f"choose a divisor of {data}")
+            raise ConfigError(f"mesh.data_outer: {outer} does not divide the {of}; choose a divisor of {data}")
         inner = data // outer
     if outer * inner != data:
         raise ConfigError(f"mesh.data_outer x mesh.data_inner: {outer} x {inner} = {outer * inner}, but the data axis "
@@ -118,18 +142,20 @@ def hierarchical_sizes(config: Config, n_devices: int) -> tuple[int, int]:
 
 
 def hierarchical_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
-    """A (`data_outer`, `data_inner`) mesh over every device, from JAX's topology-aware helpers, with a
-    `tensor` axis innermost when mesh.tensor is above 1.
+    """A (`data_outer`, `data_inner`) mesh over every device, from JAX's topology-aware helpers, with
+    `expert`, `sequence` and `tensor` axes inside it where their sizes are above 1.
 
     Across several slices (TPU `slice_index`) or processes, `create_hybrid_device_mesh` puts each
-    slice/process in one `data_outer` row, so `data_inner` and `tensor` collectives stay on fast links;
-    it needs `data_outer` equal to the number of slices/processes. Within one, `create_device_mesh`
-    orders the devices for the physical topology (ICI / NVLink) and `data_outer` subdivides it.
+    slice/process in one `data_outer` row, so every other axis's collectives (data_inner, the experts'
+    and Ulysses' all-to-alls, tensor) stay on fast links; it needs `data_outer` equal to the number of
+    slices/processes. Within one, `create_device_mesh` orders the devices for the physical topology
+    (ICI / NVLink) and `data_outer` subdivides it.
     """
     from jax.experimental import mesh_utils
     devices = list(devices)
     outer, inner = hierarchical_sizes(config, len(devices))
-    tail = (config.mesh.tensor,) if config.mesh.tensor > 1 else ()
+    host = _host_axes(config)
+    tail = tuple(host.values())
     kind, granules = _granules(devices)
     try:
         if granules > 1:
@@ -150,4 +176,4 @@ def hierarchical_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
     grid = np.asarray(grid, dtype=object).reshape(outer, inner, *tail)
     if sorted(d.id for d in grid.flat) != sorted(d.id for d in devices):
         raise ConfigError("mesh.data_outer x mesh.data_inner: the mesh does not hold every device once")
-    return Mesh(grid, HIERARCHICAL + ((TENSOR,) if tail else ()))
+    return Mesh(grid, HIERARCHICAL + tuple(host))

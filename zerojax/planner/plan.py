@@ -19,8 +19,8 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
-from zerojax.core.mesh import (DATA, DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size,
-                               expert_data_axes, expert_size, row_size, tensor_size)
+from zerojax.core.mesh import (DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size, expert_data_axes,
+                               expert_size, host_axes, row_size, tensor_size)
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
@@ -112,8 +112,6 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     data.discard(EXPERT)  # a dimension named "expert" is the expert axis's, not ZeRO's preference
     ep = expert_size(mesh)
     expert_zero = expert_data_axes(mesh)  # DeepSpeed's expert-data-parallel group
-    if ep > 1:
-        _check_expert(config, mesh)
 
     def layout(x: Any, k: int, leaf_names: Any, tdim: int | None) -> LeafLayout:
         prefer = next((d for d, n in enumerate(leaf_names or ()) if n in data or
@@ -131,7 +129,7 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     zero = config.zero_optimization
     if zero.zero_hpz_partition_size > 1:
         _check_hpz(config, mesh, lead)
-        layouts = jax.tree.map(hpz_layout, layouts, is_leaf=is_layout)
+        layouts = jax.tree.map(lambda lay: hpz_layout(lay, data_axes(mesh)), layouts, is_leaf=is_layout)
     _check_quantized(config)
     layouts = jax.tree.map(lambda lay: _with_wire(lay, zero.zero_quantized_weights, zero.zero_quantized_gradients),
                            layouts, is_leaf=is_layout)
@@ -218,7 +216,8 @@ def _with_wire(lay: LeafLayout, quantize_weights: bool, quantize_gradients: bool
 
 
 def _check_hpz(config: Config, mesh: Mesh | AbstractMesh, lead: str | None) -> None:
-    """hpZ needs stage 3 and a hierarchical data axis whose inner size is the partition size."""
+    """hpZ needs stage 3 and a hierarchical data axis whose within-host data-parallel devices (data_inner x
+    expert x sequence: an ordinary weight's secondary partition) number the partition size."""
     zero = config.zero_optimization
     hpz = zero.zero_hpz_partition_size
     key = f"zero_optimization.zero_hpz_partition_size: {hpz}"
@@ -232,11 +231,15 @@ def _check_hpz(config: Config, mesh: Mesh | AbstractMesh, lead: str | None) -> N
                           f"the host); remove offload_param or set the size to 1")
     if DATA_INNER not in mesh.shape:
         raise ConfigError(f"{key} needs a hierarchical data axis: leave mesh.data_outer/mesh.data_inner unset "
-                          f"(zerojax.make_mesh then builds data_inner = {hpz}) or set mesh.data_inner: {hpz}")
-    if mesh.shape[DATA_INNER] != hpz:
-        raise ConfigError(f"{key}, but the mesh's data_inner axis has {mesh.shape[DATA_INNER]} devices; they must "
-                          f"be equal (the secondary partition is one inner group): set mesh.data_inner: {hpz}")
-
+                          f"(zerojax.make_mesh then builds data_inner = {hpz} / (expert x sequence)) or set "
+                          f"mesh.data_inner")
+    within = host_axes(data_axes(mesh))  # the secondary partition of an ordinary weight
+    if axes_size(mesh, within) != hpz:
+        sizes = " x ".join(f"{a} {mesh.shape[a]}" for a in ((within,) if isinstance(within, str) else within))
+        raise ConfigError(f"{key}, but the mesh's data-parallel devices within a host are {sizes} = "
+                          f"{axes_size(mesh, within)}; they must be equal (the secondary partition is the host's "
+                          f"part of the ZeRO group): set mesh.data_inner so that data_inner x expert x sequence "
+                          f"is {hpz}, or leave mesh.data_outer/mesh.data_inner unset")
 
 
 def _expert_dim(x: Any, leaf_names: Any, ep: int) -> int | None:
@@ -249,15 +252,6 @@ def _expert_dim(x: Any, leaf_names: Any, ep: int) -> int | None:
         raise ConfigError(f"mesh.expert: {ep} expert-parallel devices do not divide the {x.shape[dim]} experts of "
                           f"a weight of shape {tuple(x.shape)} (model.n_experts); choose mesh.expert dividing it")
     return dim
-
-
-def _check_expert(config: Config, mesh: Mesh | AbstractMesh) -> None:
-    """Expert parallelism composes with ZeRO stages 0-3, pipeline stages, the sequence and tensor axes
-    and the fused update (a hierarchical data axis is refused with the mesh)."""
-    key = f"mesh.expert: {expert_size(mesh)}"
-    if DATA not in mesh.shape:
-        raise ConfigError(f"{key}: the expert axis needs a flat `data` axis beside it (got axes "
-                          f"{tuple(mesh.axis_names)})")
 
 
 def _check_quantized(config: Config) -> None:

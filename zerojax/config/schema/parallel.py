@@ -109,10 +109,12 @@ class MeshConfig:
                            "initialize(config, model=...)).", gt=0)
     data_outer: Optional[int] = option(None, "Split the data axis into data_outer (across hosts or slices: slow "
                                              "links) x data_inner (within one: fast links); ZeRO shards over "
-                                             "both. With several processes or slices it must equal their "
-                                             "number. null: one flat data axis.", gt=0)
-    data_inner: Optional[int] = option(None, "Devices per data_outer group (default: data-parallel devices / "
-                                             "data_outer); setting it alone also splits the data axis.", gt=0)
+                                             "both. The expert, sequence and tensor axes sit inside data_inner, "
+                                             "within a host. With several processes or slices it must equal "
+                                             "their number. null: one flat data axis.", gt=0)
+    data_inner: Optional[int] = option(None, "Devices per data_outer group along the data axis (default: "
+                                             "data-parallel devices / expert / data_outer); setting it alone "
+                                             "also splits the data axis.", gt=0)
     tensor: int = option(1, "Tensor-parallel size (Megatron-style tensor slicing): the mesh is stage x data x "
                             "expert x sequence x tensor (axes of size 1 left out), tensor innermost, so one tensor "
                             "group is consecutive devices (the fastest links). DeepSpeed's "

@@ -87,8 +87,9 @@ class ZeroConfig:
         True, "Unused parameters get zero gradients; false (DeepSpeed: an error for a parameter without a "
               "gradient) is refused.")
     zero_hpz_partition_size: int = option(
-        1, "ZeRO++ hpZ (stage 3): devices in the secondary parameter partition, the mesh's data_inner size; "
-           "forward/backward gathers stay within that group. 1 disables.", gt=0)
+        1, "ZeRO++ hpZ (stage 3): devices of one host sharing the secondary parameter partition, the mesh's "
+           "data_inner x expert x sequence (data_inner alone without those axes); forward/backward gathers "
+           "stay within that group. 1 disables.", gt=0)
     zero_quantized_weights: bool = option(
         False, "ZeRO++ qwZ (stage 3): parameter all-gathers send int8 blocks with fp32 scales.")
     zero_quantized_gradients: bool = option(
