@@ -170,13 +170,20 @@ def _flat(tree: Any) -> dict[str, Any]:
     return {dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def samples_at_end(config: Config) -> bool:
+    """train.py's end-of-run sample can be made in this process: it is on, the run has one process and
+    no pipeline stages, and the model is a shipped one."""
+    return (bool(config.run.sample_tokens) and jax.process_count() == 1 and config.mesh.stage == 1
+            and config.model.name in ("gpt", "llama"))
+
+
 def end_of_run_sample(config: Config, params: Any, plan: Plan | None = None) -> str | None:
     """The sample printed at the end of train.py (None when it is off or cannot be made here:
     several processes, a pipelined model, or a text longer than the window from parameters too large
     to gather onto one device). With the run's `plan`, a text that fits the window is generated from
     the sharded weights where they lie (gathered once inside the program, not onto the host)."""
     n = config.run.sample_tokens
-    if not n or jax.process_count() > 1 or config.mesh.stage > 1 or config.model.name not in ("gpt", "llama"):
+    if not samples_at_end(config):
         return None
     if plan is not None and len(_prompt_ids(config)) + n <= config.model.seq_len:
         return sample_text(config, params, None, n, seed=config.run.seed, plan=plan)

@@ -377,9 +377,9 @@ class Run:
 def _print_sample(config: Config, engine: Engine) -> None:
     """A few generated tokens, so a finished run shows what it learned (`run.sample_tokens`, 0: off).
     The run is complete and saved by now: a failure here is reported, not raised."""
-    if not config.run.sample_tokens or not is_primary():
-        return
-    from zerojax.app.sample import end_of_run_sample
+    from zerojax.app.sample import end_of_run_sample, samples_at_end
+    if not samples_at_end(config) or not is_primary():
+        return  # before `engine.params`: a multi-process pipeline's rows cannot be fetched by one process
     try:
         text = end_of_run_sample(config, engine.params, engine.plan)
     except Exception as e:  # noqa: BLE001 - the run itself succeeded
