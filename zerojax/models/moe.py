@@ -209,23 +209,29 @@ def moe_apply(x: jax.Array, gating: Gating, experts: Callable[[jax.Array], jax.A
 
     `axis`: the expert mesh axis (inside `shard_map`; None: every expert is local). With it this is
     where DeepSpeed's two all-to-alls go: after the dispatch each device holds [E, C, M] for its own
-    tokens and sends expert block j's rows to device j of its expert group (first all-to-all:
-    [E, C, M] -> [E/ep, ep*C, M], its local experts' rows from every device of the group); the
-    experts run on their own rows; the second all-to-all sends the results back ([E/ep, ep*C, M] ->
-    [E, C, M]) before the combine. Capacity C is per device, as in DeepSpeed.
+    tokens, viewed as [ep, E/ep, C, M], and sends expert block j to device j of its expert group
+    (first all-to-all: [ep, E/ep, C, M] from every device of the group, DeepSpeed's `gecm`); the
+    experts run on their own rows; the second all-to-all sends the results back ([ep, E/ep, C, M] ->
+    [E, C, M]) before the combine. Capacity C is per device, as in DeepSpeed; it stays a dimension
+    of its own through both all-to-alls.
     """
     dispatched = jnp.einsum("sec,sm->ecm", gating.dispatch.astype(x.dtype), x)
+    e, _, m = dispatched.shape
     if axis is not None:
-        dispatched = jax.lax.all_to_all(dispatched, axis, 0, 1, tiled=True)
+        ep = jax.lax.axis_size(axis)
+        # invariant: block j of dim 0 holds the tokens for device j's experts; after the exchange block j
+        # holds this device's experts' rows from device j, the capacity dimension untouched
+        dispatched = jax.lax.all_to_all(dispatched.reshape(ep, e // ep, -1, m), axis, 0, 0, tiled=True)
     out = experts(dispatched)
     if axis is not None:
-        out = jax.lax.all_to_all(out, axis, 1, 0, tiled=True)
+        out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(e, -1, m)  # the inverse exchange
     combined = jnp.einsum("sec,ecm->sm", gating.combine, out.astype(jnp.float32))
     return combined.astype(x.dtype)
 
 
 class SwiGLUExperts(nnx.Module):
-    """E SwiGLU MLPs (the Llama's MLP) with weights stacked [E, ...]; applied to [E, C, d_model]."""
+    """E SwiGLU MLPs (the Llama's MLP) with weights stacked [E, ...]; applied to [..., E, C, d_model]
+    (with an expert axis [ep, E/ep, C, d_model], DeepSpeed's `gecm`)."""
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int, *, init: Callable, out_init: Callable,
                  rngs: nnx.Rngs):
@@ -239,9 +245,9 @@ class SwiGLUExperts(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        g = jnp.einsum("ecm,emf->ecf", x, self.gate[...].astype(dt))
-        u = jnp.einsum("ecm,emf->ecf", x, self.up[...].astype(dt))
-        return jnp.einsum("ecf,efm->ecm", jax.nn.silu(g) * u, self.down[...].astype(dt))
+        g = jnp.einsum("...ecm,emf->...ecf", x, self.gate[...].astype(dt))
+        u = jnp.einsum("...ecm,emf->...ecf", x, self.up[...].astype(dt))
+        return jnp.einsum("...ecf,efm->...ecm", jax.nn.silu(g) * u, self.down[...].astype(dt))
 
 
 class DenseMLP(nnx.Module):
