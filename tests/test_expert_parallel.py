@@ -9,8 +9,11 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import zerojax
@@ -19,8 +22,11 @@ from zerojax.core import hlo
 from zerojax.core.collectives import REPLICATED, Shard
 from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, TENSOR, data_axes, data_size, expert_data_axes, expert_size,
                                row_axes, row_size)
+from zerojax.core.tensor_parallel import tensor_parallel
 from zerojax.errors import ConfigError
 from zerojax.models import llama
+from zerojax.models.moe import MoE
+from zerojax.planner.axes import expert_plan
 from zerojax.planner.mesh import make_mesh
 from zerojax.planner.pipeline import make_pipeline_plan
 
@@ -332,3 +338,79 @@ def test_train_py_pipelines_the_moe_llama() -> None:
     model = build_model(cfg, make_mesh(cfg))
     assert model.pipeline.rows.arrays == ("stages", "expert_stages")
     assert model.plan.layouts["expert_stages"].split == ((0, "stage"), (1, EXPERT))
+
+
+# -- with the tensor axis, experts whole: DeepSpeed's enable_expert_tensor_parallelism=False -----------
+
+WHOLE = {**TOP1, "expert_tensor_parallelism": False}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_whole_experts_beside_a_tensor_axis_train_to_the_single_device_parameters(
+        stage: int, caplog: pytest.LogCaptureFixture) -> None:
+    """data 2 x expert 2 x tensor 2, model.expert_tensor_parallelism false: each expert whole on every tensor
+    device (split over `expert` only, ZeRO over data), the dense weights sliced; each tensor device sends half
+    of the dispatched capacity through the all-to-alls and the experts, gathered back before the combine."""
+    want_losses, want = single(1)
+    e = engine(stage, {"expert": 2, "tensor": 2}, 8, WHOLE)
+    assert {name: lay.split for name, lay in experts(e.plan.layouts).items()} == {
+        "gate": ((1, EXPERT),), "up": ((1, EXPERT),), "down": ((1, EXPERT),)}
+    assert e.plan.layouts["layers"]["q"]["kernel"].split == ((2, TENSOR),)
+    assert "experts whole on every tensor device" in expert_plan(e.plan)
+    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+        losses, got = train(e)
+    assert not caplog.records  # the split capacity ran on slices throughout, nothing gathered early
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5, what=f"whole experts, tensor 2, stage {stage}")
+    if stage == 1:
+        # per MoE layer: the all-to-alls carry half of the [E, C, M] = [4, 64, 32] capacity of each device's
+        # 64 tokens, and the experts' results are all-gathered over the tensor groups (and the dropped
+        # tokens' cotangents, in the backward pass)
+        text = e._train_step.lower(e.state, e.place_batch(batch(0))).compile().as_text()
+        found = hlo.collectives(text)
+        a2a = [c for c in found if c.kind == "all-to-all"]
+        assert a2a and {(hlo.mesh_axes(c.groups, e.plan.mesh), c.result_elems) for c in a2a} == {(EXPERT, 4 * 32 * 32)}
+        gathered = [c for c in found if c.kind == "all-gather" and hlo.mesh_axes(c.groups, e.plan.mesh) == TENSOR]
+        assert {c.result_elems for c in gathered} == {4 * 64 * 32} and sum(c.count for c in gathered) >= 2 * 2
+
+
+@pytest.mark.parametrize("source", [{"mesh": {"logical_axis_rules": {"mlp": "tensor"}}},
+                                    {"tensor_parallel": {"partition_config": {"layer_specs": [
+                                        {"patterns": [r"experts\.(gate|up)$"], "partition_type": "column"}]}}}])
+def test_whole_experts_stay_whole_whatever_the_source(source: dict) -> None:
+    """An annotation rule or a layer_specs pattern that would slice the experts leaves them whole in this
+    mode (the pattern counts as matched); the table names the key."""
+    cfg = zerojax.load_config({"train_batch_size": ROWS, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+                               **source, "mesh": {"expert": 2, "tensor": 2, **source.get("mesh", {})},
+                               "model": {**SMALL, **WHOLE}})
+    params, loss_fn = llama.build(cfg.model, seed=0)
+    plan = zerojax.plan(cfg, make_mesh(cfg), params, logical_axes=loss_fn.logical_axes)
+    assert all(lay.over(TENSOR) is None for lay in experts(plan.layouts).values())
+    assert plan.tensor_plan.count("model.expert_tensor_parallelism: false") == 3
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_whole_experts_split_a_capacity_the_tensor_group_does_not_divide(drop: bool) -> None:
+    """5 tokens over 2 experts: capacity 5 without dropping (DeepSpeed pads it to a multiple of the tensor
+    size), 3 with (where DeepSpeed asserts): padded to 6 and 4 with empty slots, the layer's output and
+    every gradient are the unsplit layer's. The experts' gradients, each tensor device's from its own
+    slots, are summed over the group."""
+    layer = MoE(8, 12, 2, min_capacity=0, drop_tokens=drop, use_rts=False, enable_expert_tensor_parallelism=False,
+                rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(layer, nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (5, 8))
+
+    def loss(p: Any, x: jax.Array) -> jax.Array:
+        out, _, _ = nnx.merge(graphdef, p)(x)
+        return jnp.sum(jnp.sin(out))
+
+    want = jax.value_and_grad(loss)(params, x)
+    seen: list[dict] = []
+    on_slices = tensor_parallel(loss, jax.tree.map(lambda _: None, params), TENSOR, 2, report=seen.append)
+    mapped = jax.shard_map(jax.value_and_grad(on_slices), mesh=Mesh(np.array(jax.devices()[:2]), (TENSOR,)),
+                           in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    text = jax.jit(mapped).lower(params, x).as_text()
+    got = jax.jit(mapped)(params, x)
+    assert seen[-1] == {} and "all_gather" in text
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert_tree_close(to_numpy(got[1]), to_numpy(want[1]), rtol=1e-5, atol=1e-7, what=f"drop_tokens {drop}")

@@ -266,6 +266,8 @@ KEY_STATUS: dict[str, str] = {
        for k in ("n_experts", "experts_per_token", "gating", "moe_every", "capacity_factor",
                  "eval_capacity_factor", "min_capacity", "drop_tokens", "use_rts", "noisy_gate_policy",
                  "top2_2nd_expert_sampling", "use_residual", "moe_aux_loss_coef")},
+    "model.expert_tensor_parallelism": f"{HONOURED} (the Llama's MoE layers and the tensor plan: false keeps "
+                                       f"every leaf annotated `expert` whole over mesh.tensor)",
     **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed", "dtype", "tokenizer",
                                    "text_key", "eos_id", "mask_boundaries")},
     **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",

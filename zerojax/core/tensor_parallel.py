@@ -25,6 +25,15 @@ gradients of replicated weights need no reduction over `tensor`; a split weight'
 exactly its slice of the whole gradient. Any equation without a rule gathers its split inputs and
 runs as written (correct, and slower): `fallbacks` counts those, so a plan can say where they are.
 A column -> row pair per block then costs one all-reduce forward and one backward, as Megatron's.
+
+A model may also leave layout hints in its loss (`split_hint`, `whole_hint`: the identity wherever
+this evaluator does not run). A split hint says that the rows of a replicated activation along one
+dimension are computed independently of each other, so each device may keep its block of them
+instead of the copy every device of the group would compute; a whole hint says where the value is
+wanted whole again. They are `block` and `whole` above, which are also DeepSpeed-MoE's
+`drop_tokens` and `gather_tokens`: a MoE layer whose experts are whole on every tensor device
+splits its dispatched capacity this way. A whole weight the split rows meet `enter`s, so its
+gradient is summed over the group's blocks and stays replicated.
 """
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
 
 from zerojax.core.jaxpr_eval import bind, interpret
 
@@ -149,6 +159,37 @@ def _maximum_bwd(axis: str, res: tuple[jax.Array, jax.Array], ct: jax.Array) -> 
 maximum.defvjp(_maximum_fwd, _maximum_bwd)
 
 
+# -- layout hints a model may leave in its loss ----------------------------------------------------
+
+_hint = jcore.Primitive("tensor_hint")  # params: dim (int: may be split along it; None: wanted whole)
+_hint.def_impl(lambda x, *, dim: x)
+_hint.def_abstract_eval(lambda x, *, dim: x)
+ad.deflinear2(_hint, lambda ct, x, *, dim: [ct])  # the identity, so its own transpose
+mlir.register_lowering(_hint, lambda ctx, x, *, dim: [x])
+
+
+def _hint_batched(args: Sequence[Any], dims: Sequence[Any], *, dim: int | None) -> tuple[Any, Any]:
+    (x,), (b,) = args, dims
+    moved = dim if dim is None or b is None else dim + (b <= dim)
+    return _hint.bind(x, dim=moved), b
+
+
+batching.primitive_batchers[_hint] = _hint_batched
+
+
+def split_hint(x: jax.Array, dim: int) -> jax.Array:
+    """`x`, whose rows along `dim` are computed independently of one another (a MoE layer's capacity
+    slots). Evaluated on tensor slices, each device of the group keeps its block of them there instead
+    of the copy every device would compute (DeepSpeed's `drop_tokens`); anywhere else the identity."""
+    return _hint.bind(x, dim=dim)
+
+
+def whole_hint(x: jax.Array) -> jax.Array:
+    """`x`, wanted whole on every device of the tensor group from here on: gathered there if it was kept
+    in blocks (DeepSpeed's `gather_tokens`); anywhere else the identity."""
+    return _hint.bind(x, dim=None)
+
+
 # -- the evaluator ---------------------------------------------------------------------------------
 
 class Group:
@@ -237,7 +278,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], group: Grou
     def step(eqn: Any, ins: list[Any]) -> list[Any]:
         ins = group.before(eqn, ins)
         name = eqn.primitive.name
-        if not any(isinstance(x, Split) for x in ins) and not (name in _BODIES and group.follows(ins)):
+        if (not any(isinstance(x, Split) for x in ins) and not (name in _BODIES and group.follows(ins))
+                and eqn.primitive is not _hint):
             return group.after(eqn, ins, bind(eqn, ins))
         rule = _RULES.get(name) or (_elementwise if name in _ELEMENTWISE else None)
         out = rule(eqn, ins, group) if rule is not None else None
@@ -475,6 +517,21 @@ def _axes(name: Any) -> tuple:
     return tuple(name) if isinstance(name, (tuple, list)) else (name,)
 
 
+def _layout_hint(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
+    """A model's hint (`split_hint`, `whole_hint`), taken with the forms' own collectives: `block` (the
+    rows' cotangents gathered back whole) and `whole` (each device takes its block of the cotangent).
+    A dimension the group does not divide stays whole: the hint is a permission, never a change of
+    the value."""
+    x, dim = ins[0], eqn.params["dim"]
+    if dim is None:
+        return [group.whole(x)]
+    if isinstance(x, Split) and x.dim == dim:
+        return [x]
+    if _shape(x)[dim] % group.size:
+        return [group.whole(x)]
+    return [Split(group.block(x, dim), dim)]
+
+
 def _optimization_barrier(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
     outs = bind(eqn, [x.local if isinstance(x, Split) else x for x in ins])
     return [Split(o, x.dim) if isinstance(x, Split) else o for o, x in zip(outs, ins)]
@@ -595,6 +652,7 @@ _RULES: dict[str, Callable[[Any, list[Any], Group], list[Any] | None]] = {
     "gather": _gather,
     "optimization_barrier": _optimization_barrier,
     "all_to_all": _all_to_all,
+    "tensor_hint": _layout_hint,
     "pjit": _inline("jaxpr"), "jit": _inline("jaxpr"),
     "closed_call": _inline("call_jaxpr"), "core_call": _inline("call_jaxpr"),
     "custom_jvp_call": _inline("call_jaxpr"),

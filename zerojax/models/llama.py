@@ -104,7 +104,8 @@ def moe_layer(cfg: ModelConfig, rngs: nnx.Rngs) -> MoE:
                capacity_factor=cfg.capacity_factor, eval_capacity_factor=cfg.eval_capacity_factor,
                min_capacity=cfg.min_capacity, use_residual=cfg.use_residual,
                noisy_gate_policy=cfg.noisy_gate_policy, drop_tokens=cfg.drop_tokens, use_rts=cfg.use_rts,
-               top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling, gating=cfg.gating, init_std=cfg.init_std,
+               top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling, gating=cfg.gating,
+               enable_expert_tensor_parallelism=cfg.expert_tensor_parallelism, init_std=cfg.init_std,
                out_init_std=cfg.init_std / (2 * cfg.n_layers) ** 0.5, rngs=rngs)
 
 

@@ -16,6 +16,13 @@ Expert weights are stacked with a leading expert dimension ([experts, ...], logi
 so an expert mesh axis can split dimension 0. With expert parallelism (a mesh `expert` axis, the plan
 splitting the expert dimension over it) each device holds its experts' slice, and `moe_apply` runs
 DeepSpeed's two all-to-alls around them (after the dispatch einsum, before the combine).
+
+With a tensor axis, `enable_expert_tensor_parallelism` chooses between DeepSpeed's two layouts: True
+(zerojax's default) slices each expert's MLP Megatron-style like the dense MLP; False (DeepSpeed's
+default) keeps each expert whole on every tensor device, and since the tokens entering the layer are
+the same on every device of a tensor group, each device sends only its 1/T of the dispatched
+capacity through the experts and the results are gathered back (DeepSpeed's `drop_tokens` and
+`gather_tokens`, here layout hints the tensor-parallel evaluator takes).
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zerojax.core.mesh import expert_axis
+from zerojax.core.mesh import expert_axis, tensor_axis
+from zerojax.core.tensor_parallel import split_hint, whole_hint
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 DROP_POLICIES = ("probs", "position")  # DeepSpeed's topkgating: which tokens an over-full expert keeps
@@ -204,28 +212,51 @@ def topk_gating(logits: jax.Array, k: int, capacity_factor: float, min_capacity:
 
 
 def moe_apply(x: jax.Array, gating: Gating, experts: Callable[[jax.Array], jax.Array],
-              axis: Optional[str] = None) -> jax.Array:
+              axis: Optional[str] = None, tensor: Optional[str] = None) -> jax.Array:
     """Dispatch tokens x [S, M] into [E, C, M], run `experts` on it, combine back to [S, M].
 
     `axis`: the expert mesh axis (inside `shard_map`; None: every expert is local). With it this is
     where DeepSpeed's two all-to-alls go: after the dispatch each device holds [E, C, M] for its own
-    tokens and sends expert block j's rows to device j of its expert group (first all-to-all:
-    [E, C, M] -> [E/ep, ep*C, M], its local experts' rows from every device of the group); the
-    experts run on their own rows; the second all-to-all sends the results back ([E/ep, ep*C, M] ->
-    [E, C, M]) before the combine. Capacity C is per device, as in DeepSpeed.
+    tokens, viewed as [ep, E/ep, C, M], and sends expert block j to device j of its expert group
+    (first all-to-all: [ep, E/ep, C, M] from every device of the group, DeepSpeed's `gecm`); the
+    experts run on their own rows; the second all-to-all sends the results back ([ep, E/ep, C, M] ->
+    [E, C, M]) before the combine. Capacity C is per device, as in DeepSpeed; it stays a dimension
+    of its own through both all-to-alls.
+
+    `tensor`: the tensor axis when the experts are whole on every tensor device (DeepSpeed's
+    `enable_expert_tensor_parallelism=False`). The tokens are then the same on every device of a
+    tensor group, so the capacity is split over it around the all-to-alls and the experts
+    (DeepSpeed's `drop_tokens(dispatched, dim=1)`) and gathered back before the combine
+    (`gather_tokens(expert_output, dim=1)`), padded to a multiple of the group's size with empty
+    slots (DeepSpeed pads its no-drop capacity so; an empty slot changes nothing).
     """
     dispatched = jnp.einsum("sec,sm->ecm", gating.dispatch.astype(x.dtype), x)
+    e, cap, m = dispatched.shape
+    if tensor is not None:
+        dispatched = split_hint(_pad_capacity(dispatched, jax.lax.axis_size(tensor)), 1)
     if axis is not None:
-        dispatched = jax.lax.all_to_all(dispatched, axis, 0, 1, tiled=True)
+        ep = jax.lax.axis_size(axis)
+        # invariant: block j of dim 0 holds the tokens for device j's experts; after the exchange block j
+        # holds this device's experts' rows from device j, the capacity dimension untouched
+        dispatched = jax.lax.all_to_all(dispatched.reshape(ep, e // ep, -1, m), axis, 0, 0, tiled=True)
     out = experts(dispatched)
     if axis is not None:
-        out = jax.lax.all_to_all(out, axis, 1, 0, tiled=True)
+        out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(e, -1, m)  # the inverse exchange
+    if tensor is not None:
+        out = whole_hint(out)[:, :cap]
     combined = jnp.einsum("sec,ecm->sm", gating.combine, out.astype(jnp.float32))
     return combined.astype(x.dtype)
 
 
+def _pad_capacity(dispatched: jax.Array, size: int) -> jax.Array:
+    """[E, C, M] with empty slots appended up to a capacity that `size` devices divide."""
+    extra = -dispatched.shape[1] % size
+    return jnp.pad(dispatched, ((0, 0), (0, extra), (0, 0))) if extra else dispatched
+
+
 class SwiGLUExperts(nnx.Module):
-    """E SwiGLU MLPs (the Llama's MLP) with weights stacked [E, ...]; applied to [E, C, d_model]."""
+    """E SwiGLU MLPs (the Llama's MLP) with weights stacked [E, ...]; applied to [..., E, C, d_model]
+    (with an expert axis [ep, E/ep, C, d_model], DeepSpeed's `gecm`)."""
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int, *, init: Callable, out_init: Callable,
                  rngs: nnx.Rngs):
@@ -239,9 +270,9 @@ class SwiGLUExperts(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        g = jnp.einsum("ecm,emf->ecf", x, self.gate[...].astype(dt))
-        u = jnp.einsum("ecm,emf->ecf", x, self.up[...].astype(dt))
-        return jnp.einsum("ecf,efm->ecm", jax.nn.silu(g) * u, self.down[...].astype(dt))
+        g = jnp.einsum("...ecm,emf->...ecf", x, self.gate[...].astype(dt))
+        u = jnp.einsum("...ecm,emf->...ecf", x, self.up[...].astype(dt))
+        return jnp.einsum("...ecf,efm->...ecm", jax.nn.silu(g) * u, self.down[...].astype(dt))
 
 
 class DenseMLP(nnx.Module):
@@ -272,13 +303,22 @@ class MoE(nnx.Module):
     `use_residual` is PR-MoE (Residual MoE): a dense MLP beside the experts, mixed per token by a
     softmax over a learned 2-way coefficient. `deterministic` (set by `module.eval()`) selects
     `eval_capacity_factor` and turns every noise source off.
+
+    `enable_expert_tensor_parallelism` (DeepSpeed's argument; DeepSpeed defaults it to False, zerojax
+    to True, what its plans did before the choice existed) says how the experts meet a tensor axis:
+    True, sliced like the dense MLP (the plan splits their `d_ff`); False, whole on every tensor
+    device, each device running its 1/T of the dispatched tokens (`moe_apply`'s `tensor`). The plan
+    must agree (`model.expert_tensor_parallelism`). Where it does not the result is still exact, only
+    slower: sliced experts meeting split tokens are run on gathered inputs (the tensor-parallel
+    evaluator logs it), whole experts given every token compute the same thing on every tensor device.
     """
 
     def __init__(self, hidden_size: int, d_ff: int, num_experts: int, *, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
                  use_rts: bool = True, top2_2nd_expert_sampling: bool = True, gating: str = "auto",
-                 init_std: float = 0.02, out_init_std: Optional[float] = None, rngs: nnx.Rngs):
+                 enable_expert_tensor_parallelism: bool = True, init_std: float = 0.02,
+                 out_init_std: Optional[float] = None, rngs: nnx.Rngs):
         if not 1 <= k <= num_experts:
             raise ValueError(f"MoE: k={k}; each token is routed to between 1 and num_experts ({num_experts}) "
                              f"experts")
@@ -295,6 +335,7 @@ class MoE(nnx.Module):
         self.min_capacity, self.drop_tokens, self.use_rts = min_capacity, drop_tokens, use_rts
         self.noisy_gate_policy, self.top2_2nd_expert_sampling = noisy_gate_policy, top2_2nd_expert_sampling
         self.use_residual, self.gating = use_residual, gating
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.deterministic = False
         self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, kernel_init=init, rngs=rngs)
         self.experts = SwiGLUExperts(num_experts, hidden_size, d_ff, init=init, out_init=out_init, rngs=rngs)
@@ -314,6 +355,11 @@ class MoE(nnx.Module):
                              f"traced has no expert axis that many devices share (axis {axis!r}); expert weights are "
                              f"split over the mesh's expert axis only")
         return axis
+
+    def _tensor_axis(self) -> Optional[str]:
+        """The tensor axis this layer splits its dispatched tokens over: the one of the mesh being traced
+        when the experts are whole on every tensor device, else None."""
+        return None if self.enable_expert_tensor_parallelism else tensor_axis()
 
     def gate(self, x: jax.Array, key: Optional[jax.Array] = None) -> Gating:
         """The routing of tokens x [S, M] (DeepSpeed's `TopKGate.forward`)."""
@@ -338,7 +384,7 @@ class MoE(nnx.Module):
         """x [..., hidden] -> (output like x, l_aux, exp_counts [E]); all tokens are routed together."""
         tokens = x.reshape(-1, x.shape[-1])
         gating = self.gate(tokens, key)
-        out = moe_apply(tokens, gating, self.experts, self._expert_axis()).reshape(x.shape)
+        out = moe_apply(tokens, gating, self.experts, self._expert_axis(), self._tensor_axis()).reshape(x.shape)
         if self.use_residual:
             coef = jax.nn.softmax(self.coefficient(x).astype(jnp.float32), axis=-1)
             out = (out * coef[..., 0:1] + self.mlp(x) * coef[..., 1:]).astype(x.dtype)

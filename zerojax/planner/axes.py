@@ -22,8 +22,9 @@ import numpy as np
 
 from zerojax.core.collectives import Shard
 from zerojax.core.layout import Plan, is_layout
-from zerojax.core.mesh import (DATA_INNER, DATA_OUTER, EXPERT, SEQUENCE, DataAxis, axes_size, data_axes, data_size,
-                               expert_data_axes, expert_size, host_axes, row_axes, row_size, sequence_size)
+from zerojax.core.mesh import (DATA_INNER, DATA_OUTER, EXPERT, SEQUENCE, TENSOR, DataAxis, axes_size, data_axes,
+                               data_size, expert_data_axes, expert_size, host_axes, row_axes, row_size, sequence_size,
+                               tensor_size)
 from zerojax.planner.tensor import dotted
 
 __all__ = ["expert_plan", "sequence_plan", "data_plan", "axis_plans"]
@@ -74,6 +75,11 @@ def expert_plan(plan: Plan) -> str | None:
                    f"per device; {zero}")
     out.append(f"  all-to-alls over each expert group: 2 per MoE layer forward (tokens to their experts' "
                f"devices, results back) and their 2 transposes backward, {layers} MoE layer(s)")
+    tp = tensor_size(plan.mesh)
+    if tp > 1 and rows and all(lay.over(TENSOR) is None for *_, lay in rows):
+        out.append(f"  experts whole on every tensor device (model.expert_tensor_parallelism: false): each sends "
+                   f"1/{tp} of its dispatched capacity through them and all-gathers the results over its tensor "
+                   f"group")
     return "\n".join(out)
 
 

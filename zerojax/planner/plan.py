@@ -148,8 +148,9 @@ def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names
                  derived: Any = None) -> TensorPlan:
     """The tensor-parallel plan (`zerojax.planner.tensor`) from the config's sources; nothing is split
     without a tensor axis. Megatron's names apply to the shipped models (`shipped`; None: recognised by
-    their top-level keys) and to a tree `tensor_parallel.preset_model` names. Splitting nothing on a
-    tensor axis is a warning: every tensor device would compute the same thing."""
+    their top-level keys) and to a tree `tensor_parallel.preset_model` names; the expert weights stay
+    whole with `model.expert_tensor_parallelism: false`. Splitting nothing on a tensor axis is a
+    warning: every tensor device would compute the same thing."""
     size = tensor_size(mesh)
     if size == 1:
         return TensorPlan(tuple(None for _ in jax.tree.leaves(abstract)), ())
@@ -159,7 +160,8 @@ def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names
     specs = [LayerSpec(tuple(s.patterns), s.partition_type) for s in tp.layer_specs]
     out = tensor_plan(abstract, size, names=names, rules=dict(config.mesh.logical_axis_rules), layer_specs=specs,
                       use_default_specs=tp.use_default_specs, builtin=builtin, heads=heads, axis=TENSOR,
-                      derived=None if derived is None else _dims_per_leaf(derived, abstract))
+                      derived=None if derived is None else _dims_per_leaf(derived, abstract),
+                      whole_experts=not model.expert_tensor_parallelism)
     if all(d is None for d in out.dims):
         warnings.warn(f"mesh.tensor: {size}, but no weight of this model is split over the tensor axis (no "
                       f"annotation, layer_specs pattern or known layer name applies), so every tensor device "

@@ -16,8 +16,12 @@ Sources, the first that applies to a leaf wins (each leaf's row in `TensorPlan.t
    key/value projections stay whole when the tensor size does not divide their heads, and the
    GPT's fused qkv projection stays whole (its [q | k | v] columns are not head-major); a MoE
    layer's stacked experts (`experts.gate` / `up` / `down`) are sliced as its MLP is, every expert
-   alike (DeepSpeed-MoE's `enable_expert_tensor_parallelism`);
+   alike (DeepSpeed-MoE's `enable_expert_tensor_parallelism=True`);
 4. the pairs read off the loss (`zerojax.find_tensor_splits`, passed as `tensor_dims`).
+
+With `whole_experts` (DeepSpeed-MoE's `enable_expert_tensor_parallelism=False`) the expert weights -
+leaves annotated `expert`, or Megatron's `experts.gate` / `up` / `down` - stay whole whatever the
+source: each tensor device runs whole experts on its share of the tokens instead.
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ _ROW_NAMES = {"o", "down", "out", "o_proj", "down_proj", "c_proj", "wo", "w2"}
 _KEY_VALUE = {"k", "v", "k_proj", "v_proj", "wk", "wv"}
 _ATTENTION = {"q", "o", "q_proj", "o_proj", "wq", "wo"} | _KEY_VALUE  # split by whole heads
 _VOCAB = {"embed", "embed_tokens", "wte", "tok_embeddings"}
+WHOLE_EXPERTS = "whole: experts whole on every tensor device (model.expert_tensor_parallelism: false)"
 
 
 def _path_names(path: Sequence[Any]) -> list[str]:
@@ -72,6 +77,14 @@ def _path_names(path: Sequence[Any]) -> list[str]:
 def dotted(path: Sequence[Any]) -> str:
     """A leaf's path as layer_specs patterns see it, e.g. `layers.q.kernel`."""
     return ".".join(_path_names(path))
+
+
+def _is_expert(names: list[str], logical: Any, builtin: bool) -> bool:
+    """A MoE layer's stacked expert weight: annotated with the logical name `expert` (what the expert axis
+    splits), or named as the shipped models' experts (`experts.gate` / `up` / `down`)."""
+    flat = [n for name in (logical or ()) for n in (name if isinstance(name, tuple) else (name,))]
+    named = builtin and len(names) >= 2 and names[-2] == "experts" and names[-1] in _COLUMN_NAMES | _ROW_NAMES
+    return "expert" in flat or named
 
 
 def _role_dim(role: str, names: list[str], ndim: int) -> int | None:
@@ -120,14 +133,15 @@ def _megatron(names: list[str], shape: tuple[int, ...], size: int, heads: tuple[
 def tensor_plan(abstract: Any, size: int, *, names: Any = None, rules: Mapping[str, str | None] | None = None,
                 layer_specs: Sequence[LayerSpec] = (), use_default_specs: bool = True,
                 builtin: bool = False, heads: tuple[int, int] | None = None, axis: str = "tensor",
-                derived: Sequence[int | None] | None = None) -> TensorPlan:
+                derived: Sequence[int | None] | None = None, whole_experts: bool = False) -> TensorPlan:
     """Resolve every leaf's split over a tensor axis of `size` devices (see the module docstring).
 
     `names`: per leaf, the model's logical axis names (or None); `rules`: logical name -> mesh axis;
     `builtin`: the tree is a shipped model's (or a `preset_model` names one), so Megatron's names
     apply; `heads`: (query heads, key/value heads) when known; `derived`: per leaf, the split read off
-    the loss (`find_tensor_splits`), for leaves nothing else decides. A pattern matching no leaf, and a
-    split the size does not divide, are errors naming the leaf, its shape and the fix.
+    the loss (`find_tensor_splits`), for leaves nothing else decides; `whole_experts`: the expert
+    weights stay whole (see the module docstring). A pattern matching no leaf, and a split the size
+    does not divide, are errors naming the leaf, its shape and the fix.
     """
     rules = dict(rules or {})
     leaves = jax.tree_util.tree_leaves_with_path(abstract)
@@ -139,6 +153,11 @@ def tensor_plan(abstract: Any, size: int, *, names: Any = None, rules: Mapping[s
     table = []
     for k, ((path, x), logical) in enumerate(zip(leaves, name_leaves)):
         shape, where = tuple(x.shape), dotted(path)
+        if whole_experts and _is_expert(_path_names(path), logical, builtin):
+            _match_spec(where, compiled, used)  # a spec naming experts did match, though it does not split them
+            dims.append(None)
+            table.append((where, shape, None, WHOLE_EXPERTS))
+            continue
         dim, source = _from_names(logical, rules, axis)
         if dim is not None:
             source = f"annotation '{logical[dim]}'"
@@ -167,6 +186,13 @@ def _from_names(logical: Any, rules: dict[str, str | None], axis: str) -> tuple[
             if n == axis or (n is not None and rules.get(n) == axis):
                 return d, None
     return None, None
+
+
+def _match_spec(where: str, compiled: list[Any], used: list[bool]) -> None:
+    """Mark the first spec whose patterns match `where` as used."""
+    hit = next((i for i, (_, patterns) in enumerate(compiled) if any(p.search(where) for p in patterns)), None)
+    if hit is not None:
+        used[hit] = True
 
 
 def _from_specs(where: str, shape: tuple[int, ...], compiled: list[Any], used: list[bool], size: int

@@ -95,6 +95,12 @@ class ModelConfig:
                                                   "logits plus Gumbel noise (DeepSpeed's default).")
     use_residual: bool = option(False, "llama MoE: PR-MoE (Residual MoE), a dense MLP beside the experts, the two "
                                        "mixed per token by a learned softmax coefficient.")
+    expert_tensor_parallelism: bool = option(
+        True, "llama MoE, with mesh.tensor above 1: true slices each expert's MLP over the tensor axis as the "
+              "dense MLP is (DeepSpeed's MoE(enable_expert_tensor_parallelism=True)); false keeps each expert "
+              "whole on every tensor device, which then sends only its 1/mesh.tensor of the dispatched "
+              "capacity through the experts and gathers the results back - DeepSpeed's default "
+              "(enable_expert_tensor_parallelism=False), which this mode is. No effect without a tensor axis.")
     moe_aux_loss_coef: float = option(0.01, "llama MoE: the training loss adds this times the MoE layers' summed "
                                             "load-balancing loss (l_aux); model.hf_checkpoint of a Mixtral "
                                             "fills it from router_aux_loss_coef unless given.", ge=0)
