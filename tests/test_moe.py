@@ -82,13 +82,9 @@ def reference_top2(x: np.ndarray, factor: float, min_capacity: int, drop: bool) 
     return dict(combine=combine, l_aux=l_aux, counts=counts, kept=(combine > 0).sum((0, 2)), capacity=cap)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("drop", [True, False])
-def test_gating_matches_deepspeeds_rules(k: int, drop: bool) -> None:
-    x = logits(k)
-    gate = moe.top1_gating if k == 1 else moe.top2_gating
-    want = (reference_top1 if k == 1 else reference_top2)(x, 1.0, 4, drop)
-    got = jax.jit(lambda l: gate(l, 1.0, 4, drop_tokens=drop))(jnp.asarray(x))
+def assert_gating_is(got: moe.Gating, want: dict) -> tuple[int, np.ndarray, np.ndarray]:
+    """The gate's counts, l_aux, combine weights, dispatch mask and kept tokens per expert are the
+    reference's; returns (capacity, combine weights, kept tokens per expert) for the caller's checks."""
     cap = want["capacity"]
     combine = np.asarray(got.combine, np.float64)
     np.testing.assert_array_equal(np.asarray(got.exp_counts), want["counts"])
@@ -98,6 +94,17 @@ def test_gating_matches_deepspeeds_rules(k: int, drop: bool) -> None:
     np.testing.assert_array_equal(np.asarray(got.dispatch)[:, :, :cap], want["combine"] > 0)
     kept = np.asarray(got.dispatch).sum((0, 2))
     np.testing.assert_array_equal(kept, want["kept"])
+    return cap, combine, kept
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("drop", [True, False])
+def test_gating_matches_deepspeeds_rules(k: int, drop: bool) -> None:
+    x = logits(k)
+    gate = moe.top1_gating if k == 1 else moe.top2_gating
+    want = (reference_top1 if k == 1 else reference_top2)(x, 1.0, 4, drop)
+    got = jax.jit(lambda l: gate(l, 1.0, 4, drop_tokens=drop))(jnp.asarray(x))
+    cap, combine, kept = assert_gating_is(got, want)
     if drop:
         assert combine.shape[2] == cap and kept.max() == cap and kept.sum() < k * S  # some tokens were dropped
         assert cap == (8 if k == 1 else 16)
@@ -149,15 +156,7 @@ def test_topk_gating_matches_deepspeeds_rules(k: int, drop: bool, policy: str) -
     x = topk_logits(k)
     want = reference_topk(x, k, 1.0, 4, drop, policy)
     got = jax.jit(lambda l: moe.topk_gating(l, k, 1.0, 4, drop_tokens=drop, drop_policy=policy))(jnp.asarray(x))
-    cap = want["capacity"]
-    combine = np.asarray(got.combine, np.float64)
-    np.testing.assert_array_equal(np.asarray(got.exp_counts), want["counts"])
-    np.testing.assert_allclose(float(got.l_aux), want["l_aux"], rtol=1e-6)
-    assert not combine[:, :, cap:].any()  # no dropping: the static buffer holds every token, the rest empty
-    np.testing.assert_allclose(combine[:, :, :cap], want["combine"], atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(got.dispatch)[:, :, :cap], want["combine"] > 0)
-    kept = np.asarray(got.dispatch).sum((0, 2))
-    np.testing.assert_array_equal(kept, want["kept"])
+    cap, combine, kept = assert_gating_is(got, want)
     np.testing.assert_allclose(combine.sum((1, 2))[combine.any((1, 2))], 1.0, rtol=1e-6)  # renormalized
     if drop:
         assert combine.shape[2] == cap == (16 if k == 3 else 6) and kept.max() == cap and kept.sum() < k * S
