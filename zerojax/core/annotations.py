@@ -25,8 +25,3 @@ def logical_axes(param_state: Any) -> Any:
     annotated = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
     return names if any(isinstance(x, tuple) for x in annotated) else None
 
-
-def names_with(names: Any, axis: str) -> list[bool]:
-    """Per leaf of a `logical_axes` tree (in leaf order of the params it describes): the leaf names `axis`."""
-    is_names = lambda x: x is None or isinstance(x, tuple)  # noqa: E731
-    return [x is not None and axis in x for x in jax.tree.leaves(names, is_leaf=is_names)]

@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.core.annotations import names_with
 from zerojax.core.mesh import EXPERT
 from zerojax.core.names import dotted
 from zerojax.errors import ConfigError
@@ -357,10 +356,10 @@ def expert_dims(module: PipelineModule) -> dict[str, tuple[int | None, ...]]:
     `expert`; None for the entry's other leaves)."""
     out = {}
     for key, axes in module.logical_axes().items():
-        if axes is None or not any(names_with(axes, EXPERT)):
-            continue
         flat = jax.tree.leaves(axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
-        out[key] = tuple(None if x is None or EXPERT not in x else list(x).index(EXPERT) for x in flat)
+        dims = tuple(None if x is None or EXPERT not in x else list(x).index(EXPERT) for x in flat)
+        if any(d is not None for d in dims):
+            out[key] = dims
     return out
 
 
