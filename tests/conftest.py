@@ -1,8 +1,12 @@
-"""Eight virtual CPU devices for every test, set before JAX starts, and a persistent compile cache."""
+"""Eight virtual CPU devices for every test, set before JAX starts, cheap compiles and a persistent compile cache."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests run tiny programs once or a few times: XLA's backend optimizations (LLVM -O2 and its
+# expensive passes) cost more compile time than they save. Floating-point semantics are the same,
+# and processes the tests start (train.py, the CLI) inherit it from the environment.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 
