@@ -255,7 +255,11 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
             f"({t4['buffer']:,} B) forward (tokens to their experts, results back) and their two transposes "
             "backward, each sending the (ep-1)/ep of the buffer that belongs to other devices of the expert "
             f"group. The rematerialized forward (remat {'on' if m.remat else 'off'}) replays the forward's two: "
-            "**6 x L x ...** with checkpointed layers.", "",
+            "**6 x L x ...** with checkpointed layers."
+            + (" **With pipeline stages the measured column is an upper bound**: the executor's `lax.switch` "
+               "holds every virtual stage's branch, the HLO count takes each branch as run at every tick, and a "
+               "device runs its own stage's branch only at its M forward and M backward ticks."
+               if cfg.mesh.stage > 1 else ""), "",
             "| expert | all-to-alls a step | over | bytes each (result) | sent MiB | theory 4/layer MiB | "
             "measured / theory | theory 6/layer (remat) MiB | measured / theory |",
             "|---|---|---|---|---|---|---|---|---|"]
