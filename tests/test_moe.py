@@ -89,7 +89,7 @@ def assert_gating_is(got: moe.Gating, want: dict) -> tuple[int, np.ndarray, np.n
     combine = np.asarray(got.combine, np.float64)
     np.testing.assert_array_equal(np.asarray(got.exp_counts), want["counts"])
     np.testing.assert_allclose(float(got.l_aux), want["l_aux"], rtol=1e-6)
-    assert not combine[:, :, cap:].any()  # no dropping: the static buffer holds every token, the rest empty
+    assert not combine[:, :, cap:].any()  # past the capacity (without dropping the buffer holds every token) nothing
     np.testing.assert_allclose(combine[:, :, :cap], want["combine"], atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got.dispatch)[:, :, :cap], want["combine"] > 0)
     kept = np.asarray(got.dispatch).sum((0, 2))

@@ -24,4 +24,3 @@ def logical_axes(param_state: Any) -> Any:
     names = nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
     annotated = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
     return names if any(isinstance(x, tuple) for x in annotated) else None
-
