@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from helpers import assert_tree_close, to_numpy
+from helpers import assert_tree_close, reference_run, to_numpy
 from zerojax.core import hlo
 from zerojax.core.collectives import REPLICATED, Shard
 from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, TENSOR, data_axes, data_size, expert_data_axes, expert_size,
@@ -329,6 +329,47 @@ def test_pipelined_moe_checkpoint_resumes_at_another_expert_size(tmp_path: Any) 
     exported = zerojax.load_exported(str(export_safetensors(tmp_path, None, tmp_path / "model.safetensors")))
     assert set(exported) == set(on_disk) and exported["layer_01"]["moe"]["experts"]["gate"].shape == (4, 32, 48)
     assert_tree_close(to_numpy(exported), on_disk, rtol=0, atol=0, what="exported")
+
+
+class UserMoEBlock(nnx.Module):
+    """A user's block, written as the Flax guides write one, around DeepSpeed's MoE layer."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.moe = MoE(d, 2 * d, 4, k=2, capacity_factor=4.0, top2_2nd_expert_sampling=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y, _, _ = self.moe(self.norm(x), None)
+        return x + y
+
+
+def test_a_users_flax_moe_model_pipelines_to_the_single_device_run() -> None:
+    """A PipelineModule of a user's Flax layers with two MoE blocks, one a stage, at stage 2 x data 2 x
+    expert 2 and ZeRO-3: the experts land in expert rows, and losses and parameters are one device's
+    (a capacity that drops no token)."""
+    def mse(out: jax.Array, b: dict) -> jax.Array:
+        return jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
+
+    d = 16
+    module = zerojax.PipelineModule(
+        [lambda b: b["x"], zerojax.LayerSpec(nnx.Linear, d, d), jnp.tanh, zerojax.LayerSpec(UserMoEBlock, d),
+         zerojax.LayerSpec(nnx.Linear, d, d), zerojax.LayerSpec(UserMoEBlock, d)], loss_fn=mse,
+        partition_method="uniform")
+    start = module.init(0)
+    cfg = zerojax.load_config({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "mesh": {"stage": 2, "data": 4, "expert": 2}})
+    e = zerojax.initialize(cfg, model=module, params=start)
+    assert e.pipeline.rows.arrays == ("stages", "expert_stages")
+    rng = np.random.default_rng(0)
+    data = [{"x": (x := rng.normal(size=(e.train_batch_size(), 8, d)).astype(np.float32)),
+             "y": np.tanh(x[..., ::-1]).astype(np.float32)} for _ in range(3)]
+    losses = [float(e.train_batch(b)["loss"]) for b in data]
+    want = reference_run(e.plan.tx, e.plan.policy.param, module.loss, start, data, 1.0)
+    np.testing.assert_allclose(losses, [float(r["loss"]) for r in want], rtol=1e-5)
+    assert_tree_close(e.params, want[-1]["master"], rtol=1e-4, atol=1e-5, what="a user's pipelined MoE model")
 
 
 def test_train_py_pipelines_the_moe_llama() -> None:
