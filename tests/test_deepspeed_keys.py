@@ -64,6 +64,15 @@ def test_every_documented_key_has_a_status() -> None:
             assert status[len(NO_EFFECT):].startswith(": ") and len(status) > len(NO_EFFECT) + 4, key
 
 
+def test_every_deepspeed_only_key_is_reachable_by_the_loader() -> None:
+    """A DeepSpeed-only key is looked up where its parent section is read: the top level, a schema
+    section, or the optimizer section (its `type`/`params` sibling keys)."""
+    sections = set(zerojax.config.schema_paths())
+    for path in FOREIGN_KEYS:
+        parent = path.rpartition(".")[0]
+        assert parent == "" or parent in sections, path
+
+
 def test_the_fixture_names_the_keys_that_failed_as_unknown() -> None:
     keys = set(documented_keys())
     assert {"managed_gradient_accumulation", "gradient_allreduce_op", "hybrid_engine.enable_cuda_graph",
