@@ -187,7 +187,7 @@ FOREIGN_KEYS: dict[str, Foreign] = {
                                             "pass instead of after it", _NO_EFFECT,
                                             "nothing to do: XLA overlaps the reductions itself"),
     # optimizer
-    "optimizer.legacy_fusion": Foreign("the legacy fused-Adam kernel of its fp16 optimizer (FP16_Optimizer's "
+    "optimizer.legacy_fusion": Foreign("legacy fused-Adam kernel in its fp16 optimizer (FP16_Optimizer's "
                                        "fused_adam_legacy)", "none: an implementation selector; the update is "
                                        "the configured optimizer's either way", "nothing to do"),
     # checkpoint
