@@ -62,6 +62,19 @@ def test_rules_follow_deepspeed() -> None:
         assert tuple(grad_average(p)) == pytest.approx(want), (stage, keys)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_gradient_allreduce_op_sum_is_the_mean_times_dp(stage: int) -> None:
+    """`gradient_allreduce_op: sum` keeps DeepSpeed's unscaled sum of the 8 shards' gradients: SGD at
+    lr / 8 over the sum moves as SGD at lr over the mean (no clipping, which would see the larger norm)."""
+    batches = [make_batch(32, i) for i in range(2)]
+    _, want, _ = train_steps(make_config(stage, optimizer={"type": "SGD", "params": {"lr": 0.1}}, clip=0.0), batches)
+    cfg = make_config(stage, optimizer={"type": "SGD", "params": {"lr": 0.1 / 8}}, clip=0.0,
+                      gradient_allreduce_op="sum", gradient_predivide_factor=2.0 if stage == 0 else 1.0)
+    p, got, _ = train_steps(cfg, batches)
+    assert tuple(grad_average(p)) == (1.0, 1.0, 1.0)  # no 1/dp, and no predivide factor, as in DeepSpeed
+    assert_tree_close(to_numpy(got.params), to_numpy(want.params), rtol=1e-5, atol=1e-6)
+
+
 def test_refused_where_deepspeed_asserts() -> None:
     for stage in (2, 3):
         with pytest.raises(zerojax.ConfigError, match=r"prescale_gradients: .*reduce_scatter"):

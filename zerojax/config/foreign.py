@@ -183,6 +183,13 @@ FOREIGN_KEYS: dict[str, Foreign] = {
                                                                  _NO_EFFECT, "compute: host"),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": Foreign("CPU cores for the host Adam",
                                                                       _NO_EFFECT, "nothing to do"),
+    "zero_optimization.grad_hooks": Foreign("backward hooks that reduce ZeRO-1 gradients during the backward "
+                                            "pass instead of after it", _NO_EFFECT,
+                                            "nothing to do: XLA overlaps the reductions itself"),
+    # optimizer
+    "optimizer.legacy_fusion": Foreign("legacy fused-Adam kernel in its fp16 optimizer (FP16_Optimizer's "
+                                       "fused_adam_legacy)", "none: an implementation selector; the update is "
+                                       "the configured optimizer's either way", "nothing to do"),
     # checkpoint
     "checkpoint.parallel_write": Foreign("parallel checkpoint writing by pipeline stage", _NO_EFFECT,
                                          "nothing to do: orbax writes shards in parallel"),

@@ -215,6 +215,7 @@ def check_rules(config: Config, sources: Mapping[str, str] | None = None) -> Non
     if config.optimizer is not None:
         _check_optimizer(config)
     _check_sections(config)
+    _check_engine_modes(config)
 
 
 def _check_optimizer(config: Config) -> None:
@@ -267,6 +268,29 @@ def _check_averaging(config: Config) -> None:
         warn(key, "ignored at ZeRO stage 1 with reduce_scatter (DeepSpeed's reduce-scatter path divides by the "
                   "data-parallel size before the sum and ignores it too); set zero_optimization.reduce_scatter: "
                   "false to use it")
+
+
+def _check_engine_modes(config: Config) -> None:
+    """DeepSpeed's managed_gradient_accumulation and gradient_allreduce_op, where zerojax does not build
+    the mode asked for (see step.grad_average for `sum`)."""
+    if not config.managed_gradient_accumulation:
+        raise ConfigError("managed_gradient_accumulation: false is not supported (the client calling step() at its "
+                          "own accumulation boundaries): zerojax compiles gradient_accumulation_steps micro-batches "
+                          "and the update into one step; remove the key, or set gradient_accumulation_steps to "
+                          "the micro-batches per optimizer step")
+    if config.gradient_allreduce_op != "sum":
+        return
+    zero = config.zero_optimization
+    if zero.stage == 3:
+        raise ConfigError("gradient_allreduce_op: 'sum' is not supported with ZeRO stage 3 (DeepSpeed refuses it "
+                          "too: the gradient reduce-scatter runs inside the backward pass); use 'mean', or stage 2")
+    if config.mesh.stage > 1:
+        raise ConfigError(f"gradient_allreduce_op: 'sum' is not built for pipeline runs (mesh.stage "
+                          f"{config.mesh.stage}), whose gradients are averaged in the loss; use 'mean'")
+    if config.mesh.sequence > 1:
+        raise ConfigError(f"gradient_allreduce_op: 'sum' is not built with a sequence axis (mesh.sequence "
+                          f"{config.mesh.sequence}): DeepSpeed's sum there also runs over the sequence ranks, a "
+                          f"scale zerojax does not reproduce yet; use 'mean'")
 
 
 def _check_sections(config: Config) -> None:

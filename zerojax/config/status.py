@@ -26,6 +26,9 @@ KEY_STATUS: dict[str, str] = {
     "train_batch_size": HONOURED,
     "train_micro_batch_size_per_gpu": HONOURED,
     "gradient_accumulation_steps": HONOURED,
+    "managed_gradient_accumulation": HONOURED + " when true (engine(batch), backward and step queue micro-batches "
+                                     "and the compiled step runs at the boundary, DeepSpeed's count); refused when "
+                                     "false (the client stepping at its own boundaries)",
     "optimizer": HONOURED + " (none: the optimizer passed in code)",
     "optimizer.type": HONOURED + "; 1-bit optimizers refused",
     "optimizer.params": _SECTION,
@@ -46,11 +49,15 @@ KEY_STATUS: dict[str, str] = {
     "prescale_gradients": HONOURED + " at stage 0 and with reduce_scatter false; refused at stages 2-3 with "
                           "reduce_scatter and at stage 3 (as DeepSpeed asserts); pipeline runs refuse it",
     "gradient_predivide_factor": HONOURED + " where prescale_gradients is (same rules)",
+    "gradient_allreduce_op": HONOURED + " (mean: the 1/dp of the mean as DeepSpeed applies it; sum: no 1/dp and "
+                             "no predivide factor, at ZeRO stages 0-2); sum refused at stage 3 (as DeepSpeed), with "
+                             "pipeline stages and with a sequence axis",
     "steps_per_print": HONOURED,
     "wall_clock_breakdown": HONOURED + " (data wait, dispatch, device time, logging; forward/backward/optimizer "
                             "are one compiled program)",
     "memory_breakdown": HONOURED + " (per-device memory at every print step)",
     "dump_state": HONOURED,
+    "log_level": HONOURED + " (the `zerojax` Python logger's level, set when an engine starts)",
     "tensorboard": _SECTION,
     "csv_monitor": _SECTION,
     "wandb": _SECTION,
@@ -199,6 +206,8 @@ KEY_STATUS: dict[str, str] = {
                                              f"inside one generate call",
     "hybrid_engine.pin_parameters": f"{NO_EFFECT}: there is no separate inference copy of the weights",
     "hybrid_engine.tp_gather_partition_size": f"{NO_EFFECT}: weights are gathered once per call",
+    "hybrid_engine.enable_cuda_graph": f"{NO_EFFECT}: generation is one compiled program (prefill and a while "
+                                       f"loop of decode steps), with no per-token launches from the host to capture",
     "pipeline.stages": f"{NO_EFFECT}: mesh.stage sets the stage count",
     "pipeline.partition": HONOURED,
     "pipeline.seed_layers": f"{NO_EFFECT}: each stage's layers come from one seeded initialization",
@@ -275,6 +284,20 @@ KEY_STATUS: dict[str, str] = {
                                   "sample_tokens")},
     **{f"distributed.{k}": HONOURED for k in ("coordinator_address", "num_processes", "process_id", "join",
                                               "initialization_timeout", "check_consistency", "hang_timeout")},
+}
+
+
+_MUON = f"{REFUSED}: a parameter of optimizer type Muon, which is not built"
+_ONE_BIT = f"{REFUSED}: a parameter of the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb), which are out of scope"
+
+# DeepSpeed's documented keys that are neither schema keys (KEY_STATUS) nor DeepSpeed-only keys
+# (zerojax.config.foreign.FOREIGN_KEYS, which covers everything inside a section too): the parameters of
+# optimizer types zerojax refuses, refused with their type.
+OTHER_KEY_STATUS: dict[str, str] = {
+    **{f"optimizer.params.{k}": _MUON for k in ("muon_lr", "adam_lr", "ns_method")},
+    **{f"optimizer.params.{k}": _ONE_BIT for k in (
+        "freeze_step", "cuda_aware", "comm_backend_name", "var_freeze_step", "var_update_scaler",
+        "local_step_scaler", "local_step_clipper", "coeff_beta", "factor_max", "factor_min", "factor_threshold")},
 }
 
 

@@ -14,7 +14,8 @@ from zerojax.errors import ConfigError
 from zerojax.config.fields import MISSING, schema_fields
 from zerojax.config.foreign import accept_foreign, foreign_keys_in
 from zerojax.config.paths import join_path, show, to_plain
-from zerojax.config.schema.optimizer import ONE_BIT_OPTIMIZERS, OPTIMIZER_PARAMS, OptimizerConfig, ParamGroup
+from zerojax.config.schema.optimizer import (ONE_BIT_OPTIMIZERS, OPTIMIZER_PARAMS, REFUSED_OPTIMIZERS, OptimizerConfig,
+                                             ParamGroup)
 from zerojax.config.schema.root import BATCH_KEYS, Config
 from zerojax.config.schema.scheduler import REQUIRED_SCHEDULER_PARAMS, SCHEDULER_PARAMS, SchedulerConfig
 
@@ -207,7 +208,7 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
         raise ConfigError(f'{name}: expected {{"type": "{example}", "params": {{...}}}}, got {show(raw)}')
     raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("_"))}
     allowed = ["type", "params"] + (["no_decay", "param_groups"] if name == "optimizer" else [])
-    extra = set(raw) - set(allowed)
+    extra = {k for k in set(raw) - set(allowed) if not accept_foreign(f"{name}.{k}", raw[k], sources)}
     if extra:
         key = sorted(map(str, extra))[0]
         raise ConfigError(f"unknown key '{name}.{key}'{_did_you_mean(key, allowed)}")
@@ -226,6 +227,8 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
         if canon in ONE_BIT_OPTIMIZERS:
             raise ConfigError(f"optimizer.type: {given_type} (1-bit communication compression) is out of "
                               f"scope for zerojax; use Adam or Lamb")
+        if canon in REFUSED_OPTIMIZERS:
+            raise ConfigError(f"optimizer.type: {given_type}: {REFUSED_OPTIMIZERS[canon]}")
         if canon not in OPTIMIZER_PARAMS:
             raise ConfigError(f"optimizer.type: unknown optimizer '{given_type}'"
                               f"{_did_you_mean(canon, list(OPTIMIZER_PARAMS), 'types')}")

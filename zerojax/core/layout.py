@@ -258,12 +258,15 @@ class StepRule(NamedTuple):
                `predivide_factor` before and `factor / dp` after (its all-reduce path).
     partition_activations: with tensor slices, what a rematerialized layer keeps is split over the
                tensor axis (DeepSpeed's activation_checkpointing.partition_activations).
+    average:   the data-parallel gradients are averaged (DeepSpeed's gradient_allreduce_op: mean); False:
+               summed with no 1/dp anywhere (sum).
     """
     remat: Remat | None = None
     prefetch: Prefetch | None = None
     predivide: bool = True
     predivide_factor: float = 1.0
     partition_activations: bool = False  # tensor slices: rematerialized regions keep inputs split
+    average: bool = True           # gradient_allreduce_op mean (True) or sum (False)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -203,8 +203,12 @@ def grad_average(plan: Plan, marked: bool = False) -> GradAverage:
     * stages 1-3 with `reduce_scatter: true` (stage_1_and_2.average_tensor, stage3's reduce path):
       divided by dp before the sum (the config rules refuse prescale/predivide at stages 2-3 there, as
       DeepSpeed asserts, and warns that stage 1 ignores them);
-    * ZeRO-3 with gathered parameters: in the loss (see GradAverage).
+    * ZeRO-3 with gathered parameters: in the loss (see GradAverage);
+    * `gradient_allreduce_op: sum` (`plan.step.average` False): nothing, the gradients are summed
+      (engine.allreduce_bucket and stage_1_and_2 skip the division and the predivide factor then).
     """
+    if not plan.step.average:
+        return GradAverage(1.0, 1.0, 1.0)
     dp = plan.data_size
     if reduced_in_backward(plan, marked):
         return GradAverage(1.0 / dp, 1.0, 1.0)

@@ -265,6 +265,9 @@ class DeepSpeedAPI:
     def wall_clock_breakdown(self) -> bool:
         return bool(self.config.wall_clock_breakdown)
 
+    def log_level(self) -> str | None:
+        return self.config.log_level
+
     def dynamic_loss_scale(self) -> bool:
         return bool(self.plan.scaler.dynamic)
 

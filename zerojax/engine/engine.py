@@ -9,6 +9,7 @@ step.py. Porting code keeps its shape:
 """
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +37,16 @@ from zerojax.core.step import (LossFn, check_batch, check_eval_batch, checked_ke
 
 if TYPE_CHECKING:
     from zerojax.checkpoint import PendingSave
+
+
+def set_log_level(level: str) -> None:
+    """The `zerojax` logger and its handlers at `level` (debug ... critical), as DeepSpeed's engine sets its
+    own logger from `log_level` when it starts (utils/logging.set_log_level_from_string)."""
+    logger = logging.getLogger("zerojax")
+    number = logging.getLevelName(level.upper())
+    logger.setLevel(number)
+    for handler in logger.handlers:
+        handler.setLevel(number)
 
 
 class Engine(DeepSpeedAPI):
@@ -69,6 +80,8 @@ class Engine(DeepSpeedAPI):
                train_step: Callable[[TrainState, Any], Any], eval_step: Callable[[Any, Any], jax.Array]) -> None:
         """Everything an engine holds, whatever built its plan and steps (the pipeline engine too)."""
         self.config, self.mesh, self.loss_fn, self.plan = config, mesh, loss_fn, plan
+        if config.log_level is not None:
+            set_log_level(config.log_level)
         if config.distributed.check_consistency:
             check_consistency(config, plan.abstract_params)
         self.state: TrainState = init_state(plan, params)

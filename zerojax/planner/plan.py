@@ -179,7 +179,8 @@ def step_rule(config: Config) -> StepRule:
     and stages 1-2 with `reduce_scatter: false` (stage_1_and_2.gradient_reduction_w_predivide) divide by
     `gradient_predivide_factor` before the sum and multiply by factor/dp after, unless
     `prescale_gradients`; stages 1-3 with `reduce_scatter: true` (stage_1_and_2.average_tensor, stage3's
-    reduce path) divide by dp before the sum.
+    reduce path) divide by dp before the sum. `gradient_allreduce_op: sum`: no division at all
+    (engine.allreduce_bucket and stage_1_and_2 skip it, and the predivide factor, when not averaging).
     """
     zero = config.zero_optimization
     prefetch = None
@@ -189,7 +190,8 @@ def step_rule(config: Config) -> StepRule:
     predivide = (zero.stage >= 1 and zero.reduce_scatter) or config.prescale_gradients
     return StepRule(remat=remat_policy(config.activation_checkpointing), prefetch=prefetch, predivide=predivide,
                     predivide_factor=config.gradient_predivide_factor,
-                    partition_activations=config.activation_checkpointing.partition_activations)
+                    partition_activations=config.activation_checkpointing.partition_activations,
+                    average=config.gradient_allreduce_op == "mean")
 
 
 def _dims_per_leaf(dims: Any, abstract: Any) -> list[int | None]:

@@ -15,6 +15,7 @@ import typing
 from typing import Any, Iterator, Mapping
 
 from zerojax import config as schema
+from zerojax.config.schema.optimizer import REFUSED_OPTIMIZERS
 from zerojax.config.status import KEY_STATUS
 
 REGENERATE = "python -m zerojax.tools.config_docs > docs/config.md"
@@ -22,7 +23,7 @@ REGENERATE = "python -m zerojax.tools.config_docs > docs/config.md"
 # DeepSpeed's spelling of the optimizer types (the loader matches them case-insensitively).
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "adagrad": "Adagrad", "lion": "Lion",
                     "sgd": "SGD", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam",
-                    "onebitlamb": "OneBitLamb"}
+                    "onebitlamb": "OneBitLamb", "muon": "Muon"}
 
 
 def render_reference() -> str:
@@ -53,13 +54,17 @@ against the mesh and rejects features that are not built yet.
 def _compatibility() -> str:
     untested = _names(sorted(set(schema.OPTIMIZER_PARAMS) - schema.ZERO_TESTED_OPTIMIZERS))
     one_bit = _names(sorted(schema.ONE_BIT_OPTIMIZERS))
+    refused = _names(sorted(REFUSED_OPTIMIZERS))
     return f"""## DeepSpeed compatibility
 
 * **Defaults** are DeepSpeed's code defaults. One deliberate choice: `gradient_clipping` defaults to
   1.0 (current DeepSpeed; it was 0.0 before mid-2026); 0 disables clipping.
 * **Status.** Every key's `status` column says whether it is honoured (it means what it means in
   DeepSpeed), has no effect by design (and why), or is refused (and for which values); the table is
-  `zerojax/config/status.py`, and a test fails on any key without one.
+  `zerojax/config/status.py`, and a test fails on any key without one. Every key of DeepSpeed's
+  config-json documentation has a status too (a schema key's, a DeepSpeed-only key's or section's in
+  the tables below, or, for a parameter of an optimizer type zerojax refuses, that refusal):
+  `tests/test_deepspeed_keys.py` checks the list extracted from that page.
 * **Keys accepted for compatibility.** Keys described as "accepted" are read and validated so that
   existing DeepSpeed configs load, but have no effect: XLA schedules and overlaps collectives itself,
   so bucket sizes and similar knobs mean nothing here.
@@ -88,7 +93,8 @@ def _compatibility() -> str:
   DeepSpeed: 0.0 for FusedAdam (the default), 0.01 for torch's AdamW, 0.0 for torch's Adam.
 * **Optimizers outside DeepSpeed's ZeRO-tested list** ({untested}) need
   `zero_allow_untested_optimizer: true` with ZeRO stage 1 or more, as in DeepSpeed. 1-bit optimizers
-  ({one_bit}) are out of scope.
+  ({one_bit}) are out of scope, and these are not built: {refused}; each is refused with the
+  reason.
 * **Schedulers** step once per applied optimizer step (not on a step skipped for fp16 overflow),
   starting from position -1, as in DeepSpeed.
 """

@@ -78,6 +78,12 @@ ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "adagrad", "lion"})
 
 ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
 
+# DeepSpeed optimizer types zerojax does not build, with the reason its error gives.
+REFUSED_OPTIMIZERS = {
+    "muon": "DeepSpeed's Muon (a Newton-Schulz orthogonalized momentum update for matrices, Adam for the "
+            "rest) is not built in zerojax; use Adam, AdamW or Lamb",
+}
+
 
 @dataclass(frozen=True)
 class ParamGroup:

@@ -76,6 +76,9 @@ class HybridEngineConfig:
                                                   "inside one generate call, so they are always released.")
     pin_parameters: bool = option(True, "Accepted: there is no separate inference copy of the weights to pin.")
     tp_gather_partition_size: int = option(8, "Accepted: weights are gathered once per call, whole.", ge=1)
+    enable_cuda_graph: bool = option(False, "Accepted: generation is already one compiled program (prefill and a "
+                                            "while loop of decode steps), with no per-token kernel launches "
+                                            "from the host to capture.")
 
 
 @dataclass(frozen=True)

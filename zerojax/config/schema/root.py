@@ -33,6 +33,10 @@ class Config:
                                              gt=0)
     train_micro_batch_size_per_gpu: Optional[int] = option(None, "Rows per data shard per micro-step.", gt=0)
     gradient_accumulation_steps: Optional[int] = option(None, "Micro-steps per optimizer step.", gt=0)
+    managed_gradient_accumulation: bool = option(
+        True, "The engine tracks micro-batches and steps the optimizer at the accumulation boundary (every "
+              "gradient_accumulation_steps micro-batches), as DeepSpeed's default; false (the client calls "
+              "step() at its own boundaries) is refused.")
     optimizer: Optional[OptimizerConfig] = option(
         None, "No optimizer section: the optimizer passed in code (initialize(optimizer=...) or "
               "plan(optimizer=...)), as DeepSpeed uses the one passed to deepspeed.initialize; with neither, "
@@ -54,6 +58,11 @@ class Config:
     gradient_predivide_factor: float = option(
         1.0, "Without prescale: divide gradients by this before the all-reduce and multiply by factor/dp "
              "after (stage 0, or reduce_scatter: false).", gt=0)
+    gradient_allreduce_op: str = option(
+        "mean", "How data-parallel gradients combine: mean (averaged over the data-parallel ranks) or sum (their "
+                "unscaled sum: the mean gradient times the data-parallel size, before clipping and the update; "
+                "ZeRO stages 0-2, as in DeepSpeed, and not with pipeline stages or a sequence axis).",
+        choices=("mean", "sum"))
     steps_per_print: int = option(10, "Print a metrics line every this many steps.", gt=0)
     wall_clock_breakdown: bool = option(
         False, "Per step at each print: data wait, dispatch, device time (waits for every step) and logging; "
@@ -61,6 +70,10 @@ class Config:
     memory_breakdown: bool = option(False, "Print each device's memory (arrays by role, allocator in-use and "
                                            "peak where the backend reports them, host RSS) at every print step.")
     dump_state: bool = option(False, "Print the resolved config at start.")
+    log_level: Optional[str] = option(
+        None, "Level of zerojax's Python logger (the `zerojax` logger and its handlers), set when an engine "
+              "starts, as DeepSpeed sets its logger's; unset: left as it is.",
+        choices=("debug", "info", "warning", "error", "critical"))
     tensorboard: MonitorConfig = section(MonitorConfig)
     csv_monitor: MonitorConfig = section(MonitorConfig)
     wandb: WandbConfig = section(WandbConfig)
