@@ -14,7 +14,8 @@ A `.pt` file written by torch >= 1.6 is a zip archive whose entries share one to
 (torch/serialization.py `_save`/`_load`, caffe2/serialize/inline_container.cc.)
 
 Reading never calls `pickle.load` on the user's bytes: `_RestrictedUnpickler.find_class` admits only
-the globals in `ALLOWED_GLOBALS` - the tensor rebuild functions, `collections.OrderedDict`,
+the globals in `ALLOWED_GLOBALS` - the tensor rebuild functions (with `_rebuild_from_type_v2` for a
+tensor carrying attributes, as torch's `weights_only` loader admits it), `collections.OrderedDict`,
 `torch.Size`, torch dtypes and the few DeepSpeed classes its checkpoints pickle (loss scalers,
 `ZeroStageEnum`, `fragment_address`), which become inert records (`PickledObject`, `PickledEnum`).
 Anything else - `os.system`, `builtins.eval`, a user class - is refused before it is looked up, with
@@ -22,6 +23,12 @@ a `TorchFileError` naming the file and the global (or, with `opaque=True`, kept 
 that is never imported or called). Storages become numpy arrays: fp32/fp64/fp16, bf16 and fp8 (via
 ml_dtypes), signed/unsigned ints, bool and complex; a tensor's offset and strides are checked
 against its storage before any element is read.
+
+A file is untrusted, so what it can cost is bounded by its real size: a FIFO or device is refused
+before it is read, zip entries may not overlap and a compressed one may declare at most
+`_MAX_RATIO` times its bytes, each storage is read once however many tensors alias it, tensors that
+view or expand (stride 0) a storage are views of it, and the loaded object may be at most
+`_MAX_DEPTH` deep and expand to at most `_MAX_NODES` values.
 
 Writing produces the same layout torch does (same entry order, alignment, protocol, persistent ids
 and reduce calls), so `torch.load` reads it, and the records read here are written back unchanged -
