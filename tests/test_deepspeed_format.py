@@ -4,6 +4,7 @@ import pickle
 import pickletools
 import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 
 import ml_dtypes
@@ -362,18 +363,24 @@ def test_malicious_pickle_is_refused_without_running(tmp_path, payload, refused)
 
 
 def test_opaque_client_state(tmp_path):
-    """Megatron-DeepSpeed keeps numpy's RNG state in the client state: refused by default, inert with opaque."""
+    """Megatron-DeepSpeed keeps numpy's RNG state in the client state: kept inert on every route (the
+    CLI cannot pass opaque=True); the same object inside DeepSpeed's own entries is refused, and the
+    message gives advice a CLI user can follow."""
     _write(tmp_path, _params(), 1, 1)
     model_path = tmp_path / "global_step12" / "mp_rank_00_model_states.pt"
     model = tz.load(model_path)
-    model["np_rng_state"] = tz.PickledObject.make("numpy.core.multiarray", "_reconstruct",
-                                                  args=(tz.PickledObject.make("numpy", "ndarray"), (0,), b"b"))
-    tz.save(model, model_path)
-    with pytest.raises(ds.DeepSpeedCheckpointError, match="mp_rank_00_model_states.pt: refused .*numpy.core.multiarray._reconstruct.*opaque=True"):
+    rng = tz.PickledObject.make("numpy.core.multiarray", "_reconstruct",
+                                args=(tz.PickledObject.make("numpy", "ndarray"), (0,), b"b"))
+    tz.save({**model, "np_rng_state": rng}, model_path)
+    for ck in (ds.read_checkpoint(tmp_path), ds.read_checkpoint(tmp_path, opaque=True)):
+        assert ck.client_state["np_rng_state"].qualname == "numpy.core.multiarray._reconstruct"
+        np.testing.assert_array_equal(ck.params["block.bias"], _params()["block.bias"])
+    tz.save({**model, "lr_scheduler": {"state": rng}}, model_path)
+    with pytest.raises(ds.DeepSpeedCheckpointError,
+                       match="mp_rank_00_model_states.pt: holds a pickled 'numpy.core.multiarray._reconstruct' "
+                             "under its 'lr_scheduler' entry") as err:
         ds.read_checkpoint(tmp_path)
-    ck = ds.read_checkpoint(tmp_path, opaque=True)
-    assert ck.client_state["np_rng_state"].qualname == "numpy.core.multiarray._reconstruct"
-    np.testing.assert_array_equal(ck.params["block.bias"], _params()["block.bias"])
+    assert "opaque=True" not in str(err.value) and "load it with torch" in str(err.value)
 
 
 def test_other_unlisted_globals_are_refused(tmp_path):
@@ -419,11 +426,12 @@ def test_forged_sizes_do_not_allocate(tmp_path):
     _zip_with_pickle(tmp_path / "big.pt", body, [("0", b"\0" * 16)])
     with pytest.raises(tz.TorchFileError, match="big.pt: storage .* holds 16 bytes"):
         tz.load(tmp_path / "big.pt")
-    # a stride-0 view asking to expand 4 bytes into 2**40 elements
+    # a stride-0 view expanding 4 bytes into 2**40 elements: counted as its storage, never materialised
     body = b"\x80\x02" + _tensor_pickle("FloatStorage", "0", 1, 0, (1 << 40,), (0,)) + b"."
-    _zip_with_pickle(tmp_path / "wide.pt", body, [("0", b"\0" * 4)])
-    with pytest.raises(tz.TorchFileError, match="wide.pt.*expand"):
-        tz.load(tmp_path / "wide.pt")
+    _zip_with_pickle(tmp_path / "wide.pt", body, [("0", np.float32(7).tobytes())])
+    wide = tz.load(tmp_path / "wide.pt")
+    assert wide.shape == (1 << 40,) and wide.strides == (0,) and tz.expanded(wide) and not wide.flags.writeable
+    assert wide[0] == 7 and wide[-1] == 7
 
 
 def test_missing_files(tmp_path):
@@ -467,3 +475,196 @@ def test_writer_rejects_what_it_cannot_represent(tmp_path):
     with pytest.raises(ValueError, match="DeepSpeed's own"):
         _write(tmp_path, _params(), 2, 1, client_state={"module": 1})
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+# --------------------------------------------------------------------------- files DeepSpeed wrote itself
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
+
+
+def test_reads_a_zero3_checkpoint_deepspeed_wrote():
+    """fixtures/deepspeed/zero3 was written by DeepSpeed 0.19.8 with torch 2.13 (make_zero3.py): its flat
+    fp32 group carries DeepSpeed's `ds_id`, pickled through torch._tensor._rebuild_from_type_v2 with
+    torch.Tensor. Read to what DeepSpeed's own zero_to_fp32 makes of it."""
+    ck = ds.read_checkpoint(os.path.join(FIXTURES, "zero3"))
+    reference = np.load(os.path.join(FIXTURES, "zero3_fp32.npz"))
+    assert ck.zero_stage == 3 and ck.dp_world_size == 1 and ck.step == 2 and ck.global_steps == 2
+    assert set(reference) - set(ck.params) == {"lm_head.weight"}  # tied: DeepSpeed saves it once
+    for name, value in ck.params.items():
+        np.testing.assert_array_equal(value, reference[name], err_msg=name)
+    assert ck.exp_avg["transformer.wte.weight"].shape == (256, 4) and ck.client_state == {"epoch": 1}
+    optim = tz.load(os.path.join(FIXTURES, "zero3", "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    flat, = optim["optimizer_state_dict"]["fp32_flat_groups"]
+    assert isinstance(flat, tz.AttributedTensor) and set(flat.attributes) == {"ds_id"}
+
+
+def test_tensor_attributes_round_trip_as_torch_writes_them(tmp_path):
+    """A tensor with attributes is written back the way torch pickles it, and only tensor types may be
+    named: torch.Tensor itself is not callable, and a foreign type or rebuild is refused."""
+    tagged = np.arange(3, dtype=np.float32).view(tz.AttributedTensor)
+    tagged.attributes = {"ds_id": "0_1"}
+    tz.save({"t": tagged}, tmp_path / "a.pt")
+    raw = zipfile.ZipFile(tmp_path / "a.pt").read("a/data.pkl")
+    assert b"torch._tensor\n_rebuild_from_type_v2" in raw and b"torch\nTensor" in raw
+    back = tz.load(tmp_path / "a.pt")["t"]
+    assert back.attributes == {"ds_id": "0_1"} and back.tolist() == [0, 1, 2]
+    for body in [_g("torch", "Tensor") + b")R.",  # Tensor() called directly
+                 _g("torch._tensor", "_rebuild_from_type_v2") + b"(" + _g("builtins", "print") + _g("torch", "Tensor")
+                 + b")}tR.",
+                 _g("torch._tensor", "_rebuild_from_type_v2") + b"(" + _g("torch._utils", "_rebuild_tensor_v2")
+                 + _g("collections", "OrderedDict") + b")}tR."]:
+        _zip_with_pickle(tmp_path / "b.pt", b"\x80\x02" + body)
+        with pytest.raises(tz.TorchFileError, match="b.pt"):
+            tz.load(tmp_path / "b.pt")
+
+
+# --------------------------------------------------------------------------- what a crafted file can cost
+
+def test_overlapping_entries_are_refused(tmp_path):
+    """A stored entry whose declared size swallows the next entry (the zip 'overlap' bomb: the same
+    bytes counted by several entries): each entry fits the file, together they declare more than it
+    holds - refused before any is read."""
+    swallowed = 64 + 30 + len("archive/data/1") + 64  # data/0, then data/1's local header and data
+    body = b"\x80\x02(" + _tensor_pickle("ByteStorage", "0", swallowed, 0, (64,), (1,)) \
+        + _tensor_pickle("ByteStorage", "1", 64, 0, (64,), (1,)) + b"l."
+    _zip_with_pickle(tmp_path / "a.pt", body, [("0", bytes(range(64))), ("1", bytes(64))])
+    zf = zipfile.ZipFile(tmp_path / "a.pt")
+    first, second = zf.getinfo("archive/data/0"), zf.getinfo("archive/data/1")
+    blob = bytearray((tmp_path / "a.pt").read_bytes())
+    start = first.header_offset + 30 + len(first.filename) + len(first.extra)
+    covered = bytes(blob[start:second.header_offset + 30 + len(second.filename) + 64])  # data/0 through data/1
+    record = blob.index(first.filename.encode(), zf.start_dir) - 46  # data/0's central directory record
+    assert blob[record:record + 4] == b"PK\x01\x02"
+    struct.pack_into("<III", blob, record + 16, zlib.crc32(covered), len(covered), len(covered))
+    assert len(covered) == swallowed
+    (tmp_path / "a.pt").write_bytes(bytes(blob))
+    with pytest.raises(tz.TorchFileError, match="a.pt: entry 'archive/data/0' declares .* overlapping the next"):
+        tz.load(tmp_path / "a.pt")
+
+
+def test_zip_bomb_entry_is_refused(tmp_path):
+    """A deflated storage declaring ~1000x its compressed size (torch never compresses)."""
+    body = b"\x80\x02" + _tensor_pickle("FloatStorage", "0", 1 << 20, 0, (1 << 20,), (1,)) + b"."
+    with zipfile.ZipFile(tmp_path / "bomb.pt", "w") as zf:
+        zf.writestr("archive/data.pkl", body)
+        zf.writestr("archive/byteorder", b"little")
+        zf.writestr("archive/data/0", b"\0" * (4 << 20), compress_type=zipfile.ZIP_DEFLATED)
+        zf.writestr("archive/version", b"3\n")
+    assert zipfile.ZipFile(tmp_path / "bomb.pt").getinfo("archive/data/0").compress_size < 8 << 10
+    with pytest.raises(tz.TorchFileError, match="bomb.pt: entry 'archive/data/0' declares 4194304 bytes from .*zip bomb"):
+        tz.load(tmp_path / "bomb.pt")
+
+
+def test_aliased_storage_is_read_once(tmp_path):
+    """Many tensors viewing one storage cost that storage once: views share it, as in torch."""
+    storage = np.arange(16, dtype=np.float32)
+    views = b"".join(_tensor_pickle("FloatStorage", "0", 16, i, (8,), (1,)) for i in range(8))
+    _zip_with_pickle(tmp_path / "a.pt", b"\x80\x02(" + views + b"l.", [("0", storage.tobytes())])
+    out = tz.load(tmp_path / "a.pt")
+    assert [t.tolist() for t in out] == [storage[i:i + 8].tolist() for i in range(8)]
+    assert all(np.shares_memory(out[0], t) for t in out[1:])
+
+
+def test_expanded_tensor_is_refused_where_it_would_be_copied(tmp_path):
+    """The DeepSpeed reader copies fp32 partitions together: an expanded (stride-0) one, 4 stored bytes
+    declaring 2**30 elements, is refused before the copy instead of allocating 4 GiB."""
+    _write(tmp_path, {"w": np.zeros((1, 1), np.float32)}, 3, 1)  # a tiny real checkpoint, then forged
+    optim = tmp_path / "global_step12" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    model = tmp_path / "global_step12" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    state = tz.load(optim)
+    state["optimizer_state_dict"]["fp32_flat_groups"] = [np.broadcast_to(np.float32(1), (1 << 30,))]
+    states = tz.load(model)
+    states["param_shapes"] = [OrderedDict(w=tz.TorchSize((1 << 15, 1 << 15)))]
+    tz.save(states, model)
+    # written as torch would write torch.zeros(1).expand(2**30): one element, stride 0
+    body = b"\x80\x02}(" + _s("optimizer_state_dict") + b"}(" + _s("zero_stage") + _i(3) + _s("partition_count") \
+        + _i(1) + _s("fp32_flat_groups") + b"(" + _tensor_pickle("FloatStorage", "0", 1, 0, (1 << 30,), (0,)) \
+        + b"lu" + b"u."
+    _zip_with_pickle(optim, body, [("0", np.float32(1).tobytes())])
+    with pytest.raises(ds.DeepSpeedCheckpointError, match="optim_states.pt: its fp32 partitions and Adam moments "
+                                                          "declare 4294967296 bytes of tensors but the file holds"):
+        ds.read_checkpoint(tmp_path)
+
+
+def test_deep_or_exploding_nesting_is_one_error(tmp_path):
+    """A client state nested 10**5 deep, or one list referenced so often it expands to 2**64 values
+    (as json.dumps would walk it), is one clear error - no RecursionError, no endless walk."""
+    deep = b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b"."
+    _zip_with_pickle(tmp_path / "deep.pt", deep)
+    with pytest.raises(tz.TorchFileError, match="deep.pt: the pickled object is nested more than 100 levels deep"):
+        tz.load(tmp_path / "deep.pt")
+    laughs = b"\x80\x02]q\x00" + b"".join(b"(h%ch%ctq%c" % (i, i, i + 1) for i in range(64)) + b"."
+    _zip_with_pickle(tmp_path / "wide.pt", laughs)
+    with pytest.raises(tz.TorchFileError, match="wide.pt: the pickled object expands to more than"):
+        tz.load(tmp_path / "wide.pt")
+    # a state of ordinary depth still loads
+    _zip_with_pickle(tmp_path / "ok.pt", b"\x80\x02" + b"]" * 50 + b"a" * 49 + b".")
+    out = tz.load(tmp_path / "ok.pt")
+    for _ in range(49):
+        out = out[0]
+    assert out == []
+
+
+def test_fifo_and_devices_are_refused_without_blocking(tmp_path):
+    """A FIFO named like a checkpoint file would block `open` until some writer came; it is refused at
+    once (the test would hang on unchanged code: the alarm turns that into a failure)."""
+    import signal
+    fifo = tmp_path / "mp_rank_00_model_states.pt"
+    os.mkfifo(fifo)
+
+    def hung(*_):
+        raise TimeoutError("reading a FIFO blocked")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(5)
+    try:
+        with pytest.raises(tz.TorchFileError, match="mp_rank_00_model_states.pt is a FIFO .*not read"):
+            tz.load(fifo)
+        with pytest.raises(tz.TorchFileError, match="/dev/zero is a device"):
+            tz.load("/dev/zero")
+        os.makedirs(tmp_path / "run" / "global_step1")
+        os.rename(fifo, tmp_path / "run" / "global_step1" / "mp_rank_00_model_states.pt")
+        with pytest.raises(ds.DeepSpeedCheckpointError, match="is a FIFO"):
+            ds.read_checkpoint(tmp_path / "run" / "global_step1")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_latest_naming_a_path_outside_is_refused(tmp_path):
+    _write(tmp_path / "elsewhere", _params(), 2, 1)
+    run = tmp_path / "run"
+    run.mkdir()
+    for tag in ("../elsewhere/global_step12", "..", "/etc"):
+        (run / "latest").write_text(tag)
+        with pytest.raises(ds.DeepSpeedCheckpointError, match=f"latest names '{tag}', which is not a tag folder"):
+            ds.read_checkpoint(run)
+
+
+def test_full_disk_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+    import shutil
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 100, 100))
+    with pytest.raises(OSError, match=r"no space left to write .*a.pt: it needs \d+ bytes and 100 are free") as err:
+        tz.save({"w": np.zeros(1000, np.float32)}, tmp_path / "a.pt")
+    assert err.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
+    monkeypatch.undo()
+
+    real_open = open
+
+    def full(path, mode="r", *args, **kw):  # the disk fills while writing
+        f = real_open(path, mode, *args, **kw)
+        if "w" in mode:
+            def write(data, f=f):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            f.write = write
+        return f
+
+    (tmp_path / "b.pt").write_bytes(b"keep")
+    monkeypatch.setattr("builtins.open", full)
+    with pytest.raises(OSError, match="no space left to write .*b.pt: .*the disk filled up while writing"):
+        tz.save({"w": np.zeros(1000, np.float32)}, tmp_path / "b.pt")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["b.pt"] and (tmp_path / "b.pt").read_bytes() == b"keep"

@@ -160,6 +160,10 @@ def test_export_deepspeed_fp32_state_dict(tmp_path, run):
     tag_dir = import_into(folders[2], tmp_path / "zj", plan, cfg)
     out = export_fp32_state_dict(tmp_path / "zj", tag_dir.name, tmp_path)
     assert out.name == "pytorch_model.bin"
+    # `--out new/`: a trailing slash names a folder, made if missing (not a file called `new`)
+    assert export_fp32_state_dict(tmp_path / "zj", tag_dir.name, f"{tmp_path / 'new'}/") == \
+        tmp_path / "new" / "pytorch_model.bin"
+    assert torch_zip.load(tmp_path / "new" / "pytorch_model.bin").keys() == torch_zip.load(out).keys()
     exported = torch_zip.load(out)
     expected = ds.read_checkpoint(folders[2]).params
     assert list(exported) == sorted(expected, key=list(exported).index) and set(exported) == set(expected)
@@ -208,3 +212,41 @@ def test_train_py_resumes_a_deepspeed_folder_and_cli(tmp_path):
     exported = torch_zip.load(tmp_path / "sd.bin")
     assert set(exported) == set(named)
     np.testing.assert_array_equal(exported["transformer.h.1.attn.c_attn.weight"], named["transformer.h.1.attn.c_attn.weight"])
+
+
+def test_a_checkpoint_deepspeed_wrote_itself_on_every_route(tmp_path):
+    """tests/fixtures/deepspeed/zero3 was written by DeepSpeed 0.19.8 + torch 2.13 (ZeRO-3, one rank; its
+    flat fp32 group carries `ds_id`, pickled via torch._tensor._rebuild_from_type_v2). `train.py --resume`
+    continues it and `zerojax import-deepspeed` imports it; exported back with `--out folder/` (a folder
+    that does not exist yet), the weights are exactly what DeepSpeed's own zero_to_fp32 makes of it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    fixture = root / "tests" / "fixtures" / "deepspeed" / "zero3"
+    model = ["model.d_model=4", "model.n_layers=1", "model.n_heads=1", "model.seq_len=16", "model.tie_embeddings=true"]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+
+    def run(*args):
+        done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    out = run("train.py", "--config", "configs/zero2.yaml", "--set", *model, "run.steps=3", "run.log_every=1",
+              "data.max_bytes=50000", "run.eval_batches=1", "run.progress=false", "run.sample_tokens=0",
+              f"run.output_dir={tmp_path / 'run'}", "--resume", str(fixture)).stdout
+    assert "imported DeepSpeed checkpoint" in out and "at step 2" in out
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [3]
+    run("-m", "zerojax.cli", "import-deepspeed", str(fixture), str(tmp_path / "zj"), "--config", "configs/zero2.yaml",
+        "--set", *model)
+    run("-m", "zerojax.cli", "export", str(tmp_path / "zj"), "--format", "deepspeed", "--out", f"{tmp_path / 'out'}/")
+    assert (tmp_path / "out").is_dir()
+    exported = torch_zip.load(tmp_path / "out" / "pytorch_model.bin")
+    reference = np.load(fixture.parent / "zero3_fp32.npz")
+    assert set(exported) == set(reference) - {"lm_head.weight"}  # tied, as DeepSpeed saved it
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, reference[name], err_msg=name)

@@ -475,3 +475,17 @@ def test_a_tensor_2_run_exports_what_a_tensor_1_run_of_its_weights_does(tmp_path
             assert (out2 / f).read_bytes() == (out1 / f).read_bytes(), f
     for g, w in zip(jax.tree.leaves(hf.read_params(out2, cfg2.model)), jax.tree.leaves(to_numpy(two.params))):
         np.testing.assert_array_equal(g, w)
+
+
+def test_index_naming_a_file_outside_its_folder_is_refused(tmp_path: Path) -> None:
+    """model.safetensors.index.json names the shards beside it; `../x` (or an absolute path) would make
+    zerojax read a file the user never gave it."""
+    _split_into_shards(FIXTURES / "gpt2", tmp_path / "sharded")
+    shutil.move(tmp_path / "sharded" / "model-00002-of-00002.safetensors", tmp_path / "outside.safetensors")
+    index = tmp_path / "sharded" / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    for bad in ("../outside.safetensors", str(tmp_path / "outside.safetensors")):
+        weight_map = {n: (bad if f.startswith("model-00002") else f) for n, f in content["weight_map"].items()}
+        index.write_text(json.dumps({**content, "weight_map": weight_map}))
+        with pytest.raises(hf.HFError, match=f"index.json names shard '{bad}', which is not a file of"):
+            hf.Checkpoint(tmp_path / "sharded")

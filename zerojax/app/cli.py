@@ -3,6 +3,7 @@ load_config and the trainer."""
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from typing import Any, Sequence
 
@@ -164,6 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (LossScaleError, NonFiniteError) as e:
         print(f"zerojax: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise
+        print(f"zerojax: error: {e.strerror if e.filename is None else e}", file=sys.stderr)  # a full disk
         return 1
     except DistributedError as e:
         print(f"zerojax: error: {e}", file=sys.stderr)

@@ -93,7 +93,7 @@ def export_fp32_state_dict(directory: str | os.PathLike, tag: str | None, out_pa
     from zerojax.core.names import join
 
     out = ck.absolute(out_path)
-    if out.is_dir():
+    if out.is_dir() or str(out_path).endswith(("/", os.sep)):  # `--out out/`: a folder, made if missing
         out = out / "pytorch_model.bin"
     if out.exists() and not overwrite:
         raise FileExistsError(f"export: {out} already exists and is never overwritten silently; pass --force "

@@ -118,7 +118,70 @@ def _load(path: str, opaque: bool = False) -> Any:
     try:
         return torch_zip.load(path, opaque=opaque)
     except TorchFileError as e:
-        raise DeepSpeedCheckpointError(str(e)) from None
+        if e.refused is None:
+            raise DeepSpeedCheckpointError(str(e)) from None
+        raise DeepSpeedCheckpointError(_refused(path, e.refused, "")) from None
+
+
+def _refused(path: str, qualname: str, where: str) -> str:
+    return (f"{path}: holds a pickled '{qualname}'{where}, which this reader does not rebuild: a checkpoint is read "
+            "as tensors, containers and the records DeepSpeed itself writes, because rebuilding any other object "
+            "would import or run code from the file. The caller's client state may hold such objects (they are "
+            "kept as inert records and not carried over), DeepSpeed's own entries and the optimizer files may not. "
+            "If you trust the file, load it with torch and save it again without that object.")
+
+
+def _foreign(obj: Any) -> list[str]:
+    """The classes of the inert records (outside torch_zip's allowlist) anywhere inside `obj`."""
+    found, stack, seen = [], [obj], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, PickledObject):
+            if x.qualname not in torch_zip.ALLOWED_GLOBALS:
+                found.append(x.qualname)
+            stack.extend((x.args, x.state))
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return found
+
+
+def _load_model_states(path: str) -> dict:
+    """A model-states file, its client state allowed to hold other objects (Megatron-DeepSpeed's numpy
+    RNG state, a user's class) as inert records - never imported or called, and not carried over.
+    DeepSpeed's own keys must hold what this reader knows."""
+    model = _load(path, opaque=True)
+    if isinstance(model, dict):
+        for key in sorted(_DEEPSPEED_KEYS & set(model)):
+            found = _foreign(model[key])
+            if found:
+                raise DeepSpeedCheckpointError(_refused(path, found[0], f" under its {key!r} entry"))
+    return model
+
+
+def _within(arrays: Sequence[Any], path: str, what: str) -> None:
+    """Tensors about to be copied together must be backed by the file's bytes: DeepSpeed writes its
+    fp32 partitions and moments in full, so more logical bytes than the file holds can only come from
+    expanded (stride-0) or aliased views of a few stored bytes - refused before anything is copied."""
+    logical = sum(np.asarray(a).nbytes for a in arrays if isinstance(a, np.ndarray))
+    size = os.path.getsize(path)
+    if logical > size:
+        raise DeepSpeedCheckpointError(f"{path}: its {what} declare {logical} bytes of tensors but the file holds "
+                                       f"{size}: they are expanded or aliased views, which DeepSpeed never writes "
+                                       "there; the file is crafted or corrupt and is not read")
+
+
+def _plain_tag(latest: str, tag: str) -> None:
+    """`latest` names a folder beside it: one plain name, never a path out of the run folder."""
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or os.sep in tag or "\0" in tag \
+            or os.path.isabs(tag):
+        raise DeepSpeedCheckpointError(
+            f"{latest} names {tag!r}, which is not a tag folder of {os.path.dirname(latest)}: `latest` holds one "
+            "folder name (e.g. global_step14), never a path. Pass the tag folder itself (run/global_stepN).")
 
 
 def _has_model_states(folder: str) -> bool:
@@ -135,8 +198,9 @@ def _resolve(path: str) -> tuple[str, str]:
                                        "holding `latest`) or one of its global_stepN folders")
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
+        with open(latest, encoding="utf-8", errors="replace") as f:
+            tag = f.read(4096).strip()
+        _plain_tag(latest, tag)
         tag_dir = os.path.join(path, tag)
         if not tag or not os.path.isdir(tag_dir):
             raise DeepSpeedCheckpointError(
@@ -253,8 +317,9 @@ def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpe
     Raises `DeepSpeedCheckpointError` naming the file for a missing `latest` target or rank file,
     a truncated archive, shapes that do not add up, or a pickled global outside the allowlist.
     Tensor-parallel (mp_rank_01...) and stage-0 checkpoints are refused with a message saying so.
-    `opaque=True` reads model-states files whose client state holds other objects (Megatron-DeepSpeed's
-    numpy RNG state) as inert `PickledObject` records instead of refusing them; nothing runs either way.
+    Model-states files whose client state holds other objects (Megatron-DeepSpeed's numpy RNG state)
+    are read with those objects as inert `PickledObject` records (never imported or called), on every
+    route; `opaque` is kept for callers that passed it and changes nothing now.
     """
     tag, tag_dir = _resolve(os.fspath(path))
     try:
@@ -279,7 +344,7 @@ def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
     if not os.path.exists(model_file):
         raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_00_model_states.pt nor zero_pp_rank_0_"
                                        "mp_rank_00_model_states.pt; it is not a DeepSpeed checkpoint tag")
-    model = _load(model_file, opaque)
+    model = _load_model_states(model_file)
     if not isinstance(model, dict) or "module" not in model:
         raise DeepSpeedCheckpointError(f"{model_file} is not a DeepSpeed model-states file (no 'module' key)")
     shapes = model.get("param_shapes")
@@ -348,6 +413,11 @@ def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
     where = f"{model_file} with {prefix}zero_pp_rank_*_mp_rank_00_optim_states.pt"
     group_names = [list(g.keys()) for g in shapes]
     per_rank_states = [_base_state(o, stage) for o in opts]
+    for rank, (o, (states, _, _)) in enumerate(zip(opts, per_rank_states)):
+        fp32 = o.get("single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups")
+        moment_arrays = [s.get(k) for s in states for k in ("exp_avg", "exp_avg_sq")]
+        _within(list(fp32 or []) + moment_arrays, os.path.join(tag_dir, optim_name(prefix, rank)),
+                "fp32 partitions and Adam moments")
     moments: dict[str, dict[str, np.ndarray] | None] = {}
     if stage <= 2:
         fp32 = [o.get("single_partition_of_fp32_groups") for o in opts]
@@ -403,7 +473,7 @@ def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
             fragments = model.get("frozen_param_fragments") or {}
             frozen = {n: np.asarray(fragments[n]) for n in frozen_shapes if n in fragments}
         else:  # each rank saved its own slice; zero_to_fp32.py `_zero3_merge_frozen_params`
-            rank_models = [model] + [_load(f, opaque) for f in model_files[1:]]
+            rank_models = [model] + [_load_model_states(f) for f in model_files[1:]]
             for name, shape in frozen_shapes.items():
                 pieces = [np.asarray(m["frozen_param_fragments"][name]).reshape(-1) for m in rank_models]
                 frozen[name] = np.concatenate(pieces)[:_numel(shape)].reshape(tuple(shape))

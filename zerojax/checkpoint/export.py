@@ -55,8 +55,8 @@ def export_safetensors(directory: PathLike, tag: str | None, out_path: PathLike,
         raise ConfigError(f"export dtype {dtype!r}: use one of {sorted(_SAFETENSORS_DTYPES)}")
     np_dtype, st_dtype = _SAFETENSORS_DTYPES[dtype]
     out = absolute(out_path)
-    if out.is_dir():
-        raise FileExistsError(f"export: --out {out} is a folder; name the .safetensors file to write")
+    if out.is_dir() or str(out_path).endswith(("/", os.sep)):
+        raise FileExistsError(f"export: --out {out_path} is a folder; name the .safetensors file to write")
     if out.exists() and not overwrite:
         raise FileExistsError(f"export: {out} already exists and is never overwritten silently; pass "
                               f"--force (overwrite=True) to replace it, or choose another --out")

@@ -14,7 +14,8 @@ A `.pt` file written by torch >= 1.6 is a zip archive whose entries share one to
 (torch/serialization.py `_save`/`_load`, caffe2/serialize/inline_container.cc.)
 
 Reading never calls `pickle.load` on the user's bytes: `_RestrictedUnpickler.find_class` admits only
-the globals in `ALLOWED_GLOBALS` - the tensor rebuild functions, `collections.OrderedDict`,
+the globals in `ALLOWED_GLOBALS` - the tensor rebuild functions (with `_rebuild_from_type_v2` for a
+tensor carrying attributes, as torch's `weights_only` loader admits it), `collections.OrderedDict`,
 `torch.Size`, torch dtypes and the few DeepSpeed classes its checkpoints pickle (loss scalers,
 `ZeroStageEnum`, `fragment_address`), which become inert records (`PickledObject`, `PickledEnum`).
 Anything else - `os.system`, `builtins.eval`, a user class - is refused before it is looked up, with
@@ -23,6 +24,12 @@ that is never imported or called). Storages become numpy arrays: fp32/fp64/fp16,
 ml_dtypes), signed/unsigned ints, bool and complex; a tensor's offset and strides are checked
 against its storage before any element is read.
 
+A file is untrusted, so what it can cost is bounded by its real size: a FIFO or device is refused
+before it is read, zip entries may not overlap and a compressed one may declare at most
+`_MAX_RATIO` times its bytes, each storage is read once however many tensors alias it, tensors that
+view or expand (stride 0) a storage are views of it, and the loaded object may be at most
+`_MAX_DEPTH` deep and expand to at most `_MAX_NODES` values.
+
 Writing produces the same layout torch does (same entry order, alignment, protocol, persistent ids
 and reduce calls), so `torch.load` reads it, and the records read here are written back unchanged -
 that is how DeepSpeed-format checkpoints are built without torch.
@@ -30,10 +37,13 @@ that is how DeepSpeed-format checkpoints are built without torch.
 from __future__ import annotations
 
 import codecs
+import errno
 import io
 import math
 import os
 import pickle
+import shutil
+import stat
 import struct
 import sys
 import zipfile
@@ -45,14 +55,19 @@ import ml_dtypes
 import numpy as np
 
 __all__ = [
-    "ALLOWED_GLOBALS", "LazyArray", "PickledEnum", "PickledObject", "TorchDtype", "TorchFileError", "TorchSize",
+    "ALLOWED_GLOBALS", "AttributedTensor", "LazyArray", "PickledEnum", "PickledObject", "TorchDtype", "TorchFileError", "TorchSize",
     "load", "save",
 ]
 
 
 class TorchFileError(ValueError):
     """A `.pt` file that cannot be read safely: corrupt, truncated, not torch's zip format, or holding
-    a pickled global outside the allowlist. The message names the file."""
+    a pickled global outside the allowlist. The message names the file; `refused` is the global's
+    `module.name` when that was the reason (so a caller can say what to do on its own route)."""
+
+    def __init__(self, message: str, refused: str | None = None) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 # torch/storage.py `_dtype_to_storage_type_map`: the legacy storage class each dtype pickles as.
@@ -99,7 +114,7 @@ _ENUM_CLASSES = frozenset({"deepspeed.runtime.zero.config.ZeroStageEnum"})
 ALLOWED_GLOBALS: frozenset[str] = frozenset(
     {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_tensor",
      "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state", "collections.OrderedDict",
-     "torch.Size",
+     "torch.Size", "torch._tensor._rebuild_from_type_v2", "torch.Tensor", "torch.nn.parameter.Parameter",
      "builtins.set", "builtins.frozenset", "builtins.bytes", "builtins.bytearray", "_codecs.encode"}
     | {f"torch.{name}" for name in _STORAGE_DTYPES}
     | {f"torch.{name}" for name in _TORCH_DTYPES}
@@ -209,6 +224,17 @@ class TorchDtype:
         return f"torch.{self.name}"
 
 
+class AttributedTensor(np.ndarray):
+    """A tensor that carried Python attributes in the file, e.g. DeepSpeed's `ds_id` on its flat fp32
+    groups. torch pickles such a tensor through `torch._tensor._rebuild_from_type_v2(rebuild, torch.Tensor,
+    args, state)` with the instance `__dict__` as `state`; here it is a numpy array whose `attributes`
+    hold that dict as inert data (written back the same way)."""
+    attributes: dict
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.attributes = getattr(obj, "attributes", {})
+
+
 class LazyArray:
     """A tensor to write whose data is produced only when its storage is written, so a large state
     dict can be streamed to disk one tensor at a time. `produce()` must return an array of exactly
@@ -246,6 +272,15 @@ class _StorageType:
         self.name, self.dtype = name, _STORAGE_DTYPES[name]
 
 
+class _TensorType:
+    """What `torch.Tensor` / `torch.nn.parameter.Parameter` resolve to: only a name that
+    `_rebuild_from_type_v2` accepts as its `new_type`; calling or instantiating it fails."""
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 class _Storage:
     __slots__ = ("key", "array")
 
@@ -253,14 +288,52 @@ class _Storage:
         self.key, self.array = key, array
 
 
+_MAX_RATIO = 100
+"""How much larger than its stored bytes a compressed entry may declare itself (plus `_RATIO_SLACK`).
+torch writes every entry stored (ratio 1); a crafted deflate entry could otherwise declare ~1000x."""
+_RATIO_SLACK = 1024
+
+
+def _open_regular(path: str) -> io.BufferedReader:
+    """`path` opened for reading if it is a regular file. A FIFO or a device is refused before
+    anything is read: opening one without O_NONBLOCK waits for a writer, and reading it may never end."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
+                    or stat.S_ISBLK(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file")
+            raise TorchFileError(f"{path} is {what}, not a file: it is not read (a checkpoint is a regular file; "
+                                 "reading this could wait for a writer or never end). Pass the checkpoint file itself.")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class _Archive:
     """The zip archive: its top folder, byte order and storages."""
 
     def __init__(self, path: str, mmap: bool) -> None:
         self.path, self.mmap = path, mmap
-        self.size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(4)
+        self.file = _open_regular(path)
+        try:
+            self._open()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def close(self) -> None:
+        self.zip.close()
+        self.file.close()
+
+    def _open(self) -> None:
+        path = self.path
+        self.size = os.fstat(self.file.fileno()).st_size
+        head = self.file.read(4)
         if head != b"PK\x03\x04":
             what = "is empty" if not head else "is not a zip archive"
             raise TorchFileError(
@@ -268,15 +341,17 @@ class _Archive:
                 "_use_new_zipfile_serialization=False or by older torch are not supported; re-save them "
                 "with a current torch.save.")
         try:
-            self.zip = zipfile.ZipFile(path)
-            names = self.zip.namelist()
+            self.zip = zipfile.ZipFile(self.file)
+            infos = self.zip.infolist()
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error) as e:
             raise TorchFileError(f"{path} is truncated or corrupt ({e}); the write that produced it did not "
                                  "finish - use an earlier checkpoint or save it again") from None
         try:
+            names = [i.filename for i in infos]
             if not names or "/" not in names[0]:
                 raise TorchFileError(f"{path} is a zip archive but not torch.save's: its entries are not in one "
                                      "folder")
+            self._check_layout(infos)
             self.prefix = names[0].split("/", 1)[0] + "/"  # torch takes the first entry's folder
             self.names = set(names)
             byteorder = self.record("byteorder", required=False)
@@ -288,18 +363,32 @@ class _Archive:
         self.big_endian = byteorder == b"big"
         self.storages: dict[str, _Storage] = {}
 
+    def _check_layout(self, infos: list[zipfile.ZipInfo]) -> None:
+        """Bound what the archive can make the reader allocate, before any entry is read: entries may
+        not overlap (so their stored bytes add up to at most the file's size; a zip whose directory
+        points many entries at the same bytes is refused), a stored entry declares exactly its stored
+        size, and a compressed one at most `_MAX_RATIO` times it. Every byte read is then backed by
+        the file, and each storage is read once however many tensors view it."""
+        end = getattr(self.zip, "start_dir", self.size)
+        bad = None
+        for info, nxt in zip(sorted(infos, key=lambda i: i.header_offset),
+                             sorted(i.header_offset for i in infos)[1:] + [end]):
+            if info.compress_type == zipfile.ZIP_STORED:
+                if info.compress_size != info.file_size:
+                    bad = f"entry {info.filename!r} is stored but declares {info.file_size} bytes for " \
+                          f"{info.compress_size} stored"
+            elif info.file_size > _MAX_RATIO * info.compress_size + _RATIO_SLACK:
+                bad = (f"entry {info.filename!r} declares {info.file_size} bytes from {info.compress_size} compressed "
+                       f"(more than {_MAX_RATIO}x: a zip bomb; torch writes entries uncompressed)")
+            if bad is None and info.header_offset + 30 + len(info.orig_filename.encode("utf-8", "replace")) \
+                    + info.compress_size > nxt:
+                bad = (f"entry {info.filename!r} declares {info.compress_size} stored bytes at offset "
+                       f"{info.header_offset}, overlapping the next entry or beyond the {self.size}-byte file")
+            if bad:
+                raise TorchFileError(f"{self.path}: {bad}; the file is corrupt or crafted and is not read")
+
     def _checked(self, full: str) -> zipfile.ZipInfo:
-        """The entry, after checking its declared size is one this file can hold, so a few forged
-        header bytes cannot make the reader allocate gigabytes (torch writes every entry stored)."""
-        info = self.zip.getinfo(full)
-        if info.compress_type == zipfile.ZIP_STORED:
-            fits = info.compress_size == info.file_size and info.header_offset + info.file_size <= self.size
-        else:
-            fits = info.file_size <= 1024 * max(info.compress_size, 1) + (1 << 20)
-        if not fits:
-            raise TorchFileError(f"{self.path}: entry {full!r} declares {info.file_size} bytes, more than the "
-                                 "archive can hold; the file is corrupt")
-        return info
+        return self.zip.getinfo(full)  # its sizes were checked against the file by `_check_layout`
 
     def record(self, name: str, required: bool = True) -> bytes | None:
         full = self.prefix + name
@@ -323,7 +412,7 @@ class _Archive:
                                  f"says {numel} x {dtype} = {nbytes} bytes")
         file_dtype = dtype.newbyteorder(">") if self.big_endian and dtype.itemsize > 1 else dtype
         if self.mmap and info.compress_type == zipfile.ZIP_STORED and nbytes:
-            array = np.memmap(self.path, dtype=file_dtype, mode="c", offset=self._data_offset(info), shape=(numel,))
+            array = np.memmap(self.file, dtype=file_dtype, mode="c", offset=self._data_offset(info), shape=(numel,))
         else:
             buffer = bytearray(nbytes)
             with self.zip.open(info) as f:
@@ -343,9 +432,8 @@ class _Archive:
         return storage
 
     def _data_offset(self, info: zipfile.ZipInfo) -> int:
-        with open(self.path, "rb") as f:
-            f.seek(info.header_offset)
-            header = f.read(30)
+        self.file.seek(info.header_offset)
+        header = self.file.read(30)
         if len(header) != 30 or header[:4] != b"PK\x03\x04":
             raise TorchFileError(f"{self.path}: bad local header for {info.filename!r}")
         name_len, extra_len = struct.unpack("<HH", header[26:30])
@@ -358,11 +446,14 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-_MAX_BROADCAST = 1 << 24  # elements an expanded (stride-0) tensor may materialize beyond its storage
-
-
 def _tensor(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype | None = None) -> np.ndarray:
-    """A tensor as a numpy array, after checking every element it addresses lies inside its storage."""
+    """A tensor as a numpy array, after checking every element it addresses lies inside its storage.
+
+    Nothing beyond the storage is allocated: a tensor that is its whole storage is that array; one
+    that views part of it, or expands it (stride 0, as `torch.expand` leaves), is a read-only view of
+    it, as in torch, where such tensors share their storage's memory (read-only where the view
+    repeats elements). So a file's tensors cost at most its storages, each read once however many
+    tensors alias it; `np.array(t)` makes a private copy."""
     if not isinstance(storage, _Storage):
         raise pickle.UnpicklingError(f"tensor storage must be a persistent storage, got {type(storage).__name__}")
     flat = storage.array
@@ -375,23 +466,82 @@ def _tensor(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype |
         raise pickle.UnpicklingError(f"tensor size {size!r} and stride {stride!r} must be tuples of one length")
     size = tuple(_int(d, "tensor size") for d in size)
     stride = tuple(_int(s, "tensor stride") for s in stride)
-    numel = math.prod(size)
-    if numel == 0:
+    if 0 in size:
         return np.zeros(size, flat.dtype)
-    if numel > flat.size and numel > _MAX_BROADCAST:  # stride-0 (expanded) views are materialized
-        raise pickle.UnpicklingError(f"tensor of size {size} would expand storage {storage.key!r} of {flat.size} "
-                                     f"elements to {numel}")
     last = offset + sum((d - 1) * s for d, s in zip(size, stride))
     if last >= flat.size:
         raise pickle.UnpicklingError(f"tensor of size {size} stride {stride} at offset {offset} reaches element "
                                      f"{last} of storage {storage.key!r}, which has {flat.size}")
     contiguous = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
-    if offset == 0 and numel == flat.size and all(s == c for d, s, c in zip(size, stride, contiguous) if d > 1):
-        return flat.reshape(size)  # the common case, a tensor that is its whole storage: no copy
+    if offset == 0 and math.prod(size) == flat.size and all(s == c for d, s, c in zip(size, stride, contiguous)
+                                                            if d > 1):
+        return flat.reshape(size)  # the common case, a tensor that is its whole storage
     itemsize = flat.dtype.itemsize
     view = np.lib.stride_tricks.as_strided(flat[offset:], shape=size, strides=tuple(s * itemsize for s in stride),
                                            writeable=False)
-    return np.array(view)  # a view into part of a storage: copied, contiguous and writable
+    if not expanded(view) and flat.flags.writeable:  # distinct elements: writable like torch's view
+        view = np.lib.stride_tricks.as_strided(flat[offset:], shape=size, strides=view.strides)
+    return view
+
+
+def expanded(array: np.ndarray) -> bool:
+    """Whether `array` has more elements than the memory it addresses (a stride-0 or overlapping view
+    of a storage): materialising it would allocate more than the file holds."""
+    if array.size <= 1:
+        return False
+    span = 1 + sum((d - 1) * abs(s) for d, s in zip(array.shape, array.strides)) // max(array.itemsize, 1)
+    return array.size > span
+
+
+_MAX_DEPTH = 100
+"""Nesting a loaded object may have: DeepSpeed's deepest is ~6; JSON and repr recurse per level."""
+_MAX_NODES = 10_000_000
+"""Values a loaded object may expand to when shared containers are walked as a tree (as `json.dumps`
+does): a pickle can reference one list from many places and build 2**100 with a few bytes."""
+
+
+def _children(obj: Any) -> tuple:
+    if isinstance(obj, dict):
+        return tuple(obj.keys()) + tuple(obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return tuple(obj)
+    if isinstance(obj, PickledObject):
+        return (obj.args, obj.state)
+    if isinstance(obj, AttributedTensor):
+        return (obj.attributes,)
+    return ()
+
+
+def _check_tree(root: Any, path: str) -> None:
+    """Refuse an object nested deeper than `_MAX_DEPTH` or expanding to more than `_MAX_NODES` values,
+    walked without recursion (height and tree size per container, each container visited once)."""
+    height: dict[int, int] = {}
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        obj, done = stack.pop()
+        key = id(obj)
+        kids = _children(obj)
+        if done:
+            on_path.discard(key)
+            known = [id(k) for k in kids if id(k) in height]  # a reference back up the path adds nothing
+            height[key] = 1 + max((height[k] for k in known), default=0)
+            size[key] = 1 + sum(size[k] for k in known)
+            if height[key] > _MAX_DEPTH or size[key] > _MAX_NODES:
+                what = (f"is nested more than {_MAX_DEPTH} levels deep" if height[key] > _MAX_DEPTH else
+                        f"expands to more than {_MAX_NODES} values (containers referenced from many places)")
+                raise TorchFileError(f"{path}: the pickled object {what}; no checkpoint is, so the file is crafted "
+                                     "or corrupt and is not read (walking it would exhaust the stack or the CPU)")
+            continue
+        if key in height or key in on_path:
+            continue
+        if not kids:
+            height[key], size[key] = 1, 1
+            continue
+        on_path.add(key)
+        stack.append((obj, True))
+        stack.extend((k, False) for k in kids)
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -419,6 +569,26 @@ class _RestrictedUnpickler(pickle.Unpickler):
             if not isinstance(data, np.ndarray):
                 raise pickle.UnpicklingError("_rebuild_parameter needs a tensor")
             return data
+
+        rebuilds = (rebuild_v2, rebuild_v3, rebuild_v1, rebuild_parameter)
+
+        def rebuild_from_type(func, new_type, args, state):
+            # torch/_tensor.py `_rebuild_from_type_v2`, what torch's weights_only loader admits for a tensor
+            # with attributes: an admitted rebuild, the type Tensor or Parameter, the attributes as data.
+            if not any(func is r for r in rebuilds) or not isinstance(new_type, _TensorType) \
+                    or not isinstance(args, tuple):
+                raise pickle.UnpicklingError("_rebuild_from_type_v2 is admitted only to rebuild a torch.Tensor or "
+                                             "Parameter with an admitted tensor rebuild")
+            tensor = func(*args)
+            if isinstance(state, tuple) and len(state) == 2:  # torch._utils._get_obj_state: (__dict__, slots)
+                state = {**(state[0] or {}), **(state[1] or {})}
+            if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+                raise pickle.UnpicklingError(f"tensor attributes must be a dict of names, got {type(state).__name__}")
+            if not state:
+                return tensor
+            out = tensor.view(AttributedTensor)
+            out.attributes = dict(state)
+            return out
 
         def ordered_dict(*args):
             if args and not isinstance(args[0], (list, tuple)):
@@ -449,6 +619,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             "torch._utils._rebuild_tensor_v2": rebuild_v2, "torch._utils._rebuild_tensor_v3": rebuild_v3,
             "torch._utils._rebuild_tensor": rebuild_v1, "torch._utils._rebuild_parameter": rebuild_parameter,
             "torch._utils._rebuild_parameter_with_state": rebuild_parameter,
+            "torch._tensor._rebuild_from_type_v2": rebuild_from_type,
+            "torch.Tensor": _TensorType("Tensor"), "torch.nn.parameter.Parameter": _TensorType("Parameter"),
             "collections.OrderedDict": ordered_dict, "torch.Size": size,
             "builtins.set": of_list(set), "builtins.frozenset": of_list(frozenset),
             "builtins.bytearray": of_list(bytearray), "builtins.bytes": empty_bytes, "_codecs.encode": encode,
@@ -498,11 +670,15 @@ def load(path: str | os.PathLike, *, mmap: bool = False, opaque: bool = False) -
     path = os.fspath(path)
     try:
         archive = _Archive(path, mmap)
-        with archive.zip:
+        try:
             data = archive.record("data.pkl")
             if len(data) < 2 or data[0] != 0x80 or not 2 <= data[1] <= 5:  # torch.save's pickle_protocol
                 raise pickle.UnpicklingError("data.pkl is not a pickle of protocol 2 to 5")
-            return _RestrictedUnpickler(data, archive, opaque).load()
+            obj = _RestrictedUnpickler(data, archive, opaque).load()
+        finally:
+            archive.close()
+        _check_tree(obj, path)
+        return obj
     except (TorchFileError, FileNotFoundError):
         raise
     except _Refused as e:
@@ -510,7 +686,7 @@ def load(path: str | os.PathLike, *, mmap: bool = False, opaque: bool = False) -
             f"{path}: refused to unpickle global '{e.qualname}'. Only tensors, containers and the records "
             "DeepSpeed checkpoints hold are read; loading this global would import or run code from the file. "
             "Pass opaque=True to keep such objects as inert records instead, or, if you trust the file, load it "
-            "with torch and re-save plain tensors.") from None
+            "with torch and re-save plain tensors.", refused=e.qualname) from None
     except (pickle.UnpicklingError, zipfile.BadZipFile, zlib.error, EOFError, struct.error, OSError,
             TypeError, ValueError, AttributeError, IndexError, KeyError, RecursionError, MemoryError) as e:
         raise TorchFileError(f"{path} is corrupt or not a torch checkpoint ({type(e).__name__}: {e})") from None
@@ -609,7 +785,13 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler: its save() can
         else:
             raise TypeError(f"torch has no dtype for numpy {dtype}")
         self.storages.append(ref)
-        self.save_reduce(self._global("torch._utils", rebuild), args, obj=obj)
+        attributes = getattr(obj, "attributes", None)
+        if attributes:  # torch/_tensor.py `_reduce_ex_internal` for a tensor with a __dict__
+            self.save_reduce(self._global("torch._tensor", "_rebuild_from_type_v2"),
+                             (self._global("torch._utils", rebuild), self._global("torch", "Tensor"), args,
+                              dict(attributes)), obj=obj)
+        else:
+            self.save_reduce(self._global("torch._utils", rebuild), args, obj=obj)
 
 
 def _storage_bytes(ref: _StorageRef) -> Iterator[memoryview]:
@@ -671,6 +853,11 @@ def save(obj: Any, path: str | os.PathLike, *, archive_name: str | None = None) 
     small = [("data.pkl", data_pkl), (".format_version", b"1"), (".storage_alignment", str(_ALIGNMENT).encode()),
              ("byteorder", b"little")]
     tmp = f"{path}.tmp{os.getpid()}"
+    total = len(data_pkl) + sum(math.prod(r.data.shape) * np.dtype(r.data.dtype).itemsize for r in pickler.storages)
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else None
+    if free is not None and total > free:
+        raise _disk_full(path, total, free)
     try:
         with open(tmp, "wb") as fp, zipfile.ZipFile(fp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
             crcs, names = [], []
@@ -691,7 +878,20 @@ def save(obj: Any, path: str | os.PathLike, *, archive_name: str | None = None) 
             serialization_id = f"{name_hash:020d}{crc_mix:020d}".encode()
             _write_record(zf, fp, prefix + ".data/serialization_id", len(serialization_id), iter([serialization_id]))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            raise _disk_full(path, total, None) from None
         raise
+
+
+_DISK_FULL = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+def _disk_full(path: str, needed: int, free: int | None) -> OSError:
+    """One error for a write that does not fit: what was being written, how much, and what to do
+    (nothing is left behind: the partial file is removed, an existing one is untouched)."""
+    room = f"{free} are free" if free is not None else "the disk filled up while writing"
+    return OSError(errno.ENOSPC, f"no space left to write {path}: it needs {needed} bytes and {room}; nothing was "
+                                 "written - free space there or write to another disk")

@@ -166,6 +166,17 @@ def _paths(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tu
 # ---------------------------------------------------------------------------------------------
 # Reading.
 
+def _shard_name(index: Path, file: Any) -> str:
+    """A shard named by the index is a file of its folder: a path (`../x`, `/etc/x`, `sub/x`) would read
+    a file the user never gave, so it is refused."""
+    if (not isinstance(file, str) or not file or file in (".", "..") or "/" in file or "\\" in file
+            or os.sep in file or "\0" in file or os.path.isabs(file)):
+        raise HFError(f"model.hf_checkpoint: {index} names shard {file!r}, which is not a file of "
+                      f"{index.parent}; an index names the shards beside it (model-00001-of-00002.safetensors) - "
+                      "fix the weight_map or re-save with save_pretrained")
+    return file
+
+
 class Checkpoint:
     """The tensors of a transformers folder, read lazily by slices (safetensors' `get_slice`)."""
 
@@ -177,9 +188,11 @@ class Checkpoint:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+                if not isinstance(weight_map, dict):
+                    raise TypeError(f"weight_map is a {type(weight_map).__name__}, not a mapping")
+            except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
                 raise HFError(f"model.hf_checkpoint: {index} is not a safetensors index ({e!r})") from None
-            self.where = {name: self.root / file for name, file in weight_map.items()}
+            self.where = {name: self.root / _shard_name(index, file) for name, file in weight_map.items()}
         elif (self.root / SINGLE_FILE).is_file():
             self.where = {}
         else:
