@@ -9,6 +9,7 @@ rounding noise that Adam would amplify into different values at every stage.) No
 from __future__ import annotations
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -154,3 +155,88 @@ def test_a_loss_taking_rngs_gets_fresh_keys() -> None:
     losses, _ = train(0, 3, dropout=0.0, model_loss=noisy)
     plain, _ = train(0, 3, dropout=0.0)
     assert abs(losses[0] - plain[0]) > 1e-6 and len(set(np.round(np.subtract(losses, plain), 6))) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Written as flax's own NNX examples write it (lm1b_nnx): one two-name annotation, ("embed", "kv"), for
+# every attention kernel, whether (in, heads, head_dim) or (heads, head_dim, out). JAX reads a shorter
+# PartitionSpec as unnamed trailing dimensions; so does the plan.
+
+class ExampleBlock(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        dense = nnx.initializers.xavier_uniform()
+        self.attention = nnx.MultiHeadAttention(HEADS, D, qkv_features=D, decode=False, use_bias=False, rngs=rngs,
+                                                kernel_init=part(dense, ("embed", "kv")))
+        self.up = nnx.Linear(D, 4 * D, kernel_init=part(dense, ("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(4 * D, D, kernel_init=part(dense, ("mlp", "embed")), rngs=rngs)
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attention(self.norm(x), mask=mask, decode=False)
+        return x + self.down(nnx.relu(self.up(x)))
+
+
+class ExampleLM(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(nnx.initializers.normal(0.02), ("vocab", "embed")),
+                               rngs=rngs)
+        self.blocks = nnx.List([ExampleBlock(rngs=rngs) for _ in range(LAYERS)])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, nnx.make_causal_mask(tokens))
+        return self.embed.attend(x)
+
+
+def one_device_sgd(make, model_loss, batches_: list[dict], lr: float) -> tuple[list[float], nnx.Module]:
+    """The plain Flax NNX loop on one device: nnx.Optimizer over optax.sgd."""
+    import optax
+    with nnx.use_eager_sharding(False):  # annotated, built without a mesh (one device)
+        model = make()
+    optimizer = nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        value, grads = nnx.value_and_grad(model_loss)(model, batch)
+        optimizer.update(model, grads)
+        return value
+
+    with jax.default_device(jax.devices()[0]):
+        losses = [float(train_step(model, optimizer, jax.tree.map(jnp.asarray, b))) for b in batches_]
+    return losses, model
+
+
+def sgd_config(stage: int, **extra) -> dict:
+    return {"train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra}
+
+
+def test_a_two_name_annotation_on_a_three_dimensional_kernel_names_its_leading_dimensions() -> None:
+    params, loss_fn = zerojax.from_nnx(lambda: ExampleLM(rngs=nnx.Rngs(0)), loss)
+    query = params.abstract["blocks"][0]["attention"]["query"]["kernel"]
+    assert query.shape == (D, HEADS, D // HEADS)
+    assert loss_fn.logical_axes["blocks"][0]["attention"]["query"]["kernel"] == ("embed", "kv")
+    plan = zerojax.plan(sgd_config(3), data_mesh(), params)
+    assert plan.layouts["blocks"][0]["attention"]["query"]["kernel"].names == ("embed", "kv", None)
+    assert plan.layouts["blocks"][0]["attention"]["out"]["kernel"].names == ("embed", "kv", None)
+    with np.testing.assert_raises_regex(ValueError, r"names 4 dimensions .* name at most 3"):
+        zerojax.plan(sgd_config(3), data_mesh(), params, logical_axes=jax.tree.map(
+            lambda x: ("a", "b", "c", "d") if x.ndim == 3 else None, params.abstract))
+
+
+@pytest.mark.parametrize("mesh", [{"data": 8}, {"data": 4, "tensor": 2}])
+def test_a_flax_example_model_trains_at_zero3_as_on_one_device(mesh: dict) -> None:
+    make = lambda: ExampleLM(rngs=nnx.Rngs(0))  # noqa: E731
+    data = batches(3)
+    want_losses, want = one_device_sgd(make, loss, data, lr=0.1)
+    params, loss_fn = zerojax.from_nnx(make, loss)
+    cfg = sgd_config(3, mesh={**mesh, "logical_axis_rules": {"kv": "tensor", "mlp": "tensor"}})
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn)
+    if "tensor" in mesh:
+        assert engine.plan.tensor_dims["blocks"][0]["attention"]["query"]["kernel"] == 1  # heads, named "kv"
+    losses = [float(engine.train_batch(b)["loss"]) for b in data]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(to_numpy(engine.params), to_numpy(nnx.to_pure_dict(nnx.state(want, nnx.Param))),
+                      rtol=1e-4, atol=1e-6, what=f"{mesh} vs one device")

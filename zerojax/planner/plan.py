@@ -47,8 +47,10 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     `optimizer` / `lr_scheduler` are DeepSpeed's client optimizer and scheduler (see
     `zerojax.optim.transforms.update_rule`); the config's optimizer section is used without them.
     `logical_axes`: the model's own annotations, a tuple of logical axis names per leaf (None for a
-    leaf without); default: those `zerojax.from_nnx` found (`params.logical_axes`). A leaf whose names
-    include the mesh's data axis is sharded along that dimension; the others are kept in the plan.
+    leaf without); default: those `zerojax.from_nnx` found (`params.logical_axes`). Fewer names than
+    dimensions name the leading ones (JAX's shorter `PartitionSpec`: the rest are unnamed). A leaf
+    whose names include the mesh's data axis is sharded along that dimension; the others are kept in
+    the plan.
     `tensor_dims`: per leaf, a dimension to split over the tensor axis (or None) for the leaves that
     neither annotations, layer_specs nor Megatron's names decide: what `zerojax.find_tensor_splits`
     derives from the loss. For a pipeline's rows (`lead`) it is the whole decision (their tensor slices).
@@ -276,11 +278,15 @@ def _names_per_leaf(logical_axes: Any, abstract: Any) -> Any:
         reason = str(e).splitlines()[0].rstrip(":")
         raise ValueError(f"plan: logical_axes must be shaped like the parameters (a tuple of names or None per "
                          f"leaf): {reason}") from None
+    padded = []
     for (path, x), leaf in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(names, is_leaf=is_names)):
-        if leaf is not None and len(leaf) != len(x.shape):
+        if leaf is not None and len(leaf) > len(x.shape):
             raise ValueError(f"plan: logical_axes{jax.tree_util.keystr(path)} = {leaf} names {len(leaf)} dimensions "
-                             f"but the parameter has shape {tuple(x.shape)}")
-    return names
+                             f"but the parameter has shape {tuple(x.shape)}; name at most {len(x.shape)}")
+        # Fewer names than dimensions: the trailing ones are unnamed, as in a shorter PartitionSpec
+        # (JAX replicates them; here they stay free for ZeRO and the tensor axis to shard).
+        padded.append(None if leaf is None else (*leaf, *(None,) * (len(x.shape) - len(leaf))))
+    return jax.tree.unflatten(jax.tree.structure(abstract), padded)
 
 
 def _layer_axes_per_leaf(layer_axes: Any, abstract: Any) -> Any:
