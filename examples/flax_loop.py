@@ -84,7 +84,9 @@ def main(argv=None) -> dict:
         losses.append(float(metrics["loss"]))
         if i % 10 == 0:
             print(f"step {i}: loss {losses[-1]:.4f} grad_norm {float(metrics['grad_norm']):.3f}")
-    model = zerojax.to_nnx(make_model, state.master)  # fp32 master weights into a module
+    # the fp32 master weights into a module: the state itself (its `master` is None in an fp32 run,
+    # where the parameters are their own master copy)
+    model = zerojax.to_nnx(make_model, state)
     print(f"trained module: {type(model).__name__}, head kernel {model.head.kernel[...].shape}")
     print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}")
     return {"first": losses[0], "last": losses[-1]}

@@ -9,6 +9,7 @@ rounding noise that Adam would amplify into different values at every stage.) No
 from __future__ import annotations
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -154,3 +155,200 @@ def test_a_loss_taking_rngs_gets_fresh_keys() -> None:
     losses, _ = train(0, 3, dropout=0.0, model_loss=noisy)
     plain, _ = train(0, 3, dropout=0.0)
     assert abs(losses[0] - plain[0]) > 1e-6 and len(set(np.round(np.subtract(losses, plain), 6))) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Written as flax's own NNX examples write it (lm1b_nnx): one two-name annotation, ("embed", "kv"), for
+# every attention kernel, whether (in, heads, head_dim) or (heads, head_dim, out). JAX reads a shorter
+# PartitionSpec as unnamed trailing dimensions; so does the plan.
+
+class ExampleBlock(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        dense = nnx.initializers.xavier_uniform()
+        self.attention = nnx.MultiHeadAttention(HEADS, D, qkv_features=D, decode=False, use_bias=False, rngs=rngs,
+                                                kernel_init=part(dense, ("embed", "kv")))
+        self.up = nnx.Linear(D, 4 * D, kernel_init=part(dense, ("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(4 * D, D, kernel_init=part(dense, ("mlp", "embed")), rngs=rngs)
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attention(self.norm(x), mask=mask, decode=False)
+        return x + self.down(nnx.relu(self.up(x)))
+
+
+class ExampleLM(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(nnx.initializers.normal(0.02), ("vocab", "embed")),
+                               rngs=rngs)
+        self.blocks = nnx.List([ExampleBlock(rngs=rngs) for _ in range(LAYERS)])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, nnx.make_causal_mask(tokens))
+        return self.embed.attend(x)
+
+
+def one_device_sgd(make, model_loss, batches_: list[dict], lr: float) -> tuple[list[float], nnx.Module]:
+    """The plain Flax NNX loop on one device: nnx.Optimizer over optax.sgd."""
+    import optax
+    with nnx.use_eager_sharding(False):  # annotated, built without a mesh (one device)
+        model = make()
+    optimizer = nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        value, grads = nnx.value_and_grad(model_loss)(model, batch)
+        optimizer.update(model, grads)
+        return value
+
+    with jax.default_device(jax.devices()[0]):
+        losses = [float(train_step(model, optimizer, jax.tree.map(jnp.asarray, b))) for b in batches_]
+    return losses, model
+
+
+def sgd_config(stage: int, **extra) -> dict:
+    return {"train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra}
+
+
+def test_a_two_name_annotation_on_a_three_dimensional_kernel_names_its_leading_dimensions() -> None:
+    params, loss_fn = zerojax.from_nnx(lambda: ExampleLM(rngs=nnx.Rngs(0)), loss)
+    query = params.abstract["blocks"][0]["attention"]["query"]["kernel"]
+    assert query.shape == (D, HEADS, D // HEADS)
+    assert loss_fn.logical_axes["blocks"][0]["attention"]["query"]["kernel"] == ("embed", "kv")
+    plan = zerojax.plan(sgd_config(3), data_mesh(), params)
+    assert plan.layouts["blocks"][0]["attention"]["query"]["kernel"].names == ("embed", "kv", None)
+    assert plan.layouts["blocks"][0]["attention"]["out"]["kernel"].names == ("embed", "kv", None)
+    with np.testing.assert_raises_regex(ValueError, r"names 4 dimensions .* name at most 3"):
+        zerojax.plan(sgd_config(3), data_mesh(), params, logical_axes=jax.tree.map(
+            lambda x: ("a", "b", "c", "d") if x.ndim == 3 else None, params.abstract))
+
+
+@pytest.mark.parametrize("mesh", [{"data": 8}, {"data": 4, "tensor": 2}])
+def test_a_flax_example_model_trains_at_zero3_as_on_one_device(mesh: dict) -> None:
+    make = lambda: ExampleLM(rngs=nnx.Rngs(0))  # noqa: E731
+    data = batches(3)
+    want_losses, want = one_device_sgd(make, loss, data, lr=0.1)
+    params, loss_fn = zerojax.from_nnx(make, loss)
+    cfg = sgd_config(3, mesh={**mesh, "logical_axis_rules": {"kv": "tensor", "mlp": "tensor"}})
+    engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn)
+    if "tensor" in mesh:
+        assert engine.plan.tensor_dims["blocks"][0]["attention"]["query"]["kernel"] == 1  # heads, named "kv"
+    losses = [float(engine.train_batch(b)["loss"]) for b in data]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(to_numpy(engine.params), to_numpy(nnx.to_pure_dict(nnx.state(want, nnx.Param))),
+                      rtol=1e-4, atol=1e-6, what=f"{mesh} vs one device")
+
+
+# ------------------------------------------------------------------------------------------------
+# BatchNorm's running statistics (nnx.BatchStat): the step's model state, updated as Flax's own loop
+# updates them. The CNN is the Flax MNIST guide's, smaller.
+
+class CNN(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
+        self.bn1 = nnx.BatchNorm(4, rngs=rngs)
+        self.conv2 = nnx.Conv(4, 8, kernel_size=(3, 3), rngs=rngs)
+        self.bn2 = nnx.BatchNorm(8, rngs=rngs)
+        self.linear = nnx.Linear(8 * 2 * 2, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.avg_pool(nnx.relu(self.bn1(self.conv1(x))), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.avg_pool(nnx.relu(self.bn2(self.conv2(x))), window_shape=(2, 2), strides=(2, 2))
+        return self.linear(x.reshape(x.shape[0], -1))
+
+
+def cnn_loss(model: CNN, batch: dict) -> jax.Array:
+    logits = model(batch["image"])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["label"][:, None], -1))
+
+
+def images(n: int) -> list[dict]:
+    rng = np.random.default_rng(1)
+    return [{"image": (rng.normal(size=(16, 8, 8, 1)) + 0.5).astype(np.float32),
+             "label": rng.integers(0, 10, size=16).astype(np.int32)} for _ in range(n)]
+
+
+def pure(model: nnx.Module, kind: type) -> dict:
+    return to_numpy(nnx.to_pure_dict(nnx.state(model, kind)))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_batch_norm_statistics_update_as_in_a_one_device_flax_loop(stage: int, tmp_path) -> None:
+    make = lambda: CNN(rngs=nnx.Rngs(0))  # noqa: E731
+    data = images(3)
+    want_losses, want = one_device_sgd(make, cnn_loss, data, lr=0.1)
+    params, loss_fn = zerojax.from_nnx(make, cnn_loss)
+    engine = zerojax.initialize(sgd_config(stage), params=params, loss_fn=loss_fn, mesh=data_mesh())
+    losses = [float(engine.train_batch(b)["loss"]) for b in data]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)  # normalised by the whole batch's statistics
+    start = pure(make(), nnx.BatchStat)
+    assert engine.state.model_state["bn1"]["mean"].sharding.is_fully_replicated
+    assert_tree_close(to_numpy(engine.params), pure(want, nnx.Param), rtol=1e-4, atol=1e-6, what="params")
+    assert_tree_close(to_numpy(engine.model_state), pure(want, nnx.BatchStat), rtol=1e-4, atol=1e-6, what="stats")
+    assert np.abs(to_numpy(engine.model_state)["bn2"]["var"] - start["bn2"]["var"]).max() > 1e-2  # they moved
+    # evaluation reads the trained statistics, as the one-device model in eval mode does
+    want.eval()
+    test = images(4)[3]
+    np.testing.assert_allclose(float(engine.eval_batch(test)), float(cnn_loss(want, test)), rtol=1e-5)
+    # written back by to_nnx, and kept by a checkpoint
+    back = zerojax.to_nnx(make, engine.state)
+    assert_tree_close(pure(back, nnx.BatchStat), pure(want, nnx.BatchStat), rtol=1e-4, atol=1e-6, what="to_nnx")
+    engine.save_checkpoint(str(tmp_path))
+    engine.wait_for_checkpoint()
+    fresh = zerojax.initialize(sgd_config(stage), params=params, loss_fn=loss_fn, mesh=data_mesh())
+    fresh.load_checkpoint(str(tmp_path), load_module_only=True)
+    assert_tree_close(to_numpy(fresh.model_state), to_numpy(engine.model_state), rtol=0, atol=0, what="restored")
+
+
+def test_to_nnx_takes_the_train_state_of_an_fp32_run() -> None:
+    """fp32: the parameters are their own master copy, so `state.master` is None; the state itself works."""
+    make = lambda: CNN(rngs=nnx.Rngs(0))  # noqa: E731
+    params, loss_fn = zerojax.from_nnx(make, cnn_loss)
+    plan = zerojax.plan(sgd_config(3), data_mesh(), params)
+    state = zerojax.init_state(plan, params)
+    assert state.master is None
+    with pytest.raises(TypeError, match=r"pass the state itself, to_nnx\(model, state\)"):
+        zerojax.to_nnx(make, state.master)
+    with pytest.raises(ValueError, match=r"to_nnx: params do not match .*missing \['bn1.bias', 'bn1.scale'\]"):
+        zerojax.to_nnx(make, {k: v for k, v in state.params.items() if k != "bn1"})
+    model = zerojax.to_nnx(make, state)
+    assert_tree_close(pure(model, nnx.Param), to_numpy(state.params), rtol=0, atol=0, what="params")
+    assert_tree_close(pure(model, nnx.BatchStat), to_numpy(state.model_state), rtol=0, atol=0, what="stats")
+
+
+def test_batch_statistics_without_the_plan_knowing_them_are_refused() -> None:
+    """A built module's params are a plain dict: the plan must be told of the statistics."""
+    params, loss_fn = zerojax.from_nnx(CNN(rngs=nnx.Rngs(0)), cnn_loss)
+    plan = zerojax.plan(sgd_config(0), data_mesh(), params)
+    with pytest.raises(ValueError, match=r"model_state=loss_fn.model_state"):
+        zerojax.make_train_step(plan, loss_fn)
+    plan = zerojax.plan(sgd_config(0), data_mesh(), params, model_state=loss_fn.model_state)
+    state = zerojax.init_state(plan, params)
+    evaluate = zerojax.make_eval_step(plan, loss_fn)
+    with pytest.raises(ValueError, match=r"eval_step\(state.params, batch, state.model_state\)"):
+        evaluate(state.params, images(1)[0])
+    with pytest.raises(ValueError, match="takes no `model_state`"):
+        zerojax.make_train_step(plan, lambda p, b: 0.0)
+
+
+def test_a_loss_assigning_to_another_variable_is_refused_by_name() -> None:
+    class Counter(nnx.Variable):
+        pass
+
+    class Counting(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.fc = nnx.Linear(4, 4, rngs=rngs)
+            self.calls = Counter(jnp.zeros(()))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            self.calls[...] = self.calls[...] + 1
+            return self.fc(x)
+
+    params, loss_fn = zerojax.from_nnx(lambda: Counting(nnx.Rngs(0)), lambda m, b: jnp.mean(m(b["x"]) ** 2))
+    plan = zerojax.plan(sgd_config(0), data_mesh(), params)
+    step = zerojax.make_train_step(plan, loss_fn)
+    with pytest.raises(ValueError, match=r"assigns to calls, a Variable.*declare it as nnx.BatchStat"):
+        step(zerojax.init_state(plan, params), {"x": np.ones((16, 4), np.float32)})

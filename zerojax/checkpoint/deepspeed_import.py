@@ -274,6 +274,10 @@ def import_state(ckpt: DeepSpeedCheckpoint, plan: Plan, sources: Mapping[str, An
     count (`schedule_count`). `weights_only`: weights and counters, a fresh optimizer state (for a
     checkpoint of another optimizer). `fix` ends every name or shape error.
     """
+    if plan.model_state is not None:
+        raise ValueError("import_state: this model keeps BatchNorm statistics (plan.model_state), which a DeepSpeed "
+                         "checkpoint stores as module buffers that are not read here; train it from a zerojax "
+                         "checkpoint instead")
     check_sources(ckpt, plan, sources, fix)
     where = _model_file(ckpt)
     moments = ckpt.exp_avg is not None and ckpt.exp_avg_sq is not None

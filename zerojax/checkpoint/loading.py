@@ -119,8 +119,8 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     Each device reads only its own shards. The fp32 master copy (the saved parameters when the run
     had none) is the truth: the stored parameters are re-derived from it in the plan's dtype, so
     bf16 <-> fp32 restores work and a same-precision resume is bit-exact. `load_module_only`:
-    parameters only, fresh optimizer and counters. `load_optimizer_states=False`: parameters and
-    counters, fresh optimizer state. Returns the state and the `extra` dict given to `save`.
+    parameters (and the model state: BatchNorm statistics) only, fresh optimizer and counters.
+    `load_optimizer_states=False`: parameters and counters, fresh optimizer state. Returns the state and the `extra` dict given to `save`.
     Every file of the tag is first checked against its save's checksums (`verify=False` skips
     that read): a damaged tag is one CheckpointError naming the file and a tag that verifies.
     `relayout`: how leaves of another layout become the plan's (`Relayout`); such leaves are read whole
@@ -141,21 +141,24 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
 
     targets = named_leaves(truth_target, meta["truth"])
     restored_fields: list[str] = []
-    if not load_module_only:
-        for field, abstract in state_fields(target):
-            if field in ("params", "master") or (field == "opt_state" and not load_optimizer_states):
-                continue
-            wanted = _shapes(abstract, field)
-            lines = _mismatch_lines({k: v for k, v in _group(meta, field).items() if k not in moved},
-                                    {k: v for k, v in wanted.items() if k not in moved})
-            if lines and field == "opt_state":
-                raise CheckpointError(f"checkpoint {tag_dir}: the optimizer state differs from this plan's "
-                                      f"(another optimizer or schedule?); load with load_optimizer_states=False "
-                                      f"to start a fresh one\n" + "\n".join(lines[:20]))
-            if lines:
-                continue  # a field this checkpoint predates: it starts fresh
-            targets.update(named_leaves(abstract, field))
-            restored_fields.append(field)
+    # the model state (BatchNorm's statistics) belongs to the module, as torch's buffers do: it comes
+    # back with the parameters, load_module_only included
+    for field, abstract in state_fields(target):
+        if field in ("params", "master") or (field == "opt_state" and not load_optimizer_states):
+            continue
+        if load_module_only and field != "model_state":
+            continue
+        wanted = _shapes(abstract, field)
+        lines = _mismatch_lines({k: v for k, v in _group(meta, field).items() if k not in moved},
+                                {k: v for k, v in wanted.items() if k not in moved})
+        if lines and field == "opt_state":
+            raise CheckpointError(f"checkpoint {tag_dir}: the optimizer state differs from this plan's "
+                                  f"(another optimizer or schedule?); load with load_optimizer_states=False "
+                                  f"to start a fresh one\n" + "\n".join(lines[:20]))
+        if lines:
+            continue  # a field this checkpoint predates: it starts fresh
+        targets.update(named_leaves(abstract, field))
+        restored_fields.append(field)
     values = _restore(tag_dir / STATE_DIR, {k: v for k, v in targets.items() if k not in moved})
     for name, array in read_leaves(tag_dir / STATE_DIR, [k for k in targets if k in moved]):
         want = targets[name]

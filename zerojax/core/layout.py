@@ -292,6 +292,8 @@ class Plan:
     hpz: int = 1                   # devices in ZeRO++ hpZ's secondary parameter partition (1: off)
     origin: tuple[tuple[str, str], ...] = ()  # fingerprint of the config the plan was made from
     tensor_plan: str | None = None  # which weights the tensor axis splits, and why (a table to print)
+    model_state: Any = None        # the model's state the step updates but does not differentiate (NNX
+    #                                BatchStats: BatchNorm's running mean and var), its initial values; replicated
 
     # -- the update rule, by name (what the step reads) ----------------------------------------
     @property

@@ -25,6 +25,8 @@ class TrainState(NamedTuple):
     rng:       the run's base PRNG key (raw uint32 key data); loss functions that take an `rng`
                get it folded with the step, micro-batch and data shard, so a resumed run draws
                the same numbers.
+    model_state: what the step updates without differentiating it (NNX BatchNorm's running mean
+               and var; `plan.model_state` at the start), replicated; None for a model without.
     """
     params: Any
     master: Any
@@ -33,6 +35,7 @@ class TrainState(NamedTuple):
     skipped: jax.Array
     scaler: LossScaleState
     rng: jax.Array
+    model_state: Any = None
 
 
 def state_shardings(plan: Plan) -> TrainState:
@@ -42,7 +45,7 @@ def state_shardings(plan: Plan) -> TrainState:
                       master=plan.update_storage if plan.policy.mixed else None,
                       opt_state=plan.opt_state_storage,
                       step=rep, skipped=rep, scaler=jax.tree.map(lambda _: rep, _abstract_scaler(plan)),
-                      rng=rep)
+                      rng=rep, model_state=jax.tree.map(lambda _: rep, plan.model_state))
 
 
 def _abstract_scaler(plan: Plan) -> LossScaleState:
@@ -66,7 +69,8 @@ def abstract_state(plan: Plan) -> TrainState:
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated)
     scaler = jax.tree.map(lambda x, s: sds(x, x.dtype, s), _abstract_scaler(plan), sh.scaler)
     rng = _abstract_rng()
-    return TrainState(params, master, opt, scalar, scalar, scaler, sds(rng, rng.dtype, sh.rng))
+    model_state = jax.tree.map(lambda x, s: sds(x, x.dtype, s), plan.model_state, sh.model_state)
+    return TrainState(params, master, opt, scalar, scalar, scaler, sds(rng, rng.dtype, sh.rng), model_state)
 
 
 def check_params(plan: Plan, params: Any) -> None:
@@ -104,7 +108,7 @@ def _init_fn(plan: Plan, params: Any, key: jax.Array) -> tuple[Callable[..., Tra
     pol = plan.policy
     pending = params if isinstance(params, ParamsInit) else None
 
-    def init(params: Any, key: jax.Array) -> TrainState:
+    def init(params: Any, key: jax.Array, model_state: Any) -> TrainState:
         if pending is not None:
             params = build(pending, plan.update_shardings)
         params = to_device(params)  # computed on the device, whatever memory they come from
@@ -114,10 +118,11 @@ def _init_fn(plan: Plan, params: Any, key: jax.Array) -> tuple[Callable[..., Tra
         zero = jnp.zeros((), jnp.int32)
         return TrainState(params=compute, master=master if pol.mixed else None,
                           opt_state=plan.tx.init(master), step=zero, skipped=zero,
-                          scaler=init_loss_scale(plan.scaler, plan.n_leaves), rng=key)
+                          scaler=init_loss_scale(plan.scaler, plan.n_leaves), rng=key,
+                          model_state=jax.tree.map(jnp.asarray, model_state))
 
     jitted = jax.jit(init, out_shardings=state_shardings(plan))
-    return jitted, (None if pending is not None else params, key)
+    return jitted, (None if pending is not None else params, key, plan.model_state)
 
 
 def _key_data(rng: jax.Array | int) -> jax.Array:

@@ -124,16 +124,49 @@ def _on_slices(plan: Plan, loss_fn: LossFn) -> LossFn:
                            partition_activations=plan.step.partition_activations)
 
 
-def _step_loss(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any, Any], jax.Array]:
-    """`loss(params, batch, rng)` over the step's parameter blocks, passing `rng` only to loss
-    functions that take one. A loss marked `gathers_params` gathers its `ParamShard`s itself; any
-    other loss is evaluated with each sharded parameter gathered where it is used
+def keeps_state(loss_fn: LossFn) -> bool:
+    """Loss functions with a parameter named `model_state` keep state the step updates without
+    differentiating it (BatchNorm's running statistics): `loss_fn(params, batch, ..., model_state=s)`
+    returns `(loss, new_state)`."""
+    try:
+        return "model_state" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def check_model_state(plan: Plan, loss_fn: LossFn) -> None:
+    """A loss that keeps model state needs the plan to hold its initial value, and the reverse; one
+    without the other would train with statistics that never move, or drop them."""
+    if keeps_state(loss_fn) and plan.model_state is None:
+        raise ValueError("the loss keeps model state (a `model_state` parameter: e.g. BatchNorm's running "
+                         "statistics) but the plan holds none: make it with zerojax.plan(config, mesh, params, "
+                         "model_state=loss_fn.model_state)")
+    if plan.model_state is not None and not keeps_state(loss_fn):
+        raise ValueError("the plan holds model state (plan.model_state) but the loss takes no `model_state` "
+                         "parameter, so it would never be read or updated; pass the loss zerojax.from_nnx returned "
+                         "with those parameters")
+
+
+StepLoss = Callable[[Any, Any, Any, Any], tuple[jax.Array, Any]]
+
+
+def _step_loss(plan: Plan, loss_fn: LossFn) -> StepLoss:
+    """`loss(params, batch, rng, model_state) -> (value, model_state)` over the step's parameter
+    blocks, passing `rng` and `model_state` only to loss functions that take them (the state comes
+    back unchanged from the others). A loss marked `gathers_params` gathers its `ParamShard`s itself;
+    any other loss is evaluated with each sharded parameter gathered where it is used
     (`gather_at_use`), so it never sees the whole model at once; on tensor slices when the plan
     splits weights over the tensor axis."""
     fn = loss_fn if gathers_own(plan, loss_fn) else gather_at_use(_on_slices(plan, loss_fn), plan.step.prefetch)
-    if takes_rng(loss_fn):
-        return lambda params, batch, rng: fn(params, batch, rng=rng)
-    return lambda params, batch, rng: fn(params, batch)
+    rng_kw = takes_rng(loss_fn)
+
+    def run(params: Any, batch: Any, rng: Any, model_state: Any) -> tuple[jax.Array, Any]:
+        kwargs = {"rng": rng} if rng_kw else {}
+        if keeps_state(loss_fn):
+            return fn(params, batch, model_state=model_state, **kwargs)
+        return fn(params, batch, **kwargs), model_state
+
+    return run
 
 
 def _checks_vma(plan: Plan, loss_fn: LossFn) -> bool:
@@ -218,24 +251,29 @@ def grad_average(plan: Plan, marked: bool = False) -> GradAverage:
     return GradAverage(1.0, 1.0 / f, f / dp)
 
 
-GradFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+GradFn = Callable[..., tuple[Any, ...]]
 
 
 def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     """(params, global batch, loss scale, key) -> (mean loss, scaled gradients in the update
-    placement), not yet jitted; see `micro_grad_fn`."""
+    placement), not yet jitted; see `micro_grad_fn` (a loss keeping model state takes it as a fifth
+    argument and returns the updated one third)."""
     micro_fn = micro_grad_fn(plan, loss_fn)
 
-    def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
-        losses, grads = micro_fn(params, batch, scale, key)
-        return jnp.mean(losses), grads
+    def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array, *model_state: Any) -> tuple[Any, ...]:
+        losses, *rest = micro_fn(params, batch, scale, key, *model_state)
+        return (jnp.mean(losses), *rest)
 
     return grad_fn
 
 
 def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     """(params, global batch, loss scale, key) -> (each micro-batch's loss, averaged over the data
-    shards; scaled gradients in the update placement), not yet jitted.
+    shards; scaled gradients in the update placement), not yet jitted. A loss that keeps model state
+    (`keeps_state`) takes it as a fifth argument and the updated state is returned third: each
+    micro-batch updates it in turn (as each forward pass updates a torch module's buffers), and the
+    result is averaged over the data shards (the NNX bridge computes BatchNorm's statistics over the
+    whole micro-batch, so the shards agree).
 
     Micro-batch i is rows [i*m*dp, (i+1)*m*dp) of the global batch and data shard d gets its d-th
     block of m rows (DeepSpeed's order). The gradient is that of the global mean loss times
@@ -244,6 +282,8 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     differentiates its own mean loss times scale/gas, as DeepSpeed's ranks do; the 1/dp of the
     mean is applied around the reduction (`grad_average`).
     """
+    check_model_state(plan, loss_fn)
+    keeps = keeps_state(loss_fn)
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, row_size(plan.mesh),
                        plan.batch.micro_batch_size)
     sp = sequence_size(plan.mesh)
@@ -254,19 +294,22 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     layouts = plan.layouts
     avg = grad_average(plan, marked)
 
-    def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
+    def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array, model_state: Any
+              ) -> tuple[jax.Array, Any, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
         wrapped = _wrap_params(plan, params, for_grad=True, marked=marked)
         shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axis()))
 
-        def scaled(p: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-            value = loss(p, mb, rng).astype(jnp.float32)
-            return value * (scale * avg.in_loss / gas), value
+        def scaled(p: Any, mb: Any, rng: jax.Array, ms: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+            value, ms = loss(p, mb, rng, ms)
+            value = value.astype(jnp.float32)
+            return value * (scale * avg.in_loss / gas), (value, ms)
 
-        def micro(acc: Any, xs: Any) -> tuple[Any, jax.Array]:
+        def micro(carry: Any, xs: Any) -> tuple[Any, jax.Array]:
+            acc, ms = carry
             i, mb = xs
             rng = jax.random.fold_in(shard_key, i)
-            (_, value), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb, rng)
+            (_, (value, ms)), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb, rng, ms)
             # Gradients of host-stored blocks leave the backward pass in host memory.
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
@@ -274,7 +317,7 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
                                     axis=_reduce_axis(lay), pre=avg.pre, post=avg.post,
                                     quantized=lay.wire.quantize_gradients),
                 layouts, g)
-            return jax.tree.map(jnp.add, acc, g), value
+            return (jax.tree.map(jnp.add, acc, g), ms), value
 
         def zeros(lay: LeafLayout, x: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
             z = jnp.zeros(sharding.shard_shape(x.shape), pol.accum)
@@ -285,18 +328,26 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             return to_varying(z, lay.split_axes) if lay.split else z
 
         acc0 = map_layouts(zeros, layouts, plan.abstract_params, plan.grad_shardings)
-        acc, values = jax.lax.scan(micro, acc0, (jnp.arange(gas), rows))
+        # the model state is carried as per-device values (each shard's update) and averaged at the end
+        ms0 = jax.tree.map(to_varying, model_state)
+        (acc, ms), values = jax.lax.scan(micro, (acc0, ms0), (jnp.arange(gas), rows))
         grads = map_layouts(lambda lay, a: move(a, lay.grad, lay.update, comm_dtype=pol.comm, axis=_reduce_axis(lay),
                                                 pre=avg.pre, post=avg.post), layouts, acc)
-        return jax.lax.pmean(values, data_axis()), grads
+        return jax.lax.pmean(values, data_axis()), grads, jax.lax.pmean(ms, data_axis())
 
-    def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
+    def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array, model_state: Any = None
+                ) -> tuple[Any, ...]:
         check_batch(plan, batch)
+        if keeps and model_state is None:
+            raise ValueError("grad_fn: the loss keeps model state; pass it (state.model_state) as the fifth argument")
         shaped = jax.tree.map(lambda x: x.reshape(gas, dp, m, *x.shape[1:]), split_tokens(batch, sp))
         mapped = jax.shard_map(local, mesh=plan.mesh,
-                               in_specs=(plan.param_specs, batch_specs(shaped, row_axes(plan.mesh), 1, sp, micro=True), P(), P()),
-                               out_specs=(P(), plan.update_specs), check_vma=_checks_vma(plan, loss_fn))
-        return mapped(params, shaped, jnp.asarray(scale, jnp.float32), key)
+                               in_specs=(plan.param_specs, batch_specs(shaped, row_axes(plan.mesh), 1, sp, micro=True), P(), P(),
+                                         P()),
+                               out_specs=(P(), plan.update_specs, P()), check_vma=_checks_vma(plan, loss_fn))
+        losses, grads, new_state = mapped(params, shaped, jnp.asarray(scale, jnp.float32), key,
+                                          model_state if keeps else None)
+        return (losses, grads, new_state) if keeps else (losses, grads)
 
     return grad_fn
 
@@ -363,7 +414,7 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     params = make_param_gather(plan)(bring_in(shards, plan.memory.optimizer))  # gathered on the device
     new = TrainState(params=params, master=master if pol.mixed else None,
                      opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
-                     scaler=scaler, rng=state.rng)
+                     scaler=scaler, rng=state.rng, model_state=state.model_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
                "loss_scale": scale, "skipped": overflow, "non_finite": ~(jnp.all(finite) & loss_ok),
                "skipped_streak": scaler.streak}
@@ -463,37 +514,61 @@ def make_train_step(plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], 
     """
     plan = checked_kernels(plan)
     grad_fn = micro_grad_fn(plan, loss_fn)
+    keeps = keeps_state(loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        losses, grads = grad_fn(state.params, batch, state.scaler.scale, step_key(state))
-        state, metrics = apply_update(plan, state, grads, jnp.mean(losses))
-        return state, {**metrics, "micro_losses": losses}
+        losses, grads, *model_state = grad_fn(state.params, batch, state.scaler.scale, step_key(state),
+                                              *((state.model_state,) if keeps else ()))
+        new, metrics = apply_update(plan, state, grads, jnp.mean(losses))
+        if keeps:  # a skipped step leaves the model state as it was, with the parameters
+            new = new._replace(model_state=_select(metrics["skipped"], state.model_state, model_state[0]))
+        return new, {**metrics, "micro_losses": losses}
 
     shardings = state_shardings(plan)
     return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
                    donate_argnums=0)
 
 
-def make_eval_step(plan: Plan, loss_fn: LossFn) -> Callable[[Any, Any], jax.Array]:
+def make_eval_step(plan: Plan, loss_fn: LossFn) -> Callable[..., jax.Array]:
     """A jitted `eval_step(params, batch) -> mean loss`; rows split over `data` (any multiple of dp).
+    A loss keeping model state: `eval_step(params, batch, model_state)`.
 
-    A loss function that takes `rng` gets `rng=None` here: evaluation is deterministic.
+    A loss function that takes `rng` gets `rng=None` here: evaluation is deterministic. A loss that
+    keeps model state is evaluated on the state given: `eval_step(state.params, batch,
+    state.model_state)` (BatchNorm on the trained running statistics).
     """
+    check_model_state(plan, loss_fn)
     loss = _step_loss(plan, loss_fn)
     marked = gathers_own(plan, loss_fn)
+    keeps = keeps_state(loss_fn)
 
-    def local(params: Any, batch: Any) -> jax.Array:
-        value = loss(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None)
+    def local(params: Any, batch: Any, model_state: Any) -> jax.Array:
+        value, _ = loss(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None, model_state)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
     sp = sequence_size(plan.mesh)
 
-    def eval_step(params: Any, batch: Any) -> jax.Array:
+    def eval_step(params: Any, batch: Any, model_state: Any) -> jax.Array:
         check_eval_batch(plan, batch)
         batch = split_tokens(batch, sp)
         mapped = jax.shard_map(local, mesh=plan.mesh,
-                               in_specs=(plan.param_specs, batch_specs(batch, row_axes(plan.mesh), 0, sp)),
+                               in_specs=(plan.param_specs, batch_specs(batch, row_axes(plan.mesh), 0, sp), P()),
                                out_specs=P(), check_vma=_checks_vma(plan, loss_fn))
-        return mapped(params, batch)
+        return mapped(params, batch, model_state)
 
-    return jax.jit(eval_step, in_shardings=(state_shardings(plan).params, None))
+    shardings = state_shardings(plan).params
+    if not keeps:
+        return jax.jit(lambda params, batch: eval_step(params, batch, None), in_shardings=(shardings, None))
+    jitted = jax.jit(eval_step, in_shardings=(shardings, None, None))
+
+    def checked(params: Any, batch: Any, model_state: Any = None) -> tuple[Any, Any, Any]:
+        if model_state is None:
+            raise ValueError("eval_step: the loss keeps model state (e.g. BatchNorm's running statistics); pass the "
+                             "trained state: eval_step(state.params, batch, state.model_state)")
+        return params, batch, model_state
+
+    def evaluate(*args: Any) -> jax.Array:
+        return jitted(*checked(*args))
+
+    evaluate.lower = lambda *args: jitted.lower(*checked(*args))  # type: ignore[attr-defined]
+    return evaluate

@@ -66,7 +66,7 @@ class Engine(DeepSpeedAPI):
         if plan is None:
             plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler,
                              layer_axes=layer_axes, logical_axes=getattr(loss_fn, "logical_axes", None),
-                             tensor_dims=tensor_dims)
+                             tensor_dims=tensor_dims, model_state=getattr(loss_fn, "model_state", None))
         else:
             if optimizer is not None or lr_scheduler is not None or layer_axes is not None or tensor_dims is not None:
                 raise TypeError("Engine: with plan= the optimizer, scheduler, layer axes and tensor splits are the "
@@ -189,7 +189,8 @@ class Engine(DeepSpeedAPI):
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
         batch = self._checked(batch, check_eval_batch)
-        return self._agreed("eval step", self._eval_step, self.state.params, batch)(self.state.params, batch)
+        args = (self.state.params, batch) + (() if self.state.model_state is None else (self.state.model_state,))
+        return self._agreed("eval step", self._eval_step, *args)(*args)
 
     def _agreed(self, name: str, fn: Any, *args: Any) -> Any:
         """`fn`, once every process of a multi-process run has shown it compiled the same program for
@@ -252,6 +253,13 @@ class Engine(DeepSpeedAPI):
     def params(self) -> Any:
         """Logical (whole-shape) parameters: the fp32 master copy under mixed precision."""
         return self.state.master if self.plan.policy.mixed else self.state.params
+
+    @property
+    def model_state(self) -> Any:
+        """The model's state the step updates without differentiating it (NNX BatchNorm's running
+        statistics, as a dict shaped like `nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))`); None
+        for a model without. `zerojax.to_nnx(model, engine.state)` writes it back with the parameters."""
+        return self.state.model_state
 
     @property
     def global_steps(self) -> int:

@@ -33,7 +33,8 @@ __all__ = ["make_plan", "plan", "step_rule"]
 
 def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None,
               layer_axes: Any = None, optimizer: ClientOptimizer | None = None,
-              lr_scheduler: ScheduleFn | None = None, logical_axes: Any = None, tensor_dims: Any = None) -> Plan:
+              lr_scheduler: ScheduleFn | None = None, logical_axes: Any = None, tensor_dims: Any = None,
+              model_state: Any = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 
     `params` may be real arrays, `jax.ShapeDtypeStruct`s or an unbuilt `init_params(...)`; only
@@ -47,11 +48,16 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     `optimizer` / `lr_scheduler` are DeepSpeed's client optimizer and scheduler (see
     `zerojax.optim.transforms.update_rule`); the config's optimizer section is used without them.
     `logical_axes`: the model's own annotations, a tuple of logical axis names per leaf (None for a
-    leaf without); default: those `zerojax.from_nnx` found (`params.logical_axes`). A leaf whose names
-    include the mesh's data axis is sharded along that dimension; the others are kept in the plan.
+    leaf without); default: those `zerojax.from_nnx` found (`params.logical_axes`). Fewer names than
+    dimensions name the leading ones (JAX's shorter `PartitionSpec`: the rest are unnamed). A leaf
+    whose names include the mesh's data axis is sharded along that dimension; the others are kept in
+    the plan.
     `tensor_dims`: per leaf, a dimension to split over the tensor axis (or None) for the leaves that
     neither annotations, layer_specs nor Megatron's names decide: what `zerojax.find_tensor_splits`
     derives from the loss. For a pipeline's rows (`lead`) it is the whole decision (their tensor slices).
+    `model_state`: the model's state that the step updates without differentiating it (NNX BatchNorm's
+    running statistics), its initial values; kept replicated, checkpointed with the rest; default: what
+    `zerojax.from_nnx` found (`params.model_state` / `loss_fn.model_state`).
     `config` is a Config, a dict or a config file path.
     `mesh` may be a `jax.sharding.AbstractMesh` (sizes and axis names, no devices): the plan then
     serves byte counting only (`Plan.report()`, `zerojax.tools.estimate`) for a cluster that need not
@@ -62,6 +68,11 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     origin = fingerprint(config)
     if logical_axes is None:
         logical_axes = getattr(params, "logical_axes", None)
+    if model_state is None:
+        model_state = getattr(params, "model_state", None)
+    if lead is not None and model_state is not None:
+        raise ValueError("plan: a pipeline's layers keep no model state (BatchNorm's running statistics); "
+                         "train the model without pipeline stages (mesh.stage: 1)")
     params = abstract_params(params)
     tx, schedule, opt = update_rule(config, optimizer, lr_scheduler)
     config = dataclasses.replace(config, optimizer=opt)  # "client" for an optimizer from code
@@ -137,7 +148,7 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
                       adam=adam_settings(config.optimizer), strict=config.kernels == "pallas")
     return Plan(mesh=mesh, stage=stage, batch=batch, policy=policy(config), rule=rule, abstract_params=abstract,
                 layouts=layouts, memory=memory_plan(config, mesh, kernels), step=step_rule(config),
-                seed=config.run.seed, hpz=zero.zero_hpz_partition_size, origin=origin,
+                seed=config.run.seed, hpz=zero.zero_hpz_partition_size, origin=origin, model_state=model_state,
                 tensor_plan=sliced.describe(tensor_size(mesh)) if sliced is not None and tensor_size(mesh) > 1 else None)
 
 
@@ -278,11 +289,15 @@ def _names_per_leaf(logical_axes: Any, abstract: Any) -> Any:
         reason = str(e).splitlines()[0].rstrip(":")
         raise ValueError(f"plan: logical_axes must be shaped like the parameters (a tuple of names or None per "
                          f"leaf): {reason}") from None
+    padded = []
     for (path, x), leaf in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(names, is_leaf=is_names)):
-        if leaf is not None and len(leaf) != len(x.shape):
+        if leaf is not None and len(leaf) > len(x.shape):
             raise ValueError(f"plan: logical_axes{jax.tree_util.keystr(path)} = {leaf} names {len(leaf)} dimensions "
-                             f"but the parameter has shape {tuple(x.shape)}")
-    return names
+                             f"but the parameter has shape {tuple(x.shape)}; name at most {len(x.shape)}")
+        # Fewer names than dimensions: the trailing ones are unnamed, as in a shorter PartitionSpec
+        # (JAX replicates them; here they stay free for ZeRO and the tensor axis to shard).
+        padded.append(None if leaf is None else (*leaf, *(None,) * (len(x.shape) - len(leaf))))
+    return jax.tree.unflatten(jax.tree.structure(abstract), padded)
 
 
 def _layer_axes_per_leaf(layer_axes: Any, abstract: Any) -> Any:
