@@ -1,6 +1,7 @@
 """`python train.py --config ...` and `zerojax config explain` as a user runs them."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +45,26 @@ def test_train_writes_metrics_config_and_falls(tmp_path: Path) -> None:
     assert saved["zero_optimization"]["stage"] == 3 and saved["run"]["steps"] == 12
     summary = json.loads((out / "summary.json").read_text())
     assert summary["val_loss"] is not None and summary["steps"] == 12
+    # what runs after the last step says so, in order; the schedule fits the run: no warning
+    lines = proc.stdout.splitlines()
+    at = [next(i for i, l in enumerate(lines) if l.startswith(p)) for p in
+          ("step 12:", f"saving final checkpoint global_step12 to {out / 'checkpoints'}...",
+           "validating on 1 batch(es) after step 12...", "done: 12 steps")]
+    assert at == sorted(at)
+    assert "warning: run.steps" not in proc.stdout
 
     # A second run never overwrites the first one's files.
     again = run("train.py", "--config", "configs/zero3.yaml", "--set", *SMALL, f"run.output_dir={out}",
                 "run.steps=3")
     assert again.returncode == 0, again.stderr[-3000:]
+    # run.steps=3 under a schedule sized for 12 ends before its decay: said at start-up, naming both keys
+    warned = [l for l in again.stdout.splitlines() if l.startswith("warning: run.steps")]
+    assert len(warned) == 1 and re.fullmatch(
+        r"warning: run\.steps=3 is shorter than the WarmupCosineLR schedule \(scheduler\.params\.total_num_steps=12\): "
+        r"the run ends at lr (\S+), where the schedule goes on to lr \S+ at step 12; to run the whole schedule set "
+        r"scheduler\.params\.total_num_steps=3, or set run\.steps=12", warned[0])
+    last_lr = json.loads((tmp_path / "run-2" / "metrics.jsonl").read_text().splitlines()[-1])["lr"]
+    assert float(re.search(r"ends at lr (\S+),", warned[0])[1]) == pytest.approx(last_lr, rel=1e-3)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == len(records)
     assert (tmp_path / "run-2" / "metrics.jsonl").exists()
 
@@ -154,6 +170,12 @@ def test_ctrl_c_saves_a_complete_checkpoint(tmp_path: Path) -> None:
         child.kill()
     assert child.returncode == 130, stderr[-3000:]
     assert "saving a checkpoint before exiting" in stdout
+    # the message says how to go on: this command, with --resume
+    import shlex
+    said = [l for l in stderr.splitlines() if l.startswith("zerojax: continue the run with: ")]
+    assert len(said) == 1 and said[0].endswith(" " + shlex.join(
+        ["train.py", "--config", "configs/zero1.yaml", "--set", *SMALL, "run.steps=100000", "steps_per_print=2",
+         f"run.output_dir={out}", "--resume", "latest"])), stderr[-3000:]
     tag = (out / "checkpoints" / "latest").read_text().strip()
     stopped = int(tag.removeprefix("global_step"))
     assert stopped >= 4
@@ -173,3 +195,26 @@ def test_pipeline_config_trains(tmp_path: Path) -> None:
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     summary = json.loads((out / "summary.json").read_text())
     assert summary["val_loss"] is not None and summary["steps"] == 12
+
+
+def test_progress_bar_shows_the_newest_steps_numbers_and_what_runs_after(tmp_path: Path, capsys) -> None:
+    """Between logged steps the bar shows the newest step the device has finished, named by its step
+    (not the last logged step's numbers unnamed), and after the last step it says what runs."""
+    import jax.numpy as jnp
+    from zerojax import load_config
+    from zerojax.app.monitor import Monitor
+    config = load_config({"train_batch_size": 8, "run": {"progress": True, "log_every": 10}, "steps_per_print": 10})
+    monitor = Monitor(config, tmp_path, 4, tokens_per_step=8, samples_per_step=8)
+
+    def metrics(step: int) -> dict:
+        return {"loss": jnp.float32(10.0 - step), "lr": jnp.float32(step * 1e-3), "grad_norm": jnp.float32(1.0),
+                "loss_scale": jnp.float32(1.0), "skipped": jnp.bool_(False)}
+    try:
+        for step in (1, 2, 3):
+            monitor.step(step, metrics(step))
+        assert "step=2, loss=8.000, lr=2.00e-03" in monitor._bar.postfix  # step 3's call shows step 2's
+        monitor.phase("validating on 1 batch(es) after step 3...")
+        assert "step=3, loss=7.000, lr=3.00e-03" in monitor._bar.postfix and monitor._bar.desc.startswith("validating")
+    finally:
+        monitor.close()
+    assert "validating on 1 batch(es) after step 3..." in capsys.readouterr().out

@@ -723,6 +723,34 @@ def test_deepspeed_field_names_load_like_their_aliases() -> None:
         .zero_optimization.stage3_param_persistence_threshold == 0
 
 
+def test_every_refused_key_of_a_config_is_named_in_one_error() -> None:
+    """DeepSpeedExamples' cifar config gives bf16 five loss-scaling keys: one error names all five (one
+    per run took five runs to find them), and removing exactly those makes the file load."""
+    path = FIXTURES / "deepspeed_examples_cifar.json"
+    refused = ["bf16.loss_scale", "bf16.loss_scale_window", "bf16.hysteresis", "bf16.min_loss_scale",
+               "bf16.initial_scale_power"]
+    with pytest.raises(ConfigError) as e:
+        load_warned(path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "5 problems in the config; fix each:"
+    assert [re.match(r"  - unknown key '([\w.]+)'; bf16 trains without loss scaling", l)[1] for l in lines[1:]] \
+        == refused
+    raw = json.loads(path.read_text())
+    for key in refused:
+        del raw["bf16"][key.split(".")[1]]
+    config, _ = load_warned(raw)
+    assert config.bf16.enabled and not config.fp16.enabled and config.optimizer.params.betas == (0.8, 0.999)
+    # unknown keys and a refused value in different sections, and an unknown optimizer key: all in one error
+    with pytest.raises(ConfigError) as e:
+        load_config(with_batch(optimizer={**_adam(), "paramz": {}}, zero_optimization={"stagee": 1},
+                               bf16={"enabled": True, "bf16_optimizer_states": True}))
+    assert str(e.value).startswith("3 problems in the config; fix each:\n  - unknown key 'optimizer.paramz'")
+    assert "zero_optimization.stagee" in str(e.value) and "bf16.bf16_optimizer_states" in str(e.value)
+    # one problem reads as before
+    with pytest.raises(ConfigError, match=r"^unknown key 'zero_optimization.stagee'; did you mean 'stage'\?$"):
+        load_config(with_batch(zero_optimization={"stagee": 1}))
+
+
 def test_deepspeed_only_sections_load_with_one_warning_each() -> None:
     config, warned = load_warned(FIXTURES / "deepspeed_examples_zero3.json")
     foreign = ["compile", "aio", "seq_parallel_communication_data_type",
@@ -905,6 +933,30 @@ def test_precision_auto_is_never_fp32_in_silence(section: str) -> None:
     key = "bf16" if section == "bfloat16" else section
     with pytest.raises(ConfigError, match=rf"\n  {key}\.enabled=true   \(the Trainer's --{key}\)\n"):
         load_config(with_batch(**{section: {"enabled": "auto"}}))
+
+
+@pytest.mark.parametrize("src", ["transformers_zero2_auto.json", "llama_factory_ds_z2_autotp_config.json",
+                                 "llama_factory_ds_z3_config.json", {"train_batch_size": 8, "fp16": {"enabled": "auto"},
+                                                                     "bf16": {"enabled": True}}])
+def test_the_auto_fix_it_line_loads_as_printed(src: Any, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The error's `--set` line and its `load_config(path, [...])` list, applied verbatim, load: with fp16
+    and bf16 both "auto" (LLaMA-Factory's files) the line used to turn both on, which is refused."""
+    if isinstance(src, dict):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(src))
+    else:
+        path = FIXTURES / src
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    last = str(e.value).splitlines()[-1]
+    shell, python = re.fullmatch(r"command line: --set (.+); Python: load_config\(path, (\[.+\])\)", last).groups()
+    config = load_config(path, json.loads(python))
+    assert not (config.fp16.enabled and config.bf16.enabled)
+    assert config.bf16.enabled or config.fp16.enabled  # "auto" precision is never fp32 in silence
+    from zerojax.app.cli import main
+    import shlex
+    assert main(["config", "explain", str(path), "--set", *shlex.split(shell)]) == 0
+    capsys.readouterr()
 
 
 def test_config_explain_command_shows_the_auto_fills(capsys: pytest.CaptureFixture) -> None:

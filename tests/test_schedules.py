@@ -332,3 +332,31 @@ def test_long_runs_stay_accurate_in_float32():
                                 total_num_steps=1_000_000), BASE_LR)
     for k in (1000, 2001, 500_000, 999_990):
         assert float(s.lr(k)) == pytest.approx(ds_warmup_decay_lr(k - 1, 0.0, 1e-3, 2000, 1_000_000), rel=1e-5)
+
+
+def test_a_run_shorter_than_its_schedule_is_warned_at_start_up() -> None:
+    """`--set run.steps=30` under a WarmupDecayLR sized for 200 ends at the peak lr: the start-up line names
+    run.steps and the schedule's keys, and the lr the last step runs with (the lr metrics.jsonl writes)."""
+    from zerojax import load_config
+    from zerojax.app.reports import schedule_warning
+    from zerojax.optim.schedules import make_schedule
+    sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 30,
+                                                 "total_num_steps": 200, "warmup_type": "linear"}}
+    base = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": sched}
+    config = load_config(base, ["run.steps=30"])
+    last_lr = float(make_schedule(config.scheduler, 1e-3).lr(29))
+    assert last_lr == pytest.approx(1e-3 * 28 / 30, rel=1e-6)  # near the peak (DeepSpeed's position: 28), no decay
+    end_lr = float(make_schedule(config.scheduler, 1e-3).lr(199))  # step 200's update: near 0
+    assert end_lr < 2e-5
+    assert schedule_warning(config) == (
+        f"warning: run.steps=30 is shorter than the WarmupDecayLR schedule (scheduler.params.total_num_steps=200): "
+        f"the run ends at lr {last_lr:.3e}, where the schedule goes on to lr {end_lr:.3e} at step 200; to run the "
+        f"whole schedule set scheduler.params.total_num_steps=30, or set run.steps=200")
+    short = schedule_warning(load_config(base, ["run.steps=10"]))  # inside the warmup too: both keys named
+    assert "(scheduler.params.warmup_num_steps=30, scheduler.params.total_num_steps=200)" in short
+    assert "set scheduler.params.total_num_steps=10 with scheduler.params.warmup_num_steps below it" in short
+    assert schedule_warning(load_config(base, ["run.steps=200"])) is None
+    assert schedule_warning(load_config(base, ["run.steps=500"])) is None
+    assert schedule_warning(load_config({**base, "scheduler": None}, ["run.steps=3"])) is None
+    range_test = {"type": "LRRangeTest", "params": {"lr_range_test_step_size": 1000}}  # no end to reach
+    assert schedule_warning(load_config({**base, "scheduler": range_test}, ["run.steps=3"])) is None

@@ -176,7 +176,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGUSR1 after saving (preemption.Preempted)
         print(f"zerojax: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        if args.command == "train" and hasattr(e, "resume"):
+            print(f"zerojax: continue the run with: {_resume_command(args, e.resume)}" if e.resume else
+                  "zerojax: no checkpoint was saved; the same command starts the run again", file=sys.stderr)
         return getattr(e, "exit_code", 130)
+
+
+def _resume_command(args: argparse.Namespace, resume: str) -> str:
+    """The command that continues an interrupted run: this one, with `--resume` (train.py, `zerojax train`
+    or `python -m zerojax.cli train`, as it was started)."""
+    import os
+    import shlex
+    import shutil
+    python = shutil.which("python")
+    python = "python" if python and os.path.realpath(python) == os.path.realpath(sys.executable) else sys.executable
+    script = sys.argv[0] if sys.argv else ""
+    if os.path.basename(script) == "train.py":
+        prog = [python, script]
+    elif os.path.basename(script) == "zerojax":
+        prog = ["zerojax", "train"]
+    else:
+        prog = [python, "-m", "zerojax.cli", "train"]
+    return shlex.join([*prog, "--config", args.config[0], *(["--set", *args.set] if args.set else []),
+                       "--resume", resume])
 
 
 def _start(config: Config) -> None:

@@ -60,6 +60,8 @@ class Monitor:
         self._last_time, self._last_step = time.perf_counter(), start_step
         self._first_step = start_step + 1
         self._bar = None
+        self._latest: tuple[int, Mapping[str, jax.Array]] | None = None  # the newest step not yet on the bar
+        self._postfix: dict[str, Any] = {}
         self._tb = None
         self._csv: dict[str, Any] = {}
         self.replaced = 0  # metrics.jsonl rows past start_step dropped on resume
@@ -104,12 +106,16 @@ class Monitor:
         step's own in metrics.jsonl, the printed line and the TensorBoard/CSV events (`zerojax plot`
         draws them)."""
         if self._bar is not None:
+            self._bar_numbers(wait=False)  # the previous step's numbers, if the device has them by now
             self._bar.update(step - self._bar.n)
         cfg = self.config
         log = step % cfg.run.log_every == 0 or step == self._first_step
         show = step % cfg.steps_per_print == 0
         if not (self.enabled and self.fetches(step)):
+            if self._bar is not None:
+                self._latest = (step, metrics)
             return None
+        self._latest = None
         values = {k: v.item() for k, v in jax.device_get(dict(metrics)).items() if v.ndim == 0}
         now = time.perf_counter()
         elapsed = now - self._last_time
@@ -123,8 +129,9 @@ class Monitor:
             self._jsonl.flush()
             self._events(step, record)
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                                  lr=f"{record['lr']:.2e}", refresh=False)
+            self._postfix = {"step": step, "loss": f"{record['loss']:.3f}", "lr": f"{record['lr']:.2e}",
+                             "tok_s": f"{tokens_per_s:,.0f}"}
+            self._bar.set_postfix(self._postfix, refresh=False)
         if show:
             line = (f"step {step}: loss {record['loss']:.4f}, lr {record['lr']:.3e}, "
                     f"grad_norm {record['grad_norm']:.3f}, loss_scale {record['loss_scale']:g}, "
@@ -134,6 +141,30 @@ class Monitor:
                 line += " | " + self.timers.summary(cfg.steps_per_print)
             self.print(line)
         return record
+
+    def _bar_numbers(self, wait: bool) -> None:
+        """The bar shows the newest step whose numbers are on the host, named by its step, not the last
+        logged step's: between fetches a step's loss and lr are taken once the device has them (no
+        wait, so no per-step sync), or, `wait`, after the loop."""
+        if self._latest is None or self._bar is None:
+            return
+        step, metrics = self._latest
+        if not wait and not all(getattr(metrics[k], "is_ready", lambda: True)() for k in ("loss", "lr")):
+            return
+        loss, lr = (float(v) for v in jax.device_get((metrics["loss"], metrics["lr"])))
+        self._postfix.update(step=step, loss=f"{loss:.3f}", lr=f"{lr:.2e}")  # tokens/s: the last fetch's
+        self._bar.set_postfix(self._postfix, refresh=wait)
+        self._latest = None
+
+    def phase(self, text: str) -> None:
+        """What runs after the last step (the final save, validation) says so: the bar shows the last
+        step's numbers and the phase, and the line is printed."""
+        if not self.enabled:
+            return
+        self._bar_numbers(wait=True)
+        if self._bar is not None:
+            self._bar.set_description(text.split(" ")[0], refresh=True)
+        self.print(text)
 
     def _events(self, step: int, record: Mapping[str, Any]) -> None:
         samples = step * self.samples_per_step  # DeepSpeed's x axis: samples seen

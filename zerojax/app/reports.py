@@ -11,9 +11,11 @@ from zerojax.core.hlo import comms_report as hlo_comms_report, work
 from zerojax.core.measure import array_bytes, live_device_bytes, step_memory
 from zerojax.core.mesh import row_size
 from zerojax.engine.engine import Engine
+from zerojax.optim.schedules import make_schedule, schedule_extent
 from zerojax.planner.axes import axis_plans
 
-__all__ = ["compile_step", "named_model", "startup_table", "comms_report", "memory_table", "flops_profile"]
+__all__ = ["compile_step", "named_model", "startup_table", "schedule_warning", "comms_report", "memory_table",
+           "flops_profile"]
 
 
 def compile_step(engine: Engine, batch: Any) -> Any:
@@ -56,6 +58,24 @@ def startup_table(engine: Engine, batch: Any = None, compiled: Any = None) -> st
                  f"{b.gradient_accumulation_steps} x data {row_size(engine.mesh)}; mesh {dict(engine.mesh.shape)}; "
                  f"precision {engine.config.compute_dtype}")
     return "\n".join(lines)
+
+
+def schedule_warning(config: Any) -> str | None:
+    """The start-up line for a run shorter than its lr schedule (`--set run.steps=30` under a schedule
+    sized for 200): it would end mid-warmup or at the peak lr with no word. None when it runs it all."""
+    steps, sched = config.run.steps, config.scheduler
+    longer = {k: n for k, n in schedule_extent(sched).items() if n > steps}
+    if not longer or config.optimizer is None:
+        return None
+    lr = make_schedule(sched, config.optimizer.params.lr).lr
+    key, length = list(longer.items())[-1]  # the whole schedule, or the longest part the run cuts short
+    keys = ", ".join(f"{k}={n}" for k, n in longer.items())
+    fix = f"set {key}={steps}" if " + " not in key else f"make {key} at most {steps}"
+    fix += "".join(f" with {k} below it" for k in list(longer)[:-1])
+    # the update of step n runs with the lr at update count n - 1 (metrics.jsonl's lr)
+    return (f"warning: run.steps={steps} is shorter than the {sched.type} schedule ({keys}): the run ends at "
+            f"lr {float(lr(steps - 1)):.3e}, where the schedule goes on to lr {float(lr(length - 1)):.3e} at step "
+            f"{length}; to run the whole schedule {fix}, or set run.steps={length}")
 
 
 def comms_report(text: str, comms: Any, steps: int = 1, mesh: Any = None) -> str:

@@ -15,7 +15,7 @@ from zerojax.errors import ConfigError
 from zerojax.runtime.preflight import check_memory, check_resume_tag, check_writable, resume_target
 from zerojax.runtime.run_lock import RunLock
 
-__all__ = ["RunFolders", "choose", "fresh_output_dir"]
+__all__ = ["RunFolders", "choose", "fresh_output_dir", "resume_argument"]
 
 
 def _run_dirs(path: Path) -> list[Path]:
@@ -117,3 +117,15 @@ def choose(config: Config, plan: Plan, resume: str | None, processes: int) -> Ru
         RunFolders(base, base, None, lock, tuple(created)).abandon()
         raise
     return RunFolders(out, ckpt_dir, tag, lock, tuple(created))
+
+
+def resume_argument(config: Config, out: Path) -> str:
+    """What `--resume` takes to continue the run in `out` with the same config: "latest" when that
+    finds this run (as `choose` would), else the run's folder, which picks it exactly."""
+    base = Path(config.run.output_dir)
+    shared = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else None
+    try:
+        found, _, _ = resume_target([d for d in _run_dirs(base) if _has_run(d)], base, "latest", shared)
+    except ConfigError:
+        return str(out)
+    return "latest" if found == out else str(out)

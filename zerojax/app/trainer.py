@@ -15,7 +15,8 @@ import numpy as np
 
 from zerojax.app import run_dirs
 from zerojax.app.monitor import Monitor
-from zerojax.app.reports import comms_report, compile_step, flops_profile, memory_table, startup_table
+from zerojax.app.reports import (comms_report, compile_step, flops_profile, memory_table, schedule_warning,
+                                 startup_table)
 from zerojax.checkpoint import latest_tag
 from zerojax.config import Config
 from zerojax.core.mesh import row_size
@@ -159,7 +160,12 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         raise
     del model
     try:
-        first, last, val_loss = run.train()
+        try:
+            first, last, val_loss = run.train()
+        except KeyboardInterrupt as e:  # saved (or not) by now: say how to go on, for the command line
+            if is_primary():
+                e.resume = run_dirs.resume_argument(config, out) if latest_tag(ckpt_dir) else None  # type: ignore
+            raise
         engine = run.engine
         summary = {"steps": engine.global_steps, "first_loss": first, "last_loss": last, "val_loss": val_loss,
                    "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out),
@@ -215,6 +221,9 @@ class Run:
         if config.dump_state:
             _say(config.explain(row_size(engine.mesh)))
         _say(f"writing to {out}; checkpoints in {ckpt_dir}")
+        warning = schedule_warning(config)  # a run shorter than its lr schedule ends mid-schedule
+        if warning is not None:
+            _say(warning)
         rows = engine.plan.batch.train_batch_size
         self.monitor = Monitor(config, out, config.run.steps, tokens_per_step=rows * config.model.seq_len,
                                samples_per_step=rows, start_step=self.first_step - 1, enabled=is_primary())
@@ -359,6 +368,8 @@ class Run:
         # A stop signal from here on lets the final save finish, then ends the run with its exit code.
         with stop_signals() as late:
             if engine.global_steps >= self.first_step:
+                if self.saved_at != engine.global_steps:
+                    monitor.phase(f"saving final checkpoint global_step{engine.global_steps} to {self.ckpt_dir}...")
                 self.save()
             if late.received is None:
                 ran = engine.global_steps - self.first_step + 1
@@ -366,6 +377,9 @@ class Run:
                     monitor.print(comms_report(self.comms_text, config.comms_logger, steps=ran, mesh=self.engine.mesh))
                 beat("evaluating (compiles the eval step) and waiting for the last checkpoint",
                      f"step {engine.global_steps}", allowance=FIRST_STEP_ALLOWANCE)
+                if config.run.eval_batches:
+                    monitor.phase(f"validating on {config.run.eval_batches} batch(es) after step "
+                                  f"{engine.global_steps}...")
                 val_loss = evaluate(engine, self.val_batches, config.run.eval_batches)
             engine.wait_for_checkpoint()
         if late.received is not None:

@@ -92,8 +92,29 @@ def fill_auto(raw: dict[str, Any], hidden_size: int | None) -> dict[str, str]:
             else:
                 pending.append(f"scheduler.params.{key}")
     if pending:
-        raise ConfigError(_auto_error(pending))
+        raise ConfigError(_auto_error(pending, _precision_choice(raw, pending)))
     return fills
+
+
+def _precision_choice(raw: Mapping[str, Any], pending: list[str]) -> dict[str, tuple[str, str]]:
+    """(value, why) the fix-it line gives each pending fp16/bf16 `enabled` key: on, unless the other
+    precision is on too (in the file, or pending as well: then bf16), since both on is refused."""
+    def on(section: str) -> bool:
+        names = (section, "bfloat16") if section == "bf16" else (section,)
+        return any(isinstance(raw.get(s), Mapping) and raw[s].get("enabled") is True for s in names)
+    choice = {}
+    both = {"fp16.enabled", "bf16.enabled"} <= set(pending)
+    for key, other in (("fp16.enabled", "bf16"), ("bf16.enabled", "fp16")):
+        if key not in pending:
+            continue
+        if on(other):
+            choice[key] = ("false", f"not given: the file turns {other} on")
+        elif both and key == "fp16.enabled":
+            choice[key] = ("false", "not given: fp16 and bf16 both on is refused; for fp16 instead set "
+                                    "fp16.enabled=true bf16.enabled=false")
+        else:
+            choice[key] = ("true", "")
+    return choice
 
 
 def _hidden_size(raw: Mapping[str, Any], hidden_size: int | None) -> tuple[int, str]:
@@ -108,12 +129,16 @@ def _hidden_size(raw: Mapping[str, Any], hidden_size: int | None) -> tuple[int, 
     return ModelConfig().d_model, "from model.d_model, the embedded GPT's default"
 
 
-def _auto_error(pending: list[str]) -> str:
-    sets = [f"{key}={TRAINER_ONLY.get(key, ('', '<value>'))[1]}" for key in pending]
+def _auto_error(pending: list[str], precision: Mapping[str, tuple[str, str]]) -> str:
+    """One line per key with a value that loads, and the whole fix as one --set line that loads as printed."""
+    sets = [f"{key}={precision[key][0] if key in precision else TRAINER_ONLY.get(key, ('', '<value>'))[1]}"
+            for key in pending]
     lines = [f'"auto" is a Hugging Face Trainer placeholder, and {len(pending)} of them can only be filled '
              f"from the Trainer's arguments; set each one:"]
     for key, kv in zip(pending, sets):
         arg = TRAINER_ONLY.get(key, ("", ""))[0]
+        why = precision.get(key, ("", ""))[1]
+        arg = f"{arg} {why}" if arg and why else arg
         lines.append(f"  {kv}" + (f"   (the Trainer's {arg})" if arg else ""))
     lines.append(f"command line: --set {' '.join(sets)}; Python: load_config(path, {json.dumps(sets)})")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from zerojax.config.files import load_yaml, reject_duplicates, read_config_file
 from zerojax.config.paths import flatten, show
 from zerojax.config.rules import check_rules, derive
 from zerojax.config.schema.root import Config
-from zerojax.config.validate import build_section, plain_copy, given_values, schema_step
+from zerojax.config.validate import build_config, plain_copy, given_values, schema_step
 
 
 def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
@@ -45,7 +45,7 @@ def load_config(src: "str | os.PathLike[str] | Mapping[str, Any] | Config",
     sources: dict[str, str] = {}
     with reading(Path(src).expanduser().absolute() if isinstance(src, (str, os.PathLike)) else None):
         fills = fill_auto(raw, hidden_size)
-        config = build_section(Config, raw, "", sources, origin)
+        config = build_config(raw, sources, origin)
         sources.update(fills)
         config = derive(config, sources)
         check_rules(config, sources)

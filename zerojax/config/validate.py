@@ -3,6 +3,7 @@ and name the nearest valid key for a typo.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import functools
@@ -132,6 +133,39 @@ def _origin_of(path: str, origin: Mapping[str, str]) -> str:
     return "file"
 
 
+#: While `build_config` runs: the unknown and refused keys met so far (None: raise at the first).
+_KEY_PROBLEMS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("key_problems", default=None)
+
+
+def _key_problem(message: str) -> None:
+    """An unknown or refused key: noted, so that the load names every one; raised when building alone."""
+    found = _KEY_PROBLEMS.get()
+    if found is None:
+        raise ConfigError(message)
+    found.append(message)
+
+
+def build_config(raw: Any, sources: dict[str, str], origin: Mapping[str, str]) -> Config:
+    """The root section, with every unknown or refused key named in one error: a config written for
+    DeepSpeed often has several (DeepSpeedExamples' cifar config has five), and one error per run
+    would take as many runs to find them all."""
+    found: list[str] = []
+    token = _KEY_PROBLEMS.set(found)
+    try:
+        config = build_section(Config, raw, "", sources, origin)
+    except ConfigError as e:
+        if not found:
+            raise
+        found.append(str(e))  # the first error of another kind, after the keys met before it
+    finally:
+        _KEY_PROBLEMS.reset(token)
+    if len(found) == 1:
+        raise ConfigError(found[0])
+    if found:
+        raise ConfigError(f"{len(found)} problems in the config; fix each:\n" + "\n".join(f"  - {m}" for m in found))
+    return config
+
+
 def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
@@ -159,16 +193,22 @@ def build_section(cls: type, raw: Any, prefix: str, sources: dict[str, str], ori
             continue  # "_comment", "_read_the_docs": comments, as real configs write them
         name = alias_of.get(key, key)
         if name not in fields:
-            if accept_foreign(join_path(prefix, key), value, sources):
+            try:
+                if accept_foreign(join_path(prefix, key), value, sources):
+                    continue
+            except ConfigError as e:  # refused: named with the others
+                _key_problem(str(e))
                 continue
             if prefix == "optimizer.params" and key == "max_grad_norm":
-                raise ConfigError("optimizer.params.max_grad_norm: not a parameter of DeepSpeed's "
-                                  f"{cls.__doc__.split()[0]} optimizer; clip gradients with the top-level "
-                                  "gradient_clipping (e.g. \"gradient_clipping\": 1.0)")
+                _key_problem("optimizer.params.max_grad_norm: not a parameter of DeepSpeed's "
+                             f"{cls.__doc__.split()[0]} optimizer; clip gradients with the top-level "
+                             "gradient_clipping (e.g. \"gradient_clipping\": 1.0)")
+                continue
             hint = _did_you_mean(key, list(fields) + list(alias_of) + foreign_keys_in(prefix), where=prefix)
             if prefix in ("optimizer.params", "scheduler.params"):
                 hint += f" ({cls.__doc__.splitlines()[0]})"
-            raise ConfigError(f"unknown key '{join_path(prefix, key)}'{hint}")
+            _key_problem(f"unknown key '{join_path(prefix, key)}'{hint}")
+            continue
         if name in given:
             raise ConfigError(f"{join_path(prefix, key)}: given twice (also as an alias); keep one")
         given[name] = value
@@ -209,9 +249,8 @@ def _build_typed(name: str, raw: Any, sources: dict[str, str], origin: Mapping[s
     raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("_"))}
     allowed = ["type", "params"] + (["no_decay", "param_groups"] if name == "optimizer" else [])
     extra = {k for k in set(raw) - set(allowed) if not accept_foreign(f"{name}.{k}", raw[k], sources)}
-    if extra:
-        key = sorted(map(str, extra))[0]
-        raise ConfigError(f"unknown key '{name}.{key}'{_did_you_mean(key, allowed)}")
+    for key in sorted(map(str, extra)):
+        _key_problem(f"unknown key '{name}.{key}'{_did_you_mean(key, allowed)}")
     if "type" not in raw or not isinstance(raw["type"], str):
         raise ConfigError(f'{name}.type: required, a string such as "{example}"')
     given_type = raw["type"]

@@ -29,7 +29,7 @@ from zerojax.config import (LRRangeTestParams, OneCycleParams, SchedulerConfig, 
 from zerojax.errors import ConfigError
 from zerojax.optim.transforms import LrSchedule
 
-__all__ = ["LrSchedule", "Schedule", "make_schedule"]
+__all__ = ["LrSchedule", "Schedule", "make_schedule", "schedule_extent"]
 
 ScheduleFn = Callable[["jax.Array | int"], jax.Array]
 
@@ -62,6 +62,24 @@ def make_schedule(config: SchedulerConfig | None, base_lr: float, *,
     if config.type == "LRRangeTest":
         return LrSchedule(lr=_lr_range_test(p, base_lr))
     raise ConfigError(f"scheduler.type: unknown scheduler '{config.type}'")
+
+
+def schedule_extent(config: SchedulerConfig | None) -> dict[str, int]:
+    """The keys that size the schedule, in steps, shortest first: a run shorter than one of them stops
+    before that part of the schedule ends (mid-warmup, or at the peak lr of a decay it never runs).
+    Empty for a schedule with no end (LRRangeTest) or none."""
+    if config is None:
+        return {}
+    p, key = config.params, "scheduler.params."
+    if config.type == "WarmupLR":
+        return {key + "warmup_num_steps": p.warmup_num_steps}
+    if config.type in ("WarmupDecayLR", "WarmupCosineLR"):
+        return {key + "warmup_num_steps": p.warmup_num_steps, key + "total_num_steps": p.total_num_steps}
+    if config.type == "OneCycle":
+        second = p.cycle_second_step_size or p.cycle_first_step_size
+        return {key + "cycle_first_step_size": p.cycle_first_step_size,
+                key + "cycle_first_step_size + cycle_second_step_size": p.cycle_first_step_size + second}
+    return {}
 
 
 # ---------------------------------------------------------------------------------------------

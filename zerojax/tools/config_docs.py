@@ -75,7 +75,9 @@ def _compatibility() -> str:
   mean ...", only for a slip of a letter or two), or the section where the key belongs. DeepSpeed
   silently ignores unknown top-level keys; a typo there would otherwise go unnoticed. Keys written
   twice in one file are an error. DeepSpeed's own keys that zerojax does not build are not unknown:
-  see the next section. Keys starting with `_` (`"_comment"`) are comments, at any level.
+  see the next section. Keys starting with `_` (`"_comment"`) are comments, at any level. Every
+  unknown or refused key of a file is named in the same error (DeepSpeedExamples' cifar config gives
+  `bf16` five of fp16's loss-scaling keys: one error lists all five), not one per run.
 * **`"auto"`** is a Hugging Face Trainer placeholder, not DeepSpeed's: see the next section. On a
   key the Trainer does not fill it means that key's default (source `default ('auto')`), unless
   `"auto"` is an ordinary value of the key (`kernels`, `pipeline.stages`).
@@ -159,7 +161,9 @@ Trainer reads `model.config.hidden_size`), else `model.d_model` (the embedded GP
 `train_batch_size` nor `train_micro_batch_size_per_gpu` is a number) can only come from the Trainer's
 arguments; `load_config` lists all of them in one error, each with the `--set key=value`
 that sets it (in Python: `load_config(path, ["fp16.enabled=true", ...])`). In particular
-`fp16.enabled: "auto"` and `bf16.enabled: "auto"` never fall back to fp32 in silence.
+`fp16.enabled: "auto"` and `bf16.enabled: "auto"` never fall back to fp32 in silence. The printed
+`--set` line loads as printed: when both are `"auto"` it picks bf16 (`fp16.enabled=false
+bf16.enabled=true`; the Trainer's `--fp16` is the reverse), since both on is refused.
 
 **Ignored with one warning.** DeepSpeed keys that zerojax does not build and that cannot change the
 result here:
