@@ -38,6 +38,14 @@ if TYPE_CHECKING:
     from zerojax.checkpoint import PendingSave
 
 
+def agree_before_compiling(config: Config, plan: Plan) -> None:
+    """Every process of a multi-process run holds this config and plan (`distributed.check_consistency`),
+    checked before the engine compiles anything (the kernels' self-check, the state's initialisation):
+    a mismatch is refused on every process, naming the keys, instead of in the first collective."""
+    if config.distributed.check_consistency:
+        check_consistency(config, plan=plan, what="zerojax.initialize")
+
+
 class Engine(DeepSpeedAPI):
     """Training state plus compiled train/eval steps for one config, mesh and model."""
 
@@ -62,6 +70,7 @@ class Engine(DeepSpeedAPI):
                                 "plan's; drop optimizer= / lr_scheduler= / layer_axes= / tensor_dims= (or pass them "
                                 "to zerojax.plan)")
             check_origin(config, plan, "Engine")
+        agree_before_compiling(config, plan)
         plan = checked_kernels(plan)
         self._start(config, mesh, loss_fn, plan, params, make_train_step(plan, loss_fn), make_eval_step(plan, loss_fn))
 
@@ -69,8 +78,6 @@ class Engine(DeepSpeedAPI):
                train_step: Callable[[TrainState, Any], Any], eval_step: Callable[[Any, Any], jax.Array]) -> None:
         """Everything an engine holds, whatever built its plan and steps (the pipeline engine too)."""
         self.config, self.mesh, self.loss_fn, self.plan = config, mesh, loss_fn, plan
-        if config.distributed.check_consistency:
-            check_consistency(config, plan.abstract_params)
         self.state: TrainState = init_state(plan, params)
         self._train_step, self._eval_step = train_step, eval_step
         self._pending: PendingSave | None = None
