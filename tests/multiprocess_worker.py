@@ -139,7 +139,7 @@ def stale(override: str, args: list[str]) -> None:
 
 def wider() -> None:
     from helpers import layerwise_loss, mlp_params
-    config = config_for(3)
+    config = config_for(3, distributed={})  # the check as it is by default
     start(config)
     params = mlp_params(0)
     if jax.process_index() == 1:
