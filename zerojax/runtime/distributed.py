@@ -228,19 +228,16 @@ def start(config: Config | None = None, *, environ: Mapping[str, str] | None = N
             process_id=procs.process_id, local_device_ids=procs.local_device_ids(),
             initialization_timeout=dist.initialization_timeout)
     except Exception as e:  # JAX raises RuntimeError / ValueError / XlaRuntimeError here
-        raise _join_error(procs, dist, where, e) from e
-    if config is not None and dist.check_consistency:
-        check_consistency(config)  # the config as resolved, before anything of it runs
-    return procs
-
-
-def _join_error(procs: Processes, dist: DistributedConfig, where: str, e: Exception) -> DistributedError:
-    return DistributedError(
+        raise DistributedError(
             f"process {procs.process_id if procs.process_id is not None else '?'} of "
             f"{procs.num_processes or '?'} ({procs.origin}) could not join {where} within "
             f"distributed.initialization_timeout={dist.initialization_timeout} s: {e}\n"
             f"Check that every process was started with the same coordinator address and process count, "
-            f"that process 0 can listen on that port, and that start() runs before any JAX computation.")
+            f"that process 0 can listen on that port, and that start() runs before any JAX computation."
+        ) from e
+    if config is not None and dist.check_consistency:
+        check_consistency(config)  # the config as resolved, before anything of it runs
+    return procs
 
 
 def arm_collective_timeout(seconds: float, environ: Any = None) -> None:
