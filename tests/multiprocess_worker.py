@@ -7,6 +7,8 @@
     zerojax launch -n 2 tests/multiprocess_worker.py saveload OUT
     zerojax launch -n 2 tests/multiprocess_worker.py diverge KEY
     zerojax launch -n 2 tests/multiprocess_worker.py generate OUT
+    zerojax launch -n 2 tests/multiprocess_worker.py stale KEY=VALUE TRAIN_PY_ARGS...
+    zerojax launch -n 2 tests/multiprocess_worker.py wider
 
 `train`: the tiny MLP of helpers.py, STEPS steps per ZeRO stage on an 8-device mesh split over the
 processes, each process feeding only its own rows; then a checkpoint (every process writes its
@@ -22,6 +24,10 @@ disagree would: the first train_batch must be refused on both processes, in seco
 `generate`: a ZeRO-3 GPT engine generates, greedy and sampled, with an end token that ends every row
 of process 0 within a few tokens while process 1's rows run to max_new_tokens; process 0 writes the
 results to OUT/generate.npz (test_generate.py compares them with one process).
+`stale`: train.py with TRAIN_PY_ARGS (ending in --set ...), process 1 with KEY=VALUE appended to its
+--set, as a host with a stale config file would be: refused on both processes before anything compiles.
+`wider`: the engine path with the same config everywhere but a wider model on process 1 (another code
+version on one host): `zerojax.initialize` must refuse it on both processes before compiling anything.
 `stall`: ZeRO-3 steps under the hang watchdog, process 1 deliberately stalls before step 4 (the
 other then waits in that step's collectives); both must report and the launcher must name them.
 """
@@ -121,6 +127,33 @@ def diverge(key: str) -> None:
     print("no divergence found", flush=True)
 
 
+def stale(override: str, args: list[str]) -> None:
+    from zerojax.app.cli import main
+    if int(os.environ["ZEROJAX_PROCESS_ID"]) == 1:
+        args = [*args, override]
+    started = time.perf_counter()
+    code = main(["train", *args])
+    print(f"train.py exited {code} after {time.perf_counter() - started:.1f} s", flush=True)
+    raise SystemExit(code)
+
+
+def wider() -> None:
+    from helpers import layerwise_loss, mlp_params
+    config = config_for(3, distributed={})  # the check as it is by default
+    start(config)
+    params = mlp_params(0)
+    if jax.process_index() == 1:
+        params = {**params, "w_out": np.zeros((params["w_out"].shape[0], 5), np.float32),
+                  "b_out": np.zeros(5, np.float32)}
+    started = time.perf_counter()
+    try:
+        zerojax.initialize(config, params=params, loss_fn=layerwise_loss)
+    except Exception as e:
+        print(f"refused after {time.perf_counter() - started:.1f} s: {type(e).__name__}: {e}", flush=True)
+        raise SystemExit(3)
+    print("no mismatch found", flush=True)
+
+
 def stall() -> None:
     from helpers import layerwise_loss, make_batch, mlp_params
     from zerojax.runtime.watchdog import beat, watching
@@ -216,6 +249,10 @@ if __name__ == "__main__":
         stall()
     elif mode == "diverge":
         diverge(sys.argv[2])
+    elif mode == "stale":
+        stale(sys.argv[2], sys.argv[3:])
+    elif mode == "wider":
+        wider()
     elif mode == "generate":
         generate(Path(sys.argv[2]))
     elif mode == "saveload":

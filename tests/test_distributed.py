@@ -150,6 +150,34 @@ def test_fingerprint_differences_name_the_key() -> None:
         config_for(1, distributed={"process_id": 0, "num_processes": 2}), params)
 
 
+def _module(collective: str) -> str:
+    return ("HloModule step, num_partitions=8\n\n%add (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n"
+            "  %b = f32[] parameter(1)\n  ROOT %s = f32[] add(f32[] %a, f32[] %b)\n}\n\n"
+            "ENTRY %main (p: f32[64]) -> f32[64] {\n  %p = f32[64]{0} parameter(0)\n"
+            f"  ROOT %c = {collective}\n}}\n")
+
+
+def test_program_digests_tell_collectives_of_another_size_dtype_or_group_apart() -> None:
+    """The processes compare their step programs by collectives: two that differ only in one
+    collective's size, dtype or devices must get different digests (kinds and counts alone would
+    call a gather of another width, or over another mesh axis, the same program)."""
+    from zerojax.runtime.agreement import program_digest
+    base = "f32[64]{0} all-reduce(f32[64]{0} %p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add"
+    variants = {
+        "size": base.replace("f32[64]{0} all", "f32[32]{0} all"),
+        "dtype": base.replace("f32[64]{0} all", "bf16[64]{0} all"),
+        "groups": base.replace("{{0,1,2,3},{4,5,6,7}}", "{{0,2,4,6},{1,3,5,7}}"),
+    }
+    perm = "f32[64]{0} collective-permute(f32[64]{0} %p), channel_id=1, source_target_pairs={{0,1},{1,0}}"
+    variants_perm = {"pairs": perm.replace("{{0,1},{1,0}}", "{{0,2},{2,0}}")}
+    for reference, changed in ((base, variants), (perm, variants_perm)):
+        mine = program_digest("lowered", _module(reference))["collectives"]
+        assert len(mine) == 1
+        for what, text in changed.items():
+            theirs = program_digest("lowered", _module(text))["collectives"]
+            assert theirs != mine, f"a collective of another {what} got the same digest: {mine}"
+
+
 # ------------------------------------------------------------------------------------------------
 # Two processes x 4 devices, launched through `zerojax launch`.
 
@@ -210,7 +238,58 @@ def test_consistency_check_names_the_differing_process() -> None:
     assert "no mismatch found" not in proc.stdout
     text = proc.stdout + proc.stderr
     assert "distributed.check_consistency: process(es) [1] hold a different config" in text
-    assert "config.optimizer.params.lr: here 0.02, process 0 0.01" in text
+    assert "optimizer.params.lr: process 0 0.01, process 1 0.02" in text
+
+
+def refusals(text: str, p: int) -> list[str]:
+    """Process p's lines of a refusal (its first line and the differing keys listed under it)."""
+    lines = text.splitlines()
+    at = next((i for i, l in enumerate(lines) if l.startswith(f"[{p}] ") and "hold a different config or plan" in l),
+              None)
+    if at is None:
+        return []
+    return [lines[at]] + [l for l in lines[at + 1:at + 6] if l.startswith(f"[{p}]   ")]
+
+
+@pytest.mark.parametrize("override, keys", [
+    ("zero_optimization.stage=2", ["zero_optimization.stage: process 0 3, process 1 2"]),
+    ("mesh.tensor=2", ["mesh.tensor: process 0 1, process 1 2"]),
+])
+def test_train_py_with_a_stale_config_on_one_process_is_refused_on_both(tmp_path: Path, override: str,
+                                                                          keys: list[str]) -> None:
+    """`zerojax launch -n 2 train.py` where one host's config differs: before, the first collective (the
+    run folder's broadcast, the state's initialisation) died in gloo's "collective mismatch"; now both
+    processes refuse it within seconds, naming the key and the processes, before anything compiles."""
+    from test_cli import SMALL
+    small = [*SMALL, "model.d_model=32", "model.n_layers=1", "model.n_heads=2", f"run.output_dir={tmp_path / 'run'}"]
+    proc = launch("-n", "2", "--grace", "2", "tests/multiprocess_worker.py", "stale", override,
+                  "--config", "configs/zero3.yaml", "--set", *small, timeout=180)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    assert "collective mismatch" not in text and "enforce fail" not in text.lower(), text[-3000:]  # no gloo words
+    for p in (0, 1):
+        said = "\n".join(refusals(text, p))
+        assert f"[{p}] zerojax: error: distributed.check_consistency: process(es) [1] hold a different config or plan than process 0" in said, \
+            text[-3000:]
+        assert all(k in said for k in keys), said
+        done = next(l for l in text.splitlines() if l.startswith(f"[{p}] train.py exited"))
+        assert float(done.split("after ")[1].split(" s")[0]) < 60, done
+    assert not (tmp_path / "run").exists()  # refused before the run folder was chosen
+
+
+def test_an_engine_whose_model_differs_on_one_process_is_refused_before_compiling() -> None:
+    """`zerojax.initialize` with the same config but a wider model on process 1 (another version of the
+    code on one host): refused on both processes by name, before the state is initialised."""
+    proc = launch("-n", "2", "--grace", "2", "tests/multiprocess_worker.py", "wider", timeout=180)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no mismatch found" not in text, text[-3000:]
+    for p in (0, 1):
+        line = next((l for l in text.splitlines() if l.startswith(f"[{p}] refused after")), None)
+        assert line is not None, text[-3000:]
+        assert float(line.split("after ")[1].split(" s")[0]) < 30, line
+        assert "ProcessMismatch: zerojax.initialize: process(es) [1] hold a different config or plan" in line, line
+        said = "\n".join(l for l in text.splitlines() if l.startswith(f"[{p}]   "))
+        assert "model['w_out']: process 0 [[32, 4], \"float32\"], process 1 [[32, 5], \"float32\"]" in said, said
 
 
 @pytest.mark.parametrize("key, effect", [

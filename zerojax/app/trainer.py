@@ -27,7 +27,8 @@ from zerojax.models import gpt
 from zerojax.planner.mesh import make_mesh
 from zerojax.planner.plan import make_plan
 from zerojax.runtime.data import BatchSource, Loader, make_batches
-from zerojax.runtime.distributed import agreed, interrupts_as_preemption, is_primary, local_rows, stop_requested
+from zerojax.runtime.distributed import (agreed, check_consistency, interrupts_as_preemption, is_primary, local_rows,
+                                        stop_requested)
 from zerojax.runtime.preemption import Preempted, bounded, stop_signals
 from zerojax.runtime.watchdog import FIRST_STEP_ALLOWANCE, beat, watching
 
@@ -130,6 +131,8 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     mesh = make_mesh(config)
     model = build_model(config, mesh)
     plan = model.plan
+    if config.distributed.check_consistency:  # before choosing the folders, the first collective
+        check_consistency(config, plan=plan, what="train.py")
     # `--resume PATH` of a DeepSpeed checkpoint: a fresh run whose first checkpoint is that one, imported.
     from zerojax.app.deepspeed import is_deepspeed_checkpoint
     deepspeed = resume if resume and is_deepspeed_checkpoint(resume) else None

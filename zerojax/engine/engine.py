@@ -49,6 +49,14 @@ def set_log_level(level: str) -> None:
         handler.setLevel(number)
 
 
+def agree_before_compiling(config: Config, plan: Plan) -> None:
+    """Every process of a multi-process run holds this config and plan (`distributed.check_consistency`),
+    checked before the engine compiles anything (the kernels' self-check, the state's initialisation):
+    a mismatch is refused on every process, naming the keys, instead of in the first collective."""
+    if config.distributed.check_consistency:
+        check_consistency(config, plan=plan, what="zerojax.initialize")
+
+
 class Engine(DeepSpeedAPI):
     """Training state plus compiled train/eval steps for one config, mesh and model."""
 
@@ -73,6 +81,7 @@ class Engine(DeepSpeedAPI):
                                 "plan's; drop optimizer= / lr_scheduler= / layer_axes= / tensor_dims= (or pass them "
                                 "to zerojax.plan)")
             check_origin(config, plan, "Engine")
+        agree_before_compiling(config, plan)
         plan = checked_kernels(plan)
         self._start(config, mesh, loss_fn, plan, params, make_train_step(plan, loss_fn), make_eval_step(plan, loss_fn))
 
@@ -82,8 +91,6 @@ class Engine(DeepSpeedAPI):
         self.config, self.mesh, self.loss_fn, self.plan = config, mesh, loss_fn, plan
         if config.log_level is not None:
             set_log_level(config.log_level)
-        if config.distributed.check_consistency:
-            check_consistency(config, plan.abstract_params)
         self.state: TrainState = init_state(plan, params)
         self._train_step, self._eval_step = train_step, eval_step
         self._pending: PendingSave | None = None

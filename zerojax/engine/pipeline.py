@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import Config
-from zerojax.engine.engine import Engine
+from zerojax.engine.engine import Engine, agree_before_compiling
 from zerojax.core.layout import MemoryReport
 from zerojax.core.step import checked_kernels
 from zerojax.pipeline.module import PipelineModule
@@ -36,6 +36,7 @@ class PipelineEngine(Engine):
                  pipeline: PipelinePlan | None = None):
         self.module = module
         pipeline = pipeline if pipeline is not None else make_pipeline_plan(config, mesh, module)
+        agree_before_compiling(config, pipeline.plan)
         # the kernels' self-check, where the step is made (as Engine does): the plan then names the
         # update that really runs
         self.pipeline = dataclasses.replace(pipeline, plan=checked_kernels(pipeline.plan))

@@ -235,6 +235,8 @@ def start(config: Config | None = None, *, environ: Mapping[str, str] | None = N
             f"Check that every process was started with the same coordinator address and process count, "
             f"that process 0 can listen on that port, and that start() runs before any JAX computation."
         ) from e
+    if config is not None and dist.check_consistency:
+        check_consistency(config)  # the config as resolved, before anything of it runs
     return procs
 
 
@@ -379,28 +381,33 @@ def differences(mine: Mapping[str, Any], reference: Mapping[str, Any], limit: in
     return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])
 
 
-def check_consistency(config: Config, abstract_params: Any) -> None:
-    """Raise ConfigError on every process unless all hold the same config and model structure.
+#: What a refusal tells the user to do.
+_SAME_EVERYWHERE = ("Start every process with the same config file, --set values and code (a stale config file "
+                    "on one host?); distributed.check_consistency: false skips this check (the step programs "
+                    "are still compared before the first step).")
 
-    A collective: every process must call it. Enabled by `distributed.check_consistency`; costs
-    two small all-gathers at start-up.
+
+def check_consistency(config: Config, abstract_params: Any = None, plan: Any = None, *,
+                      what: str = "distributed.check_consistency") -> None:
+    """Raise `ProcessMismatch` on every process, naming the differing keys and processes, unless all hold
+    the same config (less the process's own id), model structure and plan.
+
+    Compared through `jax.distributed`'s key-value store, no collective: it runs before anything is
+    compiled (and does not even start JAX's backends), so a mismatch cannot end in the transport's
+    "collective mismatch" or a hang. Every process must call it at the same point. On by default
+    (`distributed.check_consistency`).
     """
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
+    from zerojax.runtime.agreement import agree_on_items, plan_items
 
-    mine = fingerprint(config, abstract_params)
-    text = json.dumps(mine, sort_keys=True)
-    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8)
-    digests = np.asarray(multihost_utils.process_allgather(digest))
-    bad = [p for p in range(digests.shape[0]) if not np.array_equal(digests[p], digests[0])]
-    if not bad:
-        return
-    reference = json.loads(broadcast_text(text))
-    detail = differences(mine, reference) if jax.process_index() in bad else []
-    here = ("\n  " + "\n  ".join(detail)) if detail else " (this process matches process 0)"
-    raise ConfigError(f"distributed.check_consistency: process(es) {bad} hold a different config or model than "
-                      f"process 0; start every process with the same config file and code.{here}")
+    items = dict(config_items(config))
+    if plan is not None:
+        abstract_params = plan.abstract_params if abstract_params is None else abstract_params
+        items.update(plan_items(plan))
+    if abstract_params is not None:
+        items["model.structure"] = str(jax.tree.structure(abstract_params))
+        items.update({f"model{jax.tree_util.keystr(path)}": [list(x.shape), np.dtype(x.dtype).name]
+                      for path, x in jax.tree_util.tree_leaves_with_path(abstract_params)})
+    agree_on_items(what, items, timeout_s=config.distributed.hang_timeout or 300.0, fix=_SAME_EVERYWHERE)
 
 
 def same_request(what: str, *request: Any) -> None:

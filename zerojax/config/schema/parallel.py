@@ -164,8 +164,11 @@ class DistributedConfig:
                                "Cloud TPU slice); always: call jax.distributed.initialize and let JAX detect "
                                "the rest; never: run as one process.", choices=("auto", "always", "never"))
     initialization_timeout: int = option(300, "Seconds to wait for every process to join.", gt=0)
-    check_consistency: bool = option(False, "Debug: check at start-up that every process holds the same "
-                                            "config and model structure (two small all-gathers).")
+    check_consistency: bool = option(True, "Check before anything compiles that every process holds the same "
+                                           "config, model structure and plan (through jax.distributed's "
+                                           "key-value store, no collective): a mismatch is refused on every "
+                                           "process, naming the keys and processes; false: skip it (the step "
+                                           "programs are still compared before the first step).")
     hang_timeout: Optional[float] = option(
         300.0, "Seconds without progress (a step, save or evaluation finishing) after which train.py dumps "
                "every process's Python stack and fails (the first step, which compiles, gets 3x; "
