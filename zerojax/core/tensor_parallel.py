@@ -555,6 +555,10 @@ def _inline(key: str) -> Callable[[Any, list[Any], Group], list[Any]]:
 class _NotLocal(Exception):
     """A custom JVP's body or rule would need a collective: it runs as written on gathered inputs."""
 
+    def __str__(self) -> str:
+        return ("a jax.custom_jvp rule evaluated on tensor slices needs a collective it was not checked for "
+                "(a rule calling its own function on other inputs)")
+
 
 class _Local(Group):
     """A custom JVP evaluated on the blocks, body and rule alike. JAX differentiates it by its rule,
@@ -637,8 +641,8 @@ def _custom_jvp(eqn: Any, ins: list[Any], group: Group) -> list[Any] | None:
                             [*_rebuild(primals, forms), *_rebuild(moved, [f for f, m in zip(forms, moving) if m])],
                             local)
         (ys, y_forms), (dys, dy_forms) = _flatten(outs[:len(out_zeros)]), _flatten(outs[len(out_zeros):])
-        nonzero = [f for f, z in zip(out_forms, out_zeros) if not z]
-        if y_forms != out_forms or dy_forms != nonzero:
+        dims = _dims(out_forms)
+        if _dims(y_forms) != dims or _dims(dy_forms) != [d for d, z in zip(dims, out_zeros) if not z]:
             raise _NotLocal  # the rule's outputs are split otherwise than the body's
         dys_ = iter(dys)
         return ys, [_zero_tangent(y) if z else next(dys_) for y, z in zip(ys, out_zeros)]
@@ -661,6 +665,10 @@ def _custom_jvp(eqn: Any, ins: list[Any], group: Group) -> list[Any] | None:
     call = jax.custom_jvp(functools.partial(primal_of, consts))
     call.defjvp(lambda xs, ts: rule(xs, ts))
     return _rebuild(call(*args), out_forms)
+
+
+def _dims(forms: Sequence[Form]) -> list[int | None]:
+    return [None if f is None else f[0] for f in forms]
 
 
 def _zero_tangent(x: Any) -> Any:
