@@ -515,3 +515,118 @@ def test_a_custom_vjp_keeps_its_backward_rule_and_the_gather_is_logged(caplog: A
         warn_fallbacks(fallbacks)  # what the step reports by default
     assert "1 equations ran on gathered activations (custom_vjp_call x1)" in caplog.text
     assert_tree_close(to_numpy(grads), to_numpy(want_g), rtol=1e-5, atol=1e-6, what="straight-through")
+
+
+# -- custom derivative rules and the other higher-order primitives on split activations -----------------
+
+@jax.custom_jvp
+def _straight_through(x: jax.Array) -> jax.Array:
+    return jnp.round(x * 4) / 4
+
+
+_straight_through.defjvp(lambda p, t: (_straight_through(p[0]), t[0]))  # the rounding passes gradients as they are
+
+
+@jax.custom_jvp
+def _tripled_gradient(x: jax.Array) -> jax.Array:
+    return x
+
+
+_tripled_gradient.defjvp(lambda p, t: (p[0], 3 * t[0]))
+
+
+@jax.custom_jvp
+def _safe_sqrt(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.maximum(x, 0.0))  # its own derivative at x <= 0 is 0 * inf: NaN
+
+
+@_safe_sqrt.defjvp
+def _safe_sqrt_jvp(p: tuple, t: tuple) -> tuple:
+    (x,), (dx,) = p, t
+    y = _safe_sqrt(x)
+    return y, jnp.where(x > 0, dx / (2 * jnp.where(x > 0, y, 1.0)), 0.0)
+
+
+@jax.custom_jvp
+def _shares(x: jax.Array) -> jax.Array:
+    """Each feature's share of the row's total: a sum over the split features, then a halved gradient."""
+    return x / jnp.sum(x, axis=-1, keepdims=True)
+
+
+_shares.defjvp(lambda p, t: (_shares(p[0]), 0.5 * t[0] / jnp.sum(p[0], axis=-1, keepdims=True)))
+
+
+@jax.custom_vjp
+def _doubled_vjp(x: jax.Array) -> jax.Array:
+    return jnp.tanh(x)
+
+
+_doubled_vjp.defvjp(lambda x: (jnp.tanh(x), x), lambda x, ct: (2 * ct * (1 - jnp.tanh(x) ** 2),))
+
+
+def _scan_square(h: jax.Array) -> jax.Array:
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c) * _tripled_gradient(c), None), h, None, length=2)[0]
+
+
+def _while_square(h: jax.Array) -> jax.Array:
+    return jax.lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, jnp.tanh(s[1]) * s[1]), (0, h))[1]
+
+
+# (the function of the column kernel's split activations, the equations run on gathered inputs)
+BETWEEN = {
+    "straight-through": (_straight_through, {}),
+    "gradient-scaling": (_tripled_gradient, {}),
+    "nan-safe-sqrt": (lambda h: _safe_sqrt(h - 0.2), {}),
+    "needs-a-sum": (lambda h: _shares(jnp.exp(h)), {"custom_jvp_call": 1}),
+    "custom-vjp": (_doubled_vjp, {"custom_vjp_call": 1}),
+    "relu-softmax": (lambda h: jax.nn.softmax(jax.nn.relu(h).reshape(*h.shape[:-1], 4, 4), axis=-1).reshape(h.shape), {}),
+    "jit": (jax.jit(lambda h: _straight_through(h) * h), {}),
+    "remat": (jax.checkpoint(lambda h: _tripled_gradient(jnp.sin(h)) * h), {}),
+    "cond": (lambda h: jax.lax.cond(h.shape[0] > 1, lambda v: _tripled_gradient(v) ** 2, jnp.tanh, h),
+             {"cond": 1}),
+    "cond-traced": (lambda h: jax.lax.cond(jnp.max(jnp.abs(h)) < 1e6, jnp.sin, lambda v: 3 * v, h), {"cond": 1}),
+    "scan": (_scan_square, {}),
+    # JAX differentiates no while loop: one that only computes a factor
+    "while": (lambda h: h * _while_square(jax.lax.stop_gradient(h)), {"while": 1}),
+}
+
+
+@pytest.mark.parametrize("between", list(BETWEEN))
+def test_derivative_rules_and_control_flow_between_a_pair_give_the_whole_gradients(between: str) -> None:
+    """The gradients (their scale included) equal the one-device run's: a custom JVP's rule is applied
+    to the blocks, or the call runs as written on gathered inputs and is reported; never its body's
+    own derivative (zero through the rounding, unscaled, NaN at the root)."""
+    fn, gathered = BETWEEN[between]
+
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        return jnp.mean((fn(x @ p["w1"]) @ p["w2"]) ** 2)
+
+    params, x = mlp_params(), jax.random.normal(jax.random.key(1), (8, 4, 8))
+    want, want_g = jax.value_and_grad(loss)(params, x)
+    assert bool(jnp.all(jnp.isfinite(want_g["w1"]))) and float(jnp.abs(want_g["w1"]).max()) > 0
+    value, grads, fallbacks, _ = _on_slices(loss, params, {"s": None, "w1": 1, "b1": None, "w2": 0, "b2": None}, x)
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+    assert_tree_close(to_numpy(grads), to_numpy(want_g), rtol=1e-5, atol=1e-6, what=between)
+    assert fallbacks == gathered
+
+
+def test_a_straight_through_estimator_trains_on_tensor_slices_as_on_one_device() -> None:
+    """Through `initialize` with plain SGD (whose step is the gradient itself, scale included): the
+    weights under the straight-through rounding move at tensor 2 as on one device."""
+    def loss(p: dict, batch: dict) -> jax.Array:
+        return jnp.mean((_straight_through(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
+
+    params = {k: v for k, v in mlp_params().items() if k in ("w1", "w2")}
+    data = {"x": np.asarray(jax.random.normal(jax.random.key(1), (8, 8))),
+            "y": np.asarray(jax.random.normal(jax.random.key(2), (8, 8)))}
+    runs = {}
+    for tensor in (1, 2):
+        cfg = zerojax.load_config({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                   "zero_optimization": {"stage": 0}, "mesh": {"tensor": tensor}})
+        engine = zerojax.initialize(cfg, params=params, loss_fn=loss, mesh=mesh(tensor, 1),
+                                    tensor_dims={"w1": 1, "w2": 0} if tensor > 1 else None)
+        engine.train_batch(data)
+        runs[tensor] = to_numpy(engine.params)
+    moved = np.abs(runs[1]["w1"] - np.asarray(params["w1"])).max()
+    assert moved > 1e-3  # the rule passes the gradient through the rounding
+    assert_tree_close(runs[2], runs[1], rtol=1e-5, atol=1e-6, what="straight-through, SGD")

@@ -284,6 +284,28 @@ def test_control_flow_gradients_equal_the_plain_loss() -> None:
     assert_tree_close(to_numpy(got), to_numpy(want), rtol=1e-5, atol=1e-6, what="grad")
 
 
+@jax.custom_jvp
+def _tripled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    return x @ w
+
+
+_tripled_matmul.defjvp(lambda p, t: (p[0] @ p[1], 3 * (t[0] @ p[1] + p[0] @ t[1])))
+
+
+def test_a_custom_jvp_reading_a_sharded_parameter_keeps_its_rule() -> None:
+    """The parameter is gathered for the call and the call keeps its rule (a tripled gradient), as
+    the plain loss differentiates it: the gradients' scale is the rule's, not the body's."""
+    def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return jnp.mean(_tripled_matmul(jnp.tanh(x), p["a"]) ** 2)
+
+    params = {"a": jnp.asarray(np.random.default_rng(2).normal(size=(16, 16)) * 0.3, jnp.float32)}
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(32, 16)), jnp.float32)
+    want = jax.grad(loss)(params, x)
+    plain = jax.grad(lambda p, x: jnp.mean((jnp.tanh(x) @ p["a"]) ** 2))(params, x)["a"]
+    np.testing.assert_allclose(want["a"], 3 * plain, rtol=1e-5, atol=1e-7)
+    assert_tree_close(to_numpy(_shard_grad(loss, params, x)), to_numpy(want), rtol=1e-5, atol=1e-6, what="grad")
+
+
 def test_while_loop_with_sharded_constants_evaluates() -> None:
     """`while` is not reverse-differentiable; its value still matches with gathered constants."""
     def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:

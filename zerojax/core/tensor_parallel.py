@@ -24,6 +24,7 @@ Invariant: a replicated value is bit-identical across the tensor group and so is
 gradients of replicated weights need no reduction over `tensor`; a split weight's gradient is
 exactly its slice of the whole gradient. Any equation without a rule gathers its split inputs and
 runs as written (correct, and slower): `fallbacks` counts those, so a plan can say where they are.
+A custom JVP keeps its rule either way (`_custom_jvp`): it is never differentiated through its body.
 A column -> row pair per block then costs one all-reduce forward and one backward, as Megatron's.
 
 A model may also leave layout hints in its loss (`split_hint`, `whole_hint`: the identity wherever
@@ -44,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
@@ -250,6 +252,9 @@ class Group:
     def reduce(self, x: jax.Array) -> jax.Array:
         return reduce(x, self.axis)
 
+    def maximum(self, x: jax.Array) -> jax.Array:
+        return maximum(x, self.axis)
+
 
 class _Scope:
     """A traced scope (a body being traced) gets its own memo: tracers do not outlive their trace."""
@@ -380,7 +385,7 @@ def _reduction(eqn: Any, ins: list[Any], group: Group) -> list[Any] | None:
     if name == "reduce_sum":
         return [group.reduce(bind(eqn, [x.local])[0])]
     if name == "reduce_max" and jnp.issubdtype(x.local.dtype, jnp.inexact):
-        return [maximum(bind(eqn, [x.local])[0], group.axis)]
+        return [group.maximum(bind(eqn, [x.local])[0])]
     return None
 
 
@@ -538,16 +543,139 @@ def _optimization_barrier(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
 
 
 def _inline(key: str) -> Callable[[Any, list[Any], Group], list[Any]]:
-    """Calls (`jit`, `custom_jvp`) run their body here. A custom JVP's rule is then replaced by the
-    body's own derivative: `jax.nn`'s functions (softmax, relu) define theirs for stability and at
-    measure-zero points, which split inputs keep. A custom VJP has no rule here: it runs as written
-    on gathered inputs, so its backward rule (a straight-through estimator, a kernel) stays its own."""
+    """Calls (`jit`, `closed_call`) run their body here: a call's derivative is its body's."""
     def rule(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
         closed = eqn.params[key]
         if isinstance(closed, jcore.ClosedJaxpr):
             return evaluate(closed.jaxpr, closed.consts, ins, group)
         return evaluate(closed, (), ins, group)
     return rule
+
+
+class _NotLocal(Exception):
+    """A custom JVP's body or rule would need a collective: it runs as written on gathered inputs."""
+
+    def __str__(self) -> str:
+        return ("a jax.custom_jvp rule evaluated on tensor slices needs a collective it was not checked for "
+                "(a rule calling its own function on other inputs)")
+
+
+class _Local(Group):
+    """A custom JVP evaluated on the blocks, body and rule alike. JAX differentiates it by its rule,
+    never by transposing what runs inside, so no collective may run there (its backward would be
+    lost): wherever one would, `_NotLocal` sends the call back to `evaluate`'s fallback."""
+
+    def __init__(self, outer: Group):
+        super().__init__(outer.axis, outer.size)
+        self.outer = outer
+
+    def before(self, eqn: Any, ins: list[Any]) -> list[Any]:
+        return self.outer.before(eqn, ins)
+
+    def after(self, eqn: Any, ins: list[Any], outs: list[Any]) -> list[Any]:
+        return self.outer.after(eqn, ins, outs)
+
+    def follows(self, ins: list[Any]) -> bool:
+        return self.outer.follows(ins)
+
+    def inside(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+        self.outer.inside(outer, inner)
+
+    def whole(self, x: Any) -> Any:
+        if isinstance(x, Split):
+            raise _NotLocal
+        return x
+
+    def block(self, x: Any, dim: int) -> Any:
+        if isinstance(x, Split):
+            if x.dim != dim:
+                raise _NotLocal
+            return x.local
+        # a replicated value here depends on no differentiable input (`_custom_jvp` admits none), so
+        # its block needs no cotangent: a plain slice
+        return _block_of(jnp.asarray(x), self.axis, dim, self.size)
+
+    def enter(self, x: Any) -> Any:
+        return x  # replicated values here carry no cotangent: `_custom_jvp` admits no differentiable one
+
+    def reduce(self, x: jax.Array) -> jax.Array:
+        raise _NotLocal
+
+    def maximum(self, x: jax.Array) -> jax.Array:
+        raise _NotLocal
+
+
+_CHECKING: set[Any] = set()  # the custom JVP rules being traced on the blocks (where defined, on which shapes)
+
+
+def _custom_jvp(eqn: Any, ins: list[Any], group: Group) -> list[Any] | None:
+    """A `jax.custom_jvp` call (`jax.nn.relu`, `softmax`, a straight-through estimator, a NaN-safe
+    root) keeps its rule. Where its body and its rule both run on the blocks without a collective
+    (every split input split alike, each block's outputs and tangents computed from that block alone:
+    elementwise functions, softmax over a dimension that is not split), it is a custom JVP of the
+    blocks whose rule is the user's, evaluated on the blocks. Otherwise (a collective would be needed,
+    a differentiable input is replicated, or nothing is split) it returns None: `evaluate` runs the
+    call as written on gathered inputs and reports it, so JAX still differentiates it by its rule."""
+    p = eqn.params
+    nc = p["num_consts"]
+    if (not any(isinstance(x, Split) for x in ins[nc:]) or any(isinstance(x, Split) for x in ins[:nc])
+            or any(_differentiable(x) for x in ins if not isinstance(x, Split))):
+        return None
+    local = _Local(group)
+    consts, (args, forms) = ins[:nc], _flatten(ins[nc:])
+    moving = [_differentiable(a) for a in args]
+    jvp_jaxpr, jvp_consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*[not m for m in moving])
+    body = p["call_jaxpr"]
+    out_forms: list[Form] = []
+
+    def primal_of(consts: Sequence[Any], *xs: Any) -> list[Any]:
+        with local.scope():
+            flat, of = _flatten(evaluate(body.jaxpr, body.consts, [*consts, *_rebuild(xs, forms)], local))
+        out_forms[:] = of
+        return flat
+
+    def rule(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        moved = [t for t, m in zip(tangents, moving) if m]
+        with local.scope():
+            outs = evaluate(jvp_jaxpr, jvp_consts,
+                            [*_rebuild(primals, forms), *_rebuild(moved, [f for f, m in zip(forms, moving) if m])],
+                            local)
+        (ys, y_forms), (dys, dy_forms) = _flatten(outs[:len(out_zeros)]), _flatten(outs[len(out_zeros):])
+        dims = _dims(out_forms)
+        if _dims(y_forms) != dims or _dims(dy_forms) != [d for d, z in zip(dims, out_zeros) if not z]:
+            raise _NotLocal  # the rule's outputs are split otherwise than the body's
+        dys_ = iter(dys)
+        return ys, [_zero_tangent(y) if z else next(dys_) for y, z in zip(ys, out_zeros)]
+
+    # Both traced once on the blocks' shapes now, since JAX traces the rule only when it differentiates.
+    # A rule that calls its own function (`y = f(x)` inside f's rule) is checked once, not forever.
+    info = p["jvp_jaxpr_fun"].debug_info
+    key = (info.func_src_info, str(body.in_avals)) if info is not None else id(p["jvp_jaxpr_fun"])
+    check_rule = key not in _CHECKING
+    _CHECKING.add(key)
+    try:
+        avals = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in [*consts, *args]]
+        jax.make_jaxpr(lambda *cx: (primal_of(cx[:nc], *cx[nc:]),
+                                    check_rule and rule(cx[nc:], [_zero_tangent(x) for x in cx[nc:]])))(*avals)
+    except _NotLocal:
+        return None
+    finally:
+        if check_rule:
+            _CHECKING.discard(key)
+    call = jax.custom_jvp(functools.partial(primal_of, consts))
+    call.defjvp(lambda xs, ts: rule(xs, ts))
+    return _rebuild(call(*args), out_forms)
+
+
+def _dims(forms: Sequence[Form]) -> list[int | None]:
+    return [None if f is None else f[0] for f in forms]
+
+
+def _zero_tangent(x: Any) -> Any:
+    """The zero tangent of a primal value (float0 for integers, as JAX's rules expect)."""
+    if _differentiable(x) or not hasattr(x, "dtype"):
+        return jnp.zeros_like(x)
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
 Form = tuple[int, frozenset] | None  # a value's form across a traced boundary: (split dim, origin), or replicated
@@ -655,7 +783,7 @@ _RULES: dict[str, Callable[[Any, list[Any], Group], list[Any] | None]] = {
     "tensor_hint": _layout_hint,
     "pjit": _inline("jaxpr"), "jit": _inline("jaxpr"),
     "closed_call": _inline("call_jaxpr"), "core_call": _inline("call_jaxpr"),
-    "custom_jvp_call": _inline("call_jaxpr"),
+    "custom_jvp_call": _custom_jvp,
     "checkpoint": _checkpoint, "remat2": _checkpoint,
     "scan": _scan,
 }
