@@ -90,12 +90,15 @@ def _prepare_tag_dir(root: Path, tag_dir: Path) -> None:
     problem = None
     if is_primary_process():
         problem = _refusal(root, tag_dir)
-        if problem is None:
-            if tag_dir.exists():  # zerojax's own leftover: an interrupted save of this tag
-                shutil.rmtree(tag_dir)
-            tag_dir.mkdir(parents=True)
-            write_atomic(tag_dir / SAVING_FILE, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                            "run_id": run_of(root), "started": time.time()}) + "\n")
+        try:
+            if problem is None:
+                if tag_dir.exists():  # zerojax's own leftover: an interrupted save of this tag
+                    shutil.rmtree(tag_dir)
+                tag_dir.mkdir(parents=True)
+                write_atomic(tag_dir / SAVING_FILE, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                                "run_id": run_of(root), "started": time.time()}) + "\n")
+        except OSError as e:  # said on every process, none left in the barrier
+            problem = f"checkpoint {tag_dir}: cannot create the tag folder ({e.strerror or e}); save to a writable folder"
     _agree(problem)
     _sync("prepare")
 
