@@ -310,19 +310,60 @@ def test_existing_tag_is_never_overwritten(tmp_path) -> None:
         ckpt.save(tmp_path, "../x", state, plan)
 
 
-def test_incomplete_leftover_is_ignored_and_replaced(tmp_path) -> None:
+def test_incomplete_leftover_is_ignored_and_replaced(tmp_path, monkeypatch) -> None:
     plan, state = small_setup()
     ckpt.save(tmp_path, "global_step1", set_step(state, 1, plan), plan, async_save=False)
     leftover = tmp_path / "global_step2"
-    (leftover / "state.orbax-checkpoint-tmp-1").mkdir(parents=True)
-    (leftover / "state.orbax-checkpoint-tmp-1" / "junk").write_bytes(b"\0" * 100)
+    with monkeypatch.context() as m:  # the save is interrupted after orbax, before meta.json
+        m.setattr(ckpt.saving, "_commit", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(tmp_path, "global_step2", set_step(state, 2, plan), plan, async_save=False)
+    assert (leftover / ckpt.format.SAVING_FILE).is_file() and not (leftover / "meta.json").exists()
+    (leftover / "state.orbax-checkpoint-tmp-1").mkdir()
     assert ckpt.list_tags(tmp_path) == ["global_step1"] and ckpt.latest_tag(tmp_path) == "global_step1"
     with pytest.raises(ValueError, match="incomplete"):
         ckpt.load(tmp_path, "global_step2", plan)
     assert int(ckpt.load(tmp_path, None, plan)[0].step) == 1
-    ckpt.save(tmp_path, "global_step2", set_step(state, 2, plan), plan).wait()
+    ckpt.save(tmp_path, "global_step2", set_step(state, 2, plan), plan).wait()  # zerojax's own leftover: replaced
     assert not (leftover / "state.orbax-checkpoint-tmp-1").exists()
+    assert not (leftover / ckpt.format.SAVING_FILE).exists()  # complete: the in-progress mark is gone
     assert ckpt.list_tags(tmp_path) == ["global_step1", "global_step2"]
+
+
+def test_a_users_folder_in_the_way_is_never_deleted(tmp_path) -> None:
+    """A folder without meta.json that zerojax did not mark as its own interrupted save (a DeepSpeed tag,
+    the user's notes) is one error naming it, and every file stays."""
+    plan, state = small_setup()
+    mine = tmp_path / "global_step2"
+    mine.mkdir()
+    (mine / "mp_rank_00_model_states.pt").write_bytes(b"user's bytes")
+    with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint {mine} exists and is not a zerojax checkpoint "
+                                                   rf"\(no meta.json\) .* it is never deleted: move it away"):
+        ckpt.save(tmp_path, None, set_step(state, 2, plan), plan)
+    assert sorted(p.name for p in mine.iterdir()) == ["mp_rank_00_model_states.pt"]
+    assert (mine / "mp_rank_00_model_states.pt").read_bytes() == b"user's bytes"
+    assert not (tmp_path / "latest").exists()
+
+
+def test_retention_deletes_only_this_runs_tags(tmp_path, monkeypatch) -> None:
+    """max_to_keep prunes the tags of the run that saves (a resumed run is the same run), never another
+    run's nor a folder zerojax did not write."""
+    plan, state = small_setup(stage=0)
+    user = tmp_path / "notes"  # looks like a tag to a careless scan: meta.json with a step, and state/
+    (user / "state").mkdir(parents=True)
+    (user / "meta.json").write_text('{"step": 0, "what": "my own notes"}')
+    monkeypatch.setattr(ckpt.pending, "_RUNS", {}, raising=False)  # run A (a process of its own)
+    for k in (1, 2):
+        ckpt.save(tmp_path, None, set_step(state, k, plan), plan, async_save=False)
+    monkeypatch.setattr(ckpt.pending, "_RUNS", {}, raising=False)  # run B, another process, same folder
+    for k in (3, 4):
+        ckpt.save(tmp_path, None, set_step(state, k, plan), plan, async_save=False, max_to_keep=1)
+    assert ckpt.list_tags(tmp_path) == ["notes", "global_step1", "global_step2", "global_step4"]
+    monkeypatch.setattr(ckpt.pending, "_RUNS", {}, raising=False)  # run A resumed: its later saves prune its own tags
+    restored, _ = ckpt.load(tmp_path, "global_step2", plan)
+    ckpt.save(tmp_path, None, set_step(restored, 5, plan), plan, async_save=False, max_to_keep=1)
+    assert ckpt.list_tags(tmp_path) == ["notes", "global_step4", "global_step5"]
+    assert (user / "meta.json").read_text() == '{"step": 0, "what": "my own notes"}'
 
 
 def test_missing_and_wrong_model_errors(tmp_path, monkeypatch) -> None:

@@ -208,6 +208,12 @@ def test_train_py_resumes_a_deepspeed_folder_and_cli(tmp_path):
     done = run("-m", "zerojax.cli", "import-deepspeed", str(tmp_path / "ds"), str(tmp_path / "zj"), "--config",
                "configs/zero2.yaml", "--set", *sets)
     assert "--resume" in done.stdout and (tmp_path / "zj" / "global_step3" / "meta.json").is_file()
+    before = _files(tmp_path / "ds")  # into the DeepSpeed folder itself: refused, every file kept
+    refused = subprocess.run([sys.executable, "-m", "zerojax.cli", "import-deepspeed", str(tmp_path / "ds"),
+                              str(tmp_path / "ds"), "--config", "configs/zero2.yaml", "--set", *sets], env=env,
+                             capture_output=True, text=True, timeout=600, cwd=root)
+    assert refused.returncode == 2 and "never writes into the checkpoint it reads" in refused.stderr, refused.stderr
+    assert _files(tmp_path / "ds") == before
     run("-m", "zerojax.cli", "export", str(tmp_path / "zj"), "--format", "deepspeed", "--out", str(tmp_path / "sd.bin"))
     exported = torch_zip.load(tmp_path / "sd.bin")
     assert set(exported) == set(named)
@@ -250,3 +256,24 @@ def test_a_checkpoint_deepspeed_wrote_itself_on_every_route(tmp_path):
     assert set(exported) == set(reference) - {"lm_head.weight"}  # tied, as DeepSpeed saved it
     for name, value in exported.items():
         np.testing.assert_array_equal(value, reference[name], err_msg=name)
+
+
+def _files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_import_into_the_deepspeed_folder_itself_is_refused_keeping_every_file(tmp_path, run):
+    """`zerojax import-deepspeed SRC SRC` (or into SRC/sub, or a tag folder into its run folder) would land
+    on DeepSpeed's own tag folder and `latest`: refused before anything is read or written."""
+    import shutil
+    src = tmp_path / "ds"
+    shutil.copytree(run[0][2], src)
+    before = _files(src)
+    cfg, plan, _ = setup(0)
+    for source, destination in ((src, src), (src, src / "zerojax"), (src / f"global_step{N}", src),
+                                (src / f"global_step{N}", src / f"global_step{N}")):
+        with pytest.raises(DeepSpeedImportError, match=rf"import-deepspeed: the destination {destination} .*never "
+                                                       rf"writes into the checkpoint it reads"):
+            import_into(source, destination, plan, cfg)
+        assert _files(src) == before
+    assert not (src / "zerojax").exists()

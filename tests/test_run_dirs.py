@@ -52,6 +52,72 @@ def test_train_py_refuses_a_folder_another_run_holds(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing written into the other run's folder
 
 
+def _holder(folder: Path, key: str) -> subprocess.Popen:
+    """Another run's process holding `folder`'s lock until killed."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from zerojax.runtime.run_lock import RunLock
+        RunLock(Path({str(folder)!r}), {key!r}); print("held", flush=True); time.sleep(120)""")], cwd=ROOT,
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_run_on_one_checkpoint_dir_is_refused_up_front(tmp_path: Path) -> None:
+    """Two runs with their own output folders but one run.checkpoint_dir: the second is refused before
+    it builds or compiles anything, naming the lock and its holder, and leaves no folder behind."""
+    shared = tmp_path / "ckpt"
+    shared.mkdir()
+    holder = _holder(shared, "run.checkpoint_dir")
+    try:
+        proc = run("train.py", "--config", "configs/zero3.yaml", "--set", *SMALL, f"run.output_dir={tmp_path / 'b'}",
+                   f"run.checkpoint_dir={shared}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"run.checkpoint_dir: {shared} is in use by another run (process {holder.pid} on "
+            in proc.stderr), proc.stderr[-2000:]
+    assert f"lock {shared / LOCK_FILE}" in proc.stderr
+    assert sorted(p.name for p in shared.iterdir()) == [LOCK_FILE] and not (tmp_path / "b").exists()
+
+
+def test_a_save_into_a_folder_another_run_holds_is_refused(tmp_path: Path) -> None:
+    """The library's save (engine.save_checkpoint) asks too: another run's folder gets nothing."""
+    from test_checkpoint import small_setup
+    from zerojax import checkpoint as ckpt
+    plan, state = small_setup(stage=0)
+    holder = _holder(tmp_path, "run.checkpoint_dir")
+    try:
+        with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint directory {tmp_path} is in use by another run "
+                                                       rf"\(process {holder.pid} on "):
+            ckpt.save(tmp_path, "t", state, plan, async_save=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]
+    ckpt.save(tmp_path, "t", state, plan, async_save=False)  # the holder is gone: free again
+    assert ckpt.list_tags(tmp_path) == ["t"]
+
+
+def test_a_killed_holders_lock_is_taken_over_and_said(tmp_path: Path, capfd) -> None:
+    """A run killed with its lock held (SIGKILL, the scheduler's time limit) never blocks the resume:
+    the next run takes the lock over and says whose it was."""
+    code = (f"from pathlib import Path; from zerojax.runtime.run_lock import RunLock; "
+            f"RunLock(Path({str(tmp_path)!r}), 'run.checkpoint_dir'); import os; os._exit(9)")
+    dead = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    assert dead.wait() == 9
+    lock = RunLock(tmp_path, "run.checkpoint_dir")
+    err = capfd.readouterr().err
+    assert (f"run.checkpoint_dir: took over the lock {tmp_path / LOCK_FILE} left by process {dead.pid} on "
+            in err and "which is no longer running" in err), err
+    assert lock.taken_over is not None and lock.taken_over.startswith(f"process {dead.pid} on ")
+    lock.release()
+    RunLock(tmp_path, "run.checkpoint_dir").release()  # a clean release leaves nothing to take over
+    assert "took over" not in capfd.readouterr().err
+
+
 def test_a_failed_start_leaves_no_empty_folders(tmp_path: Path) -> None:
     tokens = tmp_path / "tiny.bin"
     np.arange(10, dtype=np.uint16).tofile(tokens)  # far too short for one batch

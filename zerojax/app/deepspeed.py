@@ -15,8 +15,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from zerojax.checkpoint.deepspeed_import import (DeepSpeedImportError, import_state, is_deepspeed_checkpoint,
-                                                 mapping_sources, read, save_imported, schedule_count)
+from zerojax.checkpoint.deepspeed_import import (DeepSpeedImportError, check_destination, import_state,
+                                                 is_deepspeed_checkpoint, mapping_sources, read, save_imported,
+                                                 schedule_count)
 from zerojax.config import Config
 from zerojax.core.layout import Plan
 
@@ -59,6 +60,7 @@ def import_into(source: str | os.PathLike, directory: str | os.PathLike, plan: P
     parameter names to the parameter tree."""
     from zerojax.checkpoint.format import leaf_names
 
+    check_destination(source, directory)  # before anything is read or written
     ckpt = read(source)
     sources = sources_for(config, ckpt.params, names, leaf_names(plan.abstract_params))
     state = import_state(ckpt, plan, sources, count=schedule_count(ckpt, _config_lbi(config)),

@@ -2,7 +2,9 @@
 
 Process 0 decides for every process (`choose`); a fresh run takes `run.output_dir`, or `-2`, `-3`, ...
 when a run already wrote there, and never writes into another run's checkpoints; a resumed run finds
-its folders from `--resume`.
+its folders from `--resume`. Process 0 holds a lock on both folders for the whole run, so a second run
+on the same checkpoint folder is refused before it compiles anything (the other processes of a run
+follow process 0's choice, `runtime.distributed.agreed`, and take no lock of their own).
 """
 from __future__ import annotations
 
@@ -53,17 +55,24 @@ def _refuse_existing_checkpoints(ckpt_dir: Path) -> None:
 
 
 class RunFolders(NamedTuple):
-    """A run's folders, the tag it resumes (or None), and the lock process 0 holds on the output folder."""
+    """A run's folders, the tag it resumes (or None), and the locks process 0 holds on the output
+    and checkpoint folders (one lock when they are the same folder)."""
     out: Path
     ckpt_dir: Path
     tag: str | None
     lock: RunLock | None
     created: tuple[Path, ...]   # folders this start made, deepest last
+    ckpt_lock: RunLock | None = None
+
+    def release(self, remove: bool = False) -> None:
+        """The run is over: both locks go (`remove`: their files too)."""
+        for lock in (self.ckpt_lock, self.lock):
+            if lock is not None:
+                lock.release(remove=remove)
 
     def abandon(self) -> None:
-        """A start that failed: the lock goes, and so do the folders it made that are still empty."""
-        if self.lock is not None:
-            self.lock.release(remove=True)
+        """A start that failed: the locks go, and so do the folders it made that are still empty."""
+        self.release(remove=True)
         for folder in reversed(self.created):
             try:
                 folder.rmdir()
@@ -84,13 +93,14 @@ def _missing(path: Path) -> list[Path]:
 def choose(config: Config, plan: Plan, resume: str | None, processes: int) -> RunFolders:
     """The run's folders, with every check done before any batch or compile: memory for this
     process's rows, the folders writable, a resume target that exists, and no other run writing to
-    the output folder (a lock held until the run ends). A check that fails leaves no new folder."""
+    the output folder or the checkpoint folder (locks held until the run ends; a lock a killed run
+    left is taken over, with a message). A check that fails leaves no new folder."""
     rows = plan.batch.train_batch_size
     check_memory(config, plan, rows // processes)
     base = Path(config.run.output_dir)
     shared = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else None
     created: list[Path] = []
-    lock = None
+    lock = ckpt_lock = None
     tag = None
     try:
         try:
@@ -106,17 +116,18 @@ def choose(config: Config, plan: Plan, resume: str | None, processes: int) -> Ru
             raise ConfigError(f"run.output_dir: cannot create {base} ({e.strerror or e}); choose a writable "
                               f"folder, e.g. --set run.output_dir=/path/you/own") from None
         check_writable(out, "run.output_dir")
-        lock = RunLock(out)
+        lock = RunLock.hold(out)
+        created += [p for p in _missing(ckpt_dir) if p not in created]
+        check_writable(ckpt_dir, "run.checkpoint_dir")
+        ckpt_lock = RunLock.hold(ckpt_dir, "run.checkpoint_dir")  # before reading it: no other run writes there
         if resume:
             check_resume_tag(ckpt_dir, tag, config.run.steps, config.run.save_every)
         else:
             _refuse_existing_checkpoints(ckpt_dir)
-        created += [p for p in _missing(ckpt_dir) if p not in created]
-        check_writable(ckpt_dir, "run.checkpoint_dir")
     except BaseException:
-        RunFolders(base, base, None, lock, tuple(created)).abandon()
+        RunFolders(base, base, None, lock, tuple(created), ckpt_lock).abandon()
         raise
-    return RunFolders(out, ckpt_dir, tag, lock, tuple(created))
+    return RunFolders(out, ckpt_dir, tag, lock, tuple(created), ckpt_lock)
 
 
 def resume_argument(config: Config, out: Path) -> str:

@@ -181,8 +181,7 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         _print_sample(config, engine)
     finally:
         for f in folders:
-            if f.lock is not None:
-                f.lock.release()
+            f.release()
     return summary
 
 

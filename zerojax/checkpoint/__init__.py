@@ -9,8 +9,9 @@ On disk (DeepSpeed's shape: one folder per tag and a `latest` pointer)::
                         the size and CRC-32 of every file under state/, and a CRC-32 of itself
 
 `meta.json` is written last, after orbax has committed, so it is the mark of a complete tag: a
-folder without it is the leftover of an interrupted save and is never listed, loaded or pointed
-at by `latest`. Its checksums make a complete tag verifiable: a file that was truncated, zeroed,
+folder without it is never listed, loaded or pointed at by `latest`. A save marks its folder with
+`.zerojax-saving` until meta.json is written; only such a leftover of an interrupted zerojax save is
+ever replaced, and retention deletes only tags of the run that saves (`run_id` in meta.json). Its checksums make a complete tag verifiable: a file that was truncated, zeroed,
 bit-flipped or removed after the save is an error at load and export, never silent garbage.
 A tag whose parameters are not finite is written (for inspection) but never becomes `latest`.
 Paths may be relative: they are made absolute once, where they enter this module. Arrays are stored under flat dotted names ("master.blocks.fc.kernel"), so

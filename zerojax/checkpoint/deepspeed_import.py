@@ -40,8 +40,8 @@ from zerojax.core.precision import init_loss_scale
 from zerojax.core.state import TrainState, _key_data, state_shardings
 from zerojax.optim.transforms import ScaleByMomentsState
 
-__all__ = ["DeepSpeedImportError", "DeepSpeedSource", "import_state", "is_deepspeed_checkpoint", "mapping_sources",
-           "read", "save_imported", "schedule_count"]
+__all__ = ["DeepSpeedImportError", "DeepSpeedSource", "check_destination", "import_state", "is_deepspeed_checkpoint",
+           "mapping_sources", "read", "save_imported", "schedule_count"]
 
 
 class DeepSpeedImportError(CheckpointError):
@@ -78,6 +78,21 @@ def is_deepspeed_checkpoint(path: PathLike) -> bool:
         tag = latest.read_text(errors="replace").strip()
         return bool(tag) and "/" not in tag and has_states(root / tag)
     return False
+
+
+def check_destination(source: PathLike, directory: PathLike) -> None:
+    """The zerojax folder an import writes must lie outside the DeepSpeed checkpoint: written into it,
+    the new tag (DeepSpeed's tag name by default) would land on DeepSpeed's own tag folder and `latest`
+    would replace DeepSpeed's pointer. Checked before anything is read or written."""
+    src = Path(os.path.realpath(os.path.expanduser(os.fspath(source))))
+    dst = Path(os.path.realpath(os.path.expanduser(os.fspath(directory))))
+    inside = dst == src or src in dst.parents
+    if inside or is_deepspeed_checkpoint(dst):
+        where = ("is the DeepSpeed checkpoint itself" if dst == src else "lies inside the DeepSpeed checkpoint "
+                 f"{src}" if inside else "holds a DeepSpeed checkpoint (its `latest` and tag folders)")
+        raise DeepSpeedImportError(f"import-deepspeed: the destination {dst} {where}; the import never writes "
+                                   f"into the checkpoint it reads: give a new folder for the zerojax checkpoint, "
+                                   f"e.g. {src.parent / (src.name + '-zerojax')}")
 
 
 def read(path: PathLike) -> DeepSpeedCheckpoint:

@@ -33,6 +33,9 @@ LATEST_FILE = "latest"
 PIPELINE_ROWS = "pipeline_rows"   # extra key: where a pipelined run's logical parameters sit in its rows
 
 
+SAVING_FILE = ".zerojax-saving"  # written first into a tag folder, removed once meta.json is: marks a save in progress
+
+
 FORMAT = "zerojax-checkpoint"
 
 

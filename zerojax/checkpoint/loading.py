@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.format import PIPELINE_ROWS, CheckpointError, FORMAT, META_FILE, PathLike, STATE_DIR, absolute, closing, leaf_names, named_leaves, state_fields
 from zerojax.checkpoint.integrity import corrupt_error, first_bad_file, read_meta
-from zerojax.checkpoint.pending import resolve_tag
+from zerojax.checkpoint.pending import continue_run, resolve_tag
 from zerojax.core.layout import Plan
 from zerojax.core.offload import to_device
 from zerojax.core.state import TrainState, abstract_state, init_state
@@ -175,6 +175,7 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
         fields = {"params": params, "master": truth if pol.mixed else None}
     for field in restored_fields:
         fields[field] = _unflatten(getattr(target, field), field, values)
+    continue_run(tag_dir.parent, meta)  # later saves here are the same run's: retention may prune its tags
     return TrainState(**fields), dict(meta.get("extra", {}))
 
 

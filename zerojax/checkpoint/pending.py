@@ -110,6 +110,25 @@ def _finish_at_exit() -> None:
         print(f"zerojax: {e}: {e.__cause__!r}", file=sys.stderr)
 
 
+_RUNS: dict[Path, str] = {}
+
+
+def run_of(root: Path) -> str:
+    """The id of the run this process continues in `root`: the one of the tag it loaded from there,
+    else a new one. Saves record it in meta.json; retention deletes only tags with this run's id."""
+    import uuid
+    with _PENDING_LOCK:
+        return _RUNS.setdefault(root.resolve(), uuid.uuid4().hex)
+
+
+def continue_run(root: Path, meta: dict) -> None:
+    """A load from `root`: this process continues the run that saved that tag (a tag written
+    before run ids existed leaves the id as it is)."""
+    if isinstance(meta.get("run_id"), str):
+        with _PENDING_LOCK:
+            _RUNS[root.resolve()] = meta["run_id"]
+
+
 def resolve_tag(root: Path, tag: str | None) -> Path:
     """The folder of a complete tag, or an error that names the path and what exists instead."""
     wait_pending(root)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import shutil
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -15,12 +17,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint.format import CheckpointError, FORMAT, LATEST_FILE, META_FILE, PathLike, STATE_DIR, VERSION, absolute, check_tag, closing, default_tag, describe_leaf, flatten_state, is_complete, latest_tag, leaf_names, meta_crc, named_leaves, is_primary_process, scan_tags, write_atomic
+from zerojax.checkpoint.format import CheckpointError, FORMAT, LATEST_FILE, META_FILE, PathLike, SAVING_FILE, STATE_DIR, VERSION, absolute, check_tag, closing, default_tag, describe_leaf, flatten_state, is_complete, latest_tag, leaf_names, meta_crc, named_leaves, is_primary_process, scan_tags, write_atomic
 from zerojax.checkpoint.integrity import file_checksums, nonfinite_params
-from zerojax.checkpoint.pending import PendingSave, track, wait_pending
+from zerojax.checkpoint.pending import PendingSave, run_of, track, wait_pending
 from zerojax.errors import ConfigError
 from zerojax.core.layout import Plan
 from zerojax.core.state import TrainState
+from zerojax.runtime.run_lock import LOCK_FILE, holder_elsewhere, pid_alive
 
 
 _SYNCS = iter(range(1 << 62))
@@ -35,14 +38,68 @@ def _sync(name: str) -> None:
         ocp.multihost.sync_global_processes(f"zerojax_checkpoint_{name}_{next(_SYNCS)}")
 
 
-def _prepare_tag_dir(tag_dir: Path) -> None:
+def _agree(problem: str | None) -> None:
+    """Process 0's verdict raised on every process, so none is left waiting in the next barrier."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        refused = bool(multihost_utils.broadcast_one_to_all(np.int32(problem is not None)))
+        if refused and problem is None:
+            problem = "process 0 refused this save (its error says why); nothing was written"
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _marker_writer(tag_dir: Path) -> str | None:
+    """The process on this host still writing the tag its marker names (None: that save is over)."""
+    try:
+        info = json.loads((tag_dir / SAVING_FILE).read_text())
+        pid, host = int(info["pid"]), str(info["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host == socket.gethostname() and pid != os.getpid() and pid_alive(pid):
+        return f"process {pid} on {host}"
+    return None
+
+
+def _refusal(root: Path, tag_dir: Path) -> str | None:
+    """Why process 0 must not write `tag_dir` (None: go ahead). Only a folder zerojax marked as its
+    own save in progress is ever replaced; anything else in the way is the user's and stays."""
+    holder = holder_elsewhere(root)
+    if holder is not None:
+        return (f"checkpoint directory {root} is in use by another run ({holder}; lock {root / LOCK_FILE}); "
+                f"two runs never save into one folder: wait for it to finish, or save elsewhere")
+    if not tag_dir.exists() and not tag_dir.is_symlink():
+        return None
+    if not tag_dir.is_dir() or not (tag_dir / SAVING_FILE).is_file():
+        return (f"checkpoint {tag_dir} exists and is not a zerojax checkpoint (no {META_FILE}) nor the "
+                f"leftover of an interrupted zerojax save (no {SAVING_FILE}); it is never deleted: move it "
+                f"away, or save under another tag")
+    writer = _marker_writer(tag_dir)
+    if writer is not None:
+        return (f"checkpoint {tag_dir} is being written by {writer}; two runs never save into one folder: "
+                f"wait for it to finish, or save under another tag")
+    return None
+
+
+def _prepare_tag_dir(root: Path, tag_dir: Path) -> None:
+    """The tag's folder, new and marked as a save in progress (`SAVING_FILE`, removed once meta.json
+    is written), after checking that nothing of the user's or of another run is in the way."""
     if is_complete(tag_dir):
         raise FileExistsError(f"checkpoint {tag_dir} already exists and is complete; it is never "
                               f"overwritten: save under another tag, or delete that folder first")
+    problem = None
     if is_primary_process():
-        if tag_dir.exists():  # leftover of an interrupted save of this tag
-            shutil.rmtree(tag_dir)
-        tag_dir.mkdir(parents=True)
+        problem = _refusal(root, tag_dir)
+        try:
+            if problem is None:
+                if tag_dir.exists():  # zerojax's own leftover: an interrupted save of this tag
+                    shutil.rmtree(tag_dir)
+                tag_dir.mkdir(parents=True)
+                write_atomic(tag_dir / SAVING_FILE, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                                "run_id": run_of(root), "started": time.time()}) + "\n")
+        except OSError as e:  # said on every process, none left in the barrier
+            problem = f"checkpoint {tag_dir}: cannot create the tag folder ({e.strerror or e}); save to a writable folder"
+    _agree(problem)
     _sync("prepare")
 
 
@@ -73,9 +130,10 @@ def _commit(root: Path, tag: str, meta: dict[str, Any], max_to_keep: int | None,
         meta = {**meta, "files": file_checksums(tag_dir)}
         meta["meta_crc32"] = meta_crc(meta)
         write_atomic(tag_dir / META_FILE, json.dumps(meta, indent=1) + "\n")
+        (tag_dir / SAVING_FILE).unlink(missing_ok=True)  # complete: no longer an in-progress save
         if meta["finite"]:
             write_atomic(root / LATEST_FILE, tag + "\n")
-        prune(root, max_to_keep, keep_every_n_steps)
+        prune(root, max_to_keep, keep_every_n_steps, run_id=meta["run_id"])
     # No process returns before process 0 has written meta.json and `latest`: a load right after
     # (tag None) resolves the same tag on every process. This may run in a save's background
     # thread, so: the coordination service's barrier, never an XLA collective (one issued here
@@ -96,7 +154,9 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
     `extra` must be JSON-serializable (client state, data position, resolved config...); it comes
     back from `load`. With `async_save` this returns once the arrays are copied off the devices,
     so the caller may donate or update `state` right away. Retention (`prune`) runs after the tag
-    completes. An existing complete tag raises FileExistsError; an incomplete leftover is replaced.
+    completes, and deletes only this run's tags. An existing complete tag raises FileExistsError; the
+    leftover of an interrupted zerojax save (marked by SAVING_FILE) is replaced; any other folder in
+    the way, or a folder another run holds (its lock), is one CheckpointError: nothing is deleted.
     Parameters holding NaN or inf are still written, flagged in meta.json (`finite: false`) with a
     warning, but the tag never becomes `latest`.
     """
@@ -119,9 +179,9 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
         warnings.warn(f"checkpoint {root / tag}: parameters are not finite ({', '.join(nonfinite[:5])}"
                       f"{' ...' if len(nonfinite) > 5 else ''}); the tag is written and flagged in {META_FILE}, "
                       f"but `latest` keeps naming {latest_tag(root)}", RuntimeWarning, stacklevel=2)
-    meta = _save_meta(state, plan, tag, arrays, extra, nonfinite)
+    meta = {**_save_meta(state, plan, tag, arrays, extra, nonfinite), "run_id": run_of(root)}
     tag_dir = root / tag
-    _prepare_tag_dir(tag_dir)
+    _prepare_tag_dir(root, tag_dir)
 
     handler = ocp.PyTreeCheckpointHandler()
     if not async_save:
@@ -146,21 +206,30 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
 
 
 def prune(directory: PathLike, max_to_keep: int | None = None,
-          keep_every_n_steps: int | None = None) -> list[str]:
+          keep_every_n_steps: int | None = None, *, run_id: str | None = None) -> list[str]:
     """Delete old complete tags: keep the newest `max_to_keep`, every multiple of
-    `keep_every_n_steps`, and always the tag `latest` resolves to. Returns the deleted tags."""
+    `keep_every_n_steps`, and always the tag `latest` resolves to. Returns the deleted tags.
+
+    Only zerojax checkpoints are candidates (a folder with a meta.json of this format), and with
+    `run_id` (as after each save) only the tags that run wrote: another run's tags, and tags from
+    before run ids, are never deleted by a run's retention."""
     if max_to_keep is None:
         return []
     if max_to_keep < 1:
         raise ConfigError(f"prune: max_to_keep must be >= 1, got {max_to_keep}")
     root = absolute(directory)
-    tags = scan_tags(root)
+    tags = [(tag, meta) for tag, meta in scan_tags(root)
+            if meta.get("format") == FORMAT and (run_id is None or meta.get("run_id") == run_id)]
     keep = {tag for tag, _ in tags[-max_to_keep:]} | {latest_tag(root)}
     deleted = []
     for tag, meta in tags:
         if tag in keep or (keep_every_n_steps and int(meta["step"]) % keep_every_n_steps == 0):
             continue
-        (root / tag / META_FILE).unlink()  # first make it incomplete, so a half-deleted tag is never loaded
+        # first mark it as zerojax's work in progress, then make it incomplete (a half-deleted tag is
+        # never loaded, and a later save of this tag may replace what is left)
+        write_atomic(root / tag / SAVING_FILE, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                          "deleting": True}) + "\n")
+        (root / tag / META_FILE).unlink()
         shutil.rmtree(root / tag)
         deleted.append(tag)
     return deleted

@@ -17,7 +17,9 @@ class CheckpointConfig:
     use_node_local_storage: bool = option(False, "Accepted, unused.")
     async_save: bool = option(False, "Write checkpoints in the background (a save returns before it is "
                                      "durable; finished at exit).")
-    max_to_keep: Optional[int] = option(None, "Keep at most this many checkpoints (None: all).", gt=0)
+    max_to_keep: Optional[int] = option(None, "Keep at most this many checkpoints of this run (None: all); "
+                                              "another run's tags and folders zerojax did not write are never "
+                                              "deleted.", gt=0)
     keep_every_n_steps: Optional[int] = option(None, "Also keep every checkpoint at a multiple of this step.",
                                                gt=0)
 
