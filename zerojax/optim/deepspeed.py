@@ -18,7 +18,7 @@ used by the latest update are in `state.hyperparams`.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +26,12 @@ import optax
 
 from zerojax.config import (CLIENT_OPTIMIZER, AdagradParams, Config, LambParams, LionParams, OptimizerConfig,
                             SGDParams)
+from zerojax.config.schema.optimizer import MuonParams, base_lr
 from zerojax.errors import ConfigError
 from zerojax.optim.schedules import make_schedule
 from zerojax.optim.transforms import (AdamSettings, Groups, LrSchedule, decay_by_name, scale_by_adagrad,
-                                      scale_by_clamped_trust_ratio, scale_by_moments, scale_lr_by_name,
+                                      muon_labels, scale_by_clamped_trust_ratio, scale_by_label,
+                                      scale_by_moments, scale_by_muon_with_adam, scale_lr_by_name,
                                       torch_momentum)
 
 __all__ = ["make_optimizer", "param_groups", "update_rule", "adam_settings", "CLIENT", "has_betas", "is_elementwise",
@@ -47,9 +49,10 @@ Factory = Callable[..., optax.GradientTransformation]
 _WITH_BETAS = frozenset({"adam", "adamw", "lamb", "lion"})
 
 
-# Optimizers whose update reads whole tensors (LAMB's trust ratio is a norm per parameter tensor):
-# they cannot run shard by shard on the host, nor on a pipeline's flat stage rows.
-PER_TENSOR_OPTIMIZERS = frozenset({"lamb"})
+# Optimizers whose update reads whole tensors (LAMB's trust ratio is a norm per parameter tensor, Muon
+# orthogonalises whole matrices): they cannot run shard by shard on the host, nor on a pipeline's flat
+# stage rows.
+PER_TENSOR_OPTIMIZERS = frozenset({"lamb", "muon"})
 
 
 def is_elementwise(optimizer_type: str) -> bool:
@@ -146,7 +149,28 @@ def _sgd(p: SGDParams, groups: Groups | None = None) -> Factory:
     return factory
 
 
-def _factory(config: OptimizerConfig) -> Factory:
+def _muon(p: MuonParams, groups: Groups | None, layer_axes: Any, relative: bool) -> Factory:
+    """DeepSpeed's MuonWithAuxAdam: Muon for the hidden matrices, Adam (bias-corrected, decoupled decay)
+    for the rest, each group at its own lr. `learning_rate` is the schedule of base_lr(p); each group
+    runs at it times group lr / base when `relative` (no scheduler, or WarmupCosineLR, which scales
+    each torch param group's own lr), else at it (DeepSpeed's other schedulers write one lr into every
+    group)."""
+    base = base_lr(p)
+    muon_scale = p.muon_rate / base if relative and base else 1.0
+    adam_scale = p.adam_rate / base if relative and base else 1.0
+    b1, b2 = p.betas
+
+    def labels(params: Any) -> Any:
+        return muon_labels(params, layer_axes)
+
+    def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
+        return optax.chain(scale_by_muon_with_adam(p.momentum, p.ns_method, b1, b2, p.eps, labels),
+                           *_decay(p.weight_decay, groups), optax.scale_by_learning_rate(learning_rate),
+                           scale_by_label(labels, {"muon": muon_scale, "adam": adam_scale}), *_lr_scales(groups))
+    return factory
+
+
+def _factory(config: OptimizerConfig, layer_axes: Any = None, relative: bool = True) -> Factory:
     kind, p = config.type.lower(), config.params
     adam = adam_settings(config)
     groups = param_groups(config)
@@ -160,18 +184,23 @@ def _factory(config: OptimizerConfig) -> Factory:
         return _adagrad(p, groups)
     if kind == "sgd":
         return _sgd(p, groups)
+    if kind == "muon":
+        return _muon(p, groups, layer_axes, relative)
     raise ConfigError(f"optimizer.type: unknown optimizer '{config.type}'")
 
 
 def make_optimizer(config: OptimizerConfig, lr: ScheduleFn, beta1: ScheduleFn | None = None,
-                   beta2: ScheduleFn | None = None) -> optax.GradientTransformation:
+                   beta2: ScheduleFn | None = None, *, layer_axes: Any = None,
+                   relative_lr: bool = True) -> optax.GradientTransformation:
     """The optax transformation for DeepSpeed's optimizer `config`, driven by per-update schedules.
 
     `lr(count)` replaces params.lr (the scheduler owns the lr, as in DeepSpeed). `beta1` / `beta2`,
     when given, replace betas[0] / betas[1] per update for optimizers with betas; SGD and Adagrad have
     none, so DeepSpeed's OneCycle leaves their momentum alone and so does this (with a warning).
+    Muon only: `layer_axes` (plan's) tells a stacked layer axis from a matrix dimension, and
+    `relative_lr` whether the schedule scales each group's own lr (see `_muon`).
     """
-    factory = _factory(config)
+    factory = _factory(config, layer_axes, relative_lr)
     kind = config.type.lower()
     wrap = optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)
     if kind not in _WITH_BETAS:
@@ -199,7 +228,7 @@ _NO_OPTIMIZER = (
 
 
 def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
-                lr_scheduler: ScheduleFn | None = None
+                lr_scheduler: ScheduleFn | None = None, layer_axes: Any = None
                 ) -> tuple[optax.GradientTransformation, LrSchedule, OptimizerConfig]:
     """The transformation, its schedule and the optimizer config a plan records.
 
@@ -217,8 +246,10 @@ def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
         if section is None:
             raise ConfigError(_NO_OPTIMIZER)
         betas = section.params.betas if has_betas(section.type) else None
-        schedule = make_schedule(config.scheduler, section.params.lr, base_betas=betas)
-        return make_optimizer(section, schedule.lr, schedule.beta1, schedule.beta2), schedule, section
+        schedule = make_schedule(config.scheduler, base_lr(section.params), base_betas=betas)
+        relative = config.scheduler is None or config.scheduler.type == "WarmupCosineLR"
+        return make_optimizer(section, schedule.lr, schedule.beta1, schedule.beta2, layer_axes=layer_axes,
+                              relative_lr=relative), schedule, section
     if section is not None:
         log.warning("optimizer: the config's %s section is not used: the optimizer passed in code is, as "
                     "DeepSpeed uses its client optimizer", section.type)
