@@ -17,12 +17,14 @@ used by the latest update are in `state.hyperparams`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.config import (CLIENT_OPTIMIZER, AdagradParams, Config, LambParams, LionParams, OptimizerConfig,
                             SGDParams)
@@ -149,7 +151,7 @@ def _sgd(p: SGDParams, groups: Groups | None = None) -> Factory:
     return factory
 
 
-def _muon(p: MuonParams, groups: Groups | None, layer_axes: Any, relative: bool) -> Factory:
+def _muon(p: MuonParams, groups: Groups | None, layer_axes: Any, relative: bool, whole: Any = None) -> Factory:
     """DeepSpeed's MuonWithAuxAdam: Muon for the hidden matrices, Adam (bias-corrected, decoupled decay)
     for the rest, each group at its own lr. `learning_rate` is the schedule of base_lr(p); each group
     runs at it times group lr / base when `relative` (no scheduler, or WarmupCosineLR, which scales
@@ -164,13 +166,14 @@ def _muon(p: MuonParams, groups: Groups | None, layer_axes: Any, relative: bool)
         return muon_labels(params, layer_axes)
 
     def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
-        return optax.chain(scale_by_muon_with_adam(p.momentum, p.ns_method, b1, b2, p.eps, labels),
+        return optax.chain(scale_by_muon_with_adam(p.momentum, p.ns_method, b1, b2, p.eps, labels,
+                                                   whole=whole),
                            *_decay(p.weight_decay, groups), optax.scale_by_learning_rate(learning_rate),
                            scale_by_label(labels, {"muon": muon_scale, "adam": adam_scale}), *_lr_scales(groups))
     return factory
 
 
-def _factory(config: OptimizerConfig, layer_axes: Any = None, relative: bool = True) -> Factory:
+def _factory(config: OptimizerConfig, layer_axes: Any = None, relative: bool = True, whole: Any = None) -> Factory:
     kind, p = config.type.lower(), config.params
     adam = adam_settings(config)
     groups = param_groups(config)
@@ -185,22 +188,23 @@ def _factory(config: OptimizerConfig, layer_axes: Any = None, relative: bool = T
     if kind == "sgd":
         return _sgd(p, groups)
     if kind == "muon":
-        return _muon(p, groups, layer_axes, relative)
+        return _muon(p, groups, layer_axes, relative, whole)
     raise ConfigError(f"optimizer.type: unknown optimizer '{config.type}'")
 
 
 def make_optimizer(config: OptimizerConfig, lr: ScheduleFn, beta1: ScheduleFn | None = None,
                    beta2: ScheduleFn | None = None, *, layer_axes: Any = None,
-                   relative_lr: bool = True) -> optax.GradientTransformation:
+                   relative_lr: bool = True, whole: Any = None) -> optax.GradientTransformation:
     """The optax transformation for DeepSpeed's optimizer `config`, driven by per-update schedules.
 
     `lr(count)` replaces params.lr (the scheduler owns the lr, as in DeepSpeed). `beta1` / `beta2`,
     when given, replace betas[0] / betas[1] per update for optimizers with betas; SGD and Adagrad have
     none, so DeepSpeed's OneCycle leaves their momentum alone and so does this (with a warning).
     Muon only: `layer_axes` (plan's) tells a stacked layer axis from a matrix dimension, and
-    `relative_lr` whether the schedule scales each group's own lr (see `_muon`).
+    `relative_lr` whether the schedule scales each group's own lr (see `_muon`), and `whole(x)` makes a
+    ZeRO-sharded matrix whole before its Newton-Schulz iteration (`update_rule` builds it from the mesh).
     """
-    factory = _factory(config, layer_axes, relative_lr)
+    factory = _factory(config, layer_axes, relative_lr, whole)
     kind = config.type.lower()
     wrap = optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)
     if kind not in _WITH_BETAS:
@@ -228,7 +232,7 @@ _NO_OPTIMIZER = (
 
 
 def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
-                lr_scheduler: ScheduleFn | None = None, layer_axes: Any = None
+                lr_scheduler: ScheduleFn | None = None, layer_axes: Any = None, mesh: Any = None
                 ) -> tuple[optax.GradientTransformation, LrSchedule, OptimizerConfig]:
     """The transformation, its schedule and the optimizer config a plan records.
 
@@ -248,8 +252,9 @@ def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
         betas = section.params.betas if has_betas(section.type) else None
         schedule = make_schedule(config.scheduler, base_lr(section.params), base_betas=betas)
         relative = config.scheduler is None or config.scheduler.type == "WarmupCosineLR"
+        whole = None if mesh is None else functools.partial(_replicated, NamedSharding(mesh, PartitionSpec()))
         return make_optimizer(section, schedule.lr, schedule.beta1, schedule.beta2, layer_axes=layer_axes,
-                              relative_lr=relative), schedule, section
+                              relative_lr=relative, whole=whole), schedule, section
     if section is not None:
         log.warning("optimizer: the config's %s section is not used: the optimizer passed in code is, as "
                     "DeepSpeed uses its client optimizer", section.type)
@@ -272,6 +277,11 @@ def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
                           "transformation itself (optimizer=optax.adamw(3e-4))")
     tx = optax.inject_hyperparams(optimizer, hyperparam_dtype=jnp.float32)(learning_rate=schedule.lr)
     return tx, schedule, client
+
+
+def _replicated(sharding: NamedSharding, x: jax.Array) -> jax.Array:
+    """x whole on every device: under jit XLA gathers it once (a no-op when it already is)."""
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def _unknown_lr(count: jax.Array | int) -> jax.Array:

@@ -213,10 +213,15 @@ def newton_schulz(g: jax.Array, steps: int = 5, method: str = "standard") -> jax
 
 
 def _muon_direction(g: jax.Array, m: jax.Array, momentum: float, ns_steps: int, ns_method: str,
-                    nesterov: bool = True) -> jax.Array:
+                    nesterov: bool = True, whole: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     u = (1 - momentum) * g + momentum * m if nesterov else m
+    if whole is not None:  # one all-gather of the matrix instead of collectives inside every NS product
+        u = whole(u)
     scale = max(1.0, g.shape[-1] / g.shape[-2]) ** 0.5
-    return (newton_schulz(u, ns_steps, ns_method) * scale).astype(g.dtype)
+    x = newton_schulz(u, ns_steps, ns_method)
+    if whole is not None:  # and the iteration stays whole: XLA would otherwise pull the shard's layout into it
+        x = whole(x)
+    return (x * scale).astype(g.dtype)
 
 
 class MuonState(NamedTuple):
@@ -260,11 +265,13 @@ def _empty(x: Any) -> jax.Array:
 
 
 def scale_by_muon_with_adam(momentum: float, ns_method: str, b1: float, b2: float, eps: float,
-                            labels: Callable[[Any], Any], ns_steps: int = 5) -> optax.GradientTransformation:
+                            labels: Callable[[Any], Any], ns_steps: int = 5,
+                            whole: Callable[[jax.Array], jax.Array] | None = None) -> optax.GradientTransformation:
     """DeepSpeed's MuonWithAuxAdam direction: Muon's for the leaves `labels(params)` calls "muon",
     bias-corrected Adam's (eps outside the square root, as its adam_update) for the others. One
     transformation with parameter-shaped state (rather than optax.multi_transform's masked trees), so
-    the plan places every buffer as its parameter's update shard."""
+    the plan places every buffer as its parameter's update shard. `whole(u)` (the plan's: a
+    replicated sharding constraint) makes each ZeRO shard's matrix whole before the iteration."""
     def init_fn(params: optax.Params) -> MuonAdamState:
         lab = labels(params)
         mine = lambda want: lambda x, l: jnp.zeros_like(x) if l == want else _empty(x)  # noqa: E731
@@ -286,7 +293,7 @@ def scale_by_muon_with_adam(momentum: float, ns_method: str, b1: float, b2: floa
 
         def direction(g: jax.Array, m: jax.Array, a: jax.Array, v: jax.Array, l: str) -> jax.Array:
             if l == "muon":
-                return _muon_direction(g, m, momentum, ns_steps, ns_method)
+                return _muon_direction(g, m, momentum, ns_steps, ns_method, whole=whole)
             return (a / c1) / (jnp.sqrt(v / c2) + eps)
         out = jax.tree.map(direction, updates, mom, mu, nu, lab)
         return out, MuonAdamState(count=count, momentum=mom, mu=mu, nu=nu)

@@ -63,7 +63,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     if logical_axes is None:
         logical_axes = getattr(params, "logical_axes", None)
     params = abstract_params(params)
-    tx, schedule, opt = update_rule(config, optimizer, lr_scheduler, layer_axes=_stacked_axes(layer_axes, params))
+    tx, schedule, opt = update_rule(config, optimizer, lr_scheduler, layer_axes=_stacked_axes(layer_axes, params),
+                                    mesh=mesh)
     config = dataclasses.replace(config, optimizer=opt)  # "client" for an optimizer from code
     if STAGE in mesh.shape and mesh.shape[STAGE] > 1 and lead != STAGE:
         raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
