@@ -84,13 +84,15 @@ def test_labels_follow_deepspeed_and_the_layer_axes() -> None:
                    "head": {"kernel": "adam"}, "pos": "adam"}
 
 
+LAYER_AXES = {"layers": 1, "w_in": 0, "b_in": 0, "w_out": 0, "b_out": 0}
+
+
 def _train(stage: int, n: int, steps: int = 3) -> tuple[dict, zerojax.Plan]:
     cfg = h.make_config(stage, optimizer={**MUON, "params": {**MUON["params"], "ns_method": "gram"}},
                         zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0,
                                            "save_muon_momentum_buffer_in_memory": True})
     params = h.mlp_params(0, divisible=True)
-    p = zerojax.plan(cfg, h.data_mesh(n), params, layer_axes={"layers": 1, "w_in": 0, "b_in": 0, "w_out": 0,
-                                                               "b_out": 0})
+    p = zerojax.plan(cfg, h.data_mesh(n), params, layer_axes=LAYER_AXES)
     state = zerojax.init_state(cfg, p, params)
     step = zerojax.make_train_step(cfg, p, h.layerwise_loss)
     for s in range(steps):
@@ -104,12 +106,14 @@ def test_zero_stage_on_8_devices_trains_as_one_device(stage: int) -> None:
     got, p = _train(stage, 8)
     h.assert_tree_close(got, want, rtol=2e-4, atol=2e-5)
     # memory: one fp32 momentum per Muon matrix, two moments per Adam leaf (fp32 run: no master copy)
-    labels = muon_labels(h.mlp_params(0, divisible=True), {"layers": 1, "w_in": 0, "b_in": 0, "w_out": 0,
-                                                            "b_out": 0})
+    labels = muon_labels(h.mlp_params(0, divisible=True), LAYER_AXES)
     sizes = jax.tree.map(np.size, h.mlp_params(0, divisible=True))
     per_param = sum(4 * s if l == "muon" else 8 * s for s, l in zip(jax.tree.leaves(sizes), jax.tree.leaves(labels)))
     assert labels["layers"] == {"w": "muon", "b": "adam"} and labels["w_out"] == "muon"
-    assert p.report().formula_optimizer == pytest.approx(per_param / (8 if stage else 1))
+    report = p.report()
+    assert report.formula_optimizer == pytest.approx(per_param / (8 if stage else 1))
+    assert report.optimizer - report.formula_optimizer < 64  # allocated: the same, plus the step counters
+    assert p.opt_state_shardings.inner_state[0].momentum["b_in"] is None  # an Adam leaf keeps no momentum
 
 
 def test_deepspeed_keys_load_and_a_bad_ns_method_is_one_error() -> None:
@@ -123,3 +127,35 @@ def test_deepspeed_keys_load_and_a_bad_ns_method_is_one_error() -> None:
     with pytest.raises(zerojax.ConfigError, match=r"^optimizer\.params\.ns_method: 'newton' is not one of gram, "
                                                   r"standard$"):
         zerojax.load_config(bad)
+
+
+def test_estimate_counts_one_momentum_per_matrix_and_two_moments_for_the_rest() -> None:
+    from zerojax.tools.estimate import _role_bytes, embedded_model
+    raw = {"train_batch_size": 8, "bf16": {"enabled": True}, "optimizer": {"type": "Muon", "params": {"lr": 1e-3}},
+           "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16, "vocab_size": 64}}
+    cfg = zerojax.load_config(raw)
+    model = embedded_model(cfg)
+    labels = muon_labels(model.abstract_params, {k: int(k == "blocks") for k in model.abstract_params})
+    sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(model.abstract_params)]
+    assert set(jax.tree.leaves(labels)) == {"muon", "adam"}
+    state = sum(4 * s if l == "muon" else 8 * s for s, l in zip(sizes, jax.tree.leaves(labels)))
+    assert _role_bytes(cfg, model)[0].optimizer == pytest.approx(4 + state / sum(sizes))  # + the fp32 master
+    assert _role_bytes(zerojax.load_config({**raw, "optimizer": {"type": "AdamW"}}), model)[0].optimizer == 12
+
+
+def test_stage_3_gathers_each_muon_matrix_once() -> None:
+    """The replicated constraint around the iteration: Muon's extra traffic over AdamW is one fp32
+    all-gather of its matrices (without it XLA splits every product and moves ~13x that)."""
+    from zerojax.core.hlo import collectives, summarize
+    params = h.mlp_params(0, divisible=True)
+
+    def sent(optimizer: dict) -> float:
+        cfg = h.make_config(3, optimizer=optimizer)
+        p = zerojax.plan(cfg, h.data_mesh(), params, layer_axes=LAYER_AXES)
+        step = zerojax.make_train_step(cfg, p, h.layerwise_loss)
+        text = step.lower(zerojax.init_state(cfg, p, params), h.make_batch(32, 0)).compile().as_text()
+        return summarize(collectives(text))["bytes"]
+    labels, sizes = jax.tree.leaves(muon_labels(params, LAYER_AXES)), [x.size for x in jax.tree.leaves(params)]
+    muon_elements = sum(s for s, l in zip(sizes, labels) if l == "muon")
+    extra = sent(MUON) - sent({"type": "AdamW", "params": {"lr": 0.01}})
+    assert extra == pytest.approx(4 * muon_elements * 7 / 8)

@@ -252,16 +252,12 @@ def scale_by_muon(momentum: float, ns_method: str = "gram", ns_steps: int = 5,
 
 class MuonAdamState(NamedTuple):
     """MuonWithAuxAdam's state, every tree shaped like the parameters: `momentum` holds the Muon
-    matrices' buffers, `mu` / `nu` the Adam leaves' moments, and a leaf of the other group holds an
-    empty array of its rank (no bytes, and the parameter's sharding still applies to it)."""
+    matrices' buffers, `mu` / `nu` the Adam leaves' moments, and a leaf of the other group holds None
+    (no bytes; the plan places the others as their parameters' update shards)."""
     count: jax.Array
     momentum: optax.Updates
     mu: optax.Updates
     nu: optax.Updates
-
-
-def _empty(x: Any) -> jax.Array:
-    return jnp.zeros((0,) * len(x.shape), x.dtype)
 
 
 def scale_by_muon_with_adam(momentum: float, ns_method: str, b1: float, b2: float, eps: float,
@@ -274,7 +270,7 @@ def scale_by_muon_with_adam(momentum: float, ns_method: str, b1: float, b2: floa
     replicated sharding constraint) makes each ZeRO shard's matrix whole before the iteration."""
     def init_fn(params: optax.Params) -> MuonAdamState:
         lab = labels(params)
-        mine = lambda want: lambda x, l: jnp.zeros_like(x) if l == want else _empty(x)  # noqa: E731
+        mine = lambda want: lambda x, l: jnp.zeros_like(x) if l == want else None  # noqa: E731
         return MuonAdamState(count=jnp.zeros([], jnp.int32), momentum=jax.tree.map(mine("muon"), params, lab),
                              mu=jax.tree.map(mine("adam"), params, lab), nu=jax.tree.map(mine("adam"), params, lab))
 
