@@ -70,8 +70,9 @@ class SGDParams:
 class MuonParams:
     """Muon (DeepSpeed's MuonWithAuxAdam): Newton-Schulz orthogonalised momentum for the hidden
     matrices, Adam for embeddings, the head, norms and biases. Defaults are DeepSpeed's code defaults."""
-    lr: Optional[float] = option(None, "Learning rate of both groups unless muon_lr / adam_lr is given (then "
-                                       "DeepSpeed's defaults: 0.02 for Muon, 3e-4 for Adam).", ge=0)
+    lr: Optional[float] = option(None, "Learning rate of both groups where muon_lr / adam_lr is not given; without "
+                                       "it and them, MuonWithAuxAdam's 0.02 (Muon) and 3e-4 (Adam). A "
+                                       "scheduler starts from lr (or, without it, the Muon lr).", ge=0)
     momentum: float = option(0.95, "Muon's momentum (Nesterov form, as DeepSpeed's muon_update).", ge=0, le=1)
     weight_decay: float = option(0.0, "Decoupled weight decay of both groups: p *= 1 - lr * wd.", ge=0)
     muon_lr: Optional[float] = option(None, "Learning rate of the Muon matrices; overrides lr.", ge=0)
