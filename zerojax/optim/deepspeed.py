@@ -252,7 +252,7 @@ def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
         betas = section.params.betas if has_betas(section.type) else None
         schedule = make_schedule(config.scheduler, base_lr(section.params), base_betas=betas)
         relative = config.scheduler is None or config.scheduler.type == "WarmupCosineLR"
-        whole = None if mesh is None else functools.partial(_replicated, NamedSharding(mesh, PartitionSpec()))
+        whole = None if mesh is None else functools.partial(_whole_matrices, mesh)
         return make_optimizer(section, schedule.lr, schedule.beta1, schedule.beta2, layer_axes=layer_axes,
                               relative_lr=relative, whole=whole), schedule, section
     if section is not None:
@@ -279,9 +279,12 @@ def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
     return tx, schedule, client
 
 
-def _replicated(sharding: NamedSharding, x: jax.Array) -> jax.Array:
-    """x whole on every device: under jit XLA gathers it once (a no-op when it already is)."""
-    return jax.lax.with_sharding_constraint(x, sharding)
+def _whole_matrices(mesh: Any, x: jax.Array) -> jax.Array:
+    """x with its last two dimensions whole on every device (under jit XLA gathers them once, nothing
+    when they already are); leading dimensions (stacked layers, experts) keep whatever split they have,
+    so each device holds whole matrices, not the whole stack."""
+    spec = PartitionSpec(*[PartitionSpec.UNCONSTRAINED] * (x.ndim - 2), None, None)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _unknown_lr(count: jax.Array | int) -> jax.Array:
