@@ -2,13 +2,14 @@
 
 Each optimizer reproduces the update of the implementation DeepSpeed's engine builds for the config
 (`_configure_basic_optimizer`): FusedAdam (or torch's Adam/AdamW with `torch_adam`, which computes the
-same update), FusedLamb, torch.optim.Adagrad, FusedLion and torch.optim.SGD. Where those differ from
+same update), FusedLamb, torch.optim.Adagrad, FusedLion, torch.optim.SGD and MuonWithAuxAdam. Where those differ from
 optax's stock optimizers (torch's eps placement in Adagrad, SGD's first-step momentum buffer and
 dampening, Adam without bias correction, Lamb's clamped trust ratio) the update is written out here.
 
 The returned transformation takes gradients that are already averaged, unscaled and clipped; it needs
-`params` in `update` (weight decay and Lamb read them). Everything is elementwise or a per-leaf norm,
-so it runs unchanged on ZeRO-sharded fp32 master weights under `jax.jit`.
+`params` in `update` (weight decay and Lamb read them). Everything but Muon is elementwise or a
+per-leaf norm, so it runs unchanged on ZeRO-sharded fp32 master weights under `jax.jit`; Muon makes
+each matrix whole inside the update (docs/zero.md).
 
 Per-update hyperparameters come in as schedules of optax's update count (0 for the first update):
 `lr(count)`, and for optimizers with betas `beta1(count)` / `beta2(count)` (DeepSpeed's OneCycle

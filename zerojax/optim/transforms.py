@@ -2,8 +2,9 @@
 
 What DeepSpeed's optimizers compute that optax's stock ones do not, in exactly torch's form: Adam's
 moments with or without bias correction, LAMB's clamped trust ratio, torch's Adagrad and SGD
-momentum, weight decay and lr scales per parameter name. Everything is elementwise or a per-leaf
-norm, so it runs unchanged on ZeRO-sharded fp32 master weights under `jax.jit`. Which of them a
+momentum, weight decay and lr scales per parameter name, and DeepSpeed's Muon. Everything but Muon
+is elementwise or a per-leaf norm, so it runs unchanged on ZeRO-sharded fp32 master weights under
+`jax.jit`; Muon's Newton-Schulz iteration takes whole matrices (its `whole` hook gathers them). Which of them a
 DeepSpeed config builds is `zerojax.optim.deepspeed`'s business.
 """
 from __future__ import annotations
