@@ -207,8 +207,6 @@ def test_legacy_fusion_is_ignored_with_one_warning() -> None:
 
 
 def test_parameters_of_refused_optimizer_types_are_refused_with_their_type() -> None:
-    with pytest.raises(zerojax.ConfigError, match=r"^optimizer\.type: Muon: DeepSpeed's Muon .* is not built"):
-        zerojax.load_config({**BASE, "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 1e-3}}})
     with pytest.raises(zerojax.ConfigError, match=r"^optimizer\.type: OneBitAdam \(1-bit"):
         zerojax.load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}}})
     assert all(v.startswith(REFUSED) for v in OTHER_KEY_STATUS.values())

@@ -162,8 +162,6 @@ FOREIGN_KEYS: dict[str, Foreign] = {
                                              "differ are refused before step 0)", "nothing to do"),
     "zero_optimization.mics_hierarchical_params_gather": Foreign("MiCS's hierarchical all-gather",
                                                                  _NO_EFFECT, "nothing to do"),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": Foreign("Muon buffers outside NVMe",
-                                                                     "none", "nothing to do"),
     "zero_optimization.zero_quantized_nontrainable_weights": Foreign(
         "frozen weights stored quantized", "none while false", "nothing to do",
         _refuse_if_enabled("true: frozen weights would be stored quantized"), refused_when="true"),

@@ -10,7 +10,7 @@ from zerojax.config.hf import TRAINING_KEYS, model_keys
 from zerojax.config.schema.monitoring import OP_NAMES
 from zerojax.errors import ConfigError
 from zerojax.config.fields import warn, warn_ignored
-from zerojax.config.schema.optimizer import AdamParams, LambParams, SGDParams, ZERO_TESTED_OPTIMIZERS
+from zerojax.config.schema.optimizer import AdamParams, LambParams, SGDParams, ZERO_TESTED_OPTIMIZERS, base_lr
 from zerojax.config.schema.root import BATCH_KEYS
 from zerojax.config.schema.scheduler import OneCycleParams, WarmupLRParams
 from zerojax.config.schema.zero import OffloadParamConfig
@@ -40,7 +40,7 @@ def derive(config: Config, sources: dict[str, str]) -> Config:
         p = sched.params
         if type(p) is WarmupLRParams and p.warmup_max_lr is None and config.optimizer is not None:
             # WarmupDecayLR keeps 0.001; with the optimizer from code there is no lr to default to
-            p = dataclasses.replace(p, warmup_max_lr=config.optimizer.params.lr)
+            p = dataclasses.replace(p, warmup_max_lr=base_lr(config.optimizer.params))
             sources["scheduler.params.warmup_max_lr"] = "derived (optimizer.params.lr)"
         if isinstance(p, OneCycleParams):
             if p.cycle_second_step_size is None:

@@ -30,7 +30,7 @@ KEY_STATUS: dict[str, str] = {
                                      "and the compiled step runs at the boundary, DeepSpeed's count); refused when "
                                      "false (the client stepping at its own boundaries)",
     "optimizer": HONOURED + " (none: the optimizer passed in code)",
-    "optimizer.type": HONOURED + "; 1-bit optimizers refused",
+    "optimizer.type": HONOURED + " (Muon included); 1-bit optimizers refused",
     "optimizer.params": _SECTION,
     "optimizer.no_decay": HONOURED + " (zerojax key; not with pipelines or the fused Pallas update)",
     "optimizer.param_groups": HONOURED + " (zerojax key; not with pipelines or the fused Pallas update)",
@@ -91,6 +91,7 @@ KEY_STATUS: dict[str, str] = {
     "optimizer.params.momentum": HONOURED,
     "optimizer.params.dampening": HONOURED,
     "optimizer.params.nesterov": HONOURED,
+    **{f"optimizer.params.{k}": HONOURED + " (Muon)" for k in ("muon_lr", "adam_lr", "ns_method")},
     # scheduler params (every type)
     **{f"scheduler.params.{k}": HONOURED for k in (
         "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration",
@@ -145,6 +146,9 @@ KEY_STATUS: dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": HONOURED + " (ZeRO++ qgZ, stage 3: int4 all-to-all gradient "
                                                              "reduce-scatter)",
     "zero_optimization.mics_shard_size": f"{REFUSED} above 0 (MiCS)",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": f"{NO_EFFECT}: Muon's momentum always stays in memory "
+                                                             f"with the other optimizer state (NVMe offload is "
+                                                             f"refused)",
     "zero_optimization.offload_optimizer.device": HONOURED + " (none, cpu); nvme refused",
     "zero_optimization.offload_optimizer.nvme_path": _NVME,
     "zero_optimization.offload_optimizer.pin_memory": HONOURED,
@@ -287,14 +291,12 @@ KEY_STATUS: dict[str, str] = {
 }
 
 
-_MUON = f"{REFUSED}: a parameter of optimizer type Muon, which is not built"
 _ONE_BIT = f"{REFUSED}: a parameter of the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb), which are out of scope"
 
 # DeepSpeed's documented keys that are neither schema keys (KEY_STATUS) nor DeepSpeed-only keys
 # (zerojax.config.foreign.FOREIGN_KEYS, which covers everything inside a section too): the parameters of
 # optimizer types zerojax refuses, refused with their type.
 OTHER_KEY_STATUS: dict[str, str] = {
-    **{f"optimizer.params.{k}": _MUON for k in ("muon_lr", "adam_lr", "ns_method")},
     **{f"optimizer.params.{k}": _ONE_BIT for k in (
         "freeze_step", "cuda_aware", "comm_backend_name", "var_freeze_step", "var_update_scaler",
         "local_step_scaler", "local_step_clipper", "coeff_beta", "factor_max", "factor_min", "factor_threshold")},

@@ -415,10 +415,12 @@ class Plan:
         return self._opt_state_following(self.update_storage)
 
     def _opt_state_following(self, update: Any) -> Any:
-        """Parameter-shaped optimizer leaves placed as `update`; counters and scalars replicated."""
+        """Parameter-shaped optimizer leaves placed as `update`; counters and scalars replicated. A None
+        in a parameter-shaped tree (a leaf the optimizer keeps no state for, e.g. Muon's momentum of an
+        Adam leaf) stays None."""
         return optax.tree_utils.tree_map_params(
-            self.tx, lambda _, sharding: sharding, self.abstract_opt_state, update,
-            transform_non_params=lambda _: self.replicated)
+            self.tx, lambda x, sharding: None if x is None else sharding, self.abstract_opt_state, update,
+            transform_non_params=lambda _: self.replicated, is_leaf=lambda x: x is None)
 
     @functools.cached_property
     def abstract_opt_state(self) -> Any:

@@ -2,13 +2,14 @@
 
 Each optimizer reproduces the update of the implementation DeepSpeed's engine builds for the config
 (`_configure_basic_optimizer`): FusedAdam (or torch's Adam/AdamW with `torch_adam`, which computes the
-same update), FusedLamb, torch.optim.Adagrad, FusedLion and torch.optim.SGD. Where those differ from
+same update), FusedLamb, torch.optim.Adagrad, FusedLion, torch.optim.SGD and MuonWithAuxAdam. Where those differ from
 optax's stock optimizers (torch's eps placement in Adagrad, SGD's first-step momentum buffer and
 dampening, Adam without bias correction, Lamb's clamped trust ratio) the update is written out here.
 
 The returned transformation takes gradients that are already averaged, unscaled and clipped; it needs
-`params` in `update` (weight decay and Lamb read them). Everything is elementwise or a per-leaf norm,
-so it runs unchanged on ZeRO-sharded fp32 master weights under `jax.jit`.
+`params` in `update` (weight decay and Lamb read them). Everything but Muon is elementwise or a
+per-leaf norm, so it runs unchanged on ZeRO-sharded fp32 master weights under `jax.jit`; Muon makes
+each matrix whole inside the update (docs/zero.md).
 
 Per-update hyperparameters come in as schedules of optax's update count (0 for the first update):
 `lr(count)`, and for optimizers with betas `beta1(count)` / `beta2(count)` (DeepSpeed's OneCycle
@@ -17,19 +18,23 @@ used by the latest update are in `state.hyperparams`.
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.config import (CLIENT_OPTIMIZER, AdagradParams, Config, LambParams, LionParams, OptimizerConfig,
                             SGDParams)
+from zerojax.config.schema.optimizer import MuonParams, base_lr
 from zerojax.errors import ConfigError
 from zerojax.optim.schedules import make_schedule
 from zerojax.optim.transforms import (AdamSettings, Groups, LrSchedule, decay_by_name, scale_by_adagrad,
-                                      scale_by_clamped_trust_ratio, scale_by_moments, scale_lr_by_name,
+                                      muon_labels, scale_by_clamped_trust_ratio, scale_by_label,
+                                      scale_by_moments, scale_by_muon_with_adam, scale_lr_by_name,
                                       torch_momentum)
 
 __all__ = ["make_optimizer", "param_groups", "update_rule", "adam_settings", "CLIENT", "has_betas", "is_elementwise",
@@ -47,9 +52,10 @@ Factory = Callable[..., optax.GradientTransformation]
 _WITH_BETAS = frozenset({"adam", "adamw", "lamb", "lion"})
 
 
-# Optimizers whose update reads whole tensors (LAMB's trust ratio is a norm per parameter tensor):
-# they cannot run shard by shard on the host, nor on a pipeline's flat stage rows.
-PER_TENSOR_OPTIMIZERS = frozenset({"lamb"})
+# Optimizers whose update reads whole tensors (LAMB's trust ratio is a norm per parameter tensor, Muon
+# orthogonalises whole matrices): they cannot run shard by shard on the host, nor on a pipeline's flat
+# stage rows.
+PER_TENSOR_OPTIMIZERS = frozenset({"lamb", "muon"})
 
 
 def is_elementwise(optimizer_type: str) -> bool:
@@ -146,7 +152,29 @@ def _sgd(p: SGDParams, groups: Groups | None = None) -> Factory:
     return factory
 
 
-def _factory(config: OptimizerConfig) -> Factory:
+def _muon(p: MuonParams, groups: Groups | None, layer_axes: Any, relative: bool, whole: Any = None) -> Factory:
+    """DeepSpeed's MuonWithAuxAdam: Muon for the hidden matrices, Adam (bias-corrected, decoupled decay)
+    for the rest, each group at its own lr. `learning_rate` is the schedule of base_lr(p); each group
+    runs at it times group lr / base when `relative` (no scheduler, or WarmupCosineLR, which scales
+    each torch param group's own lr), else at it (DeepSpeed's other schedulers write one lr into every
+    group)."""
+    base = base_lr(p)
+    muon_scale = p.muon_rate / base if relative and base else 1.0
+    adam_scale = p.adam_rate / base if relative and base else 1.0
+    b1, b2 = p.betas
+
+    def labels(params: Any) -> Any:
+        return muon_labels(params, layer_axes)
+
+    def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
+        return optax.chain(scale_by_muon_with_adam(p.momentum, p.ns_method, b1, b2, p.eps, labels,
+                                                   whole=whole),
+                           *_decay(p.weight_decay, groups), optax.scale_by_learning_rate(learning_rate),
+                           scale_by_label(labels, {"muon": muon_scale, "adam": adam_scale}), *_lr_scales(groups))
+    return factory
+
+
+def _factory(config: OptimizerConfig, layer_axes: Any = None, relative: bool = True, whole: Any = None) -> Factory:
     kind, p = config.type.lower(), config.params
     adam = adam_settings(config)
     groups = param_groups(config)
@@ -160,18 +188,24 @@ def _factory(config: OptimizerConfig) -> Factory:
         return _adagrad(p, groups)
     if kind == "sgd":
         return _sgd(p, groups)
+    if kind == "muon":
+        return _muon(p, groups, layer_axes, relative, whole)
     raise ConfigError(f"optimizer.type: unknown optimizer '{config.type}'")
 
 
 def make_optimizer(config: OptimizerConfig, lr: ScheduleFn, beta1: ScheduleFn | None = None,
-                   beta2: ScheduleFn | None = None) -> optax.GradientTransformation:
+                   beta2: ScheduleFn | None = None, *, layer_axes: Any = None,
+                   relative_lr: bool = True, whole: Any = None) -> optax.GradientTransformation:
     """The optax transformation for DeepSpeed's optimizer `config`, driven by per-update schedules.
 
     `lr(count)` replaces params.lr (the scheduler owns the lr, as in DeepSpeed). `beta1` / `beta2`,
     when given, replace betas[0] / betas[1] per update for optimizers with betas; SGD and Adagrad have
     none, so DeepSpeed's OneCycle leaves their momentum alone and so does this (with a warning).
+    Muon only: `layer_axes` (plan's) tells a stacked layer axis from a matrix dimension, and
+    `relative_lr` whether the schedule scales each group's own lr (see `_muon`), and `whole(x)` makes a
+    ZeRO-sharded matrix whole before its Newton-Schulz iteration (`update_rule` builds it from the mesh).
     """
-    factory = _factory(config)
+    factory = _factory(config, layer_axes, relative_lr, whole)
     kind = config.type.lower()
     wrap = optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)
     if kind not in _WITH_BETAS:
@@ -199,7 +233,7 @@ _NO_OPTIMIZER = (
 
 
 def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
-                lr_scheduler: ScheduleFn | None = None
+                lr_scheduler: ScheduleFn | None = None, layer_axes: Any = None, mesh: Any = None
                 ) -> tuple[optax.GradientTransformation, LrSchedule, OptimizerConfig]:
     """The transformation, its schedule and the optimizer config a plan records.
 
@@ -217,8 +251,11 @@ def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
         if section is None:
             raise ConfigError(_NO_OPTIMIZER)
         betas = section.params.betas if has_betas(section.type) else None
-        schedule = make_schedule(config.scheduler, section.params.lr, base_betas=betas)
-        return make_optimizer(section, schedule.lr, schedule.beta1, schedule.beta2), schedule, section
+        schedule = make_schedule(config.scheduler, base_lr(section.params), base_betas=betas)
+        relative = config.scheduler is None or config.scheduler.type == "WarmupCosineLR"
+        whole = None if mesh is None else functools.partial(_whole_matrices, mesh)
+        return make_optimizer(section, schedule.lr, schedule.beta1, schedule.beta2, layer_axes=layer_axes,
+                              relative_lr=relative, whole=whole), schedule, section
     if section is not None:
         log.warning("optimizer: the config's %s section is not used: the optimizer passed in code is, as "
                     "DeepSpeed uses its client optimizer", section.type)
@@ -241,6 +278,14 @@ def update_rule(config: Config, optimizer: ClientOptimizer | None = None,
                           "transformation itself (optimizer=optax.adamw(3e-4))")
     tx = optax.inject_hyperparams(optimizer, hyperparam_dtype=jnp.float32)(learning_rate=schedule.lr)
     return tx, schedule, client
+
+
+def _whole_matrices(mesh: Any, x: jax.Array) -> jax.Array:
+    """x with its last two dimensions whole on every device (under jit XLA gathers them once, nothing
+    when they already are); leading dimensions (stacked layers, experts) keep whatever split they have,
+    so each device holds whole matrices, not the whole stack."""
+    spec = PartitionSpec(*[PartitionSpec.UNCONSTRAINED] * (x.ndim - 2), None, None)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _unknown_lr(count: jax.Array | int) -> jax.Array:

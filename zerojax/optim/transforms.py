@@ -2,8 +2,9 @@
 
 What DeepSpeed's optimizers compute that optax's stock ones do not, in exactly torch's form: Adam's
 moments with or without bias correction, LAMB's clamped trust ratio, torch's Adagrad and SGD
-momentum, weight decay and lr scales per parameter name. Everything is elementwise or a per-leaf
-norm, so it runs unchanged on ZeRO-sharded fp32 master weights under `jax.jit`. Which of them a
+momentum, weight decay and lr scales per parameter name, and DeepSpeed's Muon. Everything but Muon
+is elementwise or a per-leaf norm, so it runs unchanged on ZeRO-sharded fp32 master weights under
+`jax.jit`; Muon's Newton-Schulz iteration takes whole matrices (its `whole` hook gathers them). Which of them a
 DeepSpeed config builds is `zerojax.optim.deepspeed`'s business.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Groups", "name_matches", "decay_by_name", "scale_lr_by_name", "bias_corrections", "AdamSettings",
            "LrSchedule", "ScaleByMomentsState", "ScaleByAdagradState", "TorchMomentumState", "scale_by_moments",
-           "scale_by_clamped_trust_ratio", "scale_by_adagrad", "torch_momentum"]
+           "scale_by_clamped_trust_ratio", "scale_by_adagrad", "torch_momentum", "NS_COEFFS", "NS_METHODS",
+           "newton_schulz", "MuonState", "scale_by_muon", "muon_labels", "MuonAdamState",
+           "scale_by_muon_with_adam", "scale_by_label"]
 
 ScheduleFn = Callable[[jax.Array], jax.Array]
 
@@ -157,6 +160,173 @@ def torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.G
         return direction, TorchMomentumState(optax.safe_increment(state.count), buf)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon (DeepSpeed's deepspeed/runtime/zero/muon/original_muon.py: muon_update and its two
+# Newton-Schulz forms). Unlike everything above it reads whole matrices: see docs/zero.md for how a
+# ZeRO shard gets one.
+
+#: The quintic's coefficients (Keller Jordan's; DeepSpeed's and optax.contrib.muon's default).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_METHODS = ("gram", "standard")
+_NS_EPS = 1e-7  # DeepSpeed's X / (||X||_F + 1e-7)
+
+
+def _mT(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, -1, -2)
+
+
+def newton_schulz(g: jax.Array, steps: int = 5, method: str = "standard") -> jax.Array:
+    """Orthogonalise the trailing two dimensions of `g` (leading ones are a batch), as DeepSpeed's
+    zeropower_via_newtonschulz5 ("standard") or zeropower_via_gram_newtonschulz ("gram").
+
+    Both iterate X <- aX + (bA + cA^2)X with A = XX^T on the wide orientation after dividing by the
+    Frobenius norm; "gram" carries the small Gram matrix and one accumulated left factor instead of
+    X (restarting at step 2 as DeepSpeed does), the same map in exact arithmetic. DeepSpeed runs them
+    in bf16 / fp16 on a GPU; here they run in the dtype of `g` (the fp32 master's).
+    """
+    if method not in NS_METHODS:
+        raise ValueError(f"ns_method: '{method}' is not one of {', '.join(NS_METHODS)}")
+    a, b, c = NS_COEFFS
+    tall = g.shape[-2] > g.shape[-1]
+    x = _mT(g) if tall else g
+    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + _NS_EPS)
+    n, m = x.shape[-2:]
+    if method == "standard" or m <= n:
+        for _ in range(steps):
+            A = x @ _mT(x)
+            x = a * x + (b * A + c * A @ A) @ x
+        return _mT(x) if tall else x
+    eye = jnp.eye(n, dtype=x.dtype)
+    R, Q, restart = x @ _mT(x), None, 2
+    for i in range(steps):
+        if i == restart:
+            x = Q @ x
+            R, Q = x @ _mT(x), None
+        Z = b * R + c * R @ R
+        Q = Z + a * eye if Q is None else a * Q + Z @ Q
+        if i < steps - 1 and i + 1 != restart:
+            RZ = a * R + Z @ R
+            R = a * RZ + Z @ RZ
+    x = Q @ x
+    return _mT(x) if tall else x
+
+
+def _muon_direction(g: jax.Array, m: jax.Array, momentum: float, ns_steps: int, ns_method: str,
+                    nesterov: bool = True, whole: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    u = (1 - momentum) * g + momentum * m if nesterov else m
+    if whole is not None:  # one all-gather of the matrix instead of collectives inside every NS product
+        u = whole(u)
+    scale = max(1.0, g.shape[-1] / g.shape[-2]) ** 0.5
+    x = newton_schulz(u, ns_steps, ns_method)
+    if whole is not None:  # and the iteration stays whole: XLA would otherwise pull the shard's layout into it
+        x = whole(x)
+    return (x * scale).astype(g.dtype)
+
+
+class MuonState(NamedTuple):
+    """Muon's one buffer per matrix: the momentum (DeepSpeed's state["momentum_buffer"])."""
+    momentum: optax.Updates
+
+
+def scale_by_muon(momentum: float, ns_method: str = "gram", ns_steps: int = 5,
+                  nesterov: bool = True) -> optax.GradientTransformation:
+    """DeepSpeed's muon_update: m = beta*m + (1-beta)*g; u = (1-beta)*g + beta*m (Nesterov, always on
+    in DeepSpeed; off: u = m); orthogonalise u; times sqrt(max(1, fan_out / fan_in)).
+
+    The shape factor is DeepSpeed's max(1, rows / cols)**0.5 of torch's [out, in] weight, read off a
+    JAX [..., in, out] kernel as its last two dimensions: the same number for the same layer.
+    """
+    def init_fn(params: optax.Params) -> MuonState:
+        return MuonState(momentum=jax.tree.map(jnp.zeros_like, params))
+
+    def update_fn(updates: optax.Updates, state: MuonState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, MuonState]:
+        del params
+        mom = jax.tree.map(lambda g, m: momentum * m + (1 - momentum) * g, updates, state.momentum)
+        return (jax.tree.map(lambda g, m: _muon_direction(g, m, momentum, ns_steps, ns_method, nesterov),
+                             updates, mom), MuonState(momentum=mom))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class MuonAdamState(NamedTuple):
+    """MuonWithAuxAdam's state, every tree shaped like the parameters: `momentum` holds the Muon
+    matrices' buffers, `mu` / `nu` the Adam leaves' moments, and a leaf of the other group holds None
+    (no bytes; the plan places the others as their parameters' update shards)."""
+    count: jax.Array
+    momentum: optax.Updates
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def scale_by_muon_with_adam(momentum: float, ns_method: str, b1: float, b2: float, eps: float,
+                            labels: Callable[[Any], Any], ns_steps: int = 5,
+                            whole: Callable[[jax.Array], jax.Array] | None = None) -> optax.GradientTransformation:
+    """DeepSpeed's MuonWithAuxAdam direction: Muon's for the leaves `labels(params)` calls "muon",
+    bias-corrected Adam's (eps outside the square root, as its adam_update) for the others. One
+    transformation with parameter-shaped state (rather than optax.multi_transform's masked trees), so
+    the plan places every buffer as its parameter's update shard. `whole(u)` (the plan's: a
+    replicated sharding constraint) makes each ZeRO shard's matrix whole before the iteration."""
+    def init_fn(params: optax.Params) -> MuonAdamState:
+        lab = labels(params)
+        mine = lambda want: lambda x, l: jnp.zeros_like(x) if l == want else None  # noqa: E731
+        return MuonAdamState(count=jnp.zeros([], jnp.int32), momentum=jax.tree.map(mine("muon"), params, lab),
+                             mu=jax.tree.map(mine("adam"), params, lab), nu=jax.tree.map(mine("adam"), params, lab))
+
+    def update_fn(updates: optax.Updates, state: MuonAdamState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, MuonAdamState]:
+        del params
+        lab = labels(updates)
+        count = optax.safe_increment(state.count)
+        c1, c2 = bias_corrections(b1, b2, count)
+
+        def muon(g: jax.Array, m: jax.Array, l: str) -> jax.Array:
+            return momentum * m + (1 - momentum) * g if l == "muon" else m
+        mom = jax.tree.map(muon, updates, state.momentum, lab)
+        mu = jax.tree.map(lambda g, m, l: b1 * m + (1 - b1) * g if l == "adam" else m, updates, state.mu, lab)
+        nu = jax.tree.map(lambda g, v, l: b2 * v + (1 - b2) * g * g if l == "adam" else v, updates, state.nu, lab)
+
+        def direction(g: jax.Array, m: jax.Array, a: jax.Array, v: jax.Array, l: str) -> jax.Array:
+            if l == "muon":
+                return _muon_direction(g, m, momentum, ns_steps, ns_method, whole=whole)
+            return (a / c1) / (jnp.sqrt(v / c2) + eps)
+        out = jax.tree.map(direction, updates, mom, mu, nu, lab)
+        return out, MuonAdamState(count=count, momentum=mom, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_label(labels: Callable[[Any], Any], scales: dict[str, Any]) -> optax.GradientTransformation:
+    """Each leaf's update times the scale of its label (Muon's and Adam's lr relative to the schedule)."""
+    def update_fn(updates: optax.Updates, state: optax.EmptyState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
+        del params
+        return jax.tree.map(lambda u, l: u * jnp.asarray(scales[l], u.dtype), updates, labels(updates)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+#: Name words that keep a matrix on Adam: DeepSpeed's "embed" and "lm_head" (set_optimizer_flags), as
+#: zerojax's name words (`embed` also matches pos, wte, wpe; `head` also the bare `head` of its models).
+ADAM_WORDS = ("embed", "head")
+
+
+def muon_labels(params: Any, layer_axes: Any = None) -> Any:
+    """"muon" or "adam" per leaf: Muon for a matrix (two or more dimensions besides the leading
+    `layer_axes` that stack layers) whose name has none of ADAM_WORDS; Adam for the rest (embeddings,
+    the head, norms, biases), as DeepSpeed's set_optimizer_flags decides."""
+    if not jax.tree.leaves(params):  # optax.tree_utils.tree_map_params' placeholder
+        return params
+    stacked = jax.tree.map(lambda _: 0, params) if layer_axes is None else jax.tree.map(
+        lambda k, sub: jax.tree.map(lambda _: max(int(k), 0), sub), layer_axes, params)
+
+    def one(path: Any, x: Any, k: int) -> str:
+        name = dotted(path)
+        matrix = len(x.shape) - k >= 2
+        return "muon" if matrix and not any(name_matches(w, name) for w in ADAM_WORDS) else "adam"
+    return jax.tree_util.tree_map_with_path(one, params, stacked)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,8 +65,8 @@ def make_pipeline_plan(config: Config, mesh: Mesh, module: PipelineModule) -> Pi
         raise ConfigError('optimizer: a pipeline trains with the config\'s optimizer section, and this config '
                           'has none; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
     if not is_elementwise(config.optimizer.type):  # on a flat stage row it would see one tensor
-        raise ConfigError(f"optimizer.type: {config.optimizer.type} computes a trust ratio per parameter "
-                          f"tensor, but a pipeline stores each stage's parameters as one flat row; use "
+        raise ConfigError(f"optimizer.type: {config.optimizer.type} reads whole parameter tensors (Lamb's "
+                          f"trust ratio, Muon's orthogonalisation), but a pipeline stores each stage's parameters as one flat row; use "
                           f"Adam, AdamW, Lion, Adagrad or SGD with pipelines")
     pipe_cfg = config.pipeline
     dp = data_size(mesh)

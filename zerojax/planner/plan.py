@@ -74,7 +74,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
         raise ValueError("plan: a pipeline's layers keep no model state (BatchNorm's running statistics); "
                          "train the model without pipeline stages (mesh.stage: 1)")
     params = abstract_params(params)
-    tx, schedule, opt = update_rule(config, optimizer, lr_scheduler)
+    tx, schedule, opt = update_rule(config, optimizer, lr_scheduler, layer_axes=_stacked_axes(layer_axes, params),
+                                    mesh=mesh)
     config = dataclasses.replace(config, optimizer=opt)  # "client" for an optimizer from code
     if STAGE in mesh.shape and mesh.shape[STAGE] > 1 and lead != STAGE:
         raise ConfigError(f"mesh.stage: {mesh.shape[STAGE]} pipeline stages need a pipelined model: "
@@ -212,6 +213,14 @@ def _dims_per_leaf(dims: Any, abstract: Any) -> list[int | None]:
     except (ValueError, TypeError) as e:
         raise ValueError(f"plan: tensor_dims must be shaped like the parameters (an int or None per leaf): "
                          f"{str(e).splitlines()[0]}") from None
+
+
+def _stacked_axes(layer_axes: Any, abstract: Any) -> Any:
+    """The layer axes the update may rely on: the caller's, else the shipped models' (one leading axis
+    under `blocks` / `layers`), else None (every dimension is the leaf's own)."""
+    if layer_axes is not None or not _shipped(abstract):
+        return layer_axes
+    return {k: int(k in ("blocks", "layers")) for k in abstract}
 
 
 def _shipped(abstract: Any) -> bool:

@@ -54,7 +54,7 @@ against the mesh and rejects features that are not built yet.
 def _compatibility() -> str:
     untested = _names(sorted(set(schema.OPTIMIZER_PARAMS) - schema.ZERO_TESTED_OPTIMIZERS))
     one_bit = _names(sorted(schema.ONE_BIT_OPTIMIZERS))
-    refused = _names(sorted(REFUSED_OPTIMIZERS))
+    refused = f", and these are not built: {_names(sorted(REFUSED_OPTIMIZERS))}" if REFUSED_OPTIMIZERS else ""
     return f"""## DeepSpeed compatibility
 
 * **Defaults** are DeepSpeed's code defaults. One deliberate choice: `gradient_clipping` defaults to
@@ -95,8 +95,8 @@ def _compatibility() -> str:
   DeepSpeed: 0.0 for FusedAdam (the default), 0.01 for torch's AdamW, 0.0 for torch's Adam.
 * **Optimizers outside DeepSpeed's ZeRO-tested list** ({untested}) need
   `zero_allow_untested_optimizer: true` with ZeRO stage 1 or more, as in DeepSpeed. 1-bit optimizers
-  ({one_bit}) are out of scope, and these are not built: {refused}; each is refused with the
-  reason.
+  ({one_bit}) are out of scope{refused}; each is refused with the reason. `Muon` is DeepSpeed's
+  MuonWithAuxAdam: see docs/zero.md for how ZeRO stage 3 gives it whole matrices, and where it differs.
 * **Schedulers** step once per applied optimizer step (not on a step skipped for fp16 overflow),
   starting from position -1, as in DeepSpeed.
 """

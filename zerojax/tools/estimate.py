@@ -655,16 +655,22 @@ class AxisRow:
         return f"{'E' if self.axis == 'expert' else 'S'}={self.size} x data {inner}, stage {self.choice.stage}"
 
 
-def _role_bytes(cfg: Config) -> tuple[ax.Bytes, int]:
+def _role_bytes(cfg: Config, model: ModelShape | None = None) -> tuple[ax.Bytes, int]:
     """(P, G, K) of the config's precision and optimizer, and the gradients' communication itemsize.
     K is read off the plan of one small leaf (its fp32 master and the optimizer's state per parameter,
-    as `Plan.report()` counts them), so any optimizer gets its own."""
+    as `Plan.report()` counts them), so any optimizer gets its own. Muon's K depends on the leaf (one
+    momentum for a hidden matrix, two Adam moments for the rest), so with Muon and a `model` it is the
+    mean over that model's own plan."""
     from zerojax.planner.plan import make_plan
     from zerojax.planner.settings import policy
-    pol, psi = policy(cfg), 64
-    rep = make_plan(cfg, abstract_mesh(1), {"w": _sds(psi)}).report()
-    return ax.Bytes(pol.param.itemsize, pol.accum.itemsize, round(rep.formula_optimizer / psi)), \
-        (pol.comm or pol.accum).itemsize
+    pol = policy(cfg)
+    if model is not None and cfg.optimizer is not None and cfg.optimizer.type == "muon":
+        rep = make_plan(cfg, abstract_mesh(1), model.abstract_params, layer_axes=model.layer_axes).report()
+        k = rep.formula_optimizer / model.total_params
+    else:
+        psi = 64
+        k = round(make_plan(cfg, abstract_mesh(1), {"w": _sds(psi)}).report().formula_optimizer / psi)
+    return ax.Bytes(pol.param.itemsize, pol.accum.itemsize, k), (pol.comm or pol.accum).itemsize
 
 
 def _divisors(n: int, *also: int) -> list[int]:
@@ -685,7 +691,7 @@ def expert_rows(config: Config, model: ModelShape, req: "Request") -> list[AxisR
     for ep in _divisors(req.devices, m.n_experts):
         for choice in CHOICES[:4]:
             cfg = variant(config, choice)
-            b, (bytes_, comm) = cfg.batch(req.devices), _role_bytes(cfg)
+            b, (bytes_, comm) = cfg.batch(req.devices), _role_bytes(cfg, model)
             state = ax.expert_state(psi_d, psi_e, req.devices, ep, choice.stage, bytes_)
             a2a = ax.expert_all_to_all_bytes(b.micro_batch_size * m.seq_len, m.d_model, m.experts_per_token,
                                              m.capacity_factor, moe_layers, width, bool(m.remat), ep,
@@ -719,7 +725,7 @@ def sequence_rows(config: Config, model: ModelShape, req: "Request") -> tuple[li
             except ConfigError as e:
                 skipped.append(f"S={sp}: {e}")
                 break
-            bytes_, comm = _role_bytes(cfg)
+            bytes_, comm = _role_bytes(cfg, model)
             state = ax.zero_state(model.total_params, req.devices, choice.stage, bytes_)
             act = (req.activations / sp if req.activations is not None else
                    ax.sequence_activation_bytes(arch, b.micro_batch_size, seq, width, remat, sp))

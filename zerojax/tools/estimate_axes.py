@@ -31,10 +31,11 @@ from zerojax.tools.estimate_tensor import Arch, activation_bytes
 
 @dataclasses.dataclass(frozen=True)
 class Bytes:
-    """Bytes per parameter by role: P (parameters), G (gradients), K (master + optimizer state)."""
+    """Bytes per parameter by role: P (parameters), G (gradients), K (master + optimizer state; a mean,
+    not a whole number, for Muon)."""
     param: int
     grad: int
-    optimizer: int
+    optimizer: float
 
 
 STAGE_SHARDS = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True), 3: (True, True, True)}

@@ -66,23 +66,55 @@ class SGDParams:
     nesterov: bool = option(False, "Nesterov momentum.", int_bool=True)
 
 
+@dataclass(frozen=True)
+class MuonParams:
+    """Muon (DeepSpeed's MuonWithAuxAdam): Newton-Schulz orthogonalised momentum for the hidden
+    matrices, Adam for embeddings, the head, norms and biases. Defaults are DeepSpeed's code defaults."""
+    lr: Optional[float] = option(None, "Learning rate of both groups where muon_lr / adam_lr is not given; without "
+                                       "it and them, MuonWithAuxAdam's 0.02 (Muon) and 3e-4 (Adam). A "
+                                       "scheduler starts from lr (or, without it, the Muon lr).", ge=0)
+    momentum: float = option(0.95, "Muon's momentum (Nesterov form, as DeepSpeed's muon_update).", ge=0, le=1)
+    weight_decay: float = option(0.0, "Decoupled weight decay of both groups: p *= 1 - lr * wd.", ge=0)
+    muon_lr: Optional[float] = option(None, "Learning rate of the Muon matrices; overrides lr.", ge=0)
+    adam_lr: Optional[float] = option(None, "Learning rate of the Adam parameters; overrides lr.", ge=0)
+    ns_method: str = option("gram", "Newton-Schulz form: gram (iterates on the small Gram matrix X X^T) or "
+                                    "standard (the quintic iteration on X); the same map in exact arithmetic.",
+                            choices=("gram", "standard"))
+    betas: tuple[float, float] = option((0.9, 0.95), "Adam's decay rates for the non-Muon parameters.")
+    eps: float = option(1e-10, "Adam's eps for the non-Muon parameters.", gt=0)
+
+    @property
+    def muon_rate(self) -> float:
+        """DeepSpeed: muon_lr, else lr, else MuonWithAuxAdam's 0.02."""
+        return next(v for v in (self.muon_lr, self.lr, 0.02) if v is not None)
+
+    @property
+    def adam_rate(self) -> float:
+        """DeepSpeed: adam_lr, else lr, else MuonWithAuxAdam's 3e-4."""
+        return next(v for v in (self.adam_lr, self.lr, 3e-4) if v is not None)
+
+
+def base_lr(params: Any) -> float:
+    """The lr a scheduler starts from: params.lr, or for Muon without one the Muon group's lr."""
+    lr = getattr(params, "lr", None)
+    return params.muon_rate if lr is None and isinstance(params, MuonParams) else lr
+
+
 OPTIMIZER_PARAMS: dict[str, type] = {
     "adam": AdamParams, "adamw": AdamParams, "lamb": LambParams, "adagrad": AdagradParams,
-    "lion": LionParams, "sgd": SGDParams,
+    "lion": LionParams, "sgd": SGDParams, "muon": MuonParams,
 }
 
 
-# DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS; anything else needs zero_allow_untested_optimizer.
-ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "adagrad", "lion"})
+# DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS (MuonWithAuxAdam joins it in deepspeed/runtime/zero/utils.py);
+# anything else needs zero_allow_untested_optimizer.
+ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "adagrad", "lion", "muon"})
 
 
 ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
 
 # DeepSpeed optimizer types zerojax does not build, with the reason its error gives.
-REFUSED_OPTIMIZERS = {
-    "muon": "DeepSpeed's Muon (a Newton-Schulz orthogonalized momentum update for matrices, Adam for the "
-            "rest) is not built in zerojax; use Adam, AdamW or Lamb",
-}
+REFUSED_OPTIMIZERS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,9 @@ class ZeroConfig:
         False, "ZeRO++ qgZ (stage 3): gradient reduce-scatters of gathered parameters are one int4 all-to-all "
                "with fp32 scales, summed in fp32.")
     mics_shard_size: int = option(-1, "MiCS (not supported; -1 disables).")
+    save_muon_momentum_buffer_in_memory: bool = option(
+        False, "Muon at stage 3 with NVMe offload: keep the momentum in memory. Accepted; NVMe offload is "
+               "refused, so it always is.", int_bool=True)
 
 
 @dataclass(frozen=True)
