@@ -300,6 +300,18 @@ def test_latest_list_and_prune(tmp_path) -> None:
     assert ckpt.list_tags(tmp_path / "nothing") == [] and ckpt.latest_tag(tmp_path / "nothing") is None
 
 
+def test_latest_naming_a_path_is_never_followed(tmp_path) -> None:
+    """A `latest` holding `..` (or a path) is ignored even where it leads to a complete checkpoint:
+    a resume never leaves the folder it was pointed at."""
+    plan, state = small_setup(stage=0)
+    ckpt.save(tmp_path, "a", state, plan, async_save=False)
+    inner = tmp_path / "a" / "inner"
+    inner.mkdir()
+    for pointer in ("..", "../a", str(tmp_path / "a")):
+        (inner / "latest").write_text(pointer + "\n")
+        assert ckpt.latest_tag(inner) is None, pointer
+
+
 def test_existing_tag_is_never_overwritten(tmp_path) -> None:
     plan, state = small_setup()
     ckpt.save(tmp_path, "t", set_step(state, 3, plan), plan).wait()

@@ -178,13 +178,14 @@ def list_tags(directory: PathLike) -> list[str]:
 
 
 def latest_tag(directory: PathLike) -> str | None:
-    """The tag `latest` names if it is complete, else the newest complete tag with finite
-    parameters, else None."""
+    """The tag `latest` names if it is a plain name beside it (never `..` or a path: a crafted or
+    stray pointer cannot lead a resume out of the folder) and complete, else the newest complete tag
+    with finite parameters, else None."""
     root = absolute(directory)
     pointer = root / LATEST_FILE
     if pointer.is_file():
         tag = pointer.read_text(errors="replace").strip()
-        if tag and "/" not in tag and is_complete(root / tag):
+        if tag and tag == Path(tag).name and tag not in (".", "..") and is_complete(root / tag):
             return tag
     finite = [tag for tag, meta in scan_tags(root) if meta.get("finite", True)]
     return finite[-1] if finite else None
