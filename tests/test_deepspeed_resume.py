@@ -171,12 +171,26 @@ def test_export_deepspeed_fp32_state_dict(tmp_path, run):
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
 
-def test_train_py_resumes_a_deepspeed_folder_and_cli(tmp_path):
-    """`train.py --resume DS/global_stepN` imports into a new run and continues; `zerojax
-    import-deepspeed` and `export --format deepspeed` as a user runs them."""
+def _python_in(root):
+    """`python ARGS` as a user runs it from the repository root (its own devices, not the tests' eight);
+    returns a runner that asserts the exit code (`rc`, 0 by default) and hands back the finished process."""
     import os
     import subprocess
     import sys
+
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+
+    def run(*args, rc=0):
+        done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+        assert done.returncode == rc, done.stderr[-3000:]
+        return done
+    return run
+
+
+def test_train_py_resumes_a_deepspeed_folder_and_cli(tmp_path):
+    """`train.py --resume DS/global_stepN` imports into a new run and continues; `zerojax
+    import-deepspeed` and `export --format deepspeed` as a user runs them."""
     from pathlib import Path
 
     from zerojax.config import load_config as load
@@ -192,13 +206,7 @@ def test_train_py_resumes_a_deepspeed_folder_and_cli(tmp_path):
     ds.write_checkpoint(tmp_path / "ds", "global_step3", named, zeros, zeros, stage=3, dp=2, step=3, global_steps=3,
                         global_samples=3 * cfg.train_batch_size, skipped_steps=0, lr=1e-3,
                         lr_scheduler={"last_batch_iteration": 2})
-    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-
-    def run(*args):
-        done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done
+    run = _python_in(root)
 
     out = run("train.py", "--config", "configs/zero2.yaml", "--set", *sets, f"run.output_dir={tmp_path / 'run'}",
               "--resume", str(tmp_path / "ds" / "global_step3")).stdout
@@ -209,10 +217,9 @@ def test_train_py_resumes_a_deepspeed_folder_and_cli(tmp_path):
                "configs/zero2.yaml", "--set", *sets)
     assert "--resume" in done.stdout and (tmp_path / "zj" / "global_step3" / "meta.json").is_file()
     before = _files(tmp_path / "ds")  # into the DeepSpeed folder itself: refused, every file kept
-    refused = subprocess.run([sys.executable, "-m", "zerojax.cli", "import-deepspeed", str(tmp_path / "ds"),
-                              str(tmp_path / "ds"), "--config", "configs/zero2.yaml", "--set", *sets], env=env,
-                             capture_output=True, text=True, timeout=600, cwd=root)
-    assert refused.returncode == 2 and "never writes into the checkpoint it reads" in refused.stderr, refused.stderr
+    refused = run("-m", "zerojax.cli", "import-deepspeed", str(tmp_path / "ds"), str(tmp_path / "ds"), "--config",
+                  "configs/zero2.yaml", "--set", *sets, rc=2)
+    assert "never writes into the checkpoint it reads" in refused.stderr, refused.stderr
     assert _files(tmp_path / "ds") == before
     run("-m", "zerojax.cli", "export", str(tmp_path / "zj"), "--format", "deepspeed", "--out", str(tmp_path / "sd.bin"))
     exported = torch_zip.load(tmp_path / "sd.bin")
@@ -225,21 +232,12 @@ def test_a_checkpoint_deepspeed_wrote_itself_on_every_route(tmp_path):
     flat fp32 group carries `ds_id`, pickled via torch._tensor._rebuild_from_type_v2). `train.py --resume`
     continues it and `zerojax import-deepspeed` imports it; exported back with `--out folder/` (a folder
     that does not exist yet), the weights are exactly what DeepSpeed's own zero_to_fp32 makes of it."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     fixture = root / "tests" / "fixtures" / "deepspeed" / "zero3"
     model = ["model.d_model=4", "model.n_layers=1", "model.n_heads=1", "model.seq_len=16", "model.tie_embeddings=true"]
-    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-
-    def run(*args):
-        done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done
+    run = _python_in(root)
 
     out = run("train.py", "--config", "configs/zero2.yaml", "--set", *model, "run.steps=3", "run.log_every=1",
               "data.max_bytes=50000", "run.eval_batches=1", "run.progress=false", "run.sample_tokens=0",
