@@ -144,3 +144,49 @@ def test_blockwise_step_needs_far_less_temporary_memory() -> None:
 def test_an_unknown_attention_form_is_one_error_naming_the_key() -> None:
     with pytest.raises(ConfigError, match="model.attention"):
         zerojax.load_config({"train_batch_size": 8, "model": {"attention": "flash"}})
+
+
+def _shapes(jaxpr: Any, out: set[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    """Every value's shape in `jaxpr` and the jaxprs inside it (jit, shard_map, scan, remat)."""
+    for eqn in jaxpr.eqns:
+        out.update(tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _shapes(inner, out)
+    return out
+
+
+def test_model_attention_set_on_the_command_line_reaches_the_ulysses_step() -> None:
+    """configs/long_context.yaml shrunk, with `--set model.attention=dense | blockwise`: the model train.py
+    builds (the Llama through from_nnx, attention inside Ulysses' all-to-alls on a sequence axis of 4)
+    traces the chosen form into its step: the dense form's [.., T, T] scores, or the blockwise form's
+    [.., block, block] tiles and no [T, T] value. In fp32 the two losses can agree to the last bit at
+    such sizes (measured: 5 steps of this config, identical losses, step 5's grad_norm one ulp apart),
+    so the forms are told apart by the traced step and by the logits, which differ by float32
+    rounding only."""
+    from zerojax.app.trainer import build_model
+    from zerojax.core.state import init_state
+    from zerojax.core.step import make_train_step
+
+    t, block = 64, 8
+    logits, traced = {}, {}
+    for mode in ("dense", "blockwise"):
+        cfg = zerojax.load_config("configs/long_context.yaml", [
+            f"model.attention={mode}", f"model.seq_len={t}", f"model.attention_block={block}", "model.d_model=32",
+            "model.d_ff=96", "model.n_layers=1", "bf16.enabled=false"])
+        mesh = make_mesh(cfg)
+        assert dict(mesh.shape)["sequence"] == 4
+        model = build_model(cfg, mesh)
+        state = jax.eval_shape(lambda: init_state(model.plan, model.params))
+        step = make_train_step(model.plan, model.loss_fn)
+        batch = {"tokens": jax.ShapeDtypeStruct((4, t + 1), jnp.int32)}
+        traced[mode] = {s[-2:] for s in _shapes(jax.make_jaxpr(step)(state, batch).jaxpr, set()) if len(s) >= 2}
+        graphdef, params = nnx.split(llama.constructor(cfg.model, cfg.run.seed)())
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, t)), jnp.int32)
+        logits[mode] = np.asarray(jax.jit(lambda p: nnx.merge(graphdef, p)(tokens))(params))
+    assert (t, t) in traced["dense"] and (block, block) not in traced["dense"]
+    assert (block, block) in traced["blockwise"] and (t, t) not in traced["blockwise"]
+    gap = float(np.abs(logits["dense"] - logits["blockwise"]).max())
+    assert 0 < gap < 1e-5, gap

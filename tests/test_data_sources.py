@@ -241,3 +241,118 @@ def test_tokenize_command_writes_the_token_file_a_jsonl_run_would_build(tmp_path
     from tokenizers import Tokenizer
     want = Tokenizer.from_file(str(tok)).encode(text.read_text(), add_special_tokens=False).ids + [eos]
     np.testing.assert_array_equal(np.fromfile(tmp_path / "book.bin", np.uint16), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that are not text, given as text: refused by what they hold, whatever their name.
+
+def _binary_files(tmp_path: Path) -> dict[str, bytes]:
+    """Each container format's bytes, made as its writer lays them out (Parquet and Arrow IPC files:
+    their magic at both ends around the data, per the two formats' specifications)."""
+    import gzip
+    import io
+    import zipfile
+    npy = io.BytesIO()
+    np.save(npy, np.arange(300, dtype=np.int32))
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("docs.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in DOCS[:20]))
+    return {"Parquet": b"PAR1" + bytes(range(40)) + b"\x15\x00\x00\x00PAR1",
+            "Arrow": b"ARROW1\x00\x00" + b"\xff\xff\xff\xff" + bytes(64) + b"\x40\x00\x00\x00ARROW1",
+            "NumPy": npy.getvalue(), "zip": archive.getvalue(),
+            "gzip": gzip.compress(" ".join(DOCS).encode())}
+
+
+@pytest.mark.parametrize("fmt", ["Parquet", "Arrow", "NumPy", "zip", "gzip"])
+def test_a_binary_file_renamed_as_text_is_refused_naming_its_format(tmp_path, fmt: str) -> None:
+    """Read as text it trained on its bytes (no error); now its first bytes name what it is, with
+    or without a tokenizer, JSONL or text, and the message says what to give instead."""
+    blob = _binary_files(tmp_path)[fmt]
+    tok = make_tokenizer(tmp_path / "tokenizer.json")
+    for name, extra in (("corpus.txt", {}), ("corpus.txt", {"tokenizer": str(tok)}),
+                        ("docs.jsonl", {"tokenizer": str(tok)})):
+        path = tmp_path / name
+        path.write_bytes(blob * 40)  # long enough to hold batches when read as bytes
+        with pytest.raises(ConfigError, match=rf"data.path: .*{name} is an? {fmt} file.*not text.*JSONL"):
+            make_batches(data_config(path=str(path), **extra), 8, 16, 256)
+
+
+def test_binary_formats_are_refused_by_their_extension_too(tmp_path) -> None:
+    """An Arrow IPC stream has no magic at its start; its name says it is not text."""
+    path = tmp_path / "train.arrows"
+    path.write_bytes(b"\xff\xff\xff\xff\x10\x00\x00\x00" + bytes(range(200)) * 20)
+    with pytest.raises(ConfigError, match=r"data.path: .*train.arrows is an Arrow file.*zerojax tokenize"):
+        make_batches(data_config(path=str(path)), 8, 16, 256)
+    parquet = tmp_path / "train.parquet"
+    parquet.write_bytes(_binary_files(tmp_path)["Parquet"] * 40)
+    with pytest.raises(ConfigError, match=r"data.path: .*train.parquet is a Parquet file"):
+        make_batches(data_config(path=str(parquet), source="tokens"), 8, 16, 256)  # not token ids either
+
+
+def test_text_that_is_not_utf8_is_refused_naming_where(tmp_path) -> None:
+    """NUL bytes, UTF-16 and Latin-1 trained as bytes (or had bad bytes silently replaced in JSONL)."""
+    tok = make_tokenizer(tmp_path / "tokenizer.json")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(("word " * 50).encode() + "caf\xe9 ".encode("latin-1") * 400)
+    with pytest.raises(ConfigError, match=r"data.path: .*latin.txt is not UTF-8 text: byte 253 .*0xe9.*iconv"):
+        make_batches(data_config(path=str(latin)), 8, 16, 256)
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes((b"some text\x00\x00\x01" * 300))
+    with pytest.raises(ConfigError, match=r"data.path: .*nul.txt holds NUL bytes .*byte 9.*binary"):
+        make_batches(data_config(path=str(nul)), 8, 16, 256)
+    wide = tmp_path / "wide.txt"
+    wide.write_bytes(" ".join(DOCS).encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"data.path: .*wide.txt is UTF-16 text.*UTF-8"):
+        make_batches(data_config(path=str(wide), tokenizer=str(tok)), 8, 16, 128)
+    docs = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": d}).encode() for d in DOCS]
+    bad = b'{"text": "caf\xe9"}'
+    docs.write_bytes(b"\n".join(lines[:200] + [bad] + lines[201:]) + b"\n")  # in the first 64 KiB
+    with pytest.raises(ConfigError, match=r"data.path: .*docs.jsonl is not UTF-8 text: byte \d+ \(line 201: 0xe9\)"):
+        load_corpus(data_config(path=str(docs), tokenizer=str(tok)), vocab_size=128)
+    docs.write_bytes(b"\n".join(lines * 30 + [bad]) + b"\n")  # past them: found as it is read
+    with pytest.raises(ConfigError, match=r"data.path: .*docs.jsonl line 9001 is not UTF-8 text: .*0xe9"):
+        load_corpus(data_config(path=str(docs), tokenizer=str(tok)), vocab_size=128)
+
+
+def test_a_npy_of_token_ids_is_read_as_token_ids(tmp_path) -> None:
+    """np.save(ids) trained as the bytes of its header and array; it is now the token file it is:
+    memory-mapped, its own dtype, the same batches as the flat .bin of the same ids."""
+    ids = np.random.default_rng(0).integers(0, 1000, 3000).astype(np.int32)
+    ids[::41] = 999
+    np.save(tmp_path / "train.npy", ids)
+    ids.astype(np.uint16).tofile(tmp_path / "train.bin")
+    cfg = data_config(path=str(tmp_path / "train.npy"), eos_id=999)
+    assert cfg.source == "tokens"  # derived from the .npy suffix
+    corpus = load_corpus(cfg, vocab_size=1000)
+    assert isinstance(corpus.tokens, np.memmap) and corpus.tokens.dtype == np.int32
+    np.testing.assert_array_equal(corpus.tokens, ids)
+    from_npy = make_batches(cfg, 8, 16, 1000)
+    from_bin = make_batches(data_config(path=str(tmp_path / "train.bin"), eos_id=999), 8, 16, 1000)
+    for a, b in zip(from_npy, from_bin):
+        for k in (0, 3):
+            for key in ("tokens", "loss_mask"):
+                np.testing.assert_array_equal(a.batch(k)[key], b.batch(k)[key])
+    renamed = tmp_path / "ids.dat"  # any name: data.source: tokens with .npy content reads its header
+    renamed.write_bytes((tmp_path / "train.npy").read_bytes())
+    np.testing.assert_array_equal(load_corpus(data_config(path=str(renamed), source="tokens"), 1000).tokens, ids)
+    with pytest.raises(ConfigError, match=r"data.path: .*train.npy is a NumPy file, not text.*data.source: tokens"):
+        load_corpus(data_config(path=str(tmp_path / "train.npy"), source="file"), 1000)
+    for name, bad, why in (("rows.npy", ids.reshape(30, 100), r"2-D int32 array of shape \(30, 100\)"),
+                           ("floats.npy", ids.astype(np.float32), "1-D float32 array"),
+                           ("negative.npy", ids - 5, "token id -5")):
+        np.save(tmp_path / name, bad)
+        with pytest.raises(ConfigError, match=rf"data.path: .*{name} .*{why}"):
+            load_corpus(data_config(path=str(tmp_path / name)), 1000)
+    np.save(tmp_path / "big.npy", np.array([1, 2, 5000], np.int64))
+    with pytest.raises(ConfigError, match="model.vocab_size: .* holds token id 5000"):
+        load_corpus(data_config(path=str(tmp_path / "big.npy")), 1000)
+
+
+def test_tokenize_refuses_a_binary_file(tmp_path, capsys) -> None:
+    from zerojax.app.cli import main
+    tok = make_tokenizer(tmp_path / "tokenizer.json")
+    src = tmp_path / "docs.jsonl"
+    src.write_bytes(_binary_files(tmp_path)["Parquet"])
+    assert main(["tokenize", str(src), "--tokenizer", str(tok), "--out", str(tmp_path / "x.bin")]) == 2
+    assert "is a Parquet file" in capsys.readouterr().err and not (tmp_path / "x.bin").exists()

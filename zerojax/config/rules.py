@@ -190,14 +190,14 @@ def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
 
 def _derive_data_source(config: Config, sources: dict[str, str]) -> Config:
     """A `data.path` means "train on this file": it implies `data.source` (jsonl for *.jsonl, tokens for
-    *.bin, else file) unless the source is written; a written `stdlib` next to a path would silently
+    *.bin and *.npy, else file) unless the source is written; a written `stdlib` next to a path would silently
     ignore the file, so that is an error."""
     data = config.data
     if data.path is None:
         return config
     if "data.source" not in sources:
         suffix = Path(data.path).suffix.lower()
-        source = {".jsonl": "jsonl", ".bin": "tokens"}.get(suffix, "file")
+        source = {".jsonl": "jsonl", ".bin": "tokens", ".npy": "tokens"}.get(suffix, "file")
         sources["data.source"] = f"derived (data.path is given{f', {suffix}' if source != 'file' else ''})"
         return dataclasses.replace(config, data=dataclasses.replace(data, source=source))
     if data.source == "stdlib":

@@ -18,6 +18,7 @@ all processes of a run.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import queue
@@ -39,14 +40,139 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+# ---------------------------------------------------------------------------------------------
+# What a data file holds. A binary file read as text trains on its bytes without a word, so every
+# text or JSONL path is checked by its first (and last) bytes and by its name before it is read.
+
+#: What zerojax reads, said in every refusal.
+READS = ("zerojax reads UTF-8 text and JSONL (data.source: file | jsonl) and token ids (a flat .bin or a 1-D "
+         "integer .npy, data.source: tokens)")
+_TABLE = ("write its text column as JSONL (one {\"text\": ...} object a line) and give that with data.tokenizer, "
+          "or tokenize that JSONL once to a .bin with `zerojax tokenize`")
+#: format -> (how it is named in a sentence, what to give instead)
+_FORMATS = {
+    "Parquet": ("a Parquet file", "Parquet is not read yet: " + _TABLE),
+    "Arrow": ("an Arrow file", "Arrow IPC/Feather is not read yet: " + _TABLE),
+    "NumPy": ("a NumPy file", "a 1-D integer .npy of token ids is read as one with data.source: tokens "
+                              "(the default for a *.npy data.path)"),
+    "zip": ("a zip file", "extract the text, JSONL or token file it holds and give that"),
+    "tar": ("a tar file", "extract the text, JSONL or token file it holds and give that"),
+    "gzip": ("a gzip file", "decompress it first (gunzip -k) and give the file it holds"),
+    "bzip2": ("a bzip2 file", "decompress it first (bunzip2 -k) and give the file it holds"),
+    "xz": ("an xz file", "decompress it first (unxz -k) and give the file it holds"),
+    "zstd": ("a zstd file", "decompress it first (unzstd) and give the file it holds"),
+    "HDF5": ("an HDF5 file", "write its text as JSONL, or its token ids as a .bin or .npy"),
+    "PyTorch": ("a PyTorch file", "write its text as JSONL, or its token ids as a .bin or .npy"),
+    "pickle": ("a pickle file", "write its text as JSONL, or its token ids as a .bin or .npy"),
+    "safetensors": ("a safetensors file", "write its token ids as a .bin or .npy"),
+}
+_SUFFIXES = {".parquet": "Parquet", ".pq": "Parquet", ".arrow": "Arrow", ".arrows": "Arrow", ".feather": "Arrow",
+             ".ipc": "Arrow", ".npy": "NumPy", ".npz": "zip", ".zip": "zip", ".tar": "tar", ".gz": "gzip",
+             ".tgz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd", ".h5": "HDF5",
+             ".hdf5": "HDF5", ".pt": "PyTorch", ".pth": "PyTorch", ".pkl": "pickle", ".pickle": "pickle",
+             ".safetensors": "safetensors"}
+NEWLINE = b"\n"
+_HEAD = 64 * 1024  # bytes sniffed at the start of a file
+_TAIL = 65_557     # a zip's end-of-directory record lies in its last 65,557 bytes
+
+
+def _ends(path: Path) -> tuple[bytes, bytes]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_HEAD)
+        f.seek(max(size - _TAIL, 0))
+        return head, f.read()
+
+
+def binary_format(path: str | os.PathLike[str]) -> str | None:
+    """The binary format `path` holds (a key of `_FORMATS`), by its magic bytes, else by its name;
+    None for a file that may be text or flat token ids. Each signature is long enough (or checked at
+    both ends) that a flat token file does not match it by chance."""
+    path = Path(path)
+    head, tail = _ends(path)
+    if head.startswith(b"\x93NUMPY"):
+        return "NumPy"
+    if head.startswith(b"PAR1") and tail.endswith(b"PAR1"):
+        return "Parquet"
+    if head.startswith(b"ARROW1"):
+        return "Arrow"
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")) and b"PK\x05\x06" in tail:
+        return "zip"
+    if head[257:262] == b"ustar":
+        return "tar"
+    if head.startswith(b"\x1f\x8b\x08") and len(head) > 3 and head[3] < 0x20:
+        return "gzip"
+    if head.startswith(b"BZh") and head[4:10] == b"1AY&SY":
+        return "bzip2"
+    for magic, name in ((b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\x89HDF\r\n\x1a\n", "HDF5")):
+        if head.startswith(magic):
+            return name
+    return _SUFFIXES.get(path.suffix.lower())
+
+
+def _refuse_format(path: Path, fmt: str, key: str = "data.path") -> ConfigError:
+    what, fix = _FORMATS[fmt]
+    return ConfigError(f"{key}: {path} is {what}, not text or token ids that zerojax reads as they are; {fix}. "
+                       f"{READS}")
+
+
+def _refuse_utf8(data: bytes, at: int, path: Path, key: str, where: str, offset: int) -> ConfigError:
+    line = "" if where else f"line {data.count(NEWLINE, 0, at) + 1}: "
+    return ConfigError(f"{key}: {path}{where} is not UTF-8 text: byte {offset + at} ({line}0x{data[at]:02x}) does not "
+                       f"decode; re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8 {path.name} > "
+                       f"{path.stem}.utf8{path.suffix}), or give token ids as data.source: tokens. {READS}")
+
+
+def check_utf8(data: bytes, path: Path, final: bool = True, key: str = "data.path", where: str = "",
+               offset: int = 0) -> str:
+    """`data` (bytes `offset`... of `path`) decoded as UTF-8, or one error naming the first NUL or
+    undecodable byte; with `final=False` a character cut at the end (a read limit) is dropped."""
+    nul = data.find(b"\x00")
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+    except UnicodeDecodeError as e:
+        if nul < 0 or e.start < nul:
+            raise _refuse_utf8(data, e.start, path, key, where, offset) from None
+        text = ""
+    if nul >= 0:
+        raise ConfigError(f"{key}: {path}{where} holds NUL bytes (the first at byte {offset + nul}), so it is binary, "
+                          f"not text; give the text it was made from, or token ids as data.source: tokens. {READS}")
+    return text
+
+
+def check_text_file(path: Path, key: str = "data.path") -> None:
+    """Refuse, before it is read, a text or JSONL path that holds no UTF-8 text: a binary format (by
+    its first bytes or its name), UTF-16, NUL bytes or bytes UTF-8 does not decode, in its first 64
+    KiB (the rest is checked as it is read)."""
+    fmt = binary_format(path)
+    if fmt is not None:
+        raise _refuse_format(path, fmt, key)
+    with open(path, "rb") as f:
+        head = f.read(_HEAD)
+        final = not f.read(1)
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise ConfigError(f"{key}: {path} is UTF-16 text; zerojax reads UTF-8: re-encode it (e.g. iconv -f utf-16 "
+                          f"-t utf-8 {path.name} > {path.stem}.utf8{path.suffix})")
+    check_utf8(head, path, final, key)
+
+
+def _read_text_bytes(path: Path, limit: int) -> tuple[bytes, bool]:
+    """Up to `limit` bytes of a checked text file, and whether they are all of it."""
+    check_text_file(path)
+    with open(path, "rb") as f:
+        data = f.read(limit)
+        final = not f.read(1)
+    check_utf8(data, path, final)
+    return data, final
+
+
 def read_corpus(cfg: DataConfig) -> np.ndarray:
     """Up to `cfg.max_bytes` bytes of text as uint8."""
     if cfg.source == "file":
         path = Path(cfg.path or "")
         if not path.is_file():
             raise ConfigError(f"data.path: {path} is not a file; give a text file or use source: stdlib")
-        with open(path, "rb") as f:
-            return np.frombuffer(f.read(cfg.max_bytes), dtype=np.uint8)
+        return np.frombuffer(_read_text_bytes(path, cfg.max_bytes)[0], dtype=np.uint8)
     chunks, total = [], 0
     root = stdlib_root()
     for dirpath, dirnames, filenames in os.walk(root):
@@ -289,12 +415,15 @@ def _documents(cfg: DataConfig, path: Path) -> Iterator[str]:
     """The texts of a JSONL file (`data.text_key` of each line) or of a text file (one document),
     up to `data.max_bytes` bytes of text."""
     if cfg.source == "file":
-        with open(path, "rb") as f:
-            yield f.read(cfg.max_bytes).decode("utf-8", errors="replace")
+        data, final = _read_text_bytes(path, cfg.max_bytes)
+        yield check_utf8(data, path, final)
         return
-    total = 0
-    with open(path, encoding="utf-8", errors="replace") as f:  # a bad byte is one replaced character
-        for n, line in enumerate(f, 1):
+    check_text_file(path)
+    total = offset = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = check_utf8(raw, path, where=f" line {n}", offset=offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -383,21 +512,47 @@ def read_token_file(cfg: DataConfig, vocab_size: int) -> np.ndarray:
     """The memory-mapped ids of a `data.source: tokens` file, checked against the model's vocabulary
     (one pass in chunks: memory stays flat whatever the file's size)."""
     path = _need_file(cfg.path, "data.path", f"a flat {cfg.dtype} token file (data.source: tokens)")
-    dtype = np.dtype(_DTYPES[cfg.dtype])
-    size = path.stat().st_size
-    if size % dtype.itemsize:
-        raise ConfigError(f"data.dtype: {path} has {size} bytes, not a whole number of {cfg.dtype} ids; "
-                          f"set data.dtype to the type the file was written with")
-    if size == 0:
-        raise ConfigError(f"data.path: {path} is empty; give a token file with ids in it")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
+    fmt = binary_format(path)
+    if fmt == "NumPy":
+        tokens = _npy_ids(path)
+    elif fmt is not None:
+        raise _refuse_format(path, fmt)
+    else:
+        dtype = np.dtype(_DTYPES[cfg.dtype])
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise ConfigError(f"data.dtype: {path} has {size} bytes, not a whole number of {cfg.dtype} ids; "
+                              f"set data.dtype to the type the file was written with")
+        if size == 0:
+            raise ConfigError(f"data.path: {path} is empty; give a token file with ids in it")
+        tokens = np.memmap(path, dtype=dtype, mode="r")
     step = 1 << 24
     top = max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
+    if tokens.dtype.kind == "i":
+        low = min(int(tokens[i:i + step].min()) for i in range(0, len(tokens), step))
+        if low < 0:
+            raise ConfigError(f"data.path: {path} holds token id {low}; token ids are 0 or more")
     if top >= vocab_size:
         raise ConfigError(f"model.vocab_size: {path} holds token id {top}, which the model's {vocab_size} "
                           f"embeddings do not cover; set model.vocab_size: {top + 1} (or the tokenizer's size)")
     if cfg.eos_id is not None and cfg.eos_id >= vocab_size:
         raise ConfigError(f"data.eos_id: {cfg.eos_id} is not below model.vocab_size {vocab_size}")
+    return tokens
+
+
+def _npy_ids(path: Path) -> np.ndarray:
+    """A .npy of token ids, memory-mapped in its own dtype: one 1-D integer array, documents end to end."""
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data.path: {path} is not a .npy file NumPy can read ({e}); give a 1-D integer array "
+                          f"saved with np.save, or a flat .bin") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ConfigError(f"data.path: {path} holds a {tokens.ndim}-D {tokens.dtype} array of shape {tokens.shape}; "
+                          f"a .npy token file is one 1-D integer array of token ids, documents end to end "
+                          f"(np.save(path, ids.ravel()) when its rows are already packed)")
+    if tokens.size == 0:
+        raise ConfigError(f"data.path: {path} is empty; give a token file with ids in it")
     return tokens
 
 

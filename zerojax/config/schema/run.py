@@ -114,8 +114,10 @@ class DataConfig:
     source: str = option("stdlib", "stdlib: the embedded corpus, as bytes. file: a text file (bytes, or tokens "
                                    "with data.tokenizer). jsonl: one JSON document a line, tokenized with "
                                    "data.tokenizer. tokens: a flat array of token ids (nanoGPT/Megatron .bin), "
-                                   "memory-mapped. Default with data.path: jsonl for *.jsonl, tokens for *.bin, "
-                                   "else file.", choices=("stdlib", "file", "jsonl", "tokens"))
+                                   "memory-mapped, or a 1-D integer .npy. Default with data.path: jsonl for *.jsonl, "
+                                   "tokens for *.bin and *.npy, else file. A binary file (Parquet, Arrow, zip, "
+                                   "gzip, ...; by its first bytes or its name) or text that is not UTF-8 is "
+                                   "refused as a text or JSONL file.", choices=("stdlib", "file", "jsonl", "tokens"))
     path: Optional[str] = option(None, "The file to train on (implies data.source, see there).")
     max_bytes: int = option(4_000_000, "Read at most this many bytes of a text corpus (stdlib, file, jsonl).",
                             gt=0)
