@@ -31,7 +31,7 @@ from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
 from zerojax.core.precision import LossScaleState, update_loss_scale
-from zerojax.core.state import TrainState, init_state
+from zerojax.core.state import TrainState, init_state, logical_params
 from zerojax.core.step import (LossFn, check_batch, check_eval_batch, checked_kernels, make_eval_step,
                                make_train_step)
 
@@ -252,7 +252,7 @@ class Engine(DeepSpeedAPI):
     @property
     def params(self) -> Any:
         """Logical (whole-shape) parameters: the fp32 master copy under mixed precision."""
-        return self.state.master if self.plan.policy.mixed else self.state.params
+        return logical_params(self.state)
 
     @property
     def model_state(self) -> Any:
@@ -352,7 +352,7 @@ class Engine(DeepSpeedAPI):
 def loss_scale_message(plan: Plan, state: TrainState) -> str:
     """Why the run cannot go on: the scale is at its minimum and gradients still overflow."""
     scaler = jax.device_get(state.scaler)
-    paths = plan.leaf_paths
+    paths = plan.trained_paths  # one flag per trainable leaf
     bad = [paths[i] for i in np.flatnonzero(scaler.first_bad)]
     shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
     return (f"fp16 gradients overflowed at step {int(state.step)} with the loss scale already at "
@@ -365,7 +365,7 @@ def loss_scale_message(plan: Plan, state: TrainState) -> str:
 def non_finite_message(plan: Plan, state: TrainState, streak: int) -> str:
     """Where training went non-finite: the step, the first non-finite leaves, and what to change."""
     scaler = jax.device_get(state.scaler)
-    paths = plan.leaf_paths
+    paths = plan.trained_paths  # one flag per trainable leaf
     bad = [paths[i] for i in np.flatnonzero(scaler.first_bad)]
     where = (", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")) if bad else "the loss only"
     first = int(scaler.last_overflow) + 1 if streak == 0 else int(state.step) - streak + 1
