@@ -137,9 +137,14 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     if verify:
         verified(tag_dir, meta)
     pol = plan.policy
-    truth_target = target.master if pol.mixed else target.params
-
-    targets = named_leaves(truth_target, meta["truth"])
+    # Per leaf, what it is restored from: a trainable leaf of a mixed-precision plan into its master copy,
+    # any other into its stored parameter; read from the checkpoint's truth (its master, when it had
+    # one for the leaf), else from the saved parameter (a leaf the saving run kept frozen).
+    truth_target = plan.merge(target.master, plan.frozen(target.params)) if pol.mixed else target.params
+    saved = meta["leaves"]
+    sources = [f"{meta['truth']}.{n}" if f"{meta['truth']}.{n}" in saved else f"params.{n}"
+               for n in leaf_names(plan.abstract_params, "")]
+    targets = dict(zip(sources, jax.tree.leaves(truth_target)))
     restored_fields: list[str] = []
     # the model state (BatchNorm's statistics) belongs to the module, as torch's buffers do: it comes
     # back with the parameters, load_module_only included
@@ -164,7 +169,7 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
         want = targets[name]
         values[name] = jax.device_put(np.asarray(relayout.convert(name, array, meta), want.dtype), want.sharding)
 
-    truth = _unflatten(truth_target, meta["truth"], values)
+    truth = jax.tree.unflatten(jax.tree.structure(truth_target), [values[n] for n in sources])
     missing = [f for f, _ in state_fields(target) if f not in ("params", "master") and f not in restored_fields]
     if missing:
         fields = init_state(plan, truth)._asdict()
@@ -172,7 +177,7 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
         params = (jax.jit(lambda t: jax.tree.map(lambda x: to_device(x).astype(pol.param), t),
                           out_shardings=jax.tree.map(lambda t: t.sharding, target.params))(truth)
                   if pol.mixed else truth)
-        fields = {"params": params, "master": truth if pol.mixed else None}
+        fields = {"params": params, "master": plan.trained(truth) if pol.mixed else None}
     for field in restored_fields:
         fields[field] = _unflatten(getattr(target, field), field, values)
     return TrainState(**fields), dict(meta.get("extra", {}))

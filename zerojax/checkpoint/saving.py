@@ -20,7 +20,7 @@ from zerojax.checkpoint.integrity import file_checksums, nonfinite_params
 from zerojax.checkpoint.pending import PendingSave, track, wait_pending
 from zerojax.errors import ConfigError
 from zerojax.core.layout import Plan
-from zerojax.core.state import TrainState
+from zerojax.core.state import TrainState, logical_params
 
 
 _SYNCS = iter(range(1 << 62))
@@ -49,7 +49,7 @@ def _prepare_tag_dir(tag_dir: Path) -> None:
 def _save_meta(state: TrainState, plan: Plan, tag: str, arrays: Mapping[str, Any],
                extra: Mapping[str, Any], nonfinite: list[str]) -> dict[str, Any]:
     truth = "master" if state.master is not None else "params"
-    logical = getattr(state, truth)
+    logical = logical_params(state)  # a frozen leaf's truth is its stored parameter (it has no master)
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
         "step": int(state.step), "skipped": int(state.skipped),
@@ -57,6 +57,8 @@ def _save_meta(state: TrainState, plan: Plan, tag: str, arrays: Mapping[str, Any
         "precision": {"param": np.dtype(plan.policy.param).name,
                       "master": np.dtype(plan.policy.master).name if state.master is not None else None},
         "truth": truth,
+        "frozen": [name for name, t in zip(leaf_names(plan.abstract_params, ""), jax.tree.leaves(plan.trainable))
+                   if not t],
         "finite": not nonfinite, "nonfinite": nonfinite[:20],
         "params": {name: describe_leaf(x) for name, x in named_leaves(logical, "").items()},
         "leaves": {name: describe_leaf(x) for name, x in arrays.items()},
@@ -110,7 +112,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
     wait_pending(root)
     arrays = flatten_state(state)
     want = leaf_names(plan.abstract_params, "")
-    got = list(named_leaves(getattr(state, "master" if state.master is not None else "params"), ""))
+    got = list(named_leaves(logical_params(state), ""))
     if want != got:
         raise CheckpointError(f"save: the state's parameters do not match the plan's ({len(got)} vs "
                               f"{len(want)} leaves); pass the plan the state was made with")
