@@ -2,6 +2,7 @@
 master or optimizer state, at every ZeRO stage, against a one-device optax run with those leaves masked."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,29 @@ def test_library_mask_and_bad_patterns() -> None:
         zerojax.plan(h.make_config(0, model={"frozen": ["w_in"]}), mesh, params, trainable=mask_of(params))
     with pytest.raises(ValueError, match="trainable= must be shaped like the parameters"):
         zerojax.plan(h.make_config(0), mesh, params, trainable={"w_in": False})
+
+
+def test_estimate_counts_frozen_parameters_as_stored_only(tmp_path: Path, capsys) -> None:
+    """`zerojax estimate` with model.trainable: the plan-exact rows drop the frozen leaves' gradients, master
+    and moments (bf16 + AdamW: 2 + 12 bytes each, / N where the stage shards them) and say how many are frozen."""
+    from zerojax.app.cli import main
+    from zerojax.tools import estimate as E
+    tiny = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage3_param_persistence_threshold": 0},
+            "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 8, "vocab_size": 64}}
+    lora_like = {**tiny, "model": {**tiny["model"], "trainable": ["head"]}}
+    full_cfg, frozen_cfg = zerojax.load_config(tiny), zerojax.load_config(lora_like)
+    model = E.embedded_model(full_cfg)
+    head = sum(x.size for x in jax.tree.leaves(model.abstract_params["head"]))
+    psi_f = model.total_params - head
+    for choice, n_grad, n_opt in ((E.Choice(0), 1, 1), (E.Choice(1), 1, 8), (E.Choice(2), 8, 8), (E.Choice(3), 8, 8)):
+        full = E.plan_exact(full_cfg, model, 8, 8, choice)
+        frozen = E.plan_exact(frozen_cfg, model, 8, 8, choice)
+        assert frozen.report.n_frozen == psi_f
+        assert full.device_bytes - frozen.device_bytes == 2 * psi_f / n_grad + 12 * psi_f / n_opt, choice
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(lora_like))
+    assert main(["estimate", "--config", str(cfg), "--devices", "8", "--no-step-time"]) == 0
+    out = capsys.readouterr().out
+    assert f"frozen: {psi_f:,} of {model.total_params:,} parameters" in out

@@ -662,6 +662,7 @@ def _role_bytes(cfg: Config) -> tuple[ax.Bytes, int]:
     from zerojax.planner.plan import make_plan
     from zerojax.planner.settings import policy
     pol, psi = policy(cfg), 64
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, trainable=(), frozen=()))  # one trained leaf
     rep = make_plan(cfg, abstract_mesh(1), {"w": _sds(psi)}).report()
     return ax.Bytes(pol.param.itemsize, pol.accum.itemsize, round(rep.formula_optimizer / psi)), \
         (pol.comm or pol.accum).itemsize
@@ -896,6 +897,12 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
               f"estimate_zero3_model_states_mem_needs "
               f"(stage 3, zero_init={int(req.zero_init)}), additional_buffer_factor={req.additional_buffer_factor}; "
               f"no estimator for stage 0."]
+    frozen = exact[0].report.n_frozen
+    if frozen:
+        lines += ["", f"frozen: {frozen:,} of {model.total_params:,} parameters (model.trainable / model.frozen): "
+                      f"plan-exact counts them as stored parameters only, in the compute dtype (P x frozen / N at "
+                      f"stage 3, P x frozen on every device at stages 0-2), with no gradient, master or optimizer "
+                      f"state; DeepSpeed's estimators count every parameter as trained"]
     threshold = config.zero_optimization.stage3_param_persistence_threshold
     if model.largest_leaf_params < threshold:
         lines += ["", f"note: every parameter has fewer than zero_optimization.stage3_param_persistence_threshold = "
