@@ -182,3 +182,63 @@ def test_estimate_counts_frozen_parameters_as_stored_only(tmp_path: Path, capsys
     assert main(["estimate", "--config", str(cfg), "--devices", "8", "--no-step-time"]) == 0
     out = capsys.readouterr().out
     assert f"frozen: {psi_f:,} of {model.total_params:,} parameters" in out
+
+
+def test_fused_update_sees_only_trainable_leaves() -> None:
+    """kernels: pallas (interpreted on CPU) with frozen leaves: the fused Adam runs over the trainable
+    leaves' shards only and gives the XLA update's state; the frozen leaves stay as given."""
+    params = h.mlp_params(0, divisible=True)
+    batches = [h.make_batch(32, i) for i in range(2)]
+    kw = dict(dtype="bf16", optimizer=ADAMW, model={"frozen": FROZEN})
+    p_fused, fused, m_fused = h.train_steps(h.make_config(3, kernels="pallas", **kw), batches, params=params)
+    p_xla, xla, m_xla = h.train_steps(h.make_config(3, kernels="xla", **kw), batches, params=params)
+    assert p_fused.kernels == "interpret" and p_xla.kernels == "xla"
+    h.assert_tree_close(h.to_numpy(fused.master), h.to_numpy(xla.master), rtol=1e-6, atol=1e-7, what="master")
+    h.assert_tree_close(h.to_numpy(fused.opt_state), h.to_numpy(xla.opt_state), rtol=1e-5, atol=1e-9, what="moments")
+    np.testing.assert_allclose([m["grad_norm"] for m in m_fused], [m["grad_norm"] for m in m_xla], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(fused.params["w_in"]), np.asarray(xla.params["w_in"]))
+
+
+def test_nnx_lora_params_trained_by_variable_type_and_checkpoint_without_frozen(tmp_path: Path) -> None:
+    """initialize(..., trainable=nnx.LoRAParam) on a from_nnx model at stage 3: only the adapters move and
+    have master copies; exclude_frozen_parameters writes no frozen weight, and the tag loads back into an
+    engine holding them (and is one clear error where none are given)."""
+    from flax import nnx
+
+    class Adapted(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.base = nnx.Linear(16, 8, rngs=rngs)
+            self.lora = nnx.LoRA(16, 8, 8, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.base(x) + self.lora(x)
+
+    def loss(model: Adapted, batch: Any) -> jax.Array:
+        return jnp.mean((model(batch["x"]) - batch["y"][:, :1]) ** 2)
+
+    config = {"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    params, loss_fn = zerojax.from_nnx(Adapted(nnx.Rngs(0)), loss)
+    engine = zerojax.initialize(config, params=params, loss_fn=loss_fn, trainable=nnx.LoRAParam)
+    assert engine.plan.trained_paths == ["['lora']['lora_a']", "['lora']['lora_b']"]
+    for i in range(2):
+        engine.train_batch(h.make_batch(16, i))
+    assert engine.state.master["base"]["kernel"] is None
+    assert engine.state.params["base"]["kernel"].sharding.spec[0] == "data"
+    np.testing.assert_array_equal(np.asarray(engine.params["base"]["kernel"]),
+                                  np.asarray(jnp.asarray(params["base"]["kernel"], jnp.bfloat16)))
+    assert np.abs(np.asarray(engine.params["lora"]["lora_b"])).max() > 0  # zero at the start
+
+    engine.save_checkpoint(str(tmp_path), "t", exclude_frozen_parameters=True)
+    meta = zerojax.checkpoint.metadata(tmp_path, "t")
+    assert meta["excluded"] == ["base.bias", "base.kernel"]
+    assert not any(name.startswith("params.base") for name in meta["leaves"])
+    want = h.to_numpy(engine.state)
+    fresh = zerojax.initialize(config, params=params, loss_fn=loss_fn, trainable=nnx.LoRAParam)
+    fresh.load_checkpoint(str(tmp_path), "t")
+    h.assert_tree_close(h.to_numpy(fresh.state), want, rtol=0, atol=0, what="loaded")
+    with pytest.raises(zerojax.checkpoint.CheckpointError, match="saved with exclude_frozen_parameters: it holds no "
+                                                                 "base.bias, base.kernel"):
+        load(tmp_path, "t", fresh.plan)
+    with pytest.raises(ValueError, match="picks parameters by their NNX Variable class"):
+        zerojax.plan(config, fresh.mesh, h.mlp_params(0), trainable=nnx.LoRAParam)

@@ -46,8 +46,13 @@ def _prepare_tag_dir(tag_dir: Path) -> None:
     _sync("prepare")
 
 
+def frozen_names(plan: Plan) -> list[str]:
+    """Dotted names of the plan's frozen leaves."""
+    return [name for name, t in zip(leaf_names(plan.abstract_params, ""), jax.tree.leaves(plan.trainable)) if not t]
+
+
 def _save_meta(state: TrainState, plan: Plan, tag: str, arrays: Mapping[str, Any],
-               extra: Mapping[str, Any], nonfinite: list[str]) -> dict[str, Any]:
+               extra: Mapping[str, Any], nonfinite: list[str], excluded: list[str]) -> dict[str, Any]:
     truth = "master" if state.master is not None else "params"
     logical = logical_params(state)  # a frozen leaf's truth is its stored parameter (it has no master)
     return {
@@ -57,8 +62,8 @@ def _save_meta(state: TrainState, plan: Plan, tag: str, arrays: Mapping[str, Any
         "precision": {"param": np.dtype(plan.policy.param).name,
                       "master": np.dtype(plan.policy.master).name if state.master is not None else None},
         "truth": truth,
-        "frozen": [name for name, t in zip(leaf_names(plan.abstract_params, ""), jax.tree.leaves(plan.trainable))
-                   if not t],
+        "frozen": frozen_names(plan),
+        "excluded": excluded,  # frozen leaves not written (exclude_frozen): a load takes them from the model
         "finite": not nonfinite, "nonfinite": nonfinite[:20],
         "params": {name: describe_leaf(x) for name, x in named_leaves(logical, "").items()},
         "leaves": {name: describe_leaf(x) for name, x in arrays.items()},
@@ -91,7 +96,8 @@ def _commit(root: Path, tag: str, meta: dict[str, Any], max_to_keep: int | None,
 
 def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
          extra: Mapping[str, Any] | None = None, async_save: bool = True,
-         max_to_keep: int | None = None, keep_every_n_steps: int | None = None) -> PendingSave:
+         max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
+         exclude_frozen: bool = False) -> PendingSave:
     """Write `state` to `directory/<tag>/` (tag None: `global_step<step>`); every process writes
     only its own shards, nothing is gathered.
 
@@ -101,6 +107,9 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
     completes. An existing complete tag raises FileExistsError; an incomplete leftover is replaced.
     Parameters holding NaN or inf are still written, flagged in meta.json (`finite: false`) with a
     warning, but the tag never becomes `latest`.
+    `exclude_frozen` (DeepSpeed's `exclude_frozen_parameters`): the frozen leaves are not written, only
+    what is trained (and the optimizer's state): a LoRA-style run's tag is then its adapters' size. Such
+    a tag is loaded with the frozen weights given (`load(..., frozen=params)`; the engine passes its own).
     """
     root = absolute(directory)
     tag = check_tag(default_tag(int(state.step)) if tag is None else tag)
@@ -111,6 +120,9 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
         raise ConfigError(f"checkpoint extra must be JSON-serializable (dicts, lists, str, numbers): {e}") from e
     wait_pending(root)
     arrays = flatten_state(state)
+    excluded = frozen_names(plan) if exclude_frozen else []
+    for name in excluded:
+        del arrays[f"params.{name}"]
     want = leaf_names(plan.abstract_params, "")
     got = list(named_leaves(logical_params(state), ""))
     if want != got:
@@ -121,7 +133,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
         warnings.warn(f"checkpoint {root / tag}: parameters are not finite ({', '.join(nonfinite[:5])}"
                       f"{' ...' if len(nonfinite) > 5 else ''}); the tag is written and flagged in {META_FILE}, "
                       f"but `latest` keeps naming {latest_tag(root)}", RuntimeWarning, stacklevel=2)
-    meta = _save_meta(state, plan, tag, arrays, extra, nonfinite)
+    meta = _save_meta(state, plan, tag, arrays, extra, nonfinite, excluded)
     tag_dir = root / tag
     _prepare_tag_dir(tag_dir)
 
