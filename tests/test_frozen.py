@@ -45,14 +45,17 @@ def masked_reference(tx: optax.GradientTransformation, params: Any, batches: lis
     return h.reference_run(ref_tx, jnp.float32, loss, params, batches, clip)
 
 
-@pytest.mark.parametrize("stage, optimizer", [(0, ADAMW), (1, h.SGD), (2, ADAMW), (3, ADAMW), (3, h.SGD)])
-def test_frozen_training_equals_masked_optax(stage: int, optimizer: dict) -> None:
+@pytest.mark.parametrize("stage, optimizer, loss_fn", [(0, ADAMW, h.mse_loss), (1, h.SGD, h.mse_loss),
+                                                     (2, ADAMW, h.mse_loss), (3, ADAMW, h.mse_loss),
+                                                     (3, h.SGD, h.layerwise_loss)])
+def test_frozen_training_equals_masked_optax(stage: int, optimizer: dict, loss_fn: Any) -> None:
     """Half the leaves frozen by name: the trained ones follow the masked one-device run, the frozen
-    ones stay bit-identical, ZeRO-3 shards them, and the state holds no master or moments for them."""
+    ones stay bit-identical, ZeRO-3 shards them (gathered by the evaluator, or by a loss that gathers its
+    own layer by layer), and the state holds no master or moments for them."""
     params = h.mlp_params(0, divisible=True)
     cfg = h.make_config(stage, optimizer=optimizer, gas=2, model={"frozen": FROZEN})
     batches = [h.make_batch(32, i) for i in range(3)]
-    p, state, metrics = h.train_steps(cfg, batches, params=params)
+    p, state, metrics = h.train_steps(cfg, batches, params=params, loss_fn=loss_fn)
     ref = masked_reference(p.tx, params, batches, clip=1.0)
 
     got = h.to_numpy(state.params)
