@@ -102,7 +102,14 @@ def test_frozen_bytes_match_the_formula_and_the_compiled_step(stage: int) -> Non
     assert state.master["w_in"] is None and state.master["layers"]["b"] is None
     stepped = zerojax.make_train_step(cfg, p, h.mse_loss)
     batch = h.make_batch(32, 0)
-    used = step_memory(stepped.lower(state, batch).compile())
+    compiled = stepped.lower(state, batch).compile()
+    used = step_memory(compiled)
+    # no gradient of a frozen leaf is reduced: the reduce-scatters (stages 1-3) or the all-reduce (0)
+    # carry the trainable leaves' elements only
+    text = compiled.as_text()
+    reduced = sum(h.numel(s) for op in ("reduce-scatter", "all-reduce") for s in h.collective_shapes(text, op)
+                  if h.numel(s) > 1)  # not the loss's mean
+    assert reduced == (psi_t / n if stage >= 1 else psi_t), (reduced, psi_t)
     # the step's arguments: the state (stored parameters, master, moments, a few scalars) and the batch
     batch_bytes = sum(x.nbytes for x in batch.values()) // n  # its rows split over the devices
     state_bytes = used.device_arguments - batch_bytes
