@@ -98,11 +98,11 @@ def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
     if model_cfg.hf_checkpoint:  # each device reads only its own slices of the checkpoint's tensors
         from zerojax.models.hf import load_params
         beat(f"reading {model_cfg.hf_checkpoint}", allowance=FIRST_STEP_ALLOWANCE)
-        params = load_params(model_cfg.hf_checkpoint, model_cfg, plan.update_shardings)
+        params = load_params(model_cfg.hf_checkpoint, model_cfg, plan.init_shardings)
     elif params is None:
         # Initialize straight into the sharded master plan: no device ever holds the whole model.
         params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
-                         out_shardings=plan.update_shardings)()
+                         out_shardings=plan.init_shardings)()
     loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
     from zerojax.models.decode import decoder
     return Engine(config, params, loss_fn, mesh, plan=plan, decode=decoder(model_cfg))

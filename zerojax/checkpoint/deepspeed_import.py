@@ -293,6 +293,11 @@ def import_state(ckpt: DeepSpeedCheckpoint, plan: Plan, sources: Mapping[str, An
         raise ValueError("import_state: this model keeps BatchNorm statistics (plan.model_state), which a DeepSpeed "
                          "checkpoint stores as module buffers that are not read here; train it from a zerojax "
                          "checkpoint instead")
+    if plan.has_frozen:
+        raise ValueError("import_state: the plan freezes parameters (model.trainable / model.frozen), but a DeepSpeed "
+                         "checkpoint's fp32 partitions and moments are read for every parameter; import with every "
+                         "parameter trained, save a zerojax checkpoint, and load that into the frozen plan "
+                         "(load_optimizer_states=False: the optimizer state then covers other leaves)")
     check_sources(ckpt, plan, sources, fix)
     where = _model_file(ckpt)
     moments = ckpt.exp_avg is not None and ckpt.exp_avg_sq is not None

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
-from zerojax.checkpoint.format import PIPELINE_ROWS, PathLike, STATE_DIR, absolute
+from zerojax.checkpoint.format import PIPELINE_ROWS, PathLike, STATE_DIR, absolute, truth_name
 from zerojax.checkpoint.integrity import read_meta
 from zerojax.checkpoint.pending import resolve_tag
 from zerojax.checkpoint.loading import read_leaves, reading, verified
@@ -103,7 +103,7 @@ def _exported_arrays(tag_dir: Path, meta: Mapping[str, Any], rows: Mapping[str, 
     """The parameters to export, in header order: saved leaves, or slices of pipeline rows (the stage
     rows, and the expert rows an entry's `array` names)."""
     if not rows:
-        sources = [join(meta["truth"], name) for name in meta["params"]]
+        sources = [truth_name(meta, name) for name in meta["params"]]
         for _, array in read_leaves(tag_dir / STATE_DIR, sources):
             yield array
         return

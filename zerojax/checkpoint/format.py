@@ -72,6 +72,13 @@ def named_leaves(tree: Any, prefix: str) -> dict[str, Any]:
     return dict(zip(leaf_names(tree, prefix), jax.tree.leaves(tree)))
 
 
+def truth_name(meta: Mapping[str, Any], name: str) -> str:
+    """The saved array a parameter is read from: the tag's truth (its fp32 master) when the tag holds
+    one for it, else its stored parameter (a leaf the saving run kept frozen has no master)."""
+    truth = f"{meta['truth']}.{name}"
+    return truth if truth in meta["leaves"] else f"params.{name}"
+
+
 def state_fields(state: TrainState) -> Iterator[tuple[str, Any]]:
     """The fields that hold arrays (a None master means the params are their own master)."""
     for field, value in state._asdict().items():

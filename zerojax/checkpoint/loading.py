@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint.format import PIPELINE_ROWS, CheckpointError, FORMAT, META_FILE, PathLike, STATE_DIR, absolute, closing, leaf_names, named_leaves, state_fields
+from zerojax.checkpoint.format import PIPELINE_ROWS, CheckpointError, FORMAT, META_FILE, PathLike, STATE_DIR, absolute, closing, describe_leaf, leaf_names, named_leaves, state_fields, truth_name
 from zerojax.checkpoint.integrity import corrupt_error, first_bad_file, read_meta
 from zerojax.checkpoint.pending import continue_run, resolve_tag
 from zerojax.core.layout import Plan
@@ -112,8 +112,8 @@ class Relayout:
 
 
 def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_states: bool = True,
-         load_module_only: bool = False, verify: bool = True, relayout: Relayout | None = None
-         ) -> tuple[TrainState, dict[str, Any]]:
+         load_module_only: bool = False, verify: bool = True, relayout: Relayout | None = None,
+         frozen: Any = None) -> tuple[TrainState, dict[str, Any]]:
     """Restore a checkpoint (tag None: latest) into `plan`'s layout, on any mesh and ZeRO stage.
 
     Each device reads only its own shards. The fp32 master copy (the saved parameters when the run
@@ -125,6 +125,8 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     that read): a damaged tag is one CheckpointError naming the file and a tag that verifies.
     `relayout`: how leaves of another layout become the plan's (`Relayout`); such leaves are read whole
     on the host and placed once converted, and the relayout checks that they hold this model.
+    `frozen`: a parameter tree (e.g. the model's own, `state.params`) the frozen leaves a tag saved with
+    `exclude_frozen` left out are taken from; such a tag cannot be loaded without it.
     """
     tag_dir = resolve_tag(absolute(directory), tag)
     meta = read_meta(tag_dir)
@@ -137,9 +139,24 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
     if verify:
         verified(tag_dir, meta)
     pol = plan.policy
-    truth_target = target.master if pol.mixed else target.params
-
-    targets = named_leaves(truth_target, meta["truth"])
+    # Per leaf, what it is restored from: a trainable leaf of a mixed-precision plan into its master copy,
+    # any other into its stored parameter; read from the checkpoint's truth (its master, when it had
+    # one for the leaf), else from the saved parameter (a leaf the saving run kept frozen).
+    truth_target = plan.merge(target.master, plan.frozen(target.params)) if pol.mixed else target.params
+    names = leaf_names(plan.abstract_params, "")
+    sources = [truth_name(meta, n) for n in names]
+    targets = dict(zip(sources, jax.tree.leaves(truth_target)))
+    excluded = {f"params.{n}" for n in meta.get("excluded", ())} & set(sources)  # not in the tag: given
+    if excluded and frozen is None:
+        raise CheckpointError(f"checkpoint {tag_dir} was saved with exclude_frozen_parameters: it holds no "
+                              f"{', '.join(sorted(n[7:] for n in excluded)[:6])}{' ...' if len(excluded) > 6 else ''}; "
+                              f"load it into an engine built with those weights (engine.load_checkpoint), or "
+                              f"pass them: load(..., frozen=params)")
+    given = {}
+    if excluded:
+        check_compatible({"params": {n: describe_leaf(x) for n, x in named_leaves(frozen, "").items()}}, plan,
+                         "frozen=")
+        given = {s: x for s, x in zip(sources, jax.tree.leaves(frozen)) if s in excluded}
     restored_fields: list[str] = []
     # the model state (BatchNorm's statistics) belongs to the module, as torch's buffers do: it comes
     # back with the parameters, load_module_only included
@@ -159,12 +176,13 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
             continue  # a field this checkpoint predates: it starts fresh
         targets.update(named_leaves(abstract, field))
         restored_fields.append(field)
-    values = _restore(tag_dir / STATE_DIR, {k: v for k, v in targets.items() if k not in moved})
+    values = _restore(tag_dir / STATE_DIR, {k: v for k, v in targets.items() if k not in moved and k not in given})
+    values.update({k: jax.device_put(x.astype(targets[k].dtype), targets[k].sharding) for k, x in given.items()})
     for name, array in read_leaves(tag_dir / STATE_DIR, [k for k in targets if k in moved]):
         want = targets[name]
         values[name] = jax.device_put(np.asarray(relayout.convert(name, array, meta), want.dtype), want.sharding)
 
-    truth = _unflatten(truth_target, meta["truth"], values)
+    truth = jax.tree.unflatten(jax.tree.structure(truth_target), [values[n] for n in sources])
     missing = [f for f, _ in state_fields(target) if f not in ("params", "master") and f not in restored_fields]
     if missing:
         fields = init_state(plan, truth)._asdict()
@@ -172,7 +190,7 @@ def load(directory: PathLike, tag: str | None, plan: Plan, *, load_optimizer_sta
         params = (jax.jit(lambda t: jax.tree.map(lambda x: to_device(x).astype(pol.param), t),
                           out_shardings=jax.tree.map(lambda t: t.sharding, target.params))(truth)
                   if pol.mixed else truth)
-        fields = {"params": params, "master": truth if pol.mixed else None}
+        fields = {"params": params, "master": plan.trained(truth) if pol.mixed else None}
     for field in restored_fields:
         fields[field] = _unflatten(getattr(target, field), field, values)
     continue_run(tag_dir.parent, meta)  # later saves here are the same run's: retention may prune its tags

@@ -22,7 +22,7 @@ from zerojax.checkpoint.integrity import file_checksums, nonfinite_params
 from zerojax.checkpoint.pending import PendingSave, run_of, track, wait_pending
 from zerojax.errors import ConfigError
 from zerojax.core.layout import Plan
-from zerojax.core.state import TrainState
+from zerojax.core.state import TrainState, logical_params
 from zerojax.runtime.run_lock import LOCK_FILE, holder_elsewhere, pid_alive
 
 
@@ -103,10 +103,15 @@ def _prepare_tag_dir(root: Path, tag_dir: Path) -> None:
     _sync("prepare")
 
 
+def frozen_names(plan: Plan) -> list[str]:
+    """Dotted names of the plan's frozen leaves."""
+    return [name for name, t in zip(leaf_names(plan.abstract_params, ""), jax.tree.leaves(plan.trainable)) if not t]
+
+
 def _save_meta(state: TrainState, plan: Plan, tag: str, arrays: Mapping[str, Any],
-               extra: Mapping[str, Any], nonfinite: list[str]) -> dict[str, Any]:
+               extra: Mapping[str, Any], nonfinite: list[str], excluded: list[str]) -> dict[str, Any]:
     truth = "master" if state.master is not None else "params"
-    logical = getattr(state, truth)
+    logical = logical_params(state)  # a frozen leaf's truth is its stored parameter (it has no master)
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
         "step": int(state.step), "skipped": int(state.skipped),
@@ -114,6 +119,8 @@ def _save_meta(state: TrainState, plan: Plan, tag: str, arrays: Mapping[str, Any
         "precision": {"param": np.dtype(plan.policy.param).name,
                       "master": np.dtype(plan.policy.master).name if state.master is not None else None},
         "truth": truth,
+        "frozen": frozen_names(plan),
+        "excluded": excluded,  # frozen leaves not written (exclude_frozen): a load takes them from the model
         "finite": not nonfinite, "nonfinite": nonfinite[:20],
         "params": {name: describe_leaf(x) for name, x in named_leaves(logical, "").items()},
         "leaves": {name: describe_leaf(x) for name, x in arrays.items()},
@@ -147,7 +154,8 @@ def _commit(root: Path, tag: str, meta: dict[str, Any], max_to_keep: int | None,
 
 def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
          extra: Mapping[str, Any] | None = None, async_save: bool = True,
-         max_to_keep: int | None = None, keep_every_n_steps: int | None = None) -> PendingSave:
+         max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
+         exclude_frozen: bool = False) -> PendingSave:
     """Write `state` to `directory/<tag>/` (tag None: `global_step<step>`); every process writes
     only its own shards, nothing is gathered.
 
@@ -159,6 +167,9 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
     the way, or a folder another run holds (its lock), is one CheckpointError: nothing is deleted.
     Parameters holding NaN or inf are still written, flagged in meta.json (`finite: false`) with a
     warning, but the tag never becomes `latest`.
+    `exclude_frozen` (DeepSpeed's `exclude_frozen_parameters`): the frozen leaves are not written, only
+    what is trained (and the optimizer's state): a LoRA-style run's tag is then its adapters' size. Such
+    a tag is loaded with the frozen weights given (`load(..., frozen=params)`; the engine passes its own).
     """
     root = absolute(directory)
     tag = check_tag(default_tag(int(state.step)) if tag is None else tag)
@@ -169,8 +180,11 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
         raise ConfigError(f"checkpoint extra must be JSON-serializable (dicts, lists, str, numbers): {e}") from e
     wait_pending(root)
     arrays = flatten_state(state)
+    excluded = frozen_names(plan) if exclude_frozen else []
+    for name in excluded:
+        del arrays[f"params.{name}"]
     want = leaf_names(plan.abstract_params, "")
-    got = list(named_leaves(getattr(state, "master" if state.master is not None else "params"), ""))
+    got = list(named_leaves(logical_params(state), ""))
     if want != got:
         raise CheckpointError(f"save: the state's parameters do not match the plan's ({len(got)} vs "
                               f"{len(want)} leaves); pass the plan the state was made with")
@@ -179,7 +193,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
         warnings.warn(f"checkpoint {root / tag}: parameters are not finite ({', '.join(nonfinite[:5])}"
                       f"{' ...' if len(nonfinite) > 5 else ''}); the tag is written and flagged in {META_FILE}, "
                       f"but `latest` keeps naming {latest_tag(root)}", RuntimeWarning, stacklevel=2)
-    meta = {**_save_meta(state, plan, tag, arrays, extra, nonfinite), "run_id": run_of(root)}
+    meta = {**_save_meta(state, plan, tag, arrays, extra, nonfinite, excluded), "run_id": run_of(root)}
     tag_dir = root / tag
     _prepare_tag_dir(root, tag_dir)
 

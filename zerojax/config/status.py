@@ -270,6 +270,8 @@ KEY_STATUS: dict[str, str] = {
     **{f"model.{k}": _GPT for k in ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                                     "remat", "init_std", "norm_eps", "attention", "attention_block")},
     "model.n_kv_heads": _LLAMA,
+    **{f"model.{k}": f"{HONOURED} (zerojax key: frozen parameters have no gradient, master or optimizer state; "
+                     f"not with pipelines; see docs/lora.md)" for k in ("trainable", "frozen")},
     "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",
     "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",
     "model.hf_checkpoint": f"{HONOURED} (train.py and `zerojax train`: the run starts from the checkpoint's "

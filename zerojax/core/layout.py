@@ -54,6 +54,9 @@ class LeafLayout:
     wire:   how a sharded parameter is gathered (its axis; ZeRO++'s quantized gathers and reductions).
     names:  the logical axis names the model annotated the leaf with (`nnx.with_partitioning`), one
             per dimension, or None: where they name a mesh axis the layout follows them.
+    trainable: False for a frozen leaf: it has a `param` placement only - no gradient, no master copy,
+            no optimizer state - so `grad` and `update` are unused; it is stored in the compute dtype
+            and gathered like any weight.
     """
     param: Placement
     grad: Placement
@@ -61,6 +64,7 @@ class LeafLayout:
     split: tuple[tuple[int, str], ...] = ()
     wire: Wire = Wire()
     names: tuple[Any, ...] | None = None
+    trainable: bool = True
 
     @property
     def lead(self) -> str | None:
@@ -186,6 +190,7 @@ class MemoryReport(NamedTuple):
     tensor_size: int = 1        # devices a tensor-sliced weight is split over (the formula's Ψ is one slice)
     expert_size: int = 1        # devices an expert weight's experts are split over (then ZeRO over data / expert)
     sequence_size: int = 1      # devices one row's tokens are split over (part of `data_size`)
+    n_frozen: int = 0           # of `n_params`, the frozen ones: stored parameters only (no gradient, no master)
 
     @property
     def total(self) -> int:
@@ -210,7 +215,8 @@ class MemoryReport(NamedTuple):
                 ("gradients", self.grads, 0, self.formula_grads),
                 ("optimizer state", self.optimizer, self.optimizer_host, self.formula_optimizer),
                 ("total", self.total, self.host, self.formula_total)]
-        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters over {self.over()}; {self.memory}",
+        frozen = f" ({self.n_frozen:,} frozen)" if self.n_frozen else ""
+        out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters{frozen} over {self.over()}; {self.memory}",
                f"{'per device':<16} {'device MiB':>10} {'host MiB':>10} {'formula':>10} {'ratio':>7}"]
         for name, got, host, want in rows:
             ratio = got / want if want else float("nan")  # wherever the bytes live
@@ -356,16 +362,68 @@ class Plan:
     def n_leaves(self) -> int:
         return len(jax.tree.leaves(self.abstract_params))
 
+    # -- what is trained: the update's trees hold the trainable leaves only (None at a frozen one) ------
+    @functools.cached_property
+    def trainable(self) -> Any:
+        """Per leaf, whether it is trained (a bool tree shaped like the parameters)."""
+        return map_layouts(lambda lay: lay.trainable, self.layouts)
+
+    @functools.cached_property
+    def has_frozen(self) -> bool:
+        return not all(jax.tree.leaves(self.trainable))
+
+    def trained(self, tree: Any) -> Any:
+        """`tree` (parameter-shaped; a leaf may be a subtree such as a ParamShard) with each frozen
+        leaf replaced by None: the shape of gradients, the master copy and the optimizer's parameters."""
+        return map_layouts(lambda lay, x: x if lay.trainable else None, self.layouts, tree)
+
+    def frozen(self, tree: Any) -> Any:
+        """`tree` with each trainable leaf replaced by None: the part the step closes over."""
+        return map_layouts(lambda lay, x: None if lay.trainable else x, self.layouts, tree)
+
+    def merge(self, trained: Any, frozen: Any) -> Any:
+        """The whole parameter tree again from its two parts (`trained`, `frozen`)."""
+        return map_layouts(lambda lay, t, f: t if lay.trainable else f, self.layouts, trained, frozen)
+
+    @functools.cached_property
+    def trained_layouts(self) -> Any:
+        """The layouts of the trainable leaves (None at a frozen one): what the update maps over."""
+        return self.trained(self.layouts)
+
+    @functools.cached_property
+    def abstract_trained(self) -> Any:
+        """`abstract_params` of the trainable leaves (None at a frozen one)."""
+        return self.trained(self.abstract_params)
+
+    @functools.cached_property
+    def n_trained(self) -> int:
+        """Leaves the update sees: one finiteness flag each (`leaf_finite`, the scaler's `first_bad`)."""
+        return len(jax.tree.leaves(self.abstract_trained))
+
+    @functools.cached_property
+    def trained_paths(self) -> list[str]:
+        """Each trainable leaf's path, in tree order (what a finiteness flag's index names)."""
+        return [p for p, t in zip(self.leaf_paths, jax.tree.leaves(self.trainable)) if t]
+
     @functools.cached_property
     def leaf_paths(self) -> list[str]:
         """Each parameter leaf's path, in tree order (for messages)."""
         return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(self.abstract_params)]
 
     def _shardings(self, role: str) -> Any:
+        """Per leaf, the sharding of one role; gradients and the update exist for trainable leaves only."""
         data = data_axes(self.mesh)
+        layouts, abstract = ((self.layouts, self.abstract_params) if role == "param" else
+                             (self.trained_layouts, self.abstract_trained))
         return map_layouts(lambda lay, p: NamedSharding(self.mesh, spec(getattr(lay, role), len(p.shape), lay.split,
                                                                         data)),
-                           self.layouts, self.abstract_params)
+                           layouts, abstract)
+
+    @functools.cached_property
+    def init_shardings(self) -> Any:
+        """Where each whole parameter is first built: a trainable one in its update placement (its master
+        copy's), a frozen one in its parameter placement (it has no other)."""
+        return self.merge(self.update_shardings, self.frozen(self.param_shardings))
 
     @functools.cached_property
     def param_shardings(self) -> Any:
@@ -425,7 +483,7 @@ class Plan:
     @functools.cached_property
     def abstract_opt_state(self) -> Any:
         master = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, self.policy.master),
-                              self.abstract_params)
+                              self.abstract_trained)
         return jax.eval_shape(self.tx.init, master)
 
     @functools.cached_property
@@ -446,12 +504,16 @@ class Plan:
 def memory_report(p: Plan) -> MemoryReport:
     """Bytes per device the plan's layouts give, against the ZeRO formula for the same dtypes.
 
-    Formula (Rajbhandari et al.): params P·Ψ, gradients G·Ψ, optimizer K·Ψ, each divided by N
+    Formula (Rajbhandari et al.): params P·Ψ, gradients G·Ψ_t, optimizer K·Ψ_t, each divided by N
     when the stage partitions it; P, G are the parameter and accumulator itemsizes and K counts
-    the fp32 master copy (mixed precision only) plus the optimizer's per-parameter state.
+    the fp32 master copy (mixed precision only) plus the optimizer's per-parameter state. Ψ counts
+    every parameter, Ψ_t the trainable ones: a frozen parameter is stored (P bytes, in the compute
+    dtype) and nothing else.
     """
     n, pol = p.data_size, p.policy
     psi = sum(math.prod(x.shape) for x in jax.tree.leaves(p.abstract_params))
+    psi_t = sum(math.prod(x.shape) for x in jax.tree.leaves(p.abstract_trained))
+    trains = jax.tree.leaves(p.trainable)
     ep = expert_size(p.mesh)
     # One device's slice of the model (a tensor-sliced leaf's 1/tensor, an expert leaf's 1/expert) and
     # the shards ZeRO divides it into: the data-parallel size, or data / expert for an expert leaf
@@ -460,32 +522,34 @@ def memory_report(p: Plan) -> MemoryReport:
                / (1 if lay.over(EXPERT) is None else ep), n // (1 if lay.over(EXPERT) is None else ep))
               for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=is_layout), jax.tree.leaves(p.abstract_params))]
     params = planned_bytes(p.abstract_params, p.param_shardings, pol.param)
-    grads = planned_bytes(p.abstract_params, p.grad_shardings, pol.accum)
-    master = planned_bytes(p.abstract_params, p.update_shardings, pol.master) if pol.mixed else 0
+    grads = planned_bytes(p.abstract_trained, p.grad_shardings, pol.accum)
+    master = planned_bytes(p.abstract_trained, p.update_shardings, pol.master) if pol.mixed else 0
     opt_abstract = p.abstract_opt_state
     opt = planned_bytes(opt_abstract, p.opt_state_shardings)
     # K: bytes per parameter of master + parameter-shaped optimizer leaves (whole-model count).
     opt_full = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt_abstract)
                    if math.prod(x.shape) > 1)
-    k = (pol.master.itemsize if pol.mixed else 0) + opt_full / psi
+    k = (pol.master.itemsize if pol.mixed else 0) + opt_full / psi_t
     parts = STAGE_PARTITIONS[p.stage]
 
     def share(role: str, hosts: int = 1) -> float:
-        """Elements per device of one role under the stage: each slice, divided by its ZeRO shards (by those
-        within one of `hosts` hosts, for hpZ's secondary copy)."""
-        return sum(size / (shards // hosts) if role in parts else size for size, shards in slices)
+        """Elements per device of one role under the stage: each slice (a trainable one, for gradients and
+        optimizer state), divided by its ZeRO shards (by those within one of `hosts` hosts, for hpZ's
+        secondary copy)."""
+        return sum(size / (shards // hosts) if role in parts else size
+                   for (size, shards), trained in zip(slices, trains) if trained or role == PARAMETERS)
 
     # Fraction of model-state bytes that the stage would shard but stayed whole.
     kept = total = 0.0
     for lay, x in zip(jax.tree.leaves(p.layouts, is_leaf=is_layout), jax.tree.leaves(p.abstract_params)):
         size = math.prod(x.shape)
-        for role, place, width in ((PARAMETERS, lay.param, pol.param.itemsize),
-                                   (GRADIENTS, lay.grad, pol.accum.itemsize),
-                                   (OPTIMIZER, lay.update, k)):
+        roles = ((PARAMETERS, lay.param, pol.param.itemsize), (GRADIENTS, lay.grad, pol.accum.itemsize),
+                 (OPTIMIZER, lay.update, k))
+        for role, place, width in roles if lay.trainable else roles[:1]:
             if role in parts:
                 total += size * width
                 kept += size * width * (not isinstance(place, Shard))
-    host_master = (planned_bytes(p.abstract_params, p.update_storage, pol.master, host_only=True)
+    host_master = (planned_bytes(p.abstract_trained, p.update_storage, pol.master, host_only=True)
                    if pol.mixed else 0)
     # hpZ's secondary copy is split over the host's part of each leaf's ZeRO group (its shards over the
     # n / hpz hosts): hpz devices for an ordinary weight (data_inner x expert x sequence), hpz / expert
@@ -496,7 +560,7 @@ def memory_report(p: Plan) -> MemoryReport:
         formula_params=pol.param.itemsize * param_elements,
         formula_grads=pol.accum.itemsize * share(GRADIENTS),
         formula_optimizer=k * share(OPTIMIZER), tensor_size=p.tensor_size, expert_size=ep,
-        sequence_size=sequence_size(p.mesh),
+        sequence_size=sequence_size(p.mesh), n_frozen=psi - psi_t,
         replicated_fraction=kept / total if total else 0.0,
         params_host=planned_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
         optimizer_host=host_master + planned_bytes(opt_abstract, p.opt_state_storage, host_only=True),

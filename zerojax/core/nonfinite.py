@@ -45,7 +45,8 @@ class NonFiniteGuard:
         if not self.skipping:
             first, bad = jax.device_get((state.scaler.last_overflow, state.scaler.first_bad))
             if bad.any():
-                return (f"non-finite gradients at step {int(first) + 1}, first in {_names(paths, bad)}")
+                return (f"non-finite gradients at step {int(first) + 1}, first in "
+                        f"{_names(self.engine.plan.trained_paths, bad)}")
             if record is not None and not np.isfinite(record["loss"]):
                 return f"the loss is {record['loss']} at step {record['step']}"
         if not (saving or self.skipping):

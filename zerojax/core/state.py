@@ -15,10 +15,11 @@ from zerojax.core.sharded_init import ParamsInit, abstract_params, build
 class TrainState(NamedTuple):
     """Model state in the plan's layout.
 
-    params:    what the forward pass reads (compute dtype, `param` placement).
+    params:    what the forward pass reads (compute dtype, `param` placement), every leaf.
     master:    fp32 copy the optimizer updates (`update` placement); None when params are fp32,
-               because then the parameters are their own master copy.
-    opt_state: the optax state, parameter-shaped leaves in the `update` placement.
+               because then the parameters are their own master copy. Trainable leaves only: a
+               frozen leaf is None here (its truth is its stored parameter).
+    opt_state: the optax state, parameter-shaped leaves in the `update` placement (trainable only).
     step:      optimizer steps taken, skipped ones included (DeepSpeed's global_steps).
     skipped:   steps skipped for non-finite gradients (the schedule position is step - skipped).
     scaler:    the loss scaler's state (a fixed scale of 1 unless fp16 is on).
@@ -38,6 +39,14 @@ class TrainState(NamedTuple):
     model_state: Any = None
 
 
+def logical_params(state: TrainState) -> Any:
+    """The whole-shape parameters as trained: each leaf's master copy, and a frozen leaf's (or an fp32
+    run's) stored parameter where there is none."""
+    if state.master is None:
+        return state.params
+    return jax.tree.map(lambda p, m: p if m is None else m, state.params, state.master)
+
+
 def state_shardings(plan: Plan) -> TrainState:
     """Where each field lives between steps (memory kinds included: offloaded state is on the host)."""
     rep = plan.replicated
@@ -49,7 +58,7 @@ def state_shardings(plan: Plan) -> TrainState:
 
 
 def _abstract_scaler(plan: Plan) -> LossScaleState:
-    return jax.eval_shape(lambda: init_loss_scale(plan.scaler, plan.n_leaves))
+    return jax.eval_shape(lambda: init_loss_scale(plan.scaler, plan.n_trained))
 
 
 def _abstract_rng() -> jax.ShapeDtypeStruct:
@@ -63,7 +72,7 @@ def abstract_state(plan: Plan) -> TrainState:
 
     sh, pol = state_shardings(plan), plan.policy
     params = jax.tree.map(lambda x, s: sds(x, pol.param, s), plan.abstract_params, sh.params)
-    master = (jax.tree.map(lambda x, s: sds(x, pol.master, s), plan.abstract_params, sh.master)
+    master = (jax.tree.map(lambda x, s: sds(x, pol.master, s), plan.abstract_trained, sh.master)
               if pol.mixed else None)
     opt = jax.tree.map(lambda x, s: sds(x, x.dtype, s), plan.abstract_opt_state, sh.opt_state)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated)
@@ -104,21 +113,22 @@ def _init_fn(plan: Plan, params: Any, key: jax.Array) -> tuple[Callable[..., Tra
     """The jitted state constructor and its arguments (`.lower(*args)` shows its memory).
 
     An unbuilt `ParamsInit` runs inside it, each parameter constrained to its update placement
-    (sharded from stage 1 on) as it is made, so it is computed shard by shard."""
+    (sharded from stage 1 on; a frozen one to its parameter placement) as it is made, so it is computed
+    shard by shard. Only the trainable leaves get a master copy and optimizer state."""
     pol = plan.policy
     pending = params if isinstance(params, ParamsInit) else None
 
     def init(params: Any, key: jax.Array, model_state: Any) -> TrainState:
         if pending is not None:
-            params = build(pending, plan.update_shardings)
+            params = build(pending, plan.init_shardings)
         params = to_device(params)  # computed on the device, whatever memory they come from
         master = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(pol.master), s),
-                              params, plan.update_shardings)
+                              plan.trained(params), plan.update_shardings)
         compute = jax.tree.map(lambda x: x.astype(pol.param), params)
         zero = jnp.zeros((), jnp.int32)
         return TrainState(params=compute, master=master if pol.mixed else None,
                           opt_state=plan.tx.init(master), step=zero, skipped=zero,
-                          scaler=init_loss_scale(plan.scaler, plan.n_leaves), rng=key,
+                          scaler=init_loss_scale(plan.scaler, plan.n_trained), rng=key,
                           model_state=jax.tree.map(jnp.asarray, model_state))
 
     jitted = jax.jit(init, out_shardings=state_shardings(plan))

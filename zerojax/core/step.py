@@ -13,6 +13,11 @@ collectives (collectives.move); it has no notion of "stage". Per optimizer step:
    the optax update on the (sharded) fp32 master copy, skipping the step on overflow, the loss
    scaler's update, and the cast + all-gather back to the parameter placement.
 
+Frozen leaves (`LeafLayout.trainable` false) are a layout, not a branch: the tree is split once into
+its trainable and frozen parts (`plan.trained` / `plan.frozen`), the loss is differentiated w.r.t.
+the first with the second closed over, and gradients, master, optimizer state, clipping, the norm
+and the finiteness flags are trees of the trainable leaves only.
+
 Anything that produces gradients in the update placement (the pipeline executor does) reuses
 `apply_update`, so precision, clipping, schedules and skipping behave the same everywhere.
 """
@@ -291,17 +296,20 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     if not is_gathering(loss_fn):  # a loss that gathers its own shards places its own remat too
         loss_fn = remat.for_loss(plan.step.remat, loss_fn)
     loss = _step_loss(plan, loss_fn)
-    layouts = plan.layouts
+    layouts = plan.trained_layouts  # gradients exist for the trainable leaves only
     avg = grad_average(plan, marked)
 
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array, model_state: Any
               ) -> tuple[jax.Array, Any, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
         wrapped = _wrap_params(plan, params, for_grad=True, marked=marked)
+        # Differentiated w.r.t. the trainable leaves only: the frozen ones are closed over, so no
+        # gradient of theirs is computed, reduced or stored.
+        trained, frozen = plan.trained(wrapped), plan.frozen(wrapped)
         shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(data_axis()))
 
-        def scaled(p: Any, mb: Any, rng: jax.Array, ms: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
-            value, ms = loss(p, mb, rng, ms)
+        def scaled(t: Any, mb: Any, rng: jax.Array, ms: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+            value, ms = loss(plan.merge(t, frozen), mb, rng, ms)
             value = value.astype(jnp.float32)
             return value * (scale * avg.in_loss / gas), (value, ms)
 
@@ -309,7 +317,7 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             acc, ms = carry
             i, mb = xs
             rng = jax.random.fold_in(shard_key, i)
-            (_, (value, ms)), g = jax.value_and_grad(scaled, has_aux=True)(wrapped, mb, rng, ms)
+            (_, (value, ms)), g = jax.value_and_grad(scaled, has_aux=True)(trained, mb, rng, ms)
             # Gradients of host-stored blocks leave the backward pass in host memory.
             g = bring_in(unwrap(g), plan.memory.params)
             g = map_layouts(
@@ -327,7 +335,7 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
             z = z if lay.grad == REPLICATED else to_varying(z)
             return to_varying(z, lay.split_axes) if lay.split else z
 
-        acc0 = map_layouts(zeros, layouts, plan.abstract_params, plan.grad_shardings)
+        acc0 = map_layouts(zeros, layouts, plan.abstract_trained, plan.grad_shardings)
         # the model state is carried as per-device values (each shard's update) and averaged at the end
         ms0 = jax.tree.map(to_varying, model_state)
         (acc, ms), values = jax.lax.scan(micro, (acc0, ms0), (jnp.arange(gas), rows))
@@ -362,9 +370,10 @@ def make_param_gather(plan: Plan) -> Callable[[Any], Any]:
 
     def local(master: Any) -> Any:
         return map_layouts(lambda lay, x: move(x.astype(pol.param), lay.update, lay.param, axis=_reduce_axis(lay)),
-                                 plan.layouts, master)
+                           plan.trained_layouts, master)
 
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.update_specs,), out_specs=plan.param_specs)
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.update_specs,),
+                         out_specs=plan.trained(plan.param_specs))
 
 
 def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:
@@ -403,7 +412,7 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     scale = state.scaler.scale
     inv_scale = (1.0 / scale).astype(pol.master)
     old_master = (state.master if pol.mixed else
-                  _constrain(bring_in(state.params, plan.memory.params), plan.update_shardings))
+                  _constrain(bring_in(plan.trained(state.params), plan.memory.params), plan.update_shardings))
     update = _optax_update if plan.kernels == XLA else _fused_update
     loss_ok = jnp.isfinite(loss)
     grad_norm, finite, overflow, master, opt_state, shards = update(plan, state, grads, inv_scale, old_master,
@@ -412,6 +421,7 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
               else _note_non_finite(state.scaler, finite, state.step))
     position = state.step - state.skipped
     params = make_param_gather(plan)(bring_in(shards, plan.memory.optimizer))  # gathered on the device
+    params = plan.merge(params, plan.frozen(state.params))  # frozen leaves pass through as they were stored
     new = TrainState(params=params, master=master if pol.mixed else None,
                      opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
                      scaler=scaler, rng=state.rng, model_state=state.model_state)

@@ -31,7 +31,7 @@ from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
 from zerojax.core.precision import LossScaleState, update_loss_scale
-from zerojax.core.state import TrainState, init_state
+from zerojax.core.state import TrainState, init_state, logical_params
 from zerojax.core.step import (LossFn, check_batch, check_eval_batch, checked_kernels, make_eval_step,
                                make_train_step)
 
@@ -63,22 +63,25 @@ class Engine(DeepSpeedAPI):
     def __init__(self, config: Config | Mapping[str, Any] | str, params: Any, loss_fn: LossFn, mesh: Mesh, *,
                  optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None,
                  layer_axes: Any = None, plan: Plan | None = None, decode: Decoder | None = None,
-                 tensor_dims: Any = None):
+                 tensor_dims: Any = None, trainable: Any = None):
         """`plan`: one already made from this config and mesh (`zerojax.plan`), so it is not made twice;
         without it the engine makes its own from `optimizer`, `lr_scheduler`, `layer_axes` and `tensor_dims`.
         `decode`: the model's KV-cache forward (`zerojax.core.generate.Decoder`: `init_cache`, `prefill`,
         `decode_step` over these params), which `generate` runs; train.py passes the shipped GPT's or
-        Llama's (`zerojax.models.decode.decoder(config.model)`)."""
+        Llama's (`zerojax.models.decode.decoder(config.model)`). `trainable`: `zerojax.plan`'s (which
+        leaves are trained: a bool tree, or an NNX Variable class such as `nnx.LoRAParam`)."""
         self.decoder = decode
         config = load_config(config)  # a Config, a dict or a file path, as `initialize` takes it
         if plan is None:
             plan = make_plan(config, mesh, params, optimizer=optimizer, lr_scheduler=lr_scheduler,
                              layer_axes=layer_axes, logical_axes=getattr(loss_fn, "logical_axes", None),
-                             tensor_dims=tensor_dims, model_state=getattr(loss_fn, "model_state", None))
+                             tensor_dims=tensor_dims, model_state=getattr(loss_fn, "model_state", None),
+                             trainable=trainable, variable_types=getattr(loss_fn, "variable_types", None))
         else:
-            if optimizer is not None or lr_scheduler is not None or layer_axes is not None or tensor_dims is not None:
+            if (optimizer is not None or lr_scheduler is not None or layer_axes is not None or tensor_dims is not None
+                    or trainable is not None):
                 raise TypeError("Engine: with plan= the optimizer, scheduler, layer axes and tensor splits are the "
-                                "plan's; drop optimizer= / lr_scheduler= / layer_axes= / tensor_dims= (or pass them "
+                                "plan's; drop optimizer= / lr_scheduler= / layer_axes= / tensor_dims= / trainable= (or pass them "
                                 "to zerojax.plan)")
             check_origin(config, plan, "Engine")
         agree_before_compiling(config, plan)
@@ -259,7 +262,7 @@ class Engine(DeepSpeedAPI):
     @property
     def params(self) -> Any:
         """Logical (whole-shape) parameters: the fp32 master copy under mixed precision."""
-        return self.state.master if self.plan.policy.mixed else self.state.params
+        return logical_params(self.state)
 
     @property
     def model_state(self) -> Any:
@@ -285,7 +288,8 @@ class Engine(DeepSpeedAPI):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
-                        extra: Mapping[str, Any] | None = None, async_save: bool | None = None) -> str:
+                        extra: Mapping[str, Any] | None = None, async_save: bool | None = None,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Save everything needed to continue bit for bit; returns the tag (`global_step{N}` by default).
 
         As in DeepSpeed, the save is complete and verifiable when this returns. `async_save=True`
@@ -293,6 +297,8 @@ class Engine(DeepSpeedAPI):
         on; the tag becomes `latest` only once complete, and a pending save is finished by the next
         save or load, `wait_for_checkpoint()`, deleting the engine, or interpreter exit. `extra`
         holds more JSON state (the trainer keeps its data position there). Relative paths are fine.
+        `exclude_frozen_parameters` (DeepSpeed's): the frozen parameters are not written; the tag then
+        loads into an engine that holds them (`load_checkpoint` takes them from this engine's state).
         """
         from zerojax import checkpoint  # orbax is imported only when checkpoints are used
         cfg = self.config.checkpoint
@@ -305,7 +311,8 @@ class Engine(DeepSpeedAPI):
             extra={"client_state": client_state, "config": self.config.to_dict(),
                    **({"hf_source": self._hf_source} if getattr(self, "_hf_source", None) else {}), **(extra or {})},
             async_save=cfg.async_save if async_save is None else async_save,
-            max_to_keep=cfg.max_to_keep, keep_every_n_steps=cfg.keep_every_n_steps)
+            max_to_keep=cfg.max_to_keep, keep_every_n_steps=cfg.keep_every_n_steps,
+            exclude_frozen=exclude_frozen_parameters)
         return self._pending.tag
 
     def wait_for_checkpoint(self) -> None:
@@ -337,7 +344,7 @@ class Engine(DeepSpeedAPI):
         del load_lr_scheduler_states
         self.wait_for_checkpoint()
         self.state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
-                                            load_module_only=load_module_only)
+                                            load_module_only=load_module_only, frozen=self.state.params)
         self.loaded_extra = extra
         resolved = tag or checkpoint.latest_tag(load_dir)
         return str(Path(load_dir) / str(resolved)), extra.get("client_state")
@@ -359,7 +366,7 @@ class Engine(DeepSpeedAPI):
 def loss_scale_message(plan: Plan, state: TrainState) -> str:
     """Why the run cannot go on: the scale is at its minimum and gradients still overflow."""
     scaler = jax.device_get(state.scaler)
-    paths = plan.leaf_paths
+    paths = plan.trained_paths  # one flag per trainable leaf
     bad = [paths[i] for i in np.flatnonzero(scaler.first_bad)]
     shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
     return (f"fp16 gradients overflowed at step {int(state.step)} with the loss scale already at "
@@ -372,7 +379,7 @@ def loss_scale_message(plan: Plan, state: TrainState) -> str:
 def non_finite_message(plan: Plan, state: TrainState, streak: int) -> str:
     """Where training went non-finite: the step, the first non-finite leaves, and what to change."""
     scaler = jax.device_get(state.scaler)
-    paths = plan.leaf_paths
+    paths = plan.trained_paths  # one flag per trainable leaf
     bad = [paths[i] for i in np.flatnonzero(scaler.first_bad)]
     where = (", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")) if bad else "the loss only"
     first = int(scaler.last_overflow) + 1 if streak == 0 else int(state.step) - streak + 1

@@ -21,7 +21,7 @@ from zerojax.core.step import LossFn
 def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, loss_fn: LossFn | None = None,
                mesh: Mesh | None = None, *, model: Any = None, optimizer: ClientOptimizer | None = None,
                lr_scheduler: ScheduleFn | None = None, hidden_size: int | None = None,
-               layer_axes: Any = None, decode: Any = None, tensor_dims: Any = None) -> Engine:
+               layer_axes: Any = None, decode: Any = None, tensor_dims: Any = None, trainable: Any = None) -> Engine:
     """DeepSpeed's `initialize`, returning the engine alone.
 
     `config` is a Config, a dict or a JSON/hjson/YAML path (DeepSpeed keys mean what they mean in
@@ -41,6 +41,8 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
     nothing else decides (`zerojax.find_tensor_splits(loss_fn, params, batch)` derives Megatron's pairs
     from the loss). `decode` is the model's KV-cache forward (`zerojax.core.generate.Decoder`) that
     `engine.generate` runs; `zerojax.models.decode.decoder(model_config)` is the shipped GPT's or Llama's.
+    `trainable` is `plan`'s: which leaves are trained (a tree of bools, or an NNX Variable class such as
+    `nnx.LoRAParam` for a model from `zerojax.from_nnx`); the others are frozen (docs/lora.md).
     """
     if model is not None:
         if loss_fn is not None:
@@ -49,9 +51,9 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
         if optimizer is not None or lr_scheduler is not None:
             raise TypeError("initialize: with model= (pipelines) the optimizer comes from the config's "
                             "optimizer section; drop optimizer= / lr_scheduler=")
-        if layer_axes is not None or tensor_dims is not None:
+        if layer_axes is not None or tensor_dims is not None or trainable is not None:
             raise TypeError("initialize: with model= (pipelines) each stage's row is laid out by the "
-                            "PipelineModule; drop layer_axes= / tensor_dims=")
+                            "PipelineModule, and none is frozen; drop layer_axes= / tensor_dims= / trainable=")
         mesh = mesh if mesh is not None else make_mesh(config)
         if config.optimizer is None:
             raise ConfigError("optimizer: the pipeline engine needs the config's optimizer section; add one "
@@ -62,4 +64,5 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
                         "params, loss_fn = zerojax.from_nnx(model, loss)), or model=PipelineModule(...)")
     config = load_config(config, hidden_size=hidden_size)
     return Engine(config, params, loss_fn, mesh if mesh is not None else make_mesh(config), optimizer=optimizer,
-                  lr_scheduler=lr_scheduler, layer_axes=layer_axes, decode=decode, tensor_dims=tensor_dims)
+                  lr_scheduler=lr_scheduler, layer_axes=layer_axes, decode=decode, tensor_dims=tensor_dims,
+                  trainable=trainable)

@@ -30,7 +30,7 @@ from zerojax.core.annotations import logical_axes
 from zerojax.core.mesh import data_axis
 from zerojax.core.names import dotted
 from zerojax.core.sharded_init import ParamsInit
-from zerojax.core.state import TrainState
+from zerojax.core.state import TrainState, logical_params
 
 __all__ = ["from_nnx", "to_nnx", "logical_axes"]
 
@@ -89,7 +89,8 @@ def from_nnx(model: ModelOrConstructor, loss: Callable[..., jax.Array]) -> tuple
     holds their initial values and the plan takes them from there; the loss then takes
     `model_state=` and returns `(loss, new_model_state)`. Other state is held fixed. `to_nnx` writes
     trained parameters (and statistics) back into a module.
-    The returned `loss_fn.logical_axes` holds the parameters' annotations (`logical_axes`).
+    The returned `loss_fn.logical_axes` holds the parameters' annotations (`logical_axes`), and
+    `loss_fn.variable_types` their Variable classes (`plan(..., trainable=nnx.LoRAParam)` reads them).
     """
     if isinstance(model, nnx.Module):
         graphdef, param_state, stat_state, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
@@ -109,9 +110,11 @@ def from_nnx(model: ModelOrConstructor, loss: Callable[..., jax.Array]) -> tuple
     else:
         raise TypeError(f"from_nnx: expected an nnx.Module or a function returning one, got {type(model).__name__}")
     axes = logical_axes(param_state)
+    kinds = variable_types(param_state)
     model_state = stats if jax.tree.leaves(stats) else None
     if isinstance(params, ParamsInit):
         params.logical_axes = axes
+        params.variable_types = kinds  # type: ignore[attr-defined]
         params.model_state = model_state  # type: ignore[attr-defined]
     with_rngs = _takes_rngs(loss)
 
@@ -147,7 +150,15 @@ def from_nnx(model: ModelOrConstructor, loss: Callable[..., jax.Array]) -> tuple
 
     loss_fn.logical_axes = axes  # type: ignore[attr-defined]
     loss_fn.model_state = model_state  # type: ignore[attr-defined]
+    loss_fn.variable_types = kinds  # type: ignore[attr-defined]
     return params, loss_fn
+
+
+def variable_types(param_state: Any) -> Any:
+    """Each parameter's NNX Variable class (`nnx.Param`, `nnx.LoRAParam`, ...), as a tree shaped like the
+    params dict: what `zerojax.plan(..., trainable=nnx.LoRAParam)` selects the trained leaves by."""
+    kinds = jax.tree.map(type, param_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(kinds) if isinstance(kinds, nnx.State) else kinds
 
 
 # Variables the step neither trains (nnx.Param), keeps (nnx.BatchStat) nor reseeds (RNG state).
@@ -185,7 +196,7 @@ def to_nnx(model: ModelOrConstructor, params: Any, model_state: Any = None) -> n
     statistics) are written. `model_state`: statistics to write (e.g. `engine.model_state`)."""
     if isinstance(params, TrainState):
         state_ = params
-        params = state_.params if state_.master is None else state_.master
+        params = logical_params(state_)  # a frozen leaf has no master: its stored parameter
         model_state = state_.model_state if model_state is None else model_state
     if params is None:
         raise TypeError("to_nnx: params is None. A TrainState's `master` is None when the parameters are fp32 "

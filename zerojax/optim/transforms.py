@@ -341,12 +341,15 @@ def name_matches(pattern: str, name: str) -> bool:
     """Whether a group pattern picks the parameter with dotted `name` (case-insensitive).
 
     A pattern with `*`, `?` or `[` matches the whole name (fnmatch: `blocks.*.bias`); a word matches
-    when it is part of one of the name's parts (`bias` matches `blocks.qkv.bias`), and `norm` / `embed`
+    when it is part of one of the name's parts (`bias` matches `blocks.qkv.bias`), dotted words are
+    whole consecutive parts (`qkv.bias` matches `blocks.qkv.bias`, not `blocks.qkv.bias2`), and `norm` / `embed`
     also match the usual short names of norms and embeddings (`ln1`, `ln_f`; `pos`, `wte`, `wpe`).
     """
     pattern, name = pattern.lower(), name.lower()
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
+    if "." in pattern:  # dotted words: a run of whole parts (`layers.b` matches `model.layers.b`)
+        return f".{pattern}." in f".{name}."
     alias = NAME_ALIASES.get(pattern)
     return any(pattern in part or (alias is not None and alias.fullmatch(part)) for part in name.split("."))
 

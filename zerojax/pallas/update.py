@@ -43,7 +43,7 @@ class GradStats(NamedTuple):
     """Statistics of the unscaled gradients over all devices.
 
     norm:        global L2 norm (what clipping reads).
-    leaf_finite: one bool per parameter leaf (tree order): no inf/NaN anywhere in it.
+    leaf_finite: one bool per trainable parameter leaf (tree order): no inf/NaN anywhere in it.
     """
     norm: jax.Array
     leaf_finite: jax.Array
@@ -96,7 +96,7 @@ class FusedUpdate:
         self.plan, self.settings, self.backend = plan, settings, plan.kernels
         self._groups = sum_groups(plan)
         self._specs = plan.update_specs
-        self._treedef = jax.tree.structure(plan.abstract_params)
+        self._treedef = jax.tree.structure(plan.abstract_trained)  # frozen leaves have no update
 
     # -- loss-scale kernel ------------------------------------------------------------------------
     def grad_stats(self, grads: Any, inv_scale: jax.Array | float = 1.0) -> GradStats:

@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from zerojax.config import Config, ConfigWarning, as_config, check_supported, fingerprint
@@ -19,11 +20,13 @@ from zerojax.core.collectives import Shard, Wire
 from zerojax.core.gather_at_use import Prefetch
 from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
+from zerojax.core.names import dotted
 from zerojax.core.mesh import (DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size, expert_data_axes,
                                expert_size, host_axes, row_size, tensor_size)
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
+from zerojax.optim.transforms import name_matches
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.planner.settings import memory_plan, policy, remat_policy, scaler_config
 from zerojax.planner.tensor import LayerSpec, TensorPlan, tensor_plan
@@ -34,7 +37,7 @@ __all__ = ["make_plan", "plan", "step_rule"]
 def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, lead: str | None = None,
               layer_axes: Any = None, optimizer: ClientOptimizer | None = None,
               lr_scheduler: ScheduleFn | None = None, logical_axes: Any = None, tensor_dims: Any = None,
-              model_state: Any = None) -> Plan:
+              model_state: Any = None, trainable: Any = None, variable_types: Any = None) -> Plan:
     """Derive the layout of every piece of model state for the config's ZeRO stage.
 
     `params` may be real arrays, `jax.ShapeDtypeStruct`s or an unbuilt `init_params(...)`; only
@@ -58,6 +61,11 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
     `model_state`: the model's state that the step updates without differentiating it (NNX BatchNorm's
     running statistics), its initial values; kept replicated, checkpointed with the rest; default: what
     `zerojax.from_nnx` found (`params.model_state` / `loss_fn.model_state`).
+    `trainable`: per leaf, whether it is trained (a pytree of bools shaped like the parameters), or an
+    NNX Variable class or tuple of them (`nnx.LoRAParam`: the leaves of that kind are trained), read
+    against `variable_types` (default: what `zerojax.from_nnx` recorded, `params.variable_types`);
+    default: the config's `model.trainable` / `model.frozen` name patterns (every leaf, without them).
+    A frozen leaf gets no gradient, master copy or optimizer state (`LeafLayout.trainable`).
     `config` is a Config, a dict or a config file path.
     `mesh` may be a `jax.sharding.AbstractMesh` (sizes and axis names, no devices): the plan then
     serves byte counting only (`Plan.report()`, `zerojax.tools.estimate`) for a cluster that need not
@@ -70,6 +78,8 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
         logical_axes = getattr(params, "logical_axes", None)
     if model_state is None:
         model_state = getattr(params, "model_state", None)
+    if variable_types is None:
+        variable_types = getattr(params, "variable_types", None)
     if lead is not None and model_state is not None:
         raise ValueError("plan: a pipeline's layers keep no model state (BatchNorm's running statistics); "
                          "train the model without pipeline stages (mesh.stage: 1)")
@@ -138,6 +148,12 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
         return dataclasses.replace(lay, names=leaf_names)
 
     layouts = jax.tree.map(layout, abstract, axes, names, tensor_dims, is_leaf=lambda x: x is None)
+    mask = trainable_mask(config, abstract, trainable, variable_types)
+    if not all(mask) and lead is not None:
+        raise ConfigError("model.trainable / model.frozen: a pipeline's parameters are flat stage rows without "
+                          "names, so none can be frozen; remove them, or train with mesh.stage: 1")
+    layouts = jax.tree.unflatten(jax.tree.structure(abstract), [
+        dataclasses.replace(lay, trainable=t) for lay, t in zip(jax.tree.leaves(layouts, is_leaf=is_layout), mask)])
     zero = config.zero_optimization
     if zero.zero_hpz_partition_size > 1:
         _check_hpz(config, mesh, lead)
@@ -154,6 +170,51 @@ def make_plan(config: Config | Any, mesh: Mesh | AbstractMesh, params: Any, *, l
 
 
 plan = make_plan  # the public name, `zerojax.plan`
+
+
+def trainable_mask(config: Config, abstract: Any, trainable: Any = None, variable_types: Any = None) -> list[bool]:
+    """Per leaf (tree order), whether it is trained: `trainable` (a bool tree shaped like the parameters,
+    or Variable classes picked from `variable_types`) or else the config's name patterns - a leaf is trained when `model.trainable` is empty or one of its
+    patterns picks it, and no `model.frozen` pattern does. A pattern that picks no parameter is a typo
+    and an error; so is freezing everything (nothing would be trained)."""
+    names = [dotted(path) for path, _ in jax.tree_util.tree_leaves_with_path(abstract)]
+    model = config.model
+    if trainable is not None:
+        if model.trainable or model.frozen:
+            raise ConfigError("plan: trainable= was given and the config sets model.trainable / model.frozen; "
+                              "choose one (remove the config keys, or leave trainable= out)")
+        if isinstance(trainable, type) or (isinstance(trainable, tuple) and trainable
+                                           and all(isinstance(t, type) for t in trainable)):
+            if variable_types is None:
+                raise ValueError(f"plan: trainable={trainable!r} picks parameters by their NNX Variable class, "
+                                 f"which only parameters from zerojax.from_nnx record (loss_fn.variable_types); "
+                                 f"pass those, or a tree of bools")
+            trainable = jax.tree.map(lambda k: issubclass(k, trainable), variable_types)
+        try:
+            mask = jax.tree.structure(abstract).flatten_up_to(trainable)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"plan: trainable= must be shaped like the parameters (a bool per leaf): "
+                             f"{str(e).splitlines()[0]}") from None
+        bad = [n for n, t in zip(names, mask) if not isinstance(t, (bool, np.bool_))]
+        if bad:
+            held = type(mask[names.index(bad[0])]).__name__
+            raise ValueError(f"plan: trainable= must hold a bool per leaf; {bad[0]} holds a {held}")
+        mask = [bool(t) for t in mask]
+        where = "trainable="
+    else:
+        shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+        for key in ("trainable", "frozen"):
+            for pattern in getattr(model, key):
+                if not any(name_matches(pattern, n) for n in names):
+                    raise ConfigError(f"model.{key}: '{pattern}' matches no parameter of the model; its "
+                                      f"parameters are {shown}")
+        mask = [(not model.trainable or any(name_matches(p, n) for p in model.trainable))
+                and not any(name_matches(p, n) for p in model.frozen) for n in names]
+        where = "model.trainable / model.frozen"
+    if not any(mask):
+        raise ConfigError(f"{where}: every parameter is frozen, so nothing would be trained; leave at least "
+                          f"one trainable")
+    return mask
 
 
 def tensor_split(config: Config, mesh: Mesh | AbstractMesh, abstract: Any, names: Any, shipped: bool | None = None,

@@ -664,6 +664,7 @@ def _role_bytes(cfg: Config, model: ModelShape | None = None) -> tuple[ax.Bytes,
     from zerojax.planner.plan import make_plan
     from zerojax.planner.settings import policy
     pol = policy(cfg)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, trainable=(), frozen=()))  # K per trained parameter
     if model is not None and cfg.optimizer is not None and cfg.optimizer.type == "muon":
         rep = make_plan(cfg, abstract_mesh(1), model.abstract_params, layer_axes=model.layer_axes).report()
         k = rep.formula_optimizer / model.total_params
@@ -902,6 +903,12 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
               f"estimate_zero3_model_states_mem_needs "
               f"(stage 3, zero_init={int(req.zero_init)}), additional_buffer_factor={req.additional_buffer_factor}; "
               f"no estimator for stage 0."]
+    frozen = exact[0].report.n_frozen
+    if frozen:
+        lines += ["", f"frozen: {frozen:,} of {model.total_params:,} parameters (model.trainable / model.frozen): "
+                      f"plan-exact counts them as stored parameters only, in the compute dtype (P x frozen / N at "
+                      f"stage 3, P x frozen on every device at stages 0-2), with no gradient, master or optimizer "
+                      f"state; DeepSpeed's estimators count every parameter as trained"]
     threshold = config.zero_optimization.stage3_param_persistence_threshold
     if model.largest_leaf_params < threshold:
         lines += ["", f"note: every parameter has fewer than zero_optimization.stage3_param_persistence_threshold = "

@@ -103,6 +103,15 @@ class ModelConfig:
               "whole on every tensor device, which then sends only its 1/mesh.tensor of the dispatched "
               "capacity through the experts and gathers the results back - DeepSpeed's default "
               "(enable_expert_tensor_parallelism=False), which this mode is. No effect without a tensor axis.")
+    trainable: tuple[str, ...] = option((), "Parameters trained, by name pattern (zerojax key; the patterns of "
+                                            "optimizer.no_decay: a word matches a part of the dotted name, a "
+                                            "pattern with * ? [ the whole name): every other parameter is frozen. "
+                                            "Empty: every parameter is trained (unless model.frozen). See "
+                                            "docs/lora.md.")
+    frozen: tuple[str, ...] = option((), "Parameters frozen, by name pattern (zerojax key; as model.trainable): "
+                                         "no gradient, no fp32 master, no optimizer state; stored in the compute "
+                                         "dtype, ZeRO-3-sharded like any weight. Applied after model.trainable. "
+                                         "See docs/lora.md.")
     moe_aux_loss_coef: float = option(0.01, "llama MoE: the training loss adds this times the MoE layers' summed "
                                             "load-balancing loss (l_aux); model.hf_checkpoint of a Mixtral "
                                             "fills it from router_aux_loss_coef unless given.", ge=0)
