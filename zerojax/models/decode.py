@@ -166,6 +166,7 @@ class LlamaDecoder(_Decoder):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.n_kv_heads = llama._kv_heads(cfg)
+        self.head_dim = llama.head_width(cfg)
         self._make = lambda: llama.Layer(cfg, rngs=nnx.Rngs(0))
 
     def embedding(self, params: Any) -> jax.Array:
@@ -178,9 +179,8 @@ class LlamaDecoder(_Decoder):
         return jnp.take(params["embed"]["embedding"], tokens, axis=0)
 
     def _extra(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """cos and sin [B, T, head_dim] at each token's position (llama.rotary's maths)."""
-        hd = self.head_dim
-        inv_freq = 1.0 / self.cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+        """cos and sin [B, T, head_dim] at each token's position (llama.rotary's maths, its scaled frequencies)."""
+        inv_freq = llama.frequencies(self.cfg)
         freqs = positions.astype(jnp.float32)[..., None] * inv_freq
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         return jnp.cos(emb), jnp.sin(emb)
@@ -197,13 +197,11 @@ class LlamaDecoder(_Decoder):
         """The layer's residual attention block over the cache, which it first writes x's keys and values to."""
         cos, sin = extra
         b, t, _ = x.shape
-        h, kv, hd = self.cfg.n_heads, self.n_kv_heads, self.head_dim
-        y = lay.attn_norm(x)
-        q = _rotate(lay.q(y).reshape(b, t, h, hd), cos, sin)
-        k = _rotate(lay.k(y).reshape(b, t, kv, hd), cos, sin)
-        v = lay.v(y).reshape(b, t, kv, hd)
+        q, k, v = lay.qkv(lay.attn_norm(x))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
-        return x + lay.o(attend(q, k_cache, v_cache, positions)), k_cache, v_cache
+        att = attend(q, k_cache, v_cache, positions)
+        return x + lay.o(att.reshape(b, t, -1)), k_cache, v_cache
 
     def _logits(self, params: Any, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
