@@ -2,7 +2,8 @@
 
 tests/fixtures/hf/make_fixtures.py made, with transformers, a random tiny checkpoint of each option:
 llama3_tied (Llama 3.2: rope_scaling llama3, tied embeddings), llama_linear (linear rope scaling),
-qwen2 (q/k/v biases, tied), qwen3 (per-head q/k RMSNorm, head_dim 24 with hidden 64 and 4 heads), with
+qwen2 (q/k/v biases, tied), qwen3 (per-head q/k RMSNorm, head_dim 24 with hidden 64 and 4 heads),
+mistral (sliding_window 8: over 24 tokens most keys are outside a query's window), with
 the logits of 24 tokens a row and greedy `generate` of 8 tokens after the first 10. Imported into
 the one llama model, each must give those logits within 1e-4 and those tokens exactly, and write
 itself back (names, shapes, config.json) bit for bit.
@@ -27,7 +28,7 @@ from zerojax.models import decode, hf, llama
 from zerojax.planner.plan import make_plan
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
-FAMILIES = ["llama3_tied", "llama_linear", "qwen2", "qwen3"]
+FAMILIES = ["llama3_tied", "llama_linear", "qwen2", "qwen3", "mistral"]
 
 
 def config(name: str, stage: int = 0, **model: Any) -> zerojax.Config:
@@ -52,6 +53,7 @@ def test_config_json_sets_each_familys_options(tmp_path: Path) -> None:
     assert (q2.qkv_bias, q2.qk_norm, q2.tie_embeddings, q2.rope_theta, q2.head_dim) == (True, False, True, 1e6, None)
     q3 = config("qwen3").model
     assert (q3.qkv_bias, q3.qk_norm, q3.head_dim, q3.d_model, q3.n_heads) == (False, True, 24, 64, 4)
+    assert config("mistral").model.sliding_window == 8 and q3.sliding_window is None
     # Llama 3.2's config.json as published (transformers 4): rope_theta beside a rope_scaling dict
     published = tmp_path / "published"
     shutil.copytree(FIXTURES / "llama3_tied", published)
@@ -73,6 +75,12 @@ def test_family_logits_and_greedy_tokens_match_transformers(name: str) -> None:
     if cfg.rope_scaling:  # the scaling changes these logits: the fixture proves the scaled frequencies
         plain = logits(dataclasses.replace(cfg, rope_scaling=None), params, tokens)
         assert np.abs(plain - got).max() > 1e-2
+    if cfg.sliding_window:  # the window changes these logits; the blockwise form (3 and 5 tiles) honours it too
+        whole = logits(dataclasses.replace(cfg, sliding_window=None), params, tokens)
+        assert np.abs(whole - got).max() > 1e-2
+        for block in (8, 5):
+            tiled = logits(dataclasses.replace(cfg, attention="blockwise", attention_block=block), params, tokens)
+            np.testing.assert_allclose(tiled, np.load(FIXTURES / name / "logits.npy"), rtol=0, atol=1e-4)
     out = generate(decode.decoder(cfg), params, tokens[:, :10], np.full(2, 10), 8)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.load(FIXTURES / name / "generated.npy"))
 
@@ -136,3 +144,27 @@ def test_unsupported_families_and_options_are_refused_by_name(tmp_path: Path) ->
         load(use_sliding_window=True)
     with pytest.raises(zerojax.ConfigError, match="rope scaling 'dynamic'"):
         load(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})
+
+
+def test_sliding_window_under_ulysses_equals_the_single_device_run() -> None:
+    """A Mistral-shaped llama (window 4 over 16 tokens) with sequence parallelism 2 at stage 3: each
+    device attends the whole sequence for half the heads, at their global positions, so the window
+    cuts the same keys as on one device, in the dense and the blockwise form."""
+    from zerojax.planner.mesh import make_mesh
+
+    def run(sp: int, n: int, **model: Any) -> float:
+        cfg = zerojax.load_config({
+            "train_batch_size": 2, "gradient_clipping": 0.0, "sequence_parallel_size": sp,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "model": {"name": "llama", "vocab_size": 64, "seq_len": 16, "d_model": 32, "n_heads": 4, "n_kv_heads": 2,
+                      "d_ff": 64, "n_layers": 2, "init_std": 0.3, **model}})
+        params, loss_fn = llama.build(cfg.model, seed=0)
+        engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:n]))
+        tokens = np.random.default_rng(0).integers(0, 64, size=(2, 17), dtype=np.int32)
+        return float(engine.eval_batch({"tokens": tokens}))
+
+    one = run(1, 1, sliding_window=4)
+    assert abs(one - run(1, 1)) > 1e-4  # the window matters here
+    np.testing.assert_allclose(run(2, 2, sliding_window=4), one, rtol=1e-5)
+    np.testing.assert_allclose(run(2, 2, sliding_window=4, attention="blockwise", attention_block=4), one, rtol=1e-5)

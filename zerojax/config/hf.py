@@ -83,11 +83,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "qkv_bias": False, "qk_norm": False},
     "qwen2": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "qkv_bias": True, "qk_norm": False},
     "qwen3": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "qkv_bias": False, "qk_norm": True},
+    "mistral": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "qkv_bias": False, "qk_norm": False},
     "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "qkv_bias": False, "qk_norm": False},
 }
+# The model types whose config.json's sliding_window every layer honours (MistralConfig's default 4096
+# where the key is missing; null in Mistral v0.3 and Mixtral: the whole causal context).
+_SLIDING = {"mistral": 4096, "mixtral": None}
 
 # Model types people ask for that are not computed here, and the nearest that is.
-_NEAREST = {"mistral": "llama (no sliding window)", "gemma": "llama", "gemma2": "llama", "gemma3": "llama",
+_NEAREST = {"gemma": "llama", "gemma2": "llama", "gemma3": "llama",
             "gemma3_text": "llama", "phi3": "llama", "olmo2": "qwen3", "qwen2_moe": "mixtral",
             "qwen3_moe": "mixtral", "deepseek_v3": "mixtral", "gpt_neox": "llama", "phi": "gpt2"}
 
@@ -97,8 +101,8 @@ _NEAREST = {"mistral": "llama (no sliding window)", "gemma": "llama", "gemma2": 
 TRAINING_KEYS = frozenset({"moe_aux_loss_coef"})
 
 
-def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], refuse: Callable[..., None],
-                  seq_len: int | None) -> dict[str, Any]:
+def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any],
+                  refuse: Callable[..., None]) -> dict[str, Any]:
     """The MoE keys of a Mixtral config.json: every layer a mixture of `num_local_experts` SwiGLU experts.
 
     transformers' Mixtral routes each token to the top `num_experts_per_tok` of softmax(router logits)
@@ -108,15 +112,6 @@ def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], r
     (`gating: topk`, DeepSpeed's `topkgating` with k = 1), which renormalizes the one weight to 1."""
     refuse("router_jitter_noise", (0, 0.0), "transformers jitters the experts' input as well as the router's "
                                             "in training, which DeepSpeed's Jitter policy does not; use 0")
-    window = hf.get("sliding_window")
-    if window is not None:
-        from zerojax.config.schema.run import ModelConfig
-        length = seq_len if seq_len is not None else ModelConfig.seq_len
-        if length > int(window):
-            raise HFError(f"model.hf_checkpoint: {where} has sliding_window: {window}, shorter than model.seq_len "
-                          f"{length}; the llama model attends over its whole causal context, which equals the "
-                          f"sliding window only for sequences of at most {window} tokens: set model.seq_len <= "
-                          f"{window}")
     n_experts = int(need("num_local_experts"))
     k = hf.get("num_experts_per_tok")
     k = 2 if k is None else int(k)  # MixtralConfig's default
@@ -134,8 +129,7 @@ def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], r
 def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) -> tuple[dict[str, Any], str]:
     """The `model.*` values a checkpoint's config.json implies, and where they came from.
 
-    `seq_len` is the config's own `model.seq_len` when given (GPT-2's position table and Mixtral's
-    sliding window must cover it).
+    `seq_len` is the config's own `model.seq_len` when given (GPT-2's position table must cover it).
     Architectures the models here do not compute exactly are refused, naming the config.json key.
     """
     root, hf = read_config_json(directory)
@@ -163,8 +157,10 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
         refuse("pretraining_tp", (1,), "tensor-parallel pretraining slices are not supported; use 1")
         for soft in ("attn_logit_softcapping", "final_logit_softcapping"):
             refuse(soft, (), "soft-capping (Gemma 2's) is not part of the llama model")
+        refuse("use_mrope", False, "multimodal rotary sections (Qwen2-VL's) are not part of the llama model")
         if kind in ("qwen2", "qwen3"):
-            refuse("use_sliding_window", False, "sliding-window attention is not implemented for Qwen; use "
+            refuse("use_sliding_window", False, "Qwen's window applies only from layer max_window_layers on, and "
+                                                "the llama model's model.sliding_window is every layer's; use "
                                                 "use_sliding_window: false (the published Qwen2.5 and Qwen3 have it)")
         keys = {"name": "llama", "vocab_size": int(need("vocab_size")), "d_model": d,
                 "n_layers": int(need("num_hidden_layers")), "n_heads": heads,
@@ -176,8 +172,11 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
                 **_rope_keys(hf, where, family["rope_theta"]),
                 "norm_eps": float(hf.get("rms_norm_eps", family["rms_norm_eps"])),
                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+        if kind in _SLIDING:
+            window = hf.get("sliding_window", _SLIDING[kind])
+            keys["sliding_window"] = None if window is None else int(window)
         if kind == "mixtral":
-            keys.update(_mixtral_keys(hf, where, need, refuse, seq_len))
+            keys.update(_mixtral_keys(hf, where, need, refuse))
     elif kind == "gpt2":
         d = int(need("n_embd", "hidden_size"))
         refuse("activation_function", ("gelu_new", "gelu_pytorch_tanh"),

@@ -330,7 +330,8 @@ def _check_sections(config: Config) -> None:
             raise ConfigError("scheduler.params.cycle_min_lr: larger than cycle_max_lr; swap them")
     m = config.model
     if m.name == "gpt":
-        for key, default in (("head_dim", None), ("qkv_bias", False), ("qk_norm", False), ("rope_scaling", None)):
+        for key, default in (("head_dim", None), ("qkv_bias", False), ("qk_norm", False), ("rope_scaling", None),
+                             ("sliding_window", None)):
             if getattr(m, key) != default:
                 raise ConfigError(f"model.{key}: {getattr(m, key)}, but the gpt model has learned positions and "
                                   f"GPT-2's fused attention; remove it, or set model.name: llama")

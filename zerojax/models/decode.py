@@ -39,16 +39,20 @@ def _rebuild(make: Callable[[], nnx.Module], layer: dict[str, Any]) -> Any:
     return nnx.merge(graphdef, state)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: int | None = None) -> jax.Array:
     """Causal attention of queries q [B, T, heads, hd] at `positions` [B, T] over a whole cache
-    k, v [B, S, kv_heads, hd]: a query sees the cache slots at or before its position. Query heads
-    are grouped under the key/value head they share (GPT: one each). Returns [B, T, heads * hd]."""
+    k, v [B, S, kv_heads, hd]: a query sees the cache slots at or before its position (and, with a
+    sliding `window`, after position - window, as training's mask). Query heads are grouped under the
+    key/value head they share (GPT: one each). Returns [B, T, heads * hd]."""
     b, t, h, hd = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(hd))
-    mask = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    slots = jnp.arange(k.shape[1])[None, None, :]
+    mask = slots <= positions[:, :, None]  # [B, T, S]
+    if window is not None:
+        mask = mask & (positions[:, :, None] - slots < window)
     probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -1e30), axis=-1).astype(q.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * hd)
 
@@ -200,7 +204,7 @@ class LlamaDecoder(_Decoder):
         q, k, v = lay.qkv(lay.attn_norm(x))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
-        att = attend(q, k_cache, v_cache, positions)
+        att = attend(q, k_cache, v_cache, positions, self.cfg.sliding_window)
         return x + lay.o(att.reshape(b, t, -1)), k_cache, v_cache
 
     def _logits(self, params: Any, x: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
-"""Hugging Face transformers checkpoints in and out: Llama-family, Qwen2, Qwen3, Mixtral and GPT-2.
+"""Hugging Face transformers checkpoints in and out: Llama-family, Qwen2, Qwen3, Mistral, Mixtral and GPT-2.
 
-Llama, Qwen2 and Qwen3 are the one Llama model with the family's options (zerojax.config.hf sets them
+Llama, Qwen2, Qwen3 and Mistral are the one Llama model with the family's options (zerojax.config.hf sets them
 from config.json); each family's tensor names are a table here (`FAMILY_TENSORS`), and an export
 without a source checkpoint writes the family its options name (`family`).
 
@@ -102,16 +102,19 @@ QWEN3_TENSORS: dict[tuple[str, ...], Source] = {  # Llama's, and each head's que
     ("layers", "q_norm", "scale"): Source("model.layers.{i}.self_attn.q_norm.weight"),
     ("layers", "k_norm", "scale"): Source("model.layers.{i}.self_attn.k_norm.weight"),
 }
-FAMILY_TENSORS = {"llama": LLAMA_TENSORS, "qwen2": QWEN2_TENSORS, "qwen3": QWEN3_TENSORS}
+FAMILY_TENSORS = {"llama": LLAMA_TENSORS, "mistral": LLAMA_TENSORS, "qwen2": QWEN2_TENSORS, "qwen3": QWEN3_TENSORS}
 
 
 def family(cfg: Any) -> str:
     """The transformers model type of a dense llama-model config: its options name it (Qwen3's per-head
-    q/k norms, Qwen2's q/k/v biases), else Llama. Both options at once is no transformers family."""
-    if cfg.qk_norm and cfg.qkv_bias:
-        raise HFError("model.qkv_bias and model.qk_norm together match no Hugging Face family (Qwen2 has the "
-                      "biases, Qwen3 the norms); export this model with --format safetensors instead")
-    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    q/k norms, Qwen2's q/k/v biases, Mistral's sliding window), else Llama. Options no one transformers
+    family has together are refused."""
+    chosen = [key for key in ("qk_norm", "qkv_bias", "sliding_window") if getattr(cfg, key)]
+    if len(chosen) > 1:
+        raise HFError(f"model.{chosen[0]} and model.{chosen[1]} together match no Hugging Face family (Qwen3 has "
+                      f"the q/k norms, Qwen2 the q/k/v biases, Mistral the sliding window); export this model with "
+                      f"--format safetensors instead")
+    return {"qk_norm": "qwen3", "qkv_bias": "qwen2", "sliding_window": "mistral"}[chosen[0]] if chosen else "llama"
 
 
 def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
@@ -574,16 +577,17 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
     source checkpoint: a model trained from scratch)."""
     if cfg.name == "llama" and cfg.n_experts:
         _check_mixtral(cfg)
-        llama = hf_config(dataclasses.replace(cfg, n_experts=None), dtype)
+        llama = hf_config(dataclasses.replace(cfg, n_experts=None, sliding_window=None), dtype)
         dense_only = ("architectures", "model_type", "attention_bias", "mlp_bias")
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 **{k: v for k, v in llama.items() if k not in dense_only},
                 "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
                 "router_aux_loss_coef": cfg.moe_aux_loss_coef, "router_jitter_noise": 0.0,
-                "output_router_logits": False, "sliding_window": None}
+                "output_router_logits": False, "sliding_window": cfg.sliding_window}
     if cfg.name == "llama":
         kind = family(cfg)
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mistral": "MistralForCausalLM"}[kind]
         out = {"architectures": [arch], "model_type": kind, "vocab_size": cfg.vocab_size,
                "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
@@ -596,6 +600,8 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
             out.update(attention_bias=False, mlp_bias=False)
         elif kind == "qwen3":
             out.update(attention_bias=False, use_sliding_window=False)
+        elif kind == "mistral":
+            out.update(sliding_window=cfg.sliding_window)
         else:
             out.update(use_sliding_window=False)
         return out

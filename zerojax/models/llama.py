@@ -144,7 +144,8 @@ class Layer(nnx.Module):
     """Pre-norm decoder layer: grouped-query causal attention with rotary positions, then SwiGLU
     (or, with `moe=True`, a mixture of SwiGLU experts: see `MoELayer`). The families' options:
     `model.qkv_bias` (Qwen2: biased query, key and value projections), `model.qk_norm` (Qwen3: an
-    RMSNorm over each head's queries and keys before the rotation), `model.head_dim`."""
+    RMSNorm over each head's queries and keys before the rotation), `model.head_dim`,
+    `model.sliding_window` (Mistral: a query attends to the last `sliding_window` positions only)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         d, h, kv = cfg.d_model, cfg.n_heads, _kv_heads(cfg)
@@ -157,6 +158,7 @@ class Layer(nnx.Module):
 
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
         self.attention_mode, self.attention_block = cfg.attention, cfg.attention_block
+        self.sliding_window = cfg.sliding_window
         self.attn_norm = RMSNorm(d, _eps(cfg))
         self.q = linear(d, h * hd, bias=cfg.qkv_bias)
         self.k = linear(d, kv * hd, bias=cfg.qkv_bias)
@@ -180,7 +182,7 @@ class Layer(nnx.Module):
         q, k, v = self.qkv(x)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         axis = sequence_axis()
-        attend = causal_attention.attend(self.attention_mode, self.attention_block)
+        attend = causal_attention.attend(self.attention_mode, self.attention_block, self.sliding_window)
         att = attend(q, k, v) if axis is None else ulysses.attention(attend, q, k, v, axis)
         return self.o(att.reshape(b, t, self.n_heads * self.head_dim))
 

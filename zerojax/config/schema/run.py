@@ -57,6 +57,10 @@ class ModelConfig:
                                    "output projection has none).")
     qk_norm: bool = option(False, "llama: an RMSNorm over each head's queries and keys (one [head_dim] scale "
                                   "each), before the rotary embedding (Qwen3's).")
+    sliding_window: Optional[int] = option(None, "llama: each query attends to the last sliding_window positions "
+                                                 "only (itself included), in training (dense and blockwise "
+                                                 "attention) and generation (Mistral's). Unset: the whole causal "
+                                                 "context.", gt=0)
     rope_scaling: Optional[str] = option(None, "llama: rotary frequency scaling. linear: every frequency divided "
                                                "by model.rope_factor (position interpolation). llama3: Llama "
                                                "3.1's, low frequencies divided by rope_factor, high ones kept, "
@@ -78,7 +82,7 @@ class ModelConfig:
                                          "it from config.json's tie_word_embeddings).")
     hf_checkpoint: Optional[str] = option(
         None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
-              "not; Llama-family, Qwen2, Qwen3, Mixtral or GPT-2: docs/models.md) to start from: its weights are read straight into the plan's "
+              "not; Llama-family, Qwen2, Qwen3, Mistral, Mixtral or GPT-2: docs/models.md) to start from: its weights are read straight into the plan's "
               "shards, and model keys not given are taken from its config.json.")
     n_experts: Optional[int] = option(
         None, "llama: experts per mixture-of-experts layer (DeepSpeed's MoE num_experts); unset or 0: the dense "
