@@ -54,6 +54,8 @@ def test_config_json_sets_each_familys_options(tmp_path: Path) -> None:
     q3 = config("qwen3").model
     assert (q3.qkv_bias, q3.qk_norm, q3.head_dim, q3.d_model, q3.n_heads) == (False, True, 24, 64, 4)
     assert config("mistral").model.sliding_window == 8 and q3.sliding_window is None
+    from zerojax.tools.estimate import embedded_model
+    assert embedded_model(config("qwen3")).arch.head_dim == 24  # the estimator's attention shapes too
     # Llama 3.2's config.json as published (transformers 4): rope_theta beside a rope_scaling dict
     published = tmp_path / "published"
     shutil.copytree(FIXTURES / "llama3_tied", published)
