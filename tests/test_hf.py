@@ -227,7 +227,10 @@ def test_clear_errors(tmp_path: Path) -> None:
     scaled = tmp_path / "scaled"
     shutil.copytree(FIXTURES / "llama", scaled)
     (scaled / "config.json").write_text(json.dumps({**hf_cfg, "rope_scaling": {"rope_type": "llama3", "factor": 8}}))
-    with pytest.raises(zerojax.ConfigError, match="rotary scaling"):
+    with pytest.raises(zerojax.ConfigError, match="rope scaling llama3 without its low_freq_factor"):
+        zerojax.load_config({"train_batch_size": 8, "model": {"hf_checkpoint": str(scaled)}})
+    (scaled / "config.json").write_text(json.dumps({**hf_cfg, "rope_scaling": {"rope_type": "yarn", "factor": 8}}))
+    with pytest.raises(zerojax.ConfigError, match="rope scaling 'yarn'.*default, linear and llama3"):
         zerojax.load_config({"train_batch_size": 8, "model": {"hf_checkpoint": str(scaled)}})
 
 

@@ -34,14 +34,66 @@ def read_config_json(directory: str | os.PathLike[str]) -> tuple[Path, dict[str,
         raise HFError(f"model.hf_checkpoint: {path} is not valid JSON ({e})") from None
 
 
-def _rope_theta(hf: Mapping[str, Any], where: str, default: float) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    kind = params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if scaling or kind not in (None, "default"):
-        raise HFError(f"model.hf_checkpoint: {where} asks for rotary scaling ({kind or scaling}), which the llama "
-                      f"model does not implement; use a checkpoint with default rotary embeddings")
-    return float(params.get("rope_theta", hf.get("rope_theta", default)))
+# Rotary scalings that change the frequencies by position or per sequence length, and where zerojax stands.
+_ROPE_REFUSED = {
+    "dynamic": "dynamic NTK scaling recomputes the frequencies from each sequence's length past "
+               "max_position_embeddings",
+    "yarn": "YaRN rescales the frequencies and the attention temperature",
+    "longrope": "LongRoPE keeps per-frequency factor tables and switches them by sequence length",
+}
+
+
+def _rope_keys(hf: Mapping[str, Any], where: str, default: float) -> dict[str, Any]:
+    """rope_theta and the rotary scaling keys of a config.json: `rope_scaling` (config.json as published,
+    e.g. Llama 3.2's {"rope_type": "llama3", "factor": 32.0, ...}) or transformers 5's `rope_parameters`
+    (which also carries rope_theta). default, linear and llama3 are the model's; others are refused."""
+    params, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    rope = {**params, **scaling}
+    kinds = [k for k in (scaling.get("rope_type"), scaling.get("type"), params.get("rope_type")) if k]
+    kind = next((k for k in kinds if k != "default"), "default")
+    keys: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", default))),
+                            "rope_scaling": None}
+    if kind in _ROPE_REFUSED or kind not in ("default", "linear", "llama3"):
+        why = _ROPE_REFUSED.get(kind, "it is not a scaling the llama model implements")
+        raise HFError(f"model.hf_checkpoint: {where} asks for rope scaling {kind!r} ({why}); the llama model "
+                      f"computes rope_type default, linear and llama3 (Llama 3.1/3.2's) exactly - use such a "
+                      f"checkpoint")
+    if float(rope.get("attention_factor") or 1.0) != 1.0 or float(hf.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise HFError(f"model.hf_checkpoint: {where} scales the attention (attention_factor) or rotates part of each "
+                      f"head (partial_rotary_factor), which the llama model does not; use a checkpoint without them")
+    if kind == "default":
+        return keys
+
+    def need(name: str) -> Any:
+        if rope.get(name) is None:
+            raise HFError(f"model.hf_checkpoint: {where} asks for rope scaling {kind} without its {name}")
+        return rope[name]
+
+    keys.update(rope_scaling=kind, rope_factor=float(need("factor")))
+    if kind == "llama3":
+        keys.update(rope_low_freq_factor=float(need("low_freq_factor")),
+                    rope_high_freq_factor=float(need("high_freq_factor")),
+                    rope_original_max_positions=int(need("original_max_position_embeddings")))
+    return keys
+
+
+# The dense llama-family model types: each one's options on the llama model, and its config class's
+# defaults (transformers' LlamaConfig, Qwen2Config, Qwen3Config) where config.json leaves a key out.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "qkv_bias": False, "qk_norm": False},
+    "qwen2": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "qkv_bias": True, "qk_norm": False},
+    "qwen3": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "qkv_bias": False, "qk_norm": True},
+    "mistral": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "qkv_bias": False, "qk_norm": False},
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "qkv_bias": False, "qk_norm": False},
+}
+# The model types whose config.json's sliding_window every layer honours (MistralConfig's default 4096
+# where the key is missing; null in Mistral v0.3 and Mixtral: the whole causal context).
+_SLIDING = {"mistral": 4096, "mixtral": None}
+
+# Model types people ask for that are not computed here, and the nearest that is.
+_NEAREST = {"gemma": "llama", "gemma2": "llama", "gemma3": "llama",
+            "gemma3_text": "llama", "phi3": "llama", "olmo2": "qwen3", "qwen2_moe": "mixtral",
+            "qwen3_moe": "mixtral", "deepseek_v3": "mixtral", "gpt_neox": "llama", "phi": "gpt2"}
 
 
 # The model keys a checkpoint's config.json only suggests: training choices that leave the forward as
@@ -49,8 +101,8 @@ def _rope_theta(hf: Mapping[str, Any], where: str, default: float) -> float:
 TRAINING_KEYS = frozenset({"moe_aux_loss_coef"})
 
 
-def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], refuse: Callable[..., None],
-                  seq_len: int | None) -> dict[str, Any]:
+def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any],
+                  refuse: Callable[..., None]) -> dict[str, Any]:
     """The MoE keys of a Mixtral config.json: every layer a mixture of `num_local_experts` SwiGLU experts.
 
     transformers' Mixtral routes each token to the top `num_experts_per_tok` of softmax(router logits)
@@ -60,15 +112,6 @@ def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], r
     (`gating: topk`, DeepSpeed's `topkgating` with k = 1), which renormalizes the one weight to 1."""
     refuse("router_jitter_noise", (0, 0.0), "transformers jitters the experts' input as well as the router's "
                                             "in training, which DeepSpeed's Jitter policy does not; use 0")
-    window = hf.get("sliding_window")
-    if window is not None:
-        from zerojax.config.schema.run import ModelConfig
-        length = seq_len if seq_len is not None else ModelConfig.seq_len
-        if length > int(window):
-            raise HFError(f"model.hf_checkpoint: {where} has sliding_window: {window}, shorter than model.seq_len "
-                          f"{length}; the llama model attends over its whole causal context, which equals the "
-                          f"sliding window only for sequences of at most {window} tokens: set model.seq_len <= "
-                          f"{window}")
     n_experts = int(need("num_local_experts"))
     k = hf.get("num_experts_per_tok")
     k = 2 if k is None else int(k)  # MixtralConfig's default
@@ -86,8 +129,7 @@ def _mixtral_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any], r
 def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) -> tuple[dict[str, Any], str]:
     """The `model.*` values a checkpoint's config.json implies, and where they came from.
 
-    `seq_len` is the config's own `model.seq_len` when given (GPT-2's position table and Mixtral's
-    sliding window must cover it).
+    `seq_len` is the config's own `model.seq_len` when given (GPT-2's position table must cover it).
     Architectures the models here do not compute exactly are refused, naming the config.json key.
     """
     root, hf = read_config_json(directory)
@@ -104,24 +146,37 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
         if key in hf and hf[key] is not None and hf[key] not in (ok if isinstance(ok, tuple) else (ok,)):
             raise HFError(f"model.hf_checkpoint: {where} has {key}: {json.dumps(hf[key])}; {why}")
 
-    if kind in ("llama", "mixtral"):
+    if kind in FAMILIES:
+        family = FAMILIES[kind]
         d, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         refuse("hidden_act", "silu", "the llama model's MLP is SwiGLU (silu)")
-        refuse("attention_bias", False, "the llama model has no attention biases")
+        bias_why = ("Qwen2's query, key and value projections always have biases, its output projection none"
+                    if kind == "qwen2" else "the llama model has no attention biases (only Qwen2's q/k/v ones)")
+        refuse("attention_bias", False, bias_why)
         refuse("mlp_bias", False, "the llama model has no MLP biases")
-        refuse("head_dim", d // heads, f"the llama model's head width is hidden_size / num_attention_heads "
-                                       f"= {d // heads}")
         refuse("pretraining_tp", (1,), "tensor-parallel pretraining slices are not supported; use 1")
+        for soft in ("attn_logit_softcapping", "final_logit_softcapping"):
+            refuse(soft, (), "soft-capping (Gemma 2's) is not part of the llama model")
+        refuse("use_mrope", False, "multimodal rotary sections (Qwen2-VL's) are not part of the llama model")
+        if kind in ("qwen2", "qwen3"):
+            refuse("use_sliding_window", False, "Qwen's window applies only from layer max_window_layers on, and "
+                                                "the llama model's model.sliding_window is every layer's; use "
+                                                "use_sliding_window: false (the published Qwen2.5 and Qwen3 have it)")
         keys = {"name": "llama", "vocab_size": int(need("vocab_size")), "d_model": d,
                 "n_layers": int(need("num_hidden_layers")), "n_heads": heads,
                 "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
                 "d_ff": int(need("intermediate_size")),
-                # each config class's own defaults (LlamaConfig: 1e4, 1e-6; MixtralConfig: 1e6, 1e-5)
-                "rope_theta": _rope_theta(hf, where, 1e4 if kind == "llama" else 1e6),
-                "norm_eps": float(hf.get("rms_norm_eps", 1e-6 if kind == "llama" else 1e-5)),
+                # head_dim only where it is not hidden_size / num_attention_heads (Qwen3's)
+                "head_dim": None if int(hf.get("head_dim") or d // heads) == d // heads else int(hf["head_dim"]),
+                "qkv_bias": family["qkv_bias"], "qk_norm": family["qk_norm"],
+                **_rope_keys(hf, where, family["rope_theta"]),
+                "norm_eps": float(hf.get("rms_norm_eps", family["rms_norm_eps"])),
                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+        if kind in _SLIDING:
+            window = hf.get("sliding_window", _SLIDING[kind])
+            keys["sliding_window"] = None if window is None else int(window)
         if kind == "mixtral":
-            keys.update(_mixtral_keys(hf, where, need, refuse, seq_len))
+            keys.update(_mixtral_keys(hf, where, need, refuse))
     elif kind == "gpt2":
         d = int(need("n_embd", "hidden_size"))
         refuse("activation_function", ("gelu_new", "gelu_pytorch_tanh"),
@@ -141,6 +196,7 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
         if seq_len is None:
             keys["seq_len"] = positions
     else:
-        raise HFError(f"model.hf_checkpoint: {where} has model_type {kind!r}; zerojax reads Llama-family "
-                      f"('llama'), Mixtral ('mixtral') and GPT-2 ('gpt2') checkpoints")
+        nearest = f" (the nearest it reads: {_NEAREST[kind]})" if kind in _NEAREST else ""
+        raise HFError(f"model.hf_checkpoint: {where} has model_type {kind!r}, which zerojax does not read{nearest}; "
+                      f"it reads model_type {', '.join(map(repr, FAMILIES))} and 'gpt2' checkpoints")
     return keys, "config.json"

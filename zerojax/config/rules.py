@@ -329,7 +329,19 @@ def _check_sections(config: Config) -> None:
         if p.cycle_min_lr > p.cycle_max_lr:
             raise ConfigError("scheduler.params.cycle_min_lr: larger than cycle_max_lr; swap them")
     m = config.model
-    if m.d_model % m.n_heads:
+    if m.name == "gpt":
+        for key, default in (("head_dim", None), ("qkv_bias", False), ("qk_norm", False), ("rope_scaling", None),
+                             ("sliding_window", None)):
+            if getattr(m, key) != default:
+                raise ConfigError(f"model.{key}: {getattr(m, key)}, but the gpt model has learned positions and "
+                                  f"GPT-2's fused attention; remove it, or set model.name: llama")
+    if m.rope_scaling == "llama3" and m.rope_original_max_positions is None:
+        raise ConfigError("model.rope_scaling: llama3 needs model.rope_original_max_positions (the pretraining "
+                          "context, config.json's original_max_position_embeddings)")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor: {m.rope_high_freq_factor} must exceed "
+                          f"model.rope_low_freq_factor {m.rope_low_freq_factor} (llama3 interpolates between them)")
+    if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads: {m.n_heads} does not divide model.d_model {m.d_model}; "
                           f"choose a divisor such as {next(h for h in (8, 4, 2, 1) if m.d_model % h == 0)}")
     if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:

@@ -269,7 +269,9 @@ KEY_STATUS: dict[str, str] = {
     "mesh.cpu_devices": HONOURED,
     **{f"model.{k}": _GPT for k in ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                                     "remat", "init_std", "norm_eps", "attention", "attention_block")},
-    "model.n_kv_heads": _LLAMA,
+    **{f"model.{k}": _LLAMA for k in ("n_kv_heads", "head_dim", "qkv_bias", "qk_norm", "sliding_window", "rope_scaling", "rope_factor",
+                                      "rope_low_freq_factor", "rope_high_freq_factor",
+                                      "rope_original_max_positions")},
     **{f"model.{k}": f"{HONOURED} (zerojax key: frozen parameters have no gradient, master or optimizer state; "
                      f"not with pipelines; see docs/lora.md)" for k in ("trainable", "frozen")},
     "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",

@@ -17,6 +17,9 @@ Ulysses (zerojax.models.ulysses) wraps either as its `attend`.
 
 The blockwise form computes every (query block, key block) tile, the ones above the diagonal masked
 out, so it does the dense form's arithmetic; it trades no flops for its memory.
+
+`window` (Mistral's sliding window, `model.sliding_window`): a query at position i sees only the keys
+at i - window + 1 .. i, as transformers' sliding-window mask has it (key j visible when i - j < window).
 """
 from __future__ import annotations
 
@@ -30,14 +33,20 @@ MODES = ("auto", "dense", "blockwise")
 _MASKED = -1e30
 
 
-def dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """[queries, keys] mask: key position at or before the query's, and within `window` of it."""
+    seen = q_pos[:, None] >= k_pos[None, :]
+    return seen if window is None else seen & (q_pos[:, None] - k_pos[None, :] < window)
+
+
+def dense(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None) -> jax.Array:
     """Causal grouped-query attention: q [b, t, h, d], k and v [b, t, kv, d] -> [b, t, h, d]."""
     b, t, h, hd = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped under the key/value head they share
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(hd))
-    mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    mask = visible(jnp.arange(t), jnp.arange(t), window)
     probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1).astype(q.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h, hd)
 
@@ -57,7 +66,7 @@ def _combine(a: _Softmax, b: _Softmax) -> _Softmax:
     return _Softmax(m, a.l * ca + b.l * cb, a.acc * ca[..., None] + b.acc * cb[..., None])
 
 
-def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int | None = None) -> jax.Array:
     """`dense`'s result, computed a [block, block] tile of scores at a time (see the module docstring).
 
     A length that `block` does not divide is padded at the end: the padded keys come after every real
@@ -83,8 +92,7 @@ def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array
 
         def tile(k0: jax.Array, kj: jax.Array, vj: jax.Array) -> _Softmax:
             s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
-            causal = (q0 + offsets)[:, None] >= (k0 + offsets)[None, :]
-            s = jnp.where(causal, s, _MASKED)
+            s = jnp.where(visible(q0 + offsets, k0 + offsets, window), s, _MASKED)
             m = jnp.max(s, axis=-1)
             p = jnp.exp(s - m[..., None])
             acc = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
@@ -94,7 +102,9 @@ def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array
             return _combine(state, tile(*xs)), None
 
         # Key block 0 holds position 0, which every query sees: starting from it keeps `m` finite, so a
-        # block wholly above the diagonal adds exp(-1e30 - m) = 0 of itself.
+        # block wholly above the diagonal adds exp(-1e30 - m) = 0 of itself. Under a sliding window a
+        # query may not see block 0: its all-masked start (m = -1e30) is then scaled by exp(-1e30 - m)
+        # = 0 once the query's own block, which it always sees, is folded in.
         first = tile(starts[0], kb[0], vb[0])
         state, _ = jax.lax.scan(jax.checkpoint(fold, prevent_cse=False), first, (starts[1:], kb[1:], vb[1:]))
         out = state.acc / state.l[..., None]  # [b, kv, g, block, d]
@@ -114,11 +124,14 @@ def uses_blockwise(mode: str, block: int, t: int) -> bool:
     return mode == "blockwise" or (mode == "auto" and t > block)
 
 
-def causal(q: jax.Array, k: jax.Array, v: jax.Array, mode: str = "auto", block: int = 512) -> jax.Array:
+def causal(q: jax.Array, k: jax.Array, v: jax.Array, mode: str = "auto", block: int = 512,
+           window: int | None = None) -> jax.Array:
     """Causal grouped-query attention in the form `mode` picks for this length (q's whole sequence)."""
-    return blockwise(q, k, v, block) if uses_blockwise(mode, block, q.shape[1]) else dense(q, k, v)
+    if uses_blockwise(mode, block, q.shape[1]):
+        return blockwise(q, k, v, block, window)
+    return dense(q, k, v, window)
 
 
-def attend(mode: str, block: int) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+def attend(mode: str, block: int, window: int | None = None) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """`causal` with the model's choice bound: the `attend(q, k, v)` that Ulysses wraps."""
-    return functools.partial(causal, mode=mode, block=block)
+    return functools.partial(causal, mode=mode, block=block, window=window)

@@ -39,16 +39,20 @@ def _rebuild(make: Callable[[], nnx.Module], layer: dict[str, Any]) -> Any:
     return nnx.merge(graphdef, state)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: int | None = None) -> jax.Array:
     """Causal attention of queries q [B, T, heads, hd] at `positions` [B, T] over a whole cache
-    k, v [B, S, kv_heads, hd]: a query sees the cache slots at or before its position. Query heads
-    are grouped under the key/value head they share (GPT: one each). Returns [B, T, heads * hd]."""
+    k, v [B, S, kv_heads, hd]: a query sees the cache slots at or before its position (and, with a
+    sliding `window`, after position - window, as training's mask). Query heads are grouped under the
+    key/value head they share (GPT: one each). Returns [B, T, heads * hd]."""
     b, t, h, hd = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(hd))
-    mask = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    slots = jnp.arange(k.shape[1])[None, None, :]
+    mask = slots <= positions[:, :, None]  # [B, T, S]
+    if window is not None:
+        mask = mask & (positions[:, :, None] - slots < window)
     probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -1e30), axis=-1).astype(q.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * hd)
 
@@ -166,6 +170,7 @@ class LlamaDecoder(_Decoder):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.n_kv_heads = llama._kv_heads(cfg)
+        self.head_dim = llama.head_width(cfg)
         self._make = lambda: llama.Layer(cfg, rngs=nnx.Rngs(0))
 
     def embedding(self, params: Any) -> jax.Array:
@@ -178,9 +183,8 @@ class LlamaDecoder(_Decoder):
         return jnp.take(params["embed"]["embedding"], tokens, axis=0)
 
     def _extra(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """cos and sin [B, T, head_dim] at each token's position (llama.rotary's maths)."""
-        hd = self.head_dim
-        inv_freq = 1.0 / self.cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+        """cos and sin [B, T, head_dim] at each token's position (llama.rotary's maths, its scaled frequencies)."""
+        inv_freq = llama.frequencies(self.cfg)
         freqs = positions.astype(jnp.float32)[..., None] * inv_freq
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         return jnp.cos(emb), jnp.sin(emb)
@@ -197,13 +201,11 @@ class LlamaDecoder(_Decoder):
         """The layer's residual attention block over the cache, which it first writes x's keys and values to."""
         cos, sin = extra
         b, t, _ = x.shape
-        h, kv, hd = self.cfg.n_heads, self.n_kv_heads, self.head_dim
-        y = lay.attn_norm(x)
-        q = _rotate(lay.q(y).reshape(b, t, h, hd), cos, sin)
-        k = _rotate(lay.k(y).reshape(b, t, kv, hd), cos, sin)
-        v = lay.v(y).reshape(b, t, kv, hd)
+        q, k, v = lay.qkv(lay.attn_norm(x))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
-        return x + lay.o(attend(q, k_cache, v_cache, positions)), k_cache, v_cache
+        att = attend(q, k_cache, v_cache, positions, self.cfg.sliding_window)
+        return x + lay.o(att.reshape(b, t, -1)), k_cache, v_cache
 
     def _logits(self, params: Any, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)

@@ -1,4 +1,8 @@
-"""Hugging Face transformers checkpoints in and out: Llama-family, Mixtral and GPT-2.
+"""Hugging Face transformers checkpoints in and out: Llama-family, Qwen2, Qwen3, Mistral, Mixtral and GPT-2.
+
+Llama, Qwen2, Qwen3 and Mistral are the one Llama model with the family's options (zerojax.config.hf sets them
+from config.json); each family's tensor names are a table here (`FAMILY_TENSORS`), and an export
+without a source checkpoint writes the family its options name (`family`).
 
 In: `model.hf_checkpoint: DIR` (or `zerojax import-hf DIR` to see the model keys it implies) reads a
 local transformers folder - config.json and model.safetensors, or shards listed by
@@ -71,16 +75,50 @@ class Source(NamedTuple):
     per_expert: bool = False
 
 
+def _layer_linears(pairs: tuple[tuple[str, str], ...]) -> dict[tuple[str, ...], Source]:
+    return {("layers", ours, "kernel"): Source(f"model.layers.{{i}}.{theirs}.weight", transpose=True)
+            for ours, theirs in pairs}
+
+
+# Each dense llama-family model type's transformers tensors: zerojax leaf -> tensor name. The head
+# (`lm_head.weight`) is added where the model is untied.
+LLAMA_TENSORS: dict[tuple[str, ...], Source] = {
+    ("embed", "embedding"): Source("model.embed_tokens.weight"),
+    ("norm", "scale"): Source("model.norm.weight"),
+    ("layers", "attn_norm", "scale"): Source("model.layers.{i}.input_layernorm.weight"),
+    ("layers", "mlp_norm", "scale"): Source("model.layers.{i}.post_attention_layernorm.weight"),
+    **_layer_linears((("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                      ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                      ("down", "mlp.down_proj"))),
+}
+QWEN2_TENSORS: dict[tuple[str, ...], Source] = {  # Llama's, and the query, key and value biases
+    **LLAMA_TENSORS,
+    ("layers", "q", "bias"): Source("model.layers.{i}.self_attn.q_proj.bias"),
+    ("layers", "k", "bias"): Source("model.layers.{i}.self_attn.k_proj.bias"),
+    ("layers", "v", "bias"): Source("model.layers.{i}.self_attn.v_proj.bias"),
+}
+QWEN3_TENSORS: dict[tuple[str, ...], Source] = {  # Llama's, and each head's query and key RMSNorm scales
+    **LLAMA_TENSORS,
+    ("layers", "q_norm", "scale"): Source("model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers", "k_norm", "scale"): Source("model.layers.{i}.self_attn.k_norm.weight"),
+}
+FAMILY_TENSORS = {"llama": LLAMA_TENSORS, "mistral": LLAMA_TENSORS, "qwen2": QWEN2_TENSORS, "qwen3": QWEN3_TENSORS}
+
+
+def family(cfg: Any) -> str:
+    """The transformers model type of a dense llama-model config: its options name it (Qwen3's per-head
+    q/k norms, Qwen2's q/k/v biases, Mistral's sliding window), else Llama. Options no one transformers
+    family has together are refused."""
+    chosen = [key for key in ("qk_norm", "qkv_bias", "sliding_window") if getattr(cfg, key)]
+    if len(chosen) > 1:
+        raise HFError(f"model.{chosen[0]} and model.{chosen[1]} together match no Hugging Face family (Qwen3 has "
+                      f"the q/k norms, Qwen2 the q/k/v biases, Mistral the sliding window); export this model with "
+                      f"--format safetensors instead")
+    return {"qk_norm": "qwen3", "qkv_bias": "qwen2", "sliding_window": "mistral"}[chosen[0]] if chosen else "llama"
+
+
 def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
-    layer = "model.layers.{i}."
-    names = {("embed", "embedding"): Source("model.embed_tokens.weight"),
-             ("norm", "scale"): Source("model.norm.weight"),
-             ("layers", "attn_norm", "scale"): Source(layer + "input_layernorm.weight"),
-             ("layers", "mlp_norm", "scale"): Source(layer + "post_attention_layernorm.weight")}
-    for ours, theirs in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
-                         ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
-                         ("down", "mlp.down_proj")):
-        names[("layers", ours, "kernel")] = Source(layer + theirs + ".weight", transpose=True)
+    names = dict(FAMILY_TENSORS[family(cfg)])
     if not cfg.tie_embeddings:
         names[("head", "kernel")] = Source("lm_head.weight", transpose=True)
     return names
@@ -90,7 +128,9 @@ def _check_mixtral(cfg: Any) -> None:
     """The MoE Llama is a transformers Mixtral only in Mixtral's shape and with a gate that renormalizes
     its top-k weights (every gate but DeepSpeed's top-1); else one error naming the key."""
     for key, want, why in (("moe_every", 1, "every Mixtral layer's MLP is a mixture of experts"),
-                           ("use_residual", False, "Mixtral has no residual MLP beside its experts (PR-MoE)")):
+                           ("use_residual", False, "Mixtral has no residual MLP beside its experts (PR-MoE)"),
+                           ("qkv_bias", False, "Mixtral's attention has no biases"),
+                           ("qk_norm", False, "Mixtral's attention has no query/key norms")):
         if getattr(cfg, key) != want:
             raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face MoE checkpoint (Mixtral) needs "
                           f"{json.dumps(want)}: {why}; export this model with --format safetensors instead")
@@ -550,27 +590,51 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
     source checkpoint: a model trained from scratch)."""
     if cfg.name == "llama" and cfg.n_experts:
         _check_mixtral(cfg)
-        llama = hf_config(dataclasses.replace(cfg, n_experts=None), dtype)
+        llama = hf_config(dataclasses.replace(cfg, n_experts=None, sliding_window=None), dtype)
         dense_only = ("architectures", "model_type", "attention_bias", "mlp_bias")
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 **{k: v for k, v in llama.items() if k not in dense_only},
                 "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
                 "router_aux_loss_coef": cfg.moe_aux_loss_coef, "router_jitter_noise": 0.0,
-                "output_router_logits": False, "sliding_window": None}
+                "output_router_logits": False, "sliding_window": cfg.sliding_window}
     if cfg.name == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
-                "head_dim": cfg.d_model // cfg.n_heads, "hidden_act": "silu", "attention_bias": False,
-                "mlp_bias": False, "rms_norm_eps": cfg.norm_eps if cfg.norm_eps is not None else 1e-5,
-                "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.seq_len,
-                "tie_word_embeddings": bool(cfg.tie_embeddings), "torch_dtype": dtype}
+        kind = family(cfg)
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mistral": "MistralForCausalLM"}[kind]
+        out = {"architectures": [arch], "model_type": kind, "vocab_size": cfg.vocab_size,
+               "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+               "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+               "head_dim": cfg.head_dim or cfg.d_model // cfg.n_heads, "hidden_act": "silu",
+               "rms_norm_eps": cfg.norm_eps if cfg.norm_eps is not None else 1e-5,
+               "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg),
+               "max_position_embeddings": cfg.seq_len,
+               "tie_word_embeddings": bool(cfg.tie_embeddings), "torch_dtype": dtype}
+        if kind == "llama":
+            out.update(attention_bias=False, mlp_bias=False)
+        elif kind == "qwen3":
+            out.update(attention_bias=False, use_sliding_window=False)
+        elif kind == "mistral":
+            out.update(sliding_window=cfg.sliding_window)
+        else:
+            out.update(use_sliding_window=False)
+        return out
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
             "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
             "n_inner": cfg.d_ff or 4 * cfg.d_model, "n_positions": cfg.seq_len,
             "layer_norm_epsilon": cfg.norm_eps if cfg.norm_eps is not None else 1e-6,
             "activation_function": "gelu_new", "tie_word_embeddings": bool(cfg.tie_embeddings),
             "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "torch_dtype": dtype}
+
+
+def _rope_scaling(cfg: Any) -> dict[str, Any] | None:
+    """config.json's rope_scaling for `model.rope_scaling` (as Llama 3.2's config.json writes it)."""
+    if cfg.rope_scaling is None:
+        return None
+    out = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_positions)
+    return out
 
 
 def _export_names(cfg: Any) -> dict[tuple[str, ...], Source]:

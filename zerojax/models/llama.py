@@ -48,6 +48,34 @@ def _d_ff(cfg: ModelConfig) -> int:
     return cfg.d_ff or -(-8 * cfg.d_model // 3 // 64) * 64
 
 
+def head_width(cfg: ModelConfig) -> int:
+    """Each attention head's width: `model.head_dim` (Qwen3's is independent of the model width), else
+    d_model / n_heads."""
+    return cfg.head_dim or cfg.d_model // cfg.n_heads
+
+
+def frequencies(cfg: ModelConfig) -> jax.Array:
+    """The rotary embedding's inverse frequencies [head_dim / 2] in float32, scaled as `model.rope_scaling`
+    says, computed as transformers' rope initializers compute them (`default`, `linear`, `llama3`): a
+    long-context checkpoint's positions rotate by the angles it was trained with."""
+    hd = head_width(cfg)
+    inv = 1.0 / cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    if cfg.rope_scaling == "linear":  # position interpolation: every position divided by the factor
+        return inv / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        # Llama 3.1: wavelengths longer than original / low_freq_factor are interpolated by the factor,
+        # shorter than original / high_freq_factor kept, and the band between blended smoothly.
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        original = float(cfg.rope_original_max_positions)
+        wavelen = 2 * jnp.pi / inv
+        scaled = jnp.where(wavelen > original / low, inv / factor, inv)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+        return jnp.where(medium, blended, scaled)
+    return inv
+
+
 class RMSNorm(nnx.Module):
     """x / rms(x) * scale, the statistics in float32."""
 
@@ -68,10 +96,13 @@ def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
     return jnp.take(embed.embedding[...], tokens, axis=0)
 
 
-def rotary(t: int, head_dim: int, theta: float, offset: Any = 0) -> tuple[jax.Array, jax.Array]:
+def rotary(t: int, head_dim: int, theta: float, offset: Any = 0,
+           inv_freq: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin [t, head_dim] of the rotary embedding (the two halves repeat the frequencies) for
-    positions offset .. offset + t - 1 (a sequence chunk's global positions)."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    positions offset .. offset + t - 1 (a sequence chunk's global positions). `inv_freq`: scaled
+    frequencies (`frequencies`); default: theta's unscaled ones."""
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     positions = jnp.arange(t, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -111,24 +142,31 @@ def moe_layer(cfg: ModelConfig, rngs: nnx.Rngs) -> MoE:
 
 class Layer(nnx.Module):
     """Pre-norm decoder layer: grouped-query causal attention with rotary positions, then SwiGLU
-    (or, with `moe=True`, a mixture of SwiGLU experts: see `MoELayer`)."""
+    (or, with `moe=True`, a mixture of SwiGLU experts: see `MoELayer`). The families' options:
+    `model.qkv_bias` (Qwen2: biased query, key and value projections), `model.qk_norm` (Qwen3: an
+    RMSNorm over each head's queries and keys before the rotation), `model.head_dim`,
+    `model.sliding_window` (Mistral: a query attends to the last `sliding_window` positions only)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         d, h, kv = cfg.d_model, cfg.n_heads, _kv_heads(cfg)
-        hd = d // h
+        hd = head_width(cfg)
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
-        def linear(n_in: int, n_out: int, kernel_init: Callable = init) -> nnx.Linear:
-            return nnx.Linear(n_in, n_out, use_bias=False, kernel_init=kernel_init, rngs=rngs)
+        def linear(n_in: int, n_out: int, kernel_init: Callable = init, bias: bool = False) -> nnx.Linear:
+            return nnx.Linear(n_in, n_out, use_bias=bias, kernel_init=kernel_init, rngs=rngs)
 
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
         self.attention_mode, self.attention_block = cfg.attention, cfg.attention_block
+        self.sliding_window = cfg.sliding_window
         self.attn_norm = RMSNorm(d, _eps(cfg))
-        self.q = linear(d, h * hd)
-        self.k = linear(d, kv * hd)
-        self.v = linear(d, kv * hd)
+        self.q = linear(d, h * hd, bias=cfg.qkv_bias)
+        self.k = linear(d, kv * hd, bias=cfg.qkv_bias)
+        self.v = linear(d, kv * hd, bias=cfg.qkv_bias)
         self.o = linear(h * hd, d, out_init)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, _eps(cfg))
+            self.k_norm = RMSNorm(hd, _eps(cfg))
         self.mlp_norm = RMSNorm(d, _eps(cfg))
         if moe:
             self.moe = moe_layer(cfg, rngs)
@@ -141,14 +179,23 @@ class Layer(nnx.Module):
         """Causal attention of `x` [b, t, d]; under a `sequence` axis `x` is a chunk of each row and the
         heads meet the whole sequence through Ulysses' all-to-alls (zerojax.models.ulysses)."""
         b, t, _ = x.shape
-        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = _rotate(self.q(x).reshape(b, t, h, hd), cos, sin)
-        k = _rotate(self.k(x).reshape(b, t, kv, hd), cos, sin)
-        v = self.v(x).reshape(b, t, kv, hd)
+        q, k, v = self.qkv(x)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         axis = sequence_axis()
-        attend = causal_attention.attend(self.attention_mode, self.attention_block)
+        attend = causal_attention.attend(self.attention_mode, self.attention_block, self.sliding_window)
         att = attend(q, k, v) if axis is None else ulysses.attention(attend, q, k, v, axis)
-        return self.o(att.reshape(b, t, h * hd))
+        return self.o(att.reshape(b, t, self.n_heads * self.head_dim))
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries [b, t, heads, hd], keys and values [b, t, kv_heads, hd] of the normed `x` [b, t, d],
+        before the rotation (with `model.qk_norm` each head's queries and keys RMS-normed first); the
+        training forward and the cached decoder (zerojax.models.decode) both take them from here."""
+        b, t, _ = x.shape
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k = self.q(x).reshape(b, t, h, hd), self.k(x).reshape(b, t, kv, hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, self.v(x).reshape(b, t, kv, hd)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x = x + self.attention(self.attn_norm(x), cos, sin)
@@ -218,7 +265,8 @@ class Llama(nnx.Module):
         axis = sequence_axis()
         if axis is not None:  # `tokens` is chunk axis_index of each row (positions from chunk_offset)
             ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_group_size())
-        cos, sin = rotary(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta, chunk_offset(tokens.shape[1]))
+        cos, sin = rotary(tokens.shape[1], head_width(cfg), cfg.rope_theta, chunk_offset(tokens.shape[1]),
+                          frequencies(cfg))
         x = lookup(self.embed, tokens)
         if is_moe(cfg):
             x, l_aux = self._moe_stack(x, cos, sin, key)
@@ -296,10 +344,11 @@ class PipelineLayer(Layer):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         super().__init__(cfg, rngs=rngs, moe=moe)
-        self.theta = cfg.rope_theta
+        self.cfg = cfg
 
     def rotary(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return rotary(x.shape[1], self.head_dim, self.theta, chunk_offset(x.shape[1]))
+        return rotary(x.shape[1], self.head_dim, self.cfg.rope_theta, chunk_offset(x.shape[1]),
+                      frequencies(self.cfg))
 
     def __call__(self, x: Any) -> Any:  # type: ignore[override]
         if isinstance(x, tuple):

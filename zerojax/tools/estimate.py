@@ -156,7 +156,8 @@ def embedded_model(config: Config) -> ModelShape:
     m = config.model
     llama = m.name == "llama"
     arch = Arch(m.n_layers, m.d_model, m.n_heads, (m.n_kv_heads or m.n_heads) if llama else m.n_heads,
-                m.d_model // m.n_heads, m.d_ff or 4 * m.d_model, m.vocab_size, gated=llama)
+                (m.head_dim or m.d_model // m.n_heads) if llama else m.d_model // m.n_heads,  # Qwen3: head_dim
+                m.d_ff or 4 * m.d_model, m.vocab_size, gated=llama)
     if llama:
         from zerojax.models import abstract_params
         return ModelShape(f"embedded Llama (d_model {m.d_model}, {m.n_layers} layers)", abstract_params(m),

@@ -53,6 +53,30 @@ class ModelConfig:
     n_kv_heads: Optional[int] = option(None, "llama: key/value heads of grouped-query attention; must divide "
                                              "n_heads (default: n_heads, plain multi-head attention).", gt=0)
     rope_theta: float = option(10000.0, "llama: base of the rotary position embedding frequencies.", gt=0)
+    head_dim: Optional[int] = option(None, "llama: width of each attention head (default: d_model / n_heads); "
+                                           "Qwen3's is independent of d_model and n_heads.", gt=0)
+    qkv_bias: bool = option(False, "llama: the query, key and value projections have biases (Qwen2's; the "
+                                   "output projection has none).")
+    qk_norm: bool = option(False, "llama: an RMSNorm over each head's queries and keys (one [head_dim] scale "
+                                  "each), before the rotary embedding (Qwen3's).")
+    sliding_window: Optional[int] = option(None, "llama: each query attends to the last sliding_window positions "
+                                                 "only (itself included), in training (dense and blockwise "
+                                                 "attention) and generation (Mistral's). Unset: the whole causal "
+                                                 "context.", gt=0)
+    rope_scaling: Optional[str] = option(None, "llama: rotary frequency scaling. linear: every frequency divided "
+                                               "by model.rope_factor (position interpolation). llama3: Llama "
+                                               "3.1's, low frequencies divided by rope_factor, high ones kept, "
+                                               "the band between interpolated (rope_low_freq_factor, "
+                                               "rope_high_freq_factor, rope_original_max_positions). Unset: none.",
+                                         choices=("linear", "llama3"))
+    rope_factor: float = option(1.0, "llama, with model.rope_scaling: the scaling factor.", gt=0)
+    rope_low_freq_factor: float = option(1.0, "llama, rope_scaling llama3: wavelengths longer than "
+                                              "rope_original_max_positions / this are scaled fully.", gt=0)
+    rope_high_freq_factor: float = option(4.0, "llama, rope_scaling llama3: wavelengths shorter than "
+                                               "rope_original_max_positions / this are kept.", gt=0)
+    rope_original_max_positions: Optional[int] = option(None, "llama, rope_scaling llama3: the context length "
+                                                              "the model was pretrained at (original_max_position_"
+                                                              "embeddings).", gt=0)
     norm_eps: Optional[float] = option(None, "Epsilon of the norms (default: 1e-6 for gpt, 1e-5 for llama; "
                                              "GPT-2 uses 1e-5).", gt=0)
     tie_embeddings: bool = option(False, "The LM head is the transposed token embedding (no head parameter), "
@@ -60,7 +84,7 @@ class ModelConfig:
                                          "it from config.json's tie_word_embeddings).")
     hf_checkpoint: Optional[str] = option(
         None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
-              "not; Llama-family, Mixtral or GPT-2) to start from: its weights are read straight into the plan's "
+              "not; Llama-family, Qwen2, Qwen3, Mistral, Mixtral or GPT-2: docs/models.md) to start from: its weights are read straight into the plan's "
               "shards, and model keys not given are taken from its config.json.")
     n_experts: Optional[int] = option(
         None, "llama: experts per mixture-of-experts layer (DeepSpeed's MoE num_experts); unset or 0: the dense "

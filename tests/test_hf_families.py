@@ -1,0 +1,172 @@
+"""The llama family's Hugging Face options, proven against transformers' own numbers.
+
+tests/fixtures/hf/make_fixtures.py made, with transformers, a random tiny checkpoint of each option:
+llama3_tied (Llama 3.2: rope_scaling llama3, tied embeddings), llama_linear (linear rope scaling),
+qwen2 (q/k/v biases, tied), qwen3 (per-head q/k RMSNorm, head_dim 24 with hidden 64 and 4 heads),
+mistral (sliding_window 8: over 24 tokens most keys are outside a query's window), with
+the logits of 24 tokens a row and greedy `generate` of 8 tokens after the first 10. Imported into
+the one llama model, each must give those logits within 1e-4 and those tokens exactly, and write
+itself back (names, shapes, config.json) bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zerojax
+from helpers import data_mesh, to_numpy
+from zerojax.core.generate import generate
+from zerojax.models import decode, hf, llama
+from zerojax.planner.plan import make_plan
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FAMILIES = ["llama3_tied", "llama_linear", "qwen2", "qwen3", "mistral"]
+
+
+def config(name: str, stage: int = 0, **model: Any) -> zerojax.Config:
+    return zerojax.load_config({
+        "train_batch_size": 8, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "model": {"hf_checkpoint": str(FIXTURES / name), "seq_len": 24, **model}})
+
+
+def logits(cfg: Any, params: Any, tokens: np.ndarray) -> np.ndarray:
+    return np.asarray(jax.jit(lambda p, t: llama.apply(cfg, p, t))(params, jnp.asarray(tokens)))
+
+
+def test_config_json_sets_each_familys_options(tmp_path: Path) -> None:
+    m = config("llama3_tied").model
+    assert (m.rope_scaling, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+            m.rope_original_max_positions, m.tie_embeddings, m.qkv_bias, m.qk_norm) == \
+        ("llama3", 8.0, 1.0, 4.0, 32, True, False, False)
+    assert (config("llama_linear").model.rope_scaling, config("llama_linear").model.rope_factor) == ("linear", 4.0)
+    q2 = config("qwen2").model
+    assert (q2.qkv_bias, q2.qk_norm, q2.tie_embeddings, q2.rope_theta, q2.head_dim) == (True, False, True, 1e6, None)
+    q3 = config("qwen3").model
+    assert (q3.qkv_bias, q3.qk_norm, q3.head_dim, q3.d_model, q3.n_heads) == (False, True, 24, 64, 4)
+    assert config("mistral").model.sliding_window == 8 and q3.sliding_window is None
+    from zerojax.tools.estimate import embedded_model
+    assert embedded_model(config("qwen3")).arch.head_dim == 24  # the estimator's attention shapes too
+    # Llama 3.2's config.json as published (transformers 4): rope_theta beside a rope_scaling dict
+    published = tmp_path / "published"
+    shutil.copytree(FIXTURES / "llama3_tied", published)
+    hf_cfg = json.loads((published / "config.json").read_text())
+    rope = hf_cfg.pop("rope_parameters")
+    hf_cfg.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    (published / "config.json").write_text(json.dumps(hf_cfg))
+    again = zerojax.load_config({"train_batch_size": 8, "model": {"hf_checkpoint": str(published), "seq_len": 24}})
+    assert dataclasses.replace(again.model, hf_checkpoint=m.hf_checkpoint) == m
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_logits_and_greedy_tokens_match_transformers(name: str) -> None:
+    cfg = config(name).model
+    params = hf.read_params(cfg.hf_checkpoint, cfg)
+    tokens = np.load(FIXTURES / name / "tokens.npy")
+    got = logits(cfg, params, tokens)
+    np.testing.assert_allclose(got, np.load(FIXTURES / name / "logits.npy"), rtol=0, atol=1e-4)
+    if cfg.rope_scaling:  # the scaling changes these logits: the fixture proves the scaled frequencies
+        plain = logits(dataclasses.replace(cfg, rope_scaling=None), params, tokens)
+        assert np.abs(plain - got).max() > 1e-2
+    if cfg.sliding_window:  # the window changes these logits; the blockwise form (3 and 5 tiles) honours it too
+        whole = logits(dataclasses.replace(cfg, sliding_window=None), params, tokens)
+        assert np.abs(whole - got).max() > 1e-2
+        for block in (8, 5):
+            tiled = logits(dataclasses.replace(cfg, attention="blockwise", attention_block=block), params, tokens)
+            np.testing.assert_allclose(tiled, np.load(FIXTURES / name / "logits.npy"), rtol=0, atol=1e-4)
+    out = generate(decode.decoder(cfg), params, tokens[:, :10], np.full(2, 10), 8)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.load(FIXTURES / name / "generated.npy"))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_export_writes_the_checkpoint_back_bit_for_bit(name: str, tmp_path: Path) -> None:
+    """`export --format hf` of a model with no source checkpoint (`save_params`, what `--hf-source none`
+    writes): the family's tensor names and config.json, which reads back as the same model."""
+    cfg = config(name).model
+    params = hf.read_params(cfg.hf_checkpoint, cfg)
+    out = hf.save_params(tmp_path / "hf", cfg, params)
+    with hf.Checkpoint(FIXTURES / name) as src, hf.Checkpoint(out) as got:
+        assert set(got.where) == set(src.where)
+        for tensor in src.where:
+            np.testing.assert_array_equal(got.read(tensor, ()), src.read(tensor, ()))
+    keys, _ = hf.model_keys(out, cfg.seq_len)
+    assert all(getattr(cfg, k) == v for k, v in keys.items()), keys
+    assert json.loads((out / "config.json").read_text())["model_type"] == \
+        json.loads((FIXTURES / name / "config.json").read_text())["model_type"]
+
+
+def test_qwen3_trains_at_zero3_and_exports_through_its_source(tmp_path: Path) -> None:
+    """A train step of the Qwen3 fixture at stage 3 over 8 devices (each device holding 1/8 of q's
+    kernel), then `export --format hf` back through the source checkpoint."""
+    cfg = config("qwen3", 3)
+    mesh = data_mesh()
+    layout = make_plan(cfg, mesh, hf.abstract_params(cfg.model))
+    params = hf.load_params(cfg.model.hf_checkpoint, cfg.model, layout.update_shardings)
+    wq = params["layers"]["q"]["kernel"]
+    assert wq.addressable_shards[0].data.size * 8 == wq.size
+    engine = zerojax.initialize(cfg, params=params, loss_fn=llama.build(cfg.model)[1], mesh=mesh,
+                                decode=decode.decoder(cfg.model))
+    tokens = np.tile(np.load(FIXTURES / "qwen3" / "tokens.npy"), (4, 1))
+    before = float(engine.eval_batch({"tokens": tokens}))
+    engine.train_batch({"tokens": tokens})
+    assert float(engine.eval_batch({"tokens": tokens})) < before
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.wait_for_checkpoint()
+    trained = to_numpy(engine.params)
+    out = hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text()) == json.loads((FIXTURES / "qwen3" / "config.json").read_text())
+    back = hf.read_params(out, cfg.model)
+    for g, w in zip(jax.tree.leaves(back), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_unsupported_families_and_options_are_refused_by_name(tmp_path: Path) -> None:
+    base = json.loads((FIXTURES / "qwen2" / "config.json").read_text())
+
+    def load(**changes: Any) -> None:
+        folder = tmp_path / "ckpt"
+        shutil.copytree(FIXTURES / "qwen2", folder, dirs_exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({**base, **changes}))
+        zerojax.load_config({"train_batch_size": 8, "model": {"hf_checkpoint": str(folder)}})
+
+    with pytest.raises(zerojax.ConfigError, match="model_type 'gemma2'.*nearest it reads: llama"):
+        load(model_type="gemma2")
+    with pytest.raises(zerojax.ConfigError, match="final_logit_softcapping.*soft-capping"):
+        load(final_logit_softcapping=30.0)
+    with pytest.raises(zerojax.ConfigError, match="use_sliding_window: true"):
+        load(use_sliding_window=True)
+    with pytest.raises(zerojax.ConfigError, match="rope scaling 'dynamic'"):
+        load(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})
+
+
+def test_sliding_window_under_ulysses_equals_the_single_device_run() -> None:
+    """A Mistral-shaped llama (window 4 over 16 tokens) with sequence parallelism 2 at stage 3: each
+    device attends the whole sequence for half the heads, at their global positions, so the window
+    cuts the same keys as on one device, in the dense and the blockwise form."""
+    from zerojax.planner.mesh import make_mesh
+
+    def run(sp: int, n: int, **model: Any) -> float:
+        cfg = zerojax.load_config({
+            "train_batch_size": 2, "gradient_clipping": 0.0, "sequence_parallel_size": sp,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "model": {"name": "llama", "vocab_size": 64, "seq_len": 16, "d_model": 32, "n_heads": 4, "n_kv_heads": 2,
+                      "d_ff": 64, "n_layers": 2, "init_std": 0.3, **model}})
+        params, loss_fn = llama.build(cfg.model, seed=0)
+        engine = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:n]))
+        tokens = np.random.default_rng(0).integers(0, 64, size=(2, 17), dtype=np.int32)
+        return float(engine.eval_batch({"tokens": tokens}))
+
+    one = run(1, 1, sliding_window=4)
+    assert abs(one - run(1, 1)) > 1e-4  # the window matters here
+    np.testing.assert_allclose(run(2, 2, sliding_window=4), one, rtol=1e-5)
+    np.testing.assert_allclose(run(2, 2, sliding_window=4, attention="blockwise", attention_block=4), one, rtol=1e-5)
