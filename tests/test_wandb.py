@@ -18,7 +18,8 @@ TINY = [*SMALL, "run.steps=3", "run.log_every=1", "steps_per_print=1", "run.samp
 
 
 def _train(tmp_path: Path, *args: str, pythonpath: str = str(ROOT)) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu", "WANDB_DIR": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu", "WANDB_DIR": str(tmp_path),
+           **{f"WANDB_{d}_DIR": str(tmp_path / d.lower()) for d in ("CACHE", "CONFIG", "DATA")}}  # nothing in ~
     for key in ("XLA_FLAGS", "WANDB_MODE"):  # the config's keys must be what decides
         env.pop(key, None)
     return subprocess.run([sys.executable, "train.py", "--config", "configs/zero1.yaml", "--set", *TINY, *args,

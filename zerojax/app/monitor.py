@@ -105,8 +105,11 @@ class Monitor:
         if config.wandb.enabled:
             self._wandb = _wandb_run(config, output_dir)
             folder = Path(self._wandb.dir).parent  # the run's files/ sit in its folder
-            self.print(f"wandb: run {self._wandb.id} in {folder}" + (
-                f" (offline: upload it with `wandb sync {folder}`)" if self._wandb.offline else ""))
+            if getattr(self._wandb, "disabled", False):  # WANDB_MODE=disabled: wandb writes nothing
+                self.print("wandb: disabled by WANDB_MODE; nothing is logged to wandb")
+            else:
+                self.print(f"wandb: run {self._wandb.id} in {folder}" + (
+                    f" (offline: upload it with `wandb sync {folder}`)" if self._wandb.offline else ""))
 
     def _monitor_dir(self, output_path: str, job_name: str) -> Path:
         return Path(output_path or self.output_dir) / job_name
