@@ -662,8 +662,6 @@ def test_nvme_offload_is_refused_by_load_config(key: str) -> None:
      r"^zero_optimization\.offload_optimizer\.ratio: 0\.5 \(partial offload\) is not supported; use 1\.0$"),
     (["zero_optimization.mics_shard_size=4"], r"^zero_optimization\.mics_shard_size: MiCS is not supported; "
                                               r"use -1$"),
-    (["wandb.enabled=true"], r"^wandb\.enabled: not supported \(no network access\); use tensorboard or "
-                             r"csv_monitor$"),
 ])
 def test_unsupported_features_fail_clearly(overrides: list[str], pattern: str) -> None:
     config = load_config(with_batch(), overrides)  # it parses and validates...
@@ -674,7 +672,8 @@ def test_unsupported_features_fail_clearly(overrides: list[str], pattern: str) -
 
 def test_several_unsupported_features_are_counted() -> None:
     config = load_config(with_batch(), ["fp16.enabled=true", "fp16.fp16_master_weights_and_grads=true",
-                                        "zero_optimization.mics_shard_size=4", "wandb.enabled=true"])
+                                        "zero_optimization.mics_shard_size=4",
+                                        "zero_optimization.ignore_unused_parameters=false"])
     assert len(unsupported_features(config)) == 3
     with pytest.raises(ConfigError, match=r"^fp16\.fp16_master_weights_and_grads.* \(and 2 more\)$"):
         check_supported(config)

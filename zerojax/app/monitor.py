@@ -1,4 +1,4 @@
-"""What a run reports: progress bar, steps_per_print lines, metrics.jsonl, TensorBoard and CSV events.
+"""What a run reports: progress bar, steps_per_print lines, metrics.jsonl, TensorBoard, CSV and wandb events.
 
 Metrics arrive as device scalars; they are fetched to the host only on logged steps, so the
 training loop never waits on the device in between.
@@ -14,12 +14,32 @@ from typing import Any, Mapping
 
 import jax
 
-from zerojax.config import Config
+from zerojax.config import Config, ConfigError
 
 # DeepSpeed's monitor event names.
 EVENTS = {"loss": "Train/Samples/train_loss", "lr": "Train/Samples/lr", "loss_scale": "Train/Samples/loss_scale"}
 #: metrics.jsonl keys that are not events (the step's own beyond EVENTS); any other key is a loop's extra.
 _NOT_EVENTS = ("step", "grad_norm", "skipped", "tokens_per_s")
+
+
+def check_monitors(config: Config) -> None:
+    """The monitors' optional packages, checked at start-up so that a missing one fails before
+    anything is compiled rather than after. Every process checks, so that all of them stop together."""
+    if config.wandb.enabled:
+        try:
+            import wandb  # noqa: F401  (optional dependency, imported only when used)
+        except ImportError:
+            raise ConfigError("wandb.enabled: needs the `wandb` package; pip install 'zerojax[wandb]' "
+                              "(or set wandb.enabled: false)") from None
+
+
+def _wandb_run(config: Config, output_dir: Path) -> Any:
+    """DeepSpeed's wandb.init(project, group, entity), plus the zerojax key `wandb.mode`. The run
+    folder goes under WANDB_DIR when set, else under the run's output_dir (beside metrics.jsonl)."""
+    import wandb  # optional dependency, imported only when used
+    cfg = config.wandb
+    return wandb.init(project=cfg.project, group=cfg.group, entity=cfg.team, mode=cfg.mode,
+                      dir=None if os.environ.get("WANDB_DIR") else str(output_dir), config=config.to_dict())
 
 
 class Timers:
@@ -64,6 +84,7 @@ class Monitor:
         self._postfix: dict[str, Any] = {}
         self._tb = None
         self._csv: dict[str, Any] = {}
+        self._wandb = None
         self.replaced = 0  # metrics.jsonl rows past start_step dropped on resume
         if not enabled:
             return
@@ -81,6 +102,14 @@ class Monitor:
         if config.csv_monitor.enabled:
             self._csv_dir = self._monitor_dir(config.csv_monitor.output_path, config.csv_monitor.job_name)
             self._csv_dir.mkdir(parents=True, exist_ok=True)
+        if config.wandb.enabled:
+            self._wandb = _wandb_run(config, output_dir)
+            folder = Path(self._wandb.dir).parent  # the run's files/ sit in its folder
+            if getattr(self._wandb, "disabled", False):  # WANDB_MODE=disabled: wandb writes nothing
+                self.print("wandb: disabled by WANDB_MODE; nothing is logged to wandb")
+            else:
+                self.print(f"wandb: run {self._wandb.id} in {folder}" + (
+                    f" (offline: upload it with `wandb sync {folder}`)" if self._wandb.offline else ""))
 
     def _monitor_dir(self, output_path: str, job_name: str) -> Path:
         return Path(output_path or self.output_dir) / job_name
@@ -103,7 +132,7 @@ class Monitor:
              extra: Mapping[str, float] | None = None) -> dict[str, Any] | None:
         """Advance to `step` (1-based); on logging steps fetch and write the metrics. `extra`: more
         scalars of this step a loop computed itself (an RLHF loop's reward and KL), written beside the
-        step's own in metrics.jsonl, the printed line and the TensorBoard/CSV events (`zerojax plot`
+        step's own in metrics.jsonl, the printed line and the TensorBoard/CSV/wandb events (`zerojax plot`
         draws them)."""
         if self._bar is not None:
             self._bar_numbers(wait=False)  # the previous step's numbers, if the device has them by now
@@ -169,11 +198,14 @@ class Monitor:
     def _events(self, step: int, record: Mapping[str, Any]) -> None:
         samples = step * self.samples_per_step  # DeepSpeed's x axis: samples seen
         extra = {k: f"Train/Samples/{k}" for k in record if k not in EVENTS and k not in _NOT_EVENTS}
-        for key, name in {**EVENTS, **extra}.items():
+        events = {name: record[key] for key, name in {**EVENTS, **extra}.items()}
+        for name, value in events.items():
             if self._tb is not None:
-                self._tb.add_scalar(name, record[key], samples)
+                self._tb.add_scalar(name, value, samples)
             if self.config.csv_monitor.enabled:
-                self._csv_row(name, samples, record[key])
+                self._csv_row(name, samples, value)
+        if self._wandb is not None:  # one history row per logged step, at DeepSpeed's step (samples seen)
+            self._wandb.log(events, step=samples)
 
     def _csv_row(self, name: str, samples: int, value: float) -> None:
         if name not in self._csv:
@@ -199,6 +231,8 @@ class Monitor:
             self._tb.close()
         for handle, _ in self._csv.values():
             handle.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _rewrite(path: Path, lines: list[str]) -> None:

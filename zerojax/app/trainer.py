@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from zerojax.app import run_dirs
-from zerojax.app.monitor import Monitor
+from zerojax.app.monitor import Monitor, check_monitors
 from zerojax.app.reports import (comms_report, compile_step, flops_profile, memory_table, schedule_warning,
                                  startup_table)
 from zerojax.checkpoint import latest_tag
@@ -191,6 +191,7 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
     here, before the run writes anything."""
     plan, rows = model.plan, model.plan.batch.train_batch_size
     mine = local_rows(plan.batch_sharding, rows)  # this process builds only its own rows
+    check_monitors(config)  # a monitor's missing package fails here, not after compiling
     # every data error (missing file, vocabulary, too short) is raised here, before compiling
     train_batches, val_batches = make_batches(config.data, rows, config.model.seq_len, config.model.vocab_size, mine)
     engine = build_engine(config, mesh, model)

@@ -423,8 +423,6 @@ def unsupported_features(config: Config) -> list[str]:
                    "from the model")
     if zero.mics_shard_size > 0:
         out.append("zero_optimization.mics_shard_size: MiCS is not supported; use -1")
-    if config.wandb.enabled:
-        out.append("wandb.enabled: not supported (no network access); use tensorboard or csv_monitor")
     tp = config.tensor_parallel
     if tp.replace_with_kernel_inject:
         out.append("tensor_parallel.replace_with_kernel_inject: DeepSpeed's inference kernels are not built in "

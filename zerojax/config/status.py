@@ -184,10 +184,8 @@ KEY_STATUS: dict[str, str] = {
     "data_types.grad_accum_dtype": HONOURED,
     # monitors
     **{f"{m}.{k}": _LOG for m in ("tensorboard", "csv_monitor") for k in ("enabled", "output_path", "job_name")},
-    "wandb.enabled": f"{REFUSED} when true (no network access)",
-    "wandb.group": f"{NO_EFFECT}: wandb is refused",
-    "wandb.team": f"{NO_EFFECT}: wandb is refused",
-    "wandb.project": f"{NO_EFFECT}: wandb is refused",
+    **{f"wandb.{k}": _LOG for k in ("enabled", "group", "team", "project")},
+    "wandb.mode": HONOURED + " (zerojax key: wandb.init's mode)",
     "flops_profiler.enabled": HONOURED,
     "flops_profiler.profile_step": HONOURED,
     "flops_profiler.recompute_fwd_factor": f"{NO_EFFECT}: FLOPs come from the compiled step, recomputation included",

@@ -33,11 +33,16 @@ class MonitorConfig:
 
 @dataclass(frozen=True)
 class WandbConfig:
-    """Weights & Biases (not supported: it needs a network; use tensorboard or csv_monitor)."""
-    enabled: bool = option(False, "Log to wandb (not supported).")
+    """Weights & Biases: the other monitors' Train/Samples/* events, logged to a wandb run.
+
+    Needs `pip install 'zerojax[wandb]'`. Offline, the run folder is written for `wandb sync`."""
+    enabled: bool = option(False, "Log to wandb.")
     group: Optional[str] = option(None, "wandb group.")
     team: Optional[str] = option(None, "wandb entity.")
     project: str = option("deepspeed", "wandb project.")
+    mode: Optional[str] = option(None, "zerojax key: online or offline (offline: no network, the run folder "
+                                       "is uploaded later with `wandb sync`); default: WANDB_MODE, else "
+                                       "online.", choices=("online", "offline"))
 
 
 @dataclass(frozen=True)
