@@ -1,6 +1,7 @@
 """The mixture-of-experts layer against DeepSpeed's gating rules, and the MoE Llama under ZeRO."""
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from helpers import assert_tree_close, data_mesh, to_numpy
 from test_cli import run
 from zerojax.models import llama, moe
 from zerojax.models.nnx import to_nnx
+from zerojax.planner.mesh import make_mesh
 
 S, E = 32, 4
 
@@ -341,3 +343,130 @@ def test_moe_yaml_trains(tmp_path: Path) -> None:
     assert records[-1]["loss"] < records[0]["loss"]
     saved = json.loads((out / "config.json").read_text())
     assert saved["model"]["n_experts"] == 8
+
+
+# -- DeepSpeed's layer, for code that ports -------------------------------------------------------------
+
+class SwiGLU(nnx.Module):
+    """A user's expert, as a porter writes one: three bias-free nnx.Linear layers (the Llama MLP)."""
+
+    def __init__(self, d: int, f: int, rngs: nnx.Rngs):
+        self.gate, self.up = nnx.Linear(d, f, use_bias=False, rngs=rngs), nnx.Linear(d, f, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(f, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def test_deepspeed_moe_defaults_are_deepspeeds() -> None:
+    """The signature's defaults are those of deepspeed/moe/layer.py's `MoE.__init__` (DeepSpeed's
+    master: num_experts=1, ep_size=1, k=1, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4,
+    use_residual=False, noisy_gate_policy=None, drop_tokens=True, use_rts=True, use_tutel=False,
+    enable_expert_tensor_parallelism=False, top2_2nd_expert_sampling=True), in DeepSpeed's order."""
+    want = dict(num_experts=1, ep_size=1, k=1, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4,
+                use_residual=False, noisy_gate_policy=None, drop_tokens=True, use_rts=True, use_tutel=False,
+                enable_expert_tensor_parallelism=False, top2_2nd_expert_sampling=True)
+    params = inspect.signature(moe.DeepSpeedMoE.__init__).parameters
+    assert list(params)[1:3] == ["hidden_size", "expert"] and list(params)[3:3 + len(want)] == list(want)
+    assert {n: params[n].default for n in want} == want
+    call = list(inspect.signature(moe.DeepSpeedMoE.__call__).parameters)
+    assert call[1:3] == ["hidden_states", "used_token"]  # DeepSpeed's forward(hidden_states, used_token)
+    with pytest.raises(ValueError, match="ep_size 3 does not divide num_experts 4"):
+        moe.DeepSpeedMoE(8, SwiGLU(8, 8, nnx.Rngs(0)), 4, ep_size=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="use_tutel"):
+        moe.DeepSpeedMoE(8, SwiGLU(8, 8, nnx.Rngs(0)), 4, use_tutel=True, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_deepspeed_moe_with_a_users_expert_is_the_moe_layer(k: int) -> None:
+    """Experts start as identical copies of the user's module (and the residual MLP as one more); given
+    the same weights the DeepSpeed-shaped layer gives the existing layer's output, l_aux, exp_counts."""
+    expert = SwiGLU(16, 24, nnx.Rngs(5))
+    ds = moe.DeepSpeedMoE(16, expert, 4, k=k, capacity_factor=0.5, min_capacity=2, use_residual=True,
+                          use_rts=False, top2_2nd_expert_sampling=False, rngs=nnx.Rngs(1))
+    p = nnx.to_pure_dict(nnx.state(ds, nnx.Param))
+    stack, one = p["experts"]["stack"], nnx.to_pure_dict(nnx.state(expert, nnx.Param))
+    for name in ("gate", "up", "down"):
+        w = np.asarray(stack[name]["kernel"])
+        assert w.shape[0] == E and all(np.array_equal(w[e], one[name]["kernel"]) for e in range(E))
+        np.testing.assert_array_equal(p["mlp"][name]["kernel"], one[name]["kernel"])
+    ours = moe.MoE(16, 24, E, k=k, capacity_factor=0.5, min_capacity=2, use_residual=True, use_rts=False,
+                   top2_2nd_expert_sampling=False, rngs=nnx.Rngs(9))
+    # different weights in the experts, so that equal outputs do not come from equal copies
+    stack = {n: {"kernel": np.asarray(stack[n]["kernel"]) * (1 + np.arange(E))[:, None, None]} for n in stack}
+    nnx.update(ds.experts.stack, nnx.State(stack))
+    nnx.update(ours, nnx.State({"router": p["router"], "coefficient": p["coefficient"],
+                                "experts": {n: stack[n]["kernel"] for n in stack},
+                                "mlp": {n: {"kernel": one[n]["kernel"]} for n in one}}))
+    x = jax.random.normal(jax.random.key(2), (2, 8, 16))
+    got, want = ds(x), ours(x)
+    assert got[1].shape == () and got[2].shape == (E,)  # (output, l_aux, exp_counts), DeepSpeed's order
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    assert int(got[2].sum()) == k * 16
+
+
+def test_used_token_masks_tokens_out_of_the_gate() -> None:
+    """DeepSpeed's `used_token` (top-1): an unused token takes no slot, is not counted, and gets no
+    expert output; the used tokens get what they get without the mask (no dropping)."""
+    layer = moe.DeepSpeedMoE(16, SwiGLU(16, 24, nnx.Rngs(5)), E, drop_tokens=False, use_rts=False,
+                             rngs=nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (2, 8, 16))
+    used = (jnp.arange(16).reshape(2, 8) % 3 != 0).astype(jnp.float32)
+    full, masked = layer(x), layer(x, used)
+    logits = np.asarray(x).reshape(-1, 16) @ np.asarray(layer.router.kernel[...])
+    first = np.eye(E, dtype=int)[logits.argmax(1)]
+    keep = np.asarray(used).reshape(-1, 1)
+    np.testing.assert_array_equal(np.asarray(masked[2]), (first * keep).sum(0))
+    np.testing.assert_allclose(float(masked[1]), np.sum(softmax(logits).mean(0) * (first * keep).mean(0)) * E,
+                               rtol=1e-5)
+    out, ref = np.asarray(masked[0]), np.asarray(full[0])
+    assert not out[np.asarray(used) == 0].any() and ref[np.asarray(used) == 0].any()
+    np.testing.assert_allclose(out[np.asarray(used) == 1], ref[np.asarray(used) == 1], rtol=1e-6)
+    two = moe.DeepSpeedMoE(16, SwiGLU(16, 24, nnx.Rngs(5)), E, k=2, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="used_token with k=2"):
+        two(x, used)
+
+
+class Regressor(nnx.Module):
+    """A porter's model around DeepSpeed's layer: a projection, the MoE, a head."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.proj = nnx.Linear(8, 16, rngs=rngs)
+        self.moe = moe.DeepSpeedMoE(16, SwiGLU(16, 24, rngs), num_experts=4, drop_tokens=False, use_rts=False,
+                                    rngs=rngs)
+        self.head = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        out, _, _ = self.moe(self.proj(x))
+        return self.head(out)[..., 0]
+
+
+def regress(stage: int, mesh: dict, devices: int) -> tuple[list[float], dict, zerojax.Engine]:
+    cfg = zerojax.load_config({
+        "train_batch_size": 16, "gradient_clipping": 0.0, "mesh": mesh,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    params, loss_fn = zerojax.from_nnx(Regressor(nnx.Rngs(0)),
+                                       lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    e = zerojax.initialize(cfg, params=params, loss_fn=loss_fn, mesh=make_mesh(cfg, jax.devices()[:devices]))
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(2):
+        b = {"x": rng.normal(size=(16, 4, 8)).astype(np.float32), "y": rng.normal(size=(16, 4)).astype(np.float32)}
+        losses.append(float(e.train_batch(b)["loss"]))
+    return losses, to_numpy(e.params), e
+
+
+def test_deepspeed_moe_zero3_data4_expert2_trains_as_one_device() -> None:
+    """ZeRO-3 on data 4 x expert 2: the user's expert copies split over the expert axis (each device
+    gating its own tokens, none dropped, no noise) train to the one-device losses and weights."""
+    want_losses, want, _ = regress(0, {}, 1)
+    losses, got, e = regress(3, {"expert": 2}, 8)
+    assert dict(e.plan.mesh.shape) == {"data": 4, "expert": 2}
+    specs = jax.tree.map(lambda s: tuple(s.spec), e.plan.param_shardings)["moe"]["experts"]["stack"]
+    assert specs["down"]["kernel"][0] == "expert"  # the copies are split over the expert axis
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_tree_close(got, want, rtol=1e-5, atol=1e-6, what="DeepSpeedMoE zero-3 data 4 x expert 2 vs one device")
+    down = got["moe"]["experts"]["stack"]["down"]["kernel"]
+    assert np.abs(down[0] - down[1]).max() > 1e-6  # the copies, identical at the start, trained apart

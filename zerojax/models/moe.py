@@ -23,6 +23,9 @@ default) keeps each expert whole on every tensor device, and since the tokens en
 the same on every device of a tensor group, each device sends only its 1/T of the dispatched
 capacity through the experts and the results are gathered back (DeepSpeed's `drop_tokens` and
 `gather_tokens`, here layout hints the tensor-parallel evaluator takes).
+
+`MoE` takes zerojax's constructor (`d_ff`, SwiGLU experts); `DeepSpeedMoE` takes DeepSpeed's, argument
+for argument (a user's expert module, copied per expert, and DeepSpeed's defaults), for code that ports.
 """
 from __future__ import annotations
 
@@ -119,7 +122,8 @@ def _keep_most_probable(mask: jax.Array, gates: jax.Array, cap: int) -> jax.Arra
 
 
 def top1_gating(logits: jax.Array, capacity_factor: float, min_capacity: int, *, drop_tokens: bool = True,
-                rts_key: Optional[jax.Array] = None, rsample_key: Optional[jax.Array] = None) -> Gating:
+                rts_key: Optional[jax.Array] = None, rsample_key: Optional[jax.Array] = None,
+                used_token: Optional[jax.Array] = None) -> Gating:
     """DeepSpeed's `top1gating` on fp32 logits [S, E].
 
     The expert is the argmax of the softmax (of logits plus Gumbel noise with `rsample_key`, the
@@ -127,6 +131,10 @@ def top1_gating(logits: jax.Array, capacity_factor: float, min_capacity: int, *,
     `capacity` of its tokens with `rts_key` (use_rts), else its first ones. The combine weight is the
     raw softmax probability of the chosen expert. Without dropping the capacity is every token (S);
     DeepSpeed sizes it to the busiest expert, which leaves the same slots filled and the rest empty.
+
+    `used_token` [S] (DeepSpeed's argument: 1 for a real token, 0 for padding) zeroes an unused token's
+    route before anything is counted: it takes no slot, adds nothing to exp_counts or to l_aux's
+    fractions, though its softmax still enters l_aux's mean gate, as in DeepSpeed.
     """
     logits = logits.astype(jnp.float32)
     s, e = logits.shape
@@ -136,6 +144,8 @@ def top1_gating(logits: jax.Array, capacity_factor: float, min_capacity: int, *,
     gates = jax.nn.softmax(logits, axis=1)
     choose = logits + jax.random.gumbel(rsample_key, logits.shape) if rsample_key is not None else gates
     mask1 = _one_hot(jnp.argmax(choose, axis=1), e)
+    if used_token is not None:
+        mask1 = mask1 * used_token.astype(jnp.int32)[:, None]
     exp_counts = jnp.sum(mask1, axis=0)
     l_aux = _l_aux(gates, mask1)
     cap = capacity(s, e, capacity_factor, min_capacity) if drop_tokens else s
@@ -346,7 +356,7 @@ class MoE(nnx.Module):
     def _expert_axis(self) -> Optional[str]:
         """The expert mesh axis when this device holds only its slice of the experts (expert
         parallelism: the plan split the weights' expert dimension over it), else None."""
-        local = self.experts.gate[...].shape[0]
+        local = self._local_experts()
         if local == self.num_experts:
             return None
         axis = expert_axis()
@@ -356,13 +366,23 @@ class MoE(nnx.Module):
                              f"split over the mesh's expert axis only")
         return axis
 
+    def _local_experts(self) -> int:
+        """How many experts this device holds (all of them, or its slice under expert parallelism)."""
+        return self.experts.gate[...].shape[0]
+
     def _tensor_axis(self) -> Optional[str]:
         """The tensor axis this layer splits its dispatched tokens over: the one of the mesh being traced
         when the experts are whole on every tensor device, else None."""
         return None if self.enable_expert_tensor_parallelism else tensor_axis()
 
-    def gate(self, x: jax.Array, key: Optional[jax.Array] = None) -> Gating:
-        """The routing of tokens x [S, M] (DeepSpeed's `TopKGate.forward`)."""
+    def gate(self, x: jax.Array, key: Optional[jax.Array] = None, used_token: Optional[jax.Array] = None) -> Gating:
+        """The routing of tokens x [S, M] (DeepSpeed's `TopKGate.forward`); `used_token` [S] as in
+        `top1_gating`, which alone takes it (DeepSpeed's top-2 and top-k gates ignore it silently;
+        here they refuse it)."""
+        if used_token is not None and (self.k != 1 or self.gating == "topk"):
+            raise ValueError(f"MoE: used_token with k={self.k} (gating {self.gating!r}); DeepSpeed masks unused "
+                             f"tokens in its top-1 gate only and ignores the mask otherwise; use k=1 or drop "
+                             f"used_token")
         training = not self.deterministic
         keys = list(jax.random.split(key, 4)) if training and key is not None else [None] * 4
         gate_in = x.astype(jnp.float32)
@@ -376,16 +396,120 @@ class MoE(nnx.Module):
         if self.k == 1:
             return top1_gating(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
                                rts_key=keys[1] if self.use_rts else None,
-                               rsample_key=keys[2] if self.noisy_gate_policy == "RSample" else None)
+                               rsample_key=keys[2] if self.noisy_gate_policy == "RSample" else None,
+                               used_token=used_token)
         return top2_gating(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
                            second_key=keys[3] if self.top2_2nd_expert_sampling else None)
 
-    def __call__(self, x: jax.Array, key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [..., hidden] -> (output like x, l_aux, exp_counts [E]); all tokens are routed together."""
+    def __call__(self, x: jax.Array, key: Optional[jax.Array] = None,
+                 used_token: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [..., hidden] -> (output like x, l_aux, exp_counts [E]); all tokens are routed together.
+        `used_token` [...] (x's shape less hidden) masks tokens out of the gate (`top1_gating`)."""
         tokens = x.reshape(-1, x.shape[-1])
-        gating = self.gate(tokens, key)
+        used = None if used_token is None else jnp.reshape(used_token, (-1,))
+        gating = self.gate(tokens, key, used)
         out = moe_apply(tokens, gating, self.experts, self._expert_axis(), self._tensor_axis()).reshape(x.shape)
         if self.use_residual:
             coef = jax.nn.softmax(self.coefficient(x).astype(jnp.float32), axis=-1)
-            out = (out * coef[..., 0:1] + self.mlp(x) * coef[..., 1:]).astype(x.dtype)
+            out = (out * coef[..., 0:1] + self._residual(x) * coef[..., 1:]).astype(x.dtype)
         return out, gating.l_aux, gating.exp_counts
+
+    def _residual(self, x: jax.Array) -> jax.Array:
+        """PR-MoE's dense branch on x [..., hidden]."""
+        return self.mlp(x)
+
+
+
+class ExpertCopies(nnx.Module):
+    """DeepSpeed's `Experts`: `num_experts` copies of one user module, each starting with its weights
+    (DeepSpeed deep-copies the module). The copies' parameters are stacked [E, ...] with the logical
+    name `expert` in front of the module's own names, so the plan splits them over an expert axis as it
+    splits `SwiGLUExperts`; one copy runs on each expert's rows ([..., E, C, M]) under `jax.vmap`.
+    A module returning a tuple gives its first element, as DeepSpeed's experts do (the bias term)."""
+
+    def __init__(self, expert: nnx.Module, num_experts: int):
+        graphdef, params, rest = nnx.split(expert, nnx.Param, ...)
+
+        def stack(v: nnx.Variable) -> nnx.Variable:
+            names = v.get_metadata().get("out_sharding") or (None,) * v[...].ndim
+            value = jnp.broadcast_to(v[...], (num_experts, *v[...].shape))
+            return v.replace(value=value, out_sharding=("expert", *names), eager_sharding=False)
+
+        stacked = jax.tree.map(stack, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        self.stack = nnx.merge(graphdef, stacked, rest)
+
+    def count(self) -> int:
+        return jax.tree.leaves(nnx.state(self.stack, nnx.Param))[0].shape[0]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        graphdef, params, rest = nnx.split(self.stack, nnx.Param, ...)
+        axis = x.ndim - 3  # [E, C, M], or [ep, E/ep, C, M] behind the expert all-to-all
+
+        def one(p: nnx.State, rows: jax.Array) -> jax.Array:
+            out = nnx.merge(graphdef, p, rest)(rows)
+            return out[0] if isinstance(out, tuple) else out
+
+        return jax.vmap(one, in_axes=(0, axis), out_axes=axis)(params, x)
+
+
+class DeepSpeedMoE(MoE):
+    """DeepSpeed's `deepspeed.moe.layer.MoE`, argument for argument, for code that ports: the experts are
+    copies of the user's `expert` module, the defaults are DeepSpeed's, and `__call__(hidden_states,
+    used_token=None, key=None)` returns `(output, l_aux, exp_counts)`.
+
+    The gates, dispatch, expert all-to-alls and the residual branch are `MoE`'s. `ep_size` is checked
+    (it must divide `num_experts`, as DeepSpeed asserts) but the experts are split by the mesh's
+    `expert` axis (`mesh.expert`), not by this number. `use_tutel` is accepted and refused when True
+    (no Tutel kernels here). With `use_residual` the dense branch is one more copy of `expert`
+    (`nnx.clone`; DeepSpeed's `self.mlp = expert`, the original beside its copies) and the mixing coefficient a `nnx.Linear(hidden_size, 2)`.
+    Randomness (RTS, RSample, Jitter, top-2's sampled second expert) is drawn from `key` in training
+    only (`MoE`); without a key the gate is deterministic. Initial router and coefficient weights are
+    Flax's `nnx.Linear` defaults, not torch's.
+    """
+
+    def __init__(self, hidden_size: int, expert: nnx.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
+                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True, *, rngs: nnx.Rngs):
+        if not isinstance(expert, nnx.Module):
+            raise TypeError(f"DeepSpeedMoE: expert is a {type(expert).__name__}; pass one Flax NNX module (its "
+                            f"copies become the experts, as DeepSpeed deep-copies its torch module)")
+        if ep_size < 1 or num_experts % ep_size:
+            raise ValueError(f"DeepSpeedMoE: ep_size {ep_size} does not divide num_experts {num_experts} (DeepSpeed "
+                             f"asserts the same); choose an ep_size dividing it")
+        if use_tutel:
+            raise ValueError("DeepSpeedMoE: use_tutel=True; zerojax has no Tutel kernels, its dispatch is the einsum "
+                             "one; leave use_tutel False")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"DeepSpeedMoE: k={k}; each token is routed to between 1 and num_experts "
+                             f"({num_experts}) experts")
+        if noisy_gate_policy == "None":
+            noisy_gate_policy = None
+        if noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise ValueError(f"DeepSpeedMoE: noisy_gate_policy {noisy_gate_policy!r}; choose one of "
+                             f"{NOISY_GATE_POLICIES}")
+        self.num_experts, self.k, self.ep_size = num_experts, k, ep_size
+        self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_capacity_factor
+        self.min_capacity, self.drop_tokens, self.use_rts = min_capacity, drop_tokens, use_rts
+        self.noisy_gate_policy, self.top2_2nd_expert_sampling = noisy_gate_policy, top2_2nd_expert_sampling
+        self.use_residual, self.gating = use_residual, "auto"
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        self.deterministic = False
+        self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, rngs=rngs)
+        self.experts = ExpertCopies(expert, num_experts)
+        if use_residual:
+            self.mlp = nnx.clone(expert)
+            self.coefficient = nnx.Linear(hidden_size, 2, rngs=rngs)
+
+    def _local_experts(self) -> int:
+        return self.experts.count()
+
+    def _residual(self, x: jax.Array) -> jax.Array:
+        out = self.mlp(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    def __call__(self, hidden_states: jax.Array, used_token: Optional[jax.Array] = None,
+                 key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """DeepSpeed's `MoE.forward(hidden_states, used_token)`: (output, l_aux, exp_counts)."""
+        return super().__call__(hidden_states, key, used_token)
