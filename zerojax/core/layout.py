@@ -415,10 +415,15 @@ class Plan:
         return self._opt_state_following(self.update_storage)
 
     def _opt_state_following(self, update: Any) -> Any:
-        """Parameter-shaped optimizer leaves placed as `update`; counters and scalars replicated."""
-        return optax.tree_utils.tree_map_params(
+        """Parameter-shaped optimizer leaves placed as `update`; counters and scalars replicated.
+
+        optax finds the parameter-shaped leaves by running `tx.init` on a placeholder; run under
+        `eval_shape` its scalars (schedule values, counters) are traced, not each compiled and run."""
+        found: list[Any] = []
+        jax.eval_shape(lambda: found.append(optax.tree_utils.tree_map_params(
             self.tx, lambda _, sharding: sharding, self.abstract_opt_state, update,
-            transform_non_params=lambda _: self.replicated)
+            transform_non_params=lambda _: self.replicated)))
+        return found[0]
 
     @functools.cached_property
     def abstract_opt_state(self) -> Any:
