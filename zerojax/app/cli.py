@@ -217,6 +217,8 @@ def _one_config(files: Sequence[str]) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     config = load_config(_one_config(args.config), args.set)
+    from zerojax.runtime.compile_cache import enable
+    enable(config.run.compile_cache)  # before anything compiles: a second run with the same shapes starts warm
     _start(config)
     from zerojax.app.trainer import train
     train(config, resume=args.resume)
