@@ -113,7 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                                                                               "bytes/s between hosts")
     est.add_argument("--no-zero-init", action="store_true", help="DeepSpeed's stage-3 estimate without zero_init")
     est.add_argument("--buffer-factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor")
-    est.add_argument("--no-step-time", action="store_true", help="skip compiling the step for the time estimate")
+    est.add_argument("--no-step-time", action="store_true", help="skip the step-time estimate")
+    est.add_argument("--compiled", action="store_true", help="the embedded GPT's step time from its compiled step "
+                                                             "(compiles it for each stage) instead of the formulas")
 
     config = sub.add_parser("config", help="inspect a config")
     config_sub = config.add_subparsers(dest="action", required=True)
