@@ -218,3 +218,57 @@ def test_progress_bar_shows_the_newest_steps_numbers_and_what_runs_after(tmp_pat
     finally:
         monitor.close()
     assert "validating on 1 batch(es) after step 3..." in capsys.readouterr().out
+
+
+# train.py with a listener on the event JAX records around every program it obtains, compiled or read
+# from the persistent cache (so a warm cache does not hide one): what the run needed beyond memory.
+COUNT_PROGRAMS = """
+import sys
+from jax import monitoring
+programs, hits = [], []
+monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: programs.append(secs) if event == '/jax/core/compile/backend_compile_duration' else None)
+monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event == '/jax/compilation_cache/cache_hits' else None)
+from zerojax.app.cli import main
+rc = main(['train', *sys.argv[1:]])
+print(f'programs: {len(programs)}, cache hits: {len(hits)}')
+sys.exit(rc)
+"""
+
+
+def test_train_py_compiles_each_program_once_into_its_compile_cache(tmp_path: Path) -> None:
+    """A one-step zero3.yaml run (start-up, step, final save, validation, sample) needs a handful of
+    programs, each compiled once, and leaves them in run.compile_cache for the next run."""
+    cache = tmp_path / "jax-cache"
+    settings = ["run.steps=1", f"run.output_dir={tmp_path / 'run'}", f"run.compile_cache={cache}",
+                "run.progress=false", "model.d_model=64", "model.n_layers=2", "model.seq_len=32",
+                "data.max_bytes=200000", "run.eval_batches=1", "run.sample_tokens=4"]
+    p = run("-c", COUNT_PROGRAMS, "--config", "configs/zero3.yaml", "--set", *settings)
+    assert p.returncode == 0, p.stderr[-3000:]
+    programs, hits = map(int, re.search(r"programs: (\d+), cache hits: (\d+)", p.stdout).groups())
+    assert programs <= 8, p.stdout[-2000:]   # 92 before programs were compiled once each
+    assert hits == 0 and any(cache.iterdir())  # a fresh folder: all compiled, all kept
+
+    again = run("-c", COUNT_PROGRAMS, "--config", "configs/zero3.yaml", "--set", *settings,
+                f"run.output_dir={tmp_path / 'run2'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    warm = re.search(r"programs: (\d+), cache hits: (\d+)", again.stdout).groups()
+    assert warm == (str(programs), str(programs))  # the second run reads every program from the cache
+
+
+def test_compile_cache_folder(tmp_path: Path) -> None:
+    from zerojax.errors import ConfigError
+    from zerojax.config import load_config
+    from zerojax.runtime.compile_cache import cache_dir
+    assert cache_dir("auto", {"HOME": str(tmp_path)}).parts[-3:] == (".cache", "zerojax", "jax")
+    assert cache_dir("auto", {"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "zerojax" / "jax"
+    assert cache_dir("auto", {"JAX_COMPILATION_CACHE_DIR": "/elsewhere"}) == "/elsewhere"  # the environment's
+    assert cache_dir(str(tmp_path / "c"), {"JAX_COMPILATION_CACHE_DIR": "/elsewhere"}) == tmp_path / "c"
+    assert cache_dir(None, {}) is None
+    cfg = ROOT / "configs" / "zero3.yaml"
+    assert load_config(cfg).run.compile_cache == "auto"
+    assert load_config(cfg, ["run.compile_cache=false"]).run.compile_cache is None
+    assert load_config(cfg, ["run.compile_cache=none"]).run.compile_cache is None
+    with pytest.raises(ConfigError, match="run.compile_cache"):
+        load_config(cfg, ["run.compile_cache=3"])

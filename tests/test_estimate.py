@@ -289,6 +289,31 @@ def test_compiled_costs_of_the_embedded_gpt() -> None:
     assert nbytes > 4 * psi  # at least every parameter read once
 
 
+def test_estimate_answers_from_shapes_without_compiling(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The whole report, step time included, from shapes and formulas: no program is compiled (or read
+    from the compile cache). `--compiled` asks for the embedded GPT's compiled step instead."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(dict(TINY, model=dict(TINY["model"], d_model=48))))  # shapes no other test compiles
+    programs: list[float] = []
+
+    def count(event: str, secs: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            programs.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        assert main(["estimate", "--config", str(cfg), "--devices", "8", "--device", "h100"]) == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    out = capsys.readouterr().out
+    assert programs == []
+    assert out.count("; analytic: ") == 4  # one line per stage, from the formulas
+
+    monkeypatch.setattr(E, "compiled_costs", lambda config: (1e9, 1e8, 1e6, 8))
+    assert main(["estimate", "--config", str(cfg), "--devices", "8", "--device", "h100", "--compiled"]) == 0
+    assert capsys.readouterr().out.count("compiled on 8 local cpu devices") == 4
+
+
 def test_step_time_arithmetic() -> None:
     dev = E.DeviceSpec("test", flops=1e12, hbm=1e11, intra=1e10, inter=1e9, memory=1e9)
     t = E.step_time(2e12, 1e11, 1e9, dev, devices=16, devices_per_host=8, source="x")

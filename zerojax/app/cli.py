@@ -113,7 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                                                                               "bytes/s between hosts")
     est.add_argument("--no-zero-init", action="store_true", help="DeepSpeed's stage-3 estimate without zero_init")
     est.add_argument("--buffer-factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor")
-    est.add_argument("--no-step-time", action="store_true", help="skip compiling the step for the time estimate")
+    est.add_argument("--no-step-time", action="store_true", help="skip the step-time estimate")
+    est.add_argument("--compiled", action="store_true", help="the embedded GPT's step time from its compiled step "
+                                                             "(compiles it for each stage) instead of the formulas")
 
     config = sub.add_parser("config", help="inspect a config")
     config_sub = config.add_subparsers(dest="action", required=True)
@@ -217,6 +219,8 @@ def _one_config(files: Sequence[str]) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     config = load_config(_one_config(args.config), args.set)
+    from zerojax.runtime.compile_cache import enable
+    enable(config.run.compile_cache)  # before anything compiles: a second run with the same shapes starts warm
     _start(config)
     from zerojax.app.trainer import train
     train(config, resume=args.resume)

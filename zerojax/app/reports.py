@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from zerojax.config import OP_NAMES
 from zerojax.core.hlo import comms_report as hlo_comms_report, work
@@ -72,9 +73,10 @@ def schedule_warning(config: Any) -> str | None:
     keys = ", ".join(f"{k}={n}" for k, n in longer.items())
     fix = f"set {key}={steps}" if " + " not in key else f"make {key} at most {steps}"
     fix += "".join(f" with {k} below it" for k in list(longer)[:-1])
-    # the update of step n runs with the lr at update count n - 1 (metrics.jsonl's lr)
+    # the update of step n runs with the lr at update count n - 1 (metrics.jsonl's lr); both in one program
+    ends, goes_on = np.asarray(jax.jit(jax.vmap(lr))(np.array([steps - 1, length - 1], np.int32))).tolist()
     return (f"warning: run.steps={steps} is shorter than the {sched.type} schedule ({keys}): the run ends at "
-            f"lr {float(lr(steps - 1)):.3e}, where the schedule goes on to lr {float(lr(length - 1)):.3e} at step "
+            f"lr {ends:.3e}, where the schedule goes on to lr {goes_on:.3e} at step "
             f"{length}; to run the whole schedule {fix}, or set run.steps={length}")
 
 

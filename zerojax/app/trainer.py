@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from zerojax.app.reports import (comms_report, compile_step, flops_profile, memo
 from zerojax.checkpoint import latest_tag
 from zerojax.config import Config
 from zerojax.core.mesh import row_size
+from zerojax.core.sharded_init import ParamsInit
 from zerojax.core.nonfinite import NonFiniteGuard, stop_message
 from zerojax.engine.engine import Engine
 from zerojax.errors import ConfigError, NonFiniteError
@@ -100,9 +102,9 @@ def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
         beat(f"reading {model_cfg.hf_checkpoint}", allowance=FIRST_STEP_ALLOWANCE)
         params = load_params(model_cfg.hf_checkpoint, model_cfg, plan.init_shardings)
     elif params is None:
-        # Initialize straight into the sharded master plan: no device ever holds the whole model.
-        params = jax.jit(lambda: gpt.init_params(model_cfg, config.run.seed),
-                         out_shardings=plan.init_shardings)()
+        # Initialized straight into the sharded master plan (no device ever holds the whole model), inside
+        # the one program that makes the train state.
+        params = ParamsInit(functools.partial(gpt.init_params, model_cfg, config.run.seed), plan.abstract_params)
     loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
     from zerojax.models.decode import decoder
     return Engine(config, params, loss_fn, mesh, plan=plan, decode=decoder(model_cfg))

@@ -287,7 +287,7 @@ KEY_STATUS: dict[str, str] = {
                                    "text_key", "eos_id", "mask_boundaries")},
     **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",
                                   "checkpoint_dir", "save_every", "non_finite", "non_finite_limit", "signal_save_seconds",
-                                  "sample_tokens")},
+                                  "sample_tokens", "compile_cache")},
     **{f"distributed.{k}": HONOURED for k in ("coordinator_address", "num_processes", "process_id", "join",
                                               "initialization_timeout", "check_consistency", "hang_timeout")},
 }

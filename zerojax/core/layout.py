@@ -475,10 +475,15 @@ class Plan:
     def _opt_state_following(self, update: Any) -> Any:
         """Parameter-shaped optimizer leaves placed as `update`; counters and scalars replicated. A None
         in a parameter-shaped tree (a leaf the optimizer keeps no state for, e.g. Muon's momentum of an
-        Adam leaf) stays None."""
-        return optax.tree_utils.tree_map_params(
+        Adam leaf) stays None.
+
+        optax finds the parameter-shaped leaves by running `tx.init` on a placeholder; run under
+        `eval_shape` its scalars (schedule values, counters) are traced, not each compiled and run."""
+        found: list[Any] = []
+        jax.eval_shape(lambda: found.append(optax.tree_utils.tree_map_params(
             self.tx, lambda x, sharding: None if x is None else sharding, self.abstract_opt_state, update,
-            transform_non_params=lambda _: self.replicated, is_leaf=lambda x: x is None)
+            transform_non_params=lambda _: self.replicated, is_leaf=lambda x: x is None)))
+        return found[0]
 
     @functools.cached_property
     def abstract_opt_state(self) -> Any:

@@ -105,20 +105,25 @@ def init_state(plan: Plan, params: Any, rng: jax.Array | int | None = None) -> T
     loss functions that take one.
     """
     check_params(plan, abstract_params(params))
-    fn, args = _init_fn(plan, params, _key_data(plan.seed if rng is None else rng))
+    rng = plan.seed if rng is None else rng
+    fn, args = _init_fn(plan, params, rng if isinstance(rng, int) else _key_data(rng))
     return fn(*args)
 
 
-def _init_fn(plan: Plan, params: Any, key: jax.Array) -> tuple[Callable[..., TrainState], tuple[Any, ...]]:
+def _init_fn(plan: Plan, params: Any, key: jax.Array | int) -> tuple[Callable[..., TrainState], tuple[Any, ...]]:
     """The jitted state constructor and its arguments (`.lower(*args)` shows its memory).
 
     An unbuilt `ParamsInit` runs inside it, each parameter constrained to its update placement
     (sharded from stage 1 on; a frozen one to its parameter placement) as it is made, so it is computed
-    shard by shard. Only the trainable leaves get a master copy and optimizer state."""
+    shard by shard. Only the trainable leaves get a master copy and optimizer state. A seed (int `key`)
+    becomes its key inside it too: the whole state is one compiled program."""
     pol = plan.policy
     pending = params if isinstance(params, ParamsInit) else None
+    seed = key if isinstance(key, int) else None
 
     def init(params: Any, key: jax.Array, model_state: Any) -> TrainState:
+        if seed is not None:
+            key = _key_data(seed)
         if pending is not None:
             params = build(pending, plan.init_shardings)
         params = to_device(params)  # computed on the device, whatever memory they come from
@@ -132,7 +137,7 @@ def _init_fn(plan: Plan, params: Any, key: jax.Array) -> tuple[Callable[..., Tra
                           model_state=jax.tree.map(jnp.asarray, model_state))
 
     jitted = jax.jit(init, out_shardings=state_shardings(plan))
-    return jitted, (None if pending is not None else params, key, plan.model_state)
+    return jitted, (None if pending is not None else params, None if seed is not None else key, plan.model_state)
 
 
 def _key_data(rng: jax.Array | int) -> jax.Array:

@@ -12,10 +12,11 @@ Two memory modes, for every ZeRO stage and offload choice:
   layout replicates (small leaves, dimensions that do not divide) and what offload moves to the
   host are counted as they will be.
 
-The step-time estimate compiles the step for the embedded GPT on the local devices with abstract
-inputs, reads matmul FLOPs, kernel memory traffic and collective bytes from the compiled HLO
-(`zerojax.core.hlo`, loops counted trip-count times), and divides by a device's peak FLOP/s, HBM and
-link bandwidths.
+The step-time estimate counts work from the model's shapes and the ZeRO volumes (nothing is compiled,
+so it answers in seconds); with `--compiled` it compiles the step for the embedded GPT on the local
+devices with abstract inputs instead, reads matmul FLOPs, kernel memory traffic and collective bytes
+from the compiled HLO (`zerojax.core.hlo`, loops counted trip-count times). Either is divided by a
+device's peak FLOP/s, HBM and link bandwidths.
 """
 from __future__ import annotations
 
@@ -832,6 +833,7 @@ class Request:
     zero_init: bool = True
     additional_buffer_factor: float = 1.5
     step_time: bool = True
+    compiled: bool = False   # the embedded GPT's step time from its compiled step (compiles 4 steps)
     tensor: tuple[int, ...] | None = None   # tensor sizes to show (None: divisors of devices per host)
 
 
@@ -955,7 +957,7 @@ def step_time_lines(config: Config, model: ModelShape, req: Request) -> list[str
              f"links {dev.intra / 1e9:.0f} GB/s within / {dev.inter / 1e9:.0f} GB/s between hosts):"]
     for stage in range(4):
         cfg = variant(config, Choice(stage))
-        if model.gpt is not None:
+        if model.gpt is not None and req.compiled:
             local = load_config(config, [f"zero_optimization.stage={stage}"])
             flops, hbm, comm, n = compiled_costs(local)
             comm = scale_comm(comm, n, req.devices)
@@ -1003,4 +1005,4 @@ def build_request(config: Config, args: Any) -> Request:
                    host_memory=parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None,
                    activations=int(parse_bytes(args.activations, "--activations")) if args.activations else None,
                    zero_init=not args.no_zero_init, additional_buffer_factor=args.buffer_factor,
-                   step_time=not args.no_step_time, tensor=parse_tensor(getattr(args, "tensor", None)))
+                   step_time=not args.no_step_time, compiled=bool(getattr(args, "compiled", False)), tensor=parse_tensor(getattr(args, "tensor", None)))

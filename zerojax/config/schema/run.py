@@ -6,6 +6,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 from zerojax.config.fields import option
+from zerojax.config.paths import show
+from zerojax.errors import ConfigError
+
+
+def parse_compile_cache(value: object, path: str) -> Optional[str]:
+    """`run.compile_cache`: "auto", a folder, or false / null / "none" (off)."""
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("none", "false", "off")):
+        return None
+    if value is True:
+        return "auto"
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ConfigError(f'{path}: expected "auto", a folder, or false to turn the compilation cache off, got {show(value)}')
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,11 @@ class RunConfig:
                                       "NonFiniteError); 0: never.", ge=0)
     signal_save_seconds: int = option(120, "On SIGINT, SIGTERM or SIGUSR1: at most this many seconds to save a "
                                            "checkpoint before the run exits (130, 143, 138).", gt=0)
+    compile_cache: Optional[str] = option(
+        "auto", "Where JAX's persistent compilation cache keeps the run's compiled programs, so a second run or "
+                "a resume with the same shapes starts without compiling. auto: JAX_COMPILATION_CACHE_DIR when the "
+                "environment sets it, else $XDG_CACHE_HOME/zerojax/jax (~/.cache/zerojax/jax); a path: there; "
+                "false or null: off.", parse=parse_compile_cache)
     sample_tokens: int = option(48, "Tokens of text generated from the trained model and printed at the end of "
                                     "the run (one process; the embedded GPT or the Llama); 0: none. `zerojax sample` makes "
                                     "more.", ge=0)
