@@ -35,7 +35,7 @@ import time
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import output_args, write_section  # noqa: E402
+from benchmarks.report import output_args, run_section  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- startup -->", "<!-- /startup -->"
@@ -186,15 +186,7 @@ def render(args: argparse.Namespace, runs: dict[str, list[dict[str, float]]], se
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    t0 = time.perf_counter()
-    runs = measure(args)
-    text = render(args, runs, time.perf_counter() - t0)
-    print(text)
-    if not args.no_write:
-        write_section(args.out, text, BEGIN, END)
-        print(f"wrote the startup section of {args.out}", file=sys.stderr)
-    return 0
+    return run_section(argv, parse_args, measure, render, BEGIN, END, "startup")
 
 
 if __name__ == "__main__":
