@@ -15,7 +15,6 @@ from scipy import stats
 
 import zerojax
 from zerojax.core import generate as gen
-from zerojax.runtime.compile_cache import Compilations
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 CONFIG = {"train_batch_size": 8, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
@@ -105,6 +104,7 @@ def test_sampling_draws_from_transformers_processed_distribution() -> None:
 def test_prompt_widths_and_token_counts_share_programs_across_the_train_switch() -> None:
     """Prompts of 2..8 tokens and 3..8 new tokens are one generate program; once every shape has run,
     a second pass through generate, train, generate compiles nothing at all."""
+    from zerojax.runtime.compile_cache import Compilations
     eng = hf_engine()
     tokens = np.random.default_rng(1).integers(0, 128, (8, 17), dtype=np.int32)
     before = gen._program._cache_size()
