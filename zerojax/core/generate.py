@@ -1,19 +1,28 @@
 """Batched generation with a KV cache, as one compiled program over the parameters where they lie.
 
-`generate(decoder, params, prompts, lengths, max_new_tokens, plan=...)` runs a batch of right-padded
-prompts of different lengths: the decoder's `prefill` (every prompt in one call, filling a
-static-shape cache), then a loop of `max_new_tokens - 1` `decode_step`s (one token for every row):
-a counted `fori_loop` when no `eos_id` can end a row, else a `lax.while_loop` that stops early only
-when every row has met `eos_id`, a condition
+`generate(decoder, params, prompts, lengths, max_new_tokens, plan=...)` runs a batch of prompts of
+different lengths: the decoder's `prefill` (every prompt in one call, filling a static-shape cache),
+then a `lax.while_loop` of up to `max_new_tokens - 1` `decode_step`s (one token for every row) that
+stops early only when every row has met a stop token (`eos_id` or any of `stop_ids`), a condition
 computed inside the program from the whole batch, so every device and process takes the same
-branch. Greedy at temperature 0, else sampled (`top_k`, `top_p`) from a key derived from `seed`.
+branch. Greedy at temperature 0, else sampled (temperature, then `top_k`, then `top_p`, as
+transformers' processors) from a key derived from `seed`; each token comes with its log-probability
+under the model at temperature 1 and under the distribution it was drawn from (`Generation`).
 
-Compilation: the program is jitted once per (decoder, batch, prompt-width bucket, max_new_tokens,
-sampling settings, shardings) and cached across calls; prompts are padded to a power-of-two width
-(at least 8), so prompts of nearby lengths share a program. The cache
-[layers, batch, prompt width + max_new_tokens, kv_heads, head_dim] is made inside the program and
-carried through the loop, so it is updated in place and, like a donated buffer, costs no copy and no
-memory once the call returns (`cache_bytes` says how much it holds while the call runs).
+Prompts come as people have them (`pad_prompts`): a list of token lists, a right-padded array with
+lengths, or an array with an attention mask, left-padded as transformers' tokenizers pad for
+`generate`. They are moved to the right inside each row, so every row's first token sits at position
+0, which is what transformers' `generate` computes for a left-padded row (its position ids count the
+mask's ones).
+
+Compilation: the program is jitted once per (decoder, batch, prompt-width bucket, new-token bucket,
+sampling settings, stop ids, shardings) and cached across calls. Prompts are padded to a
+power-of-two width (at least 8) and the new-token count rounds up to a power of two (at least 8) for
+the arrays and the cache, the count itself being an argument the loop stops at, so prompts of nearby
+lengths and nearby token counts share a program (a small slice of the results is all that differs).
+The cache [layers, batch, prompt width + new-token bucket, kv_heads, head_dim] is made inside the
+program and carried through the loop, so it is updated in place and, like a donated buffer, costs no
+copy and no memory once the call returns (`cache_bytes` says how much it holds while the call runs).
 
 Where the weights are: the parameters enter the program in the placement they are stored in (a
 ZeRO-3 plan's shards included) and are constrained to replicated once, before the prefill, so at
@@ -24,7 +33,7 @@ are replicated, so every process of a multi-process run reads all of them.
 
 Several processes: each calls `generate` with the same prompts and settings (the whole batch, not
 its own rows), and each places its devices' rows. Every process runs the same number of loop
-iterations whatever its own rows do: a finished row is masked (it keeps emitting `eos_id` at log-prob
+iterations whatever its own rows do: a finished row is masked (it keeps emitting `pad_id` at log-prob
 0), and the early stop reads `all(done)` over the global batch, a value the program reduces over
 every device, so all of them leave the loop at the same iteration. A process whose rows all ended
 keeps stepping with the others instead of leaving its peers waiting in a collective (the hang of
@@ -283,6 +292,8 @@ def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Arr
 
     def cond(carry: tuple[Any, ...]) -> jax.Array:
         i, done = carry[0], carry[-2]
+        if not stops:  # no row can end early: the count alone, no reduction over the batch per token
+            return i < n
         return (i < n) & ~jnp.all(done)
 
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -292,8 +303,7 @@ def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Arr
         return i + 1, token, cache, out, logps, sampled, done, count
 
     carry = (jnp.int32(1), token, cache, out, logps, sampled, done, count)
-    # The early stop reads all(done) over the global batch (module docstring); with no stop token it is
-    # never true and the loop runs n - 1 steps.
+    # The early stop reads all(done) over the global batch (module docstring).
     _, _, _, out, logps, sampled, _, count = jax.lax.while_loop(cond, body, carry)
     # every process can read the whole result (a few bytes a row), not only its devices' rows
     return tuple(_constrain(x, replicated) for x in (out, logps, count, sampled))
