@@ -39,17 +39,17 @@ from zerojax.core import generate as gen  # noqa: E402
 from zerojax.models import decode, gpt, rl  # noqa: E402
 from zerojax.runtime.compile_cache import Compilations  # noqa: E402
 
-DIGITS, EQUALS, EOS, VOCAB = 3, 10, 11, 12
+EQUALS, EOS, VOCAB = 10, 11, 12
 PROMPTS, GROUP = 8, 8           # prompts per step, completions per prompt
-NEW = DIGITS + 1                # the digits and the end token
-BETA = 0.02                     # the KL penalty's weight
+BETA = 0.05                     # the KL penalty's weight
+LR = 3e-3
 
 
-def make_config(steps: int) -> zerojax.Config:
-    width = DIGITS + 1 + NEW
+def make_config(steps: int, digits: int) -> zerojax.Config:
+    width = 2 * digits + 2  # the prompt (digits and "="), the answer (digits and the end token)
     return zerojax.load_config({
         "train_batch_size": PROMPTS * GROUP, "gradient_clipping": 1.0,
-        "optimizer": {"type": "Adam", "params": {"lr": 3e-3}},
+        "optimizer": {"type": "Adam", "params": {"lr": LR}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "mesh": {"tensor": 2},
         "hybrid_engine": {"enabled": True, "max_out_tokens": width},
@@ -58,19 +58,19 @@ def make_config(steps: int) -> zerojax.Config:
         "steps_per_print": max(1, steps // 10), "run": {"progress": False, "log_every": 1}})
 
 
-def sample_prompts(rng: np.random.Generator) -> np.ndarray:
-    """[PROMPTS * GROUP, DIGITS + 1]: PROMPTS random digit strings and "=", each repeated GROUP times."""
-    digits = rng.integers(0, 10, (PROMPTS, DIGITS))
+def sample_prompts(rng: np.random.Generator, digits: int) -> np.ndarray:
+    """[PROMPTS * GROUP, digits + 1]: PROMPTS random digit strings and "=", each repeated GROUP times."""
+    digits = rng.integers(0, 10, (PROMPTS, digits))
     prompts = np.concatenate([digits, np.full((PROMPTS, 1), EQUALS)], axis=1).astype(np.int32)
     return np.repeat(prompts, GROUP, axis=0)
 
 
-def reward(prompts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def matches(prompts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """The share of the answer's slots (the prompt's digits, then EOS) each completion has right. A
     completion that stops early is padded with "=" (`pad_id`), which matches no slot: stopping at once
-    scores 0, not the EOS slot's share."""
-    answer = np.concatenate([prompts[:, :DIGITS], np.full((len(prompts), 1), EOS)], axis=1)
-    return (tokens[:, :NEW] == answer).mean(axis=1).astype(np.float32)
+    scores 0, not the EOS slot's share. [B, digits + 1] bools; the reward is their mean per row."""
+    answer = np.concatenate([prompts[:, :-1], np.full((len(prompts), 1), EOS)], axis=1)
+    return tokens[:, :answer.shape[1]] == answer
 
 
 def masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
@@ -93,9 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", default=os.path.join("runs", "grpo_copy"), help="folder of metrics.jsonl, curves.png")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--digits", type=int, default=2, help="digits a prompt holds")
     args = parser.parse_args(argv)
 
-    config = make_config(args.steps)
+    config = make_config(args.steps, args.digits)
+    new = args.digits + 1
     cfg = config.model
     engine = zerojax.initialize(config, params=gpt.init_params(cfg, args.seed),
                                 loss_fn=rl.make_grpo_loss(cfg, beta=BETA), decode=decode.decoder(cfg))
@@ -103,37 +105,41 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    monitor = Monitor(config, out, args.steps, PROMPTS * GROUP * NEW, PROMPTS * GROUP)
+    monitor = Monitor(config, out, args.steps, PROMPTS * GROUP * new, PROMPTS * GROUP)
     rng = np.random.default_rng(args.seed)
-    rewards, kls = [], []
-    lengths = np.full(PROMPTS * GROUP, DIGITS + 1, np.int32)
+    rewards, kls, copied = [], [], []
+    lengths = np.full(PROMPTS * GROUP, args.digits + 1, np.int32)
     try:
         with Compilations() as compiled:
             for step in range(1, args.steps + 1):
-                prompts = sample_prompts(rng)
-                g = engine.generate(prompts, NEW, lengths=lengths, temperature=1.0, seed=args.seed * 100_003 + step,
+                prompts = sample_prompts(rng, args.digits)
+                g = engine.generate(prompts, new, lengths=lengths, temperature=1.0, seed=args.seed * 100_003 + step,
                                     eos_id=EOS, pad_id=EQUALS)  # after a stop: "=", which no answer slot holds
                 tokens, logps, counts = (np.asarray(x) for x in g)
-                score = reward(prompts, tokens)
+                right = matches(prompts, tokens)
+                score = right.mean(axis=1).astype(np.float32)
                 batch = rl.rollout_batch(prompts, lengths, tokens, counts, logps)
                 batch["ref_logp"] = reference.logprobs(batch["tokens"])
                 batch["advantages"] = rl.group_advantages(score, GROUP)
                 kls.append(masked_mean(np.asarray(rl.kl_k3(batch["old_logp"], batch["ref_logp"])), batch["mask"]))
                 metrics = engine.train_batch(batch)
                 rewards.append(float(score.mean()))
-                monitor.step(step, metrics, {"reward": rewards[-1], "kl": kls[-1]})
+                copied.append(float(right[:, :-1].mean()))  # the digits alone: a collapsed policy gets ~0.1
+                monitor.step(step, metrics, {"reward": rewards[-1], "kl": kls[-1], "copied": copied[-1]})
     finally:
         monitor.close()
     k = max(1, len(rewards) // 5)
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
     print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}")
+    print(f"digits copied: first {k} steps {float(np.mean(copied[:k])):.3f}, last {k} steps "
+          f"{float(np.mean(copied[-k:])):.3f} (one constant digit: 0.1)")
     print(f"mean kl to the reference: last {k} steps {float(np.mean(kls[-k:])):.4f}")
     print(f"programs compiled: {compiled.count} over {args.steps} steps "
           f"({gen._program._cache_size()} generate program(s))")
     png = draw(out)
     if png is not None:
         print(f"curves: {png}")
-    return {"first": first, "last": last, "rewards": rewards, "kl": kls, "compiled": compiled.count}
+    return {"first": first, "last": last, "rewards": rewards, "kl": kls, "copied": copied, "compiled": compiled.count}
 
 
 if __name__ == "__main__":
