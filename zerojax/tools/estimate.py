@@ -15,7 +15,7 @@ Two memory modes, for every ZeRO stage and offload choice:
 The step-time estimate counts work from the model's shapes and the ZeRO volumes (nothing is compiled,
 so it answers in seconds); with `--compiled` it compiles the step for the embedded GPT on the local
 devices with abstract inputs instead, reads matmul FLOPs, kernel memory traffic and collective bytes
-from the compiled HLO (`zerojax.core.hlo`, loops counted trip-count times). Either is divided by a
+from the compiled HLO (`zerojax.measure.hlo`, loops counted trip-count times). Either is divided by a
 device's peak FLOP/s, HBM and link bandwidths.
 """
 from __future__ import annotations
@@ -423,10 +423,10 @@ class StepTime:
 def compiled_costs(config: Config) -> tuple[float, float, float, int]:
     """(FLOPs, memory bytes, collective bytes, data size) per device for one step of the embedded
     GPT, read from the step compiled on the local devices with abstract inputs (nothing is
-    allocated): `zerojax.core.hlo.work` (matmul FLOPs and kernel operand/result bytes) and
-    `zerojax.core.hlo.collectives` (ZeRO-paper volume accounting), both counting loop bodies trip-count
+    allocated): `zerojax.measure.hlo.work` (matmul FLOPs and kernel operand/result bytes) and
+    `zerojax.measure.hlo.collectives` (ZeRO-paper volume accounting), both counting loop bodies trip-count
     times - XLA's `cost_analysis()` counts a scanned layer stack's body once."""
-    from zerojax.core import hlo
+    from zerojax.measure import hlo
     from zerojax.core.mesh import row_size
     from zerojax.planner.plan import make_plan
     from zerojax.planner.mesh import make_mesh
