@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from zerojax.app.monitor import Monitor  # noqa: E402
-from zerojax.core import generate as gen  # noqa: E402
+from zerojax.models import generate as gen  # noqa: E402
 from zerojax.models import decode, gpt, rl  # noqa: E402
 from zerojax.runtime.compile_cache import Compilations  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 import zerojax
-from zerojax.core import generate as gen
+from zerojax.models import generate as gen
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 CONFIG = {"train_batch_size": 8, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},

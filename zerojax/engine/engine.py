@@ -25,7 +25,7 @@ from zerojax.engine.deepspeed_api import DeepSpeedAPI
 from zerojax.runtime.agreement import agree_on_program
 from zerojax.runtime.distributed import InFlight, check_consistency, config_items, global_array, same_request
 from zerojax.errors import LossScaleError, NonFiniteError
-from zerojax.core.generate import Decoder, Generation, generate, pad_prompts
+from zerojax.models.generate import Decoder, Generation, generate, pad_prompts
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
@@ -66,7 +66,7 @@ class Engine(DeepSpeedAPI):
                  tensor_dims: Any = None, trainable: Any = None):
         """`plan`: one already made from this config and mesh (`zerojax.plan`), so it is not made twice;
         without it the engine makes its own from `optimizer`, `lr_scheduler`, `layer_axes` and `tensor_dims`.
-        `decode`: the model's KV-cache forward (`zerojax.core.generate.Decoder`: `init_cache`, `prefill`,
+        `decode`: the model's KV-cache forward (`zerojax.models.generate.Decoder`: `init_cache`, `prefill`,
         `decode_step` over these params), which `generate` runs; train.py passes the shipped GPT's or
         Llama's (`zerojax.models.decode.decoder(config.model)`). `trainable`: `zerojax.plan`'s (which
         leaves are trained: a bool tree, or an NNX Variable class such as `nnx.LoRAParam`)."""
@@ -233,7 +233,7 @@ class Engine(DeepSpeedAPI):
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  eos_id: int | None = None, attention_mask: Any = None, stop_ids: Sequence[int] | None = None,
                  pad_id: int | None = None) -> Generation:
-        """New tokens after each prompt from the live training weights (`zerojax.core.generate`).
+        """New tokens after each prompt from the live training weights (`zerojax.models.generate`).
 
         `prompts`: a list of token lists; an int array [B, T] right-padded with `lengths` [B]; or an
         array with an `attention_mask` [B, T], left-padded as transformers' `generate` takes it (or
@@ -252,7 +252,7 @@ class Engine(DeepSpeedAPI):
         if self.decoder is None:
             raise TypeError("generate: this engine has no decoder; pass decode= to zerojax.initialize(...) or "
                             "Engine(...): an object with init_cache / prefill / decode_step over these params "
-                            "(zerojax.core.generate.Decoder), e.g. zerojax.models.decode.decoder(model_config) for "
+                            "(zerojax.models.generate.Decoder), e.g. zerojax.models.decode.decoder(model_config) for "
                             "the shipped GPT or Llama; zerojax.from_hf(path, config) passes it for you")
         prompts, lengths = pad_prompts(prompts, lengths, attention_mask)
         bound = self.config.hybrid_engine.max_out_tokens
