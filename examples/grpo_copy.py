@@ -1,24 +1,25 @@
 """GRPO that has to learn the task: copy the prompt's digits, at ZeRO-3 with tensor 2, a KL penalty to
 the reference, and reward and KL curves drawn at the end.
 
-    python examples/grpo_copy.py [--steps 150] [--out runs/grpo_copy] [--seed 0]
+    python examples/grpo_copy.py [--steps 200] [--digits 2] [--out runs/grpo_copy] [--seed 0]
 
-The task is verifiable and collapse does not pay. Each prompt is DIGITS random digits and "=", e.g.
-"4 0 7 =", and the answer is the same digits then an end token, "4 0 7 <eos>". The reward is the
-share of those DIGITS + 1 answer slots the completion gets right, so a policy that always writes the
-same token (the collapse examples/rlhf.py's one-token reward invites) scores about what a random one
-does, 1/10 a digit; only reading the prompt scores more. The vocabulary is the task's own: ids 0-9 the
-digits, 10 "=", 11 the end token (no tokenizer file ships with zerojax; a real run's ids come from its
+The task is verifiable and collapse does not pay. Each prompt is `--digits` random digits and "=",
+e.g. "4 0 =", and the answer is the same digits then an end token, "4 0 <eos>". The reward is the
+share of those answer slots the completion gets right, so a policy that always writes the same digit
+(the collapse examples/rlhf.py's one-token reward invites) copies 1/10 of the digits, what a random
+one does; only reading the prompt scores more. The vocabulary is the task's own: ids 0-9 the digits,
+10 "=", 11 the end token (no tokenizer file ships with zerojax; a real run's ids come from its
 checkpoint's tokenizer.json).
 
-Each step: `engine.generate` samples GROUP completions of every prompt from the live weights (split
-over tensor 2 and ZeRO-3 shards over data 4 of the 8 devices), each is scored, the rewards are
-normalised within each prompt's group, and `engine.train_batch` takes one step of GRPO's clipped
-policy-gradient loss plus BETA times the k3 KL to the starting policy (`zerojax.models.rl`). The reward
-and the KL (per generated token, of the sampling policy against the reference) are written with the
-step's own metrics to OUT/metrics.jsonl and drawn to OUT/curves.png (matplotlib, imported only then).
-The run ends by printing how many programs it compiled: one generate program and one train step for
-every step, whatever each step's prompts (zerojax.runtime.compile_cache.Compilations counts them).
+Each step: `engine.generate` samples GROUP completions of each of `--prompts` prompts from the live
+weights (split over tensor 2 and ZeRO-3 shards over data 4 of the 8 devices), each is scored, the
+rewards are normalised within each prompt's group, and `engine.train_batch` takes one step of GRPO's
+clipped policy-gradient loss plus BETA times the k3 KL to the starting policy (`zerojax.models.rl`).
+The reward, the share of digits copied and the KL (per generated token, of the sampling policy
+against the reference) are written with the step's own metrics to OUT/metrics.jsonl and drawn to
+OUT/curves.png (matplotlib, imported only then). The run ends by printing how many programs it
+compiled: the generate program and the train step once, whatever the step
+(zerojax.runtime.compile_cache.Compilations counts them).
 """
 import argparse
 import json
@@ -40,16 +41,15 @@ from zerojax.models import decode, gpt, rl  # noqa: E402
 from zerojax.runtime.compile_cache import Compilations  # noqa: E402
 
 EQUALS, EOS, VOCAB = 10, 11, 12
-PROMPTS, GROUP = 8, 8           # prompts per step, completions per prompt
+GROUP = 8                       # completions per prompt
 BETA = 0.05                     # the KL penalty's weight
-LR = 3e-3
 
 
-def make_config(steps: int, digits: int) -> zerojax.Config:
+def make_config(steps: int, digits: int, prompts: int = 8, lr: float = 3e-3) -> zerojax.Config:
     width = 2 * digits + 2  # the prompt (digits and "="), the answer (digits and the end token)
     return zerojax.load_config({
-        "train_batch_size": PROMPTS * GROUP, "gradient_clipping": 1.0,
-        "optimizer": {"type": "Adam", "params": {"lr": LR}},
+        "train_batch_size": prompts * GROUP, "gradient_clipping": 1.0,
+        "optimizer": {"type": "Adam", "params": {"lr": lr}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "mesh": {"tensor": 2},
         "hybrid_engine": {"enabled": True, "max_out_tokens": width},
@@ -58,10 +58,10 @@ def make_config(steps: int, digits: int) -> zerojax.Config:
         "steps_per_print": max(1, steps // 10), "run": {"progress": False, "log_every": 1}})
 
 
-def sample_prompts(rng: np.random.Generator, digits: int) -> np.ndarray:
-    """[PROMPTS * GROUP, digits + 1]: PROMPTS random digit strings and "=", each repeated GROUP times."""
-    digits = rng.integers(0, 10, (PROMPTS, digits))
-    prompts = np.concatenate([digits, np.full((PROMPTS, 1), EQUALS)], axis=1).astype(np.int32)
+def sample_prompts(rng: np.random.Generator, digits: int, n: int) -> np.ndarray:
+    """[n * GROUP, digits + 1]: n random digit strings and "=", each repeated GROUP times."""
+    digits = rng.integers(0, 10, (n, digits))
+    prompts = np.concatenate([digits, np.full((n, 1), EQUALS)], axis=1).astype(np.int32)
     return np.repeat(prompts, GROUP, axis=0)
 
 
@@ -90,13 +90,16 @@ def draw(out: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default=os.path.join("runs", "grpo_copy"), help="folder of metrics.jsonl, curves.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits", type=int, default=2, help="digits a prompt holds")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (each sampled GROUP times)")
+    parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
 
-    config = make_config(args.steps, args.digits)
+    config = make_config(args.steps, args.digits, args.prompts, args.lr)
+    rows = args.prompts * GROUP
     new = args.digits + 1
     cfg = config.model
     engine = zerojax.initialize(config, params=gpt.init_params(cfg, args.seed),
@@ -105,14 +108,14 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    monitor = Monitor(config, out, args.steps, PROMPTS * GROUP * new, PROMPTS * GROUP)
+    monitor = Monitor(config, out, args.steps, rows * new, rows)
     rng = np.random.default_rng(args.seed)
     rewards, kls, copied = [], [], []
-    lengths = np.full(PROMPTS * GROUP, args.digits + 1, np.int32)
+    lengths = np.full(rows, args.digits + 1, np.int32)
     try:
         with Compilations() as compiled:
             for step in range(1, args.steps + 1):
-                prompts = sample_prompts(rng, args.digits)
+                prompts = sample_prompts(rng, args.digits, args.prompts)
                 g = engine.generate(prompts, new, lengths=lengths, temperature=1.0, seed=args.seed * 100_003 + step,
                                     eos_id=EOS, pad_id=EQUALS)  # after a stop: "=", which no answer slot holds
                 tokens, logps, counts = (np.asarray(x) for x in g)
