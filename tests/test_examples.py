@@ -48,6 +48,8 @@ def test_rlhf_learns_and_plots_reward_and_kl(tmp_path: Path) -> None:
     line = next(l for l in stdout.splitlines() if l.startswith("mean reward"))
     first, last = float(line.split()[5].rstrip(",")), float(line.split()[-1])
     assert first < 0.3 and last > first + 0.4, line  # 1/16 of the tokens by chance; most of them once learnt
+    compiled = next(l for l in stdout.splitlines() if l.startswith("programs compiled"))
+    assert int(compiled.split()[2]) <= 20, compiled  # a few programs for 20 steps, not some per step
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert all(r["kl"] >= 0 for r in rows) and rows[0]["kl"] < 1e-3 < rows[-1]["kl"]  # starts at the reference
