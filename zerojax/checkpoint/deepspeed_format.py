@@ -333,17 +333,49 @@ def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpe
 
 
 def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
-    model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    stage3_model = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    """The steps: find the model-states file, find and check the ranks' optimizer files, load them,
+    rebuild the fp32 weights and moments (stage 1-2 or stage 3 layout), then the counters."""
+    model_file = _model_states_file(tag_dir)
+    model, shapes = _load_model(model_file)
+    ds_config = model.get("ds_config")
+    shards = _optimizer_files(tag_dir, ds_config)
+    model_files = _rank_model_files(tag_dir, model_file, shards)
+    opts = _load_rank_optimizers(shards)
+    per_rank_states = [_base_state(o, shards.stage) for o in opts]
+    _check_backed(opts, per_rank_states, shards)
+    where = f"{model_file} with {shards.prefix}zero_pp_rank_*_mp_rank_00_optim_states.pt"
+    rebuild = _stage12_tensors if shards.stage <= 2 else _stage3_tensors
+    params, moments = rebuild(opts, per_rank_states, shapes, shards.dp, where)
+    step, lr, hyper = _step_and_lr(per_rank_states[0])
+    module = dict(model.get("module") or {})
+    return DeepSpeedCheckpoint(
+        path=tag_dir, tag=tag, zero_stage=shards.stage, dp_world_size=shards.dp, params=params,
+        exp_avg=moments.get("exp_avg"), exp_avg_sq=moments.get("exp_avg_sq"), step=step, lr=lr,
+        param_groups=hyper, group_names=[list(g.keys()) for g in shapes],
+        global_steps=int(model.get("global_steps") or 0), global_samples=int(model.get("global_samples") or 0),
+        skipped_steps=int(model.get("skipped_steps") or 0), lr_scheduler=model.get("lr_scheduler"),
+        loss_scale=_loss_scale(opts[0].get("loss_scaler")), ds_config=ds_config, ds_version=model.get("ds_version"),
+        client_state={k: v for k, v in model.items() if k not in _DEEPSPEED_KEYS}, module=module,
+        buffers={n: module[n] for n in (model.get("buffer_names") or []) if n in module},
+        frozen_params=_frozen_params(model, shards.stage, model_files),
+        shared_params=dict(model.get("shared_params") or {}))
+
+
+def _model_states_file(tag_dir: str) -> str:
+    """mp_rank_00_model_states.pt (stages 1-2) or rank 0's zero_pp_rank_0_... (stage 3)."""
     if any(os.path.exists(os.path.join(tag_dir, n)) for n in
            ("mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_model_states.pt")):
         raise DeepSpeedCheckpointError(f"{tag_dir} was written with tensor/model parallelism (mp_rank_01 files); "
                                        "only mp_rank_00 checkpoints are read - merge the model-parallel ranks first")
-    if not os.path.exists(model_file):
-        model_file = stage3_model
-    if not os.path.exists(model_file):
-        raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_00_model_states.pt nor zero_pp_rank_0_"
-                                       "mp_rank_00_model_states.pt; it is not a DeepSpeed checkpoint tag")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if os.path.exists(os.path.join(tag_dir, name)):
+            return os.path.join(tag_dir, name)
+    raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_00_model_states.pt nor zero_pp_rank_0_"
+                                   "mp_rank_00_model_states.pt; it is not a DeepSpeed checkpoint tag")
+
+
+def _load_model(model_file: str) -> tuple[dict, list]:
+    """The model-states dict and its `param_shapes` (one OrderedDict per optimizer group)."""
     model = _load_model_states(model_file)
     if not isinstance(model, dict) or "module" not in model:
         raise DeepSpeedCheckpointError(f"{model_file} is not a DeepSpeed model-states file (no 'module' key)")
@@ -351,18 +383,39 @@ def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
     if not shapes:
         raise DeepSpeedCheckpointError(f"{model_file} has no param_shapes: it was saved without a ZeRO optimizer "
                                        "(stage 0); read its 'module' and 'optimizer' with torch_zip.load instead")
+    return model, shapes
 
-    ds_config = model.get("ds_config")
+
+@dataclass
+class _Shards:
+    """The ranks' optimizer files of one tag: their name prefix, stage, rank count, rank 0's state."""
+    tag_dir: str
+    prefix: str          # "bf16_" or ""
+    stage: int
+    dp: int
+    first: dict          # rank 0's optimizer_state_dict
+
+    def name(self, rank: int) -> str:
+        return _optim_name(self.prefix, rank)
+
+    def path(self, rank: int) -> str:
+        return os.path.join(self.tag_dir, self.name(rank))
+
+
+def _optim_name(prefix: str, rank: int) -> str:
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _optimizer_files(tag_dir: str, ds_config: Any) -> _Shards:
+    """Rank 0's optimizer file (bf16_ prefixed or not) gives the stage and the rank count; every
+    rank's file must be there, and no more."""
     prefixes = ["bf16_", ""] if _bf16_enabled(ds_config) else ["", "bf16_"]
-
-    def optim_name(prefix: str, rank: int) -> str:
-        return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-    prefix = next((p for p in prefixes if os.path.exists(os.path.join(tag_dir, optim_name(p, 0)))), None)
+    prefix = next((p for p in prefixes if os.path.exists(os.path.join(tag_dir, _optim_name(p, 0)))), None)
     if prefix is None:
-        raise DeepSpeedCheckpointError(f"{optim_name('', 0)} is missing in {tag_dir} (nor is there a bf16_ one): the "
-                                       "ZeRO optimizer shards were not saved, so the fp32 weights cannot be rebuilt")
-    first_file = os.path.join(tag_dir, optim_name(prefix, 0))
+        raise DeepSpeedCheckpointError(f"{_optim_name('', 0)} is missing in {tag_dir} (nor is there a bf16_ one): "
+                                       "the ZeRO optimizer shards were not saved, so the fp32 weights cannot be "
+                                       "rebuilt")
+    first_file = os.path.join(tag_dir, _optim_name(prefix, 0))
     first = _load(first_file)
     opt0 = first.get("optimizer_state_dict") if isinstance(first, dict) else None
     if not isinstance(opt0, dict) or "zero_stage" not in opt0:
@@ -377,116 +430,133 @@ def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
     dp = counts.pop()
     if stage not in (1, 2, 3):
         raise DeepSpeedCheckpointError(f"{first_file}: unsupported zero_stage {stage}")
-
-    present = sorted(n for n in os.listdir(tag_dir) if n.startswith(prefix + "zero_pp_rank_")
-                     and n.endswith("_mp_rank_00_optim_states.pt"))
+    shards = _Shards(tag_dir, prefix, stage, dp, opt0)
     for rank in range(dp):
-        name = optim_name(prefix, rank)
-        if not os.path.exists(os.path.join(tag_dir, name)):
+        if not os.path.exists(shards.path(rank)):
             raise DeepSpeedCheckpointError(
-                f"{name} is missing in {tag_dir}; the checkpoint was written by {dp} ranks (partition_count in "
-                f"{os.path.basename(first_file)}), so files for ranks 0..{dp - 1} must all be present. Copy it from "
-                "the node that wrote it, or read another tag.")
+                f"{shards.name(rank)} is missing in {tag_dir}; the checkpoint was written by {dp} ranks "
+                f"(partition_count in {os.path.basename(first_file)}), so files for ranks 0..{dp - 1} must all be "
+                "present. Copy it from the node that wrote it, or read another tag.")
+    present = [n for n in os.listdir(tag_dir) if n.startswith(prefix + "zero_pp_rank_")
+               and n.endswith("_mp_rank_00_optim_states.pt")]
     if len(present) != dp:
         raise DeepSpeedCheckpointError(
             f"{tag_dir} holds {len(present)} optimizer files but partition_count says {dp} ranks: the folder mixes "
             "checkpoints (an older save with more ranks was overwritten?); save again into a clean folder")
-    model_files = [model_file]
-    if stage == 3:
-        model_files = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(dp)]
-        for f in model_files:
-            if not os.path.exists(f):
-                raise DeepSpeedCheckpointError(
-                    f"{os.path.basename(f)} is missing in {tag_dir}; the stage-3 checkpoint was written by {dp} ranks "
-                    "and each saves its own model-states file. Copy it from the node that wrote it.")
+    return shards
 
-    opts = [opt0]
-    for rank in range(1, dp):
-        f = os.path.join(tag_dir, optim_name(prefix, rank))
-        loaded = _load(f)
+
+def _rank_model_files(tag_dir: str, model_file: str, shards: _Shards) -> list[str]:
+    """Stage 3 saves one model-states file per rank (each with its slice of the frozen parameters)."""
+    if shards.stage <= 2:
+        return [model_file]
+    files = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(shards.dp)]
+    for f in files:
+        if not os.path.exists(f):
+            raise DeepSpeedCheckpointError(
+                f"{os.path.basename(f)} is missing in {tag_dir}; the stage-3 checkpoint was written by {shards.dp} "
+                "ranks and each saves its own model-states file. Copy it from the node that wrote it.")
+    return files
+
+
+def _load_rank_optimizers(shards: _Shards) -> list[dict]:
+    """Every rank's optimizer_state_dict, each checked to come from the same save as rank 0's."""
+    opts = [shards.first]
+    for rank in range(1, shards.dp):
+        loaded = _load(shards.path(rank))
         opt = loaded.get("optimizer_state_dict") if isinstance(loaded, dict) else None
-        if not isinstance(opt, dict) or int(opt.get("zero_stage", -1)) != stage:
-            raise DeepSpeedCheckpointError(f"{f} does not match {os.path.basename(first_file)} (zero_stage differs or "
-                                           "missing): the folder mixes checkpoints")
+        if not isinstance(opt, dict) or int(opt.get("zero_stage", -1)) != shards.stage:
+            raise DeepSpeedCheckpointError(f"{shards.path(rank)} does not match {shards.name(0)} (zero_stage "
+                                           "differs or missing): the folder mixes checkpoints")
         opts.append(opt)
+    return opts
 
-    where = f"{model_file} with {prefix}zero_pp_rank_*_mp_rank_00_optim_states.pt"
-    group_names = [list(g.keys()) for g in shapes]
-    per_rank_states = [_base_state(o, stage) for o in opts]
+
+def _check_backed(opts: list[dict], per_rank_states: list, shards: _Shards) -> None:
+    """Each rank's fp32 partitions and moments are backed by its file's bytes (`_within`)."""
+    key = "single_partition_of_fp32_groups" if shards.stage <= 2 else "fp32_flat_groups"
     for rank, (o, (states, _, _)) in enumerate(zip(opts, per_rank_states)):
-        fp32 = o.get("single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups")
         moment_arrays = [s.get(k) for s in states for k in ("exp_avg", "exp_avg_sq")]
-        _within(list(fp32 or []) + moment_arrays, os.path.join(tag_dir, optim_name(prefix, rank)),
-                "fp32 partitions and Adam moments")
-    moments: dict[str, dict[str, np.ndarray] | None] = {}
-    if stage <= 2:
-        fp32 = [o.get("single_partition_of_fp32_groups") for o in opts]
-        if any(not isinstance(g, list) or len(g) != len(shapes) for g in fp32):
-            raise DeepSpeedCheckpointError(f"{where}: single_partition_of_fp32_groups does not have one entry per "
-                                           f"param_shapes group ({len(shapes)}) in every rank's optimizer file")
-        params = _reassemble_stage12(fp32, shapes, dp, where)
-        for key in ("exp_avg", "exp_avg_sq"):
-            ranks = []
-            for r, (states, _, _) in enumerate(per_rank_states):
-                if len(states) != len(shapes) or any(key not in s for s in states):
-                    ranks = None
-                    break
-                # rigid state is over padded partitions: keep as many elements as the lean fp32 partition
-                ranks.append([np.asarray(s[key]).reshape(-1)[:np.asarray(fp32[r][g]).size]
-                              for g, s in enumerate(states)])
-            moments[key] = None if ranks is None else _reassemble_stage12(ranks, shapes, dp, f"{where} ({key})")
-    else:
-        flat_groups = [o.get("fp32_flat_groups") for o in opts]
-        if any(not isinstance(g, list) or not g for g in flat_groups):
-            raise DeepSpeedCheckpointError(f"{where}: an optimizer file has no fp32_flat_groups")
-        rank_flat = [np.concatenate([np.asarray(t).reshape(-1) for t in g]) for g in flat_groups]
-        if len({f.size for f in rank_flat}) != 1:
-            raise DeepSpeedCheckpointError(f"{where}: the ranks' fp32_flat_groups differ in size "
-                                           f"({[f.size for f in rank_flat]}); the folder mixes checkpoints")
-        merged = [(name, shape) for g in shapes for name, shape in g.items()]
-        params = _reassemble_stage3(rank_flat, merged, dp, where)
-        for key in ("exp_avg", "exp_avg_sq"):
-            ranks = []
-            for states, _, _ in per_rank_states:
-                if not states or any(key not in s for s in states):
-                    ranks = None
-                    break
-                ranks.append(np.concatenate([np.asarray(s[key]).reshape(-1) for s in states]))
-            if ranks is not None and any(r.size != rank_flat[0].size for r in ranks):
-                raise DeepSpeedCheckpointError(f"{where}: {key} does not match the fp32 flat groups in size")
-            moments[key] = None if ranks is None else _reassemble_stage3(ranks, merged, dp, f"{where} ({key})")
+        _within(list(o.get(key) or []) + moment_arrays, shards.path(rank), "fp32 partitions and Adam moments")
 
-    states0, hyper, separate_step = per_rank_states[0]
+
+_Moments = dict[str, "dict[str, np.ndarray] | None"]
+
+
+def _stage12_tensors(opts: list[dict], per_rank_states: list, shapes: list, dp: int,
+                     where: str) -> tuple[dict[str, np.ndarray], _Moments]:
+    """Stages 1-2: each group's flat vector is the ranks' partitions in rank order."""
+    fp32 = [o.get("single_partition_of_fp32_groups") for o in opts]
+    if any(not isinstance(g, list) or len(g) != len(shapes) for g in fp32):
+        raise DeepSpeedCheckpointError(f"{where}: single_partition_of_fp32_groups does not have one entry per "
+                                       f"param_shapes group ({len(shapes)}) in every rank's optimizer file")
+    params = _reassemble_stage12(fp32, shapes, dp, where)
+    moments: _Moments = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        ranks = []
+        for r, (states, _, _) in enumerate(per_rank_states):
+            if len(states) != len(shapes) or any(key not in s for s in states):
+                ranks = None
+                break
+            # rigid state is over padded partitions: keep as many elements as the lean fp32 partition
+            ranks.append([np.asarray(s[key]).reshape(-1)[:np.asarray(fp32[r][g]).size] for g, s in enumerate(states)])
+        moments[key] = None if ranks is None else _reassemble_stage12(ranks, shapes, dp, f"{where} ({key})")
+    return params, moments
+
+
+def _stage3_tensors(opts: list[dict], per_rank_states: list, shapes: list, dp: int,
+                    where: str) -> tuple[dict[str, np.ndarray], _Moments]:
+    """Stage 3: each rank's flat groups hold its slice of every parameter, in param_shapes order."""
+    flat_groups = [o.get("fp32_flat_groups") for o in opts]
+    if any(not isinstance(g, list) or not g for g in flat_groups):
+        raise DeepSpeedCheckpointError(f"{where}: an optimizer file has no fp32_flat_groups")
+    rank_flat = [np.concatenate([np.asarray(t).reshape(-1) for t in g]) for g in flat_groups]
+    if len({f.size for f in rank_flat}) != 1:
+        raise DeepSpeedCheckpointError(f"{where}: the ranks' fp32_flat_groups differ in size "
+                                       f"({[f.size for f in rank_flat]}); the folder mixes checkpoints")
+    merged = [(name, shape) for g in shapes for name, shape in g.items()]
+    params = _reassemble_stage3(rank_flat, merged, dp, where)
+    moments: _Moments = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        ranks = []
+        for states, _, _ in per_rank_states:
+            if not states or any(key not in s for s in states):
+                ranks = None
+                break
+            ranks.append(np.concatenate([np.asarray(s[key]).reshape(-1) for s in states]))
+        if ranks is not None and any(r.size != rank_flat[0].size for r in ranks):
+            raise DeepSpeedCheckpointError(f"{where}: {key} does not match the fp32 flat groups in size")
+        moments[key] = None if ranks is None else _reassemble_stage3(ranks, merged, dp, f"{where} ({key})")
+    return params, moments
+
+
+def _step_and_lr(rank0_state: tuple[list[dict], list[dict], Any]) -> tuple[int | None, float | None, list[dict]]:
+    """The optimizer's step (stored apart, per parameter, or per group) and the first group's lr."""
+    states0, hyper, separate_step = rank0_state
     step = _as_int(separate_step)
     if step is None and states0 and "step" in states0[0]:
         step = _as_int(states0[0]["step"])
     if step is None and hyper and "step" in hyper[0]:
         step = _as_int(hyper[0]["step"])
     lr = float(hyper[0]["lr"]) if hyper and "lr" in hyper[0] else None
+    return step, lr, hyper
 
-    module = dict(model.get("module") or {})
-    buffers = {n: module[n] for n in (model.get("buffer_names") or []) if n in module}
-    frozen: dict[str, np.ndarray] = {}
+
+def _frozen_params(model: dict, stage: int, model_files: list[str]) -> dict[str, np.ndarray]:
+    """Frozen parameters: whole in the model states (stages 1-2), or one slice per rank's file
+    (stage 3, zero_to_fp32.py `_zero3_merge_frozen_params`)."""
     frozen_shapes = model.get("frozen_param_shapes") or {}
-    if frozen_shapes:
-        if stage <= 2:
-            fragments = model.get("frozen_param_fragments") or {}
-            frozen = {n: np.asarray(fragments[n]) for n in frozen_shapes if n in fragments}
-        else:  # each rank saved its own slice; zero_to_fp32.py `_zero3_merge_frozen_params`
-            rank_models = [model] + [_load_model_states(f) for f in model_files[1:]]
-            for name, shape in frozen_shapes.items():
-                pieces = [np.asarray(m["frozen_param_fragments"][name]).reshape(-1) for m in rank_models]
-                frozen[name] = np.concatenate(pieces)[:_numel(shape)].reshape(tuple(shape))
-
-    return DeepSpeedCheckpoint(
-        path=tag_dir, tag=tag, zero_stage=stage, dp_world_size=dp, params=params,
-        exp_avg=moments.get("exp_avg"), exp_avg_sq=moments.get("exp_avg_sq"), step=step, lr=lr,
-        param_groups=hyper, group_names=group_names,
-        global_steps=int(model.get("global_steps") or 0), global_samples=int(model.get("global_samples") or 0),
-        skipped_steps=int(model.get("skipped_steps") or 0), lr_scheduler=model.get("lr_scheduler"),
-        loss_scale=_loss_scale(opt0.get("loss_scaler")), ds_config=ds_config, ds_version=model.get("ds_version"),
-        client_state={k: v for k, v in model.items() if k not in _DEEPSPEED_KEYS}, module=module, buffers=buffers,
-        frozen_params=frozen, shared_params=dict(model.get("shared_params") or {}))
+    if not frozen_shapes:
+        return {}
+    if stage <= 2:
+        fragments = model.get("frozen_param_fragments") or {}
+        return {n: np.asarray(fragments[n]) for n in frozen_shapes if n in fragments}
+    rank_models = [model] + [_load_model_states(f) for f in model_files[1:]]
+    frozen = {}
+    for name, shape in frozen_shapes.items():
+        pieces = [np.asarray(m["frozen_param_fragments"][name]).reshape(-1) for m in rank_models]
+        frozen[name] = np.concatenate(pieces)[:_numel(shape)].reshape(tuple(shape))
+    return frozen
 
 
 # --------------------------------------------------------------------------- writing
