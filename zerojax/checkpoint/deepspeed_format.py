@@ -33,6 +33,26 @@ the ZeRO optimizer's `state_dict()`:
 `deepspeed/utils/zero_to_fp32.py` is the reference reader these rules were taken from (its
 `zero3_partitioned_param_info` and the 2 * world_size alignment check). Every `.pt` is read through
 `torch_zip`'s restricted unpickler, so a checkpoint cannot run code when it is read.
+
+Three more layouts (`deepspeed/checkpoint/ds_to_universal.py` is the reference for all three):
+
+* tensor parallel: every model-parallel rank M saves `mp_rank_MM_model_states.pt` and its own
+  `zero_pp_rank_R_mp_rank_MM_optim_states.pt`, over its slices of the parameters. Each rank is read
+  as above; a parameter is joined from its slices by the model states' `universal_checkpoint_info`
+  (AutoTP's `affine_map`: per rank, strided pieces of the full tensor; else the name patterns:
+  replicated, row-parallel joined on dimension 1, vocabulary rows cut to `original_vocab_size`, the
+  rest joined on dimension 0), as `merge_tp_slices` joins them.
+* MoE (expert parallel, stages 1-2): an expert group is partitioned over the expert-data-parallel
+  ranks only (`partition_count` [dp, dp / ep_size]); expert-parallel rank p = r % ep_size holds local
+  experts `...deepspeed_experts.L...`, which are expert p * local + L, the names DeepSpeed's
+  `layer_*_expert_*_model_states.pt` files carry (engine.py `_save_moe_checkpoint`).
+* universal (`ds_to_universal.py`'s output, `latest_universal`): `zero/<param>/fp32.pt`, `exp_avg.pt`,
+  `exp_avg_sq.pt`, `step.pt`, each the whole parameter; `zero/optimizer_state.pt`; the run's
+  model-states files for the names and counters.
+
+Nothing is joined ahead of use: the parameters, moments and weights come back as `Tensors`, which
+assemble one parameter when it is read, from shards mapped from their files (`torch_zip.load(mmap=
+True)`), so the host holds one parameter at a time, never the model.
 """
 from __future__ import annotations
 
@@ -418,11 +438,13 @@ def _bf16_enabled(ds_config: Any) -> bool:
 
 
 def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpeedCheckpoint:
-    """Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint: the run folder (follows `latest`) or a tag folder.
+    """Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint - tensor-parallel, MoE or universal ones too: the
+    run folder (follows `latest`, else `latest_universal`) or a tag folder.
 
     Raises `DeepSpeedCheckpointError` naming the file for a missing `latest` target or rank file,
     a truncated archive, shapes that do not add up, or a pickled global outside the allowlist.
-    Tensor-parallel (mp_rank_01...) and stage-0 checkpoints are refused with a message saying so.
+    Stage-0 checkpoints, and tensor-parallel ones that record no way to join their slices, are
+    refused with a message saying so.
     Model-states files whose client state holds other objects (Megatron-DeepSpeed's numpy RNG state)
     are read with those objects as inert `PickledObject` records (never imported or called), on every
     route; `opaque` is kept for callers that passed it and changes nothing now.
@@ -575,6 +597,11 @@ def _optimizer_files(tag_dir: str, ds_config: Any, mp: int = 0) -> _Shards:
             f"{first_file}: param groups are partitioned over different rank counts ({sorted(set(counts))}): an "
             "expert-parallel (MoE) checkpoint, which is read at ZeRO stages 1-2 when every count divides the "
             f"largest; {'at stage 3 ' if stage == 3 else ''}convert it with DeepSpeed's ds_to_universal.py first")
+    if len(set(counts)) != 1 and isinstance(ds_config, dict) and ds_config.get("use_data_before_expert_parallelism"):
+        raise DeepSpeedCheckpointError(
+            f"{first_file}: an MoE checkpoint saved with use_data_before_expert_parallelism, whose ranks hold the "
+            "experts in another order than this reader follows (groups.py: expert-parallel rank r % ep_size); "
+            "convert it with DeepSpeed's ds_to_universal.py first")
     shards = _Shards(tag_dir, prefix, stage, dp, opt0, mp, counts)
     for rank in range(dp):
         if not os.path.exists(shards.path(rank)):
