@@ -887,9 +887,18 @@ def _read_universal(tag: str, tag_dir: str) -> DeepSpeedCheckpoint:
         _within([value], path, "tensor")
         return value
 
+    recorded = {n: tuple(int(d) for d in sh) for g in shapes for n, sh in g.items()}
+
+    def shape(name: str, value: np.ndarray) -> tuple[int, ...]:
+        # stage 3's merge_zero3_slices saves the parameter flat: its shape is the recorded one
+        flat = value.ndim == 1 and value.size == _numel(recorded[name]) and value.shape != recorded[name]
+        return recorded[name] if flat else value.shape
+
     def table(state: str) -> Tensors:
-        return Tensors({n: tensor(n, state).shape for n in names},
-                       lambda n: np.array(tensor(n, state), dtype=np.float32))
+        def produce(n: str) -> np.ndarray:
+            value = tensor(n, state)
+            return np.array(value, dtype=np.float32).reshape(shape(n, value))
+        return Tensors({n: shape(n, tensor(n, state)) for n in names}, produce)
 
     have = {s: [os.path.isfile(os.path.join(zero, n, f"{s}.pt")) for n in names] for s in ("exp_avg", "exp_avg_sq")}
     moments = {s: table(s) if all(h) else None for s, h in have.items()}
@@ -900,6 +909,8 @@ def _read_universal(tag: str, tag_dir: str) -> DeepSpeedCheckpoint:
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.get("param_groups") or [] if isinstance(g, dict)]
     step_file = os.path.join(zero, names[0], "step.pt") if names else ""
     step = _as_int(_load(step_file)) if step_file and os.path.isfile(step_file) else None
+    if step is None and isinstance(opt.get("optimizer_state_dict"), dict):  # stage 3: no step.pt
+        step = _step_and_lr((_base_state(opt, 3)[0], hyper, None))[0]
     if step is None and hyper and "step" in hyper[0]:
         step = _as_int(hyper[0]["step"])
     lr = float(hyper[0]["lr"]) if hyper and "lr" in hyper[0] else None
