@@ -88,6 +88,18 @@ def test_tensor_parallel_without_a_join_rule_or_with_a_bad_one_is_one_error():
         ds._join_tensor_parallel([dataclasses.replace(p, universal_info=bad) for p in parts], tag)
 
 
+def test_a_missing_tensor_parallel_rank_is_named(tmp_path):
+    import shutil
+    shutil.copytree(os.path.join(FIXTURES, "tp2"), tmp_path / "tp2")
+    tag = tmp_path / "tp2" / "global_step2"
+    (tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
+    with pytest.raises(ds.DeepSpeedCheckpointError, match="zero_pp_rank_0_mp_rank_01_optim_states.pt is missing"):
+        ds.read_checkpoint(tmp_path / "tp2")
+    (tag / "mp_rank_01_model_states.pt").unlink()  # rank 0 still says 2 ranks saved it
+    with pytest.raises(ds.DeepSpeedCheckpointError, match="says 2 model-parallel ranks .* of 1 are present"):
+        ds.read_checkpoint(tmp_path / "tp2")
+
+
 def test_moe_experts_are_read_under_their_global_ids():
     """moe: 2 ranks, ep_size 2, ZeRO-2: the experts' group is partitioned over 1 rank, the rest over 2;
     each rank holds its own expert as local expert 0."""

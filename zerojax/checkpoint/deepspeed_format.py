@@ -467,6 +467,11 @@ def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
         return _read_universal(tag, tag_dir)
     tp = _mp_degree(tag_dir)
     parts = [_read_mp_rank(tag, tag_dir, mp) for mp in range(tp)]
+    if parts[0].tp_degree != tp:  # the degree rank 0 recorded (mp_world_size) against the files present
+        raise DeepSpeedCheckpointError(
+            f"{tag_dir}: {os.path.basename(_model_states_file(tag_dir, 0))} says {parts[0].tp_degree} model-parallel "
+            f"ranks saved this tag, but model-states files of {tp} are present (mp_rank_{tp:02d}... is missing): "
+            "every tensor-parallel rank saves its own slices. Copy the missing files from the nodes that wrote them.")
     return parts[0] if tp == 1 else _join_tensor_parallel(parts, tag_dir)
 
 
@@ -510,7 +515,7 @@ def _assemble(tag: str, tag_dir: str, model: dict, shapes: list, stage: int, dp:
         client_state={k: v for k, v in model.items() if k not in _DEEPSPEED_KEYS}, module=module,
         buffers={n: module[n] for n in (model.get("buffer_names") or []) if n in module},
         frozen_params=frozen, shared_params=dict(model.get("shared_params") or {}),
-        universal_info=model.get("universal_checkpoint_info"))
+        universal_info=model.get("universal_checkpoint_info"), tp_degree=int(model.get("mp_world_size") or 1))
 
 
 _MP_FILE = re.compile(r"^(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt$")
@@ -920,7 +925,7 @@ def _read_universal(tag: str, tag_dir: str) -> DeepSpeedCheckpoint:
     frozen = _frozen_params(model, stage, model_files) if all(map(os.path.isfile, model_files)) else {}
     ckpt = _assemble(tag, tag_dir, model, shapes, stage, dp, table("fp32"), moments, step, lr, hyper,
                      opt.get("loss_scaler"), frozen)
-    return dataclasses.replace(ckpt, layout="universal", tp_degree=int(model.get("mp_world_size") or 1))
+    return dataclasses.replace(ckpt, layout="universal")
 
 
 # --------------------------------------------------------------------------- writing
