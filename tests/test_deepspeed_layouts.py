@@ -248,6 +248,60 @@ def test_moe_checkpoint_imports_into_a_stage3_plan():
     assert int(adam.count) == 2
 
 
+def _moe_loss(params, batch):
+    """make_more.py's MoE net in JAX: embedding -> DeepSpeed's top-1 gate (top1gating: softmax, argmax,
+    l_aux = sum(mean gates * token fractions) * experts) -> each token through its expert, weighted by
+    its gate -> head over x + y; cross-entropy + 0.01 * l_aux. No token is dropped (checked)."""
+    import jax.numpy as jnp
+    tokens = batch["tokens"]
+    xs = params["embed"]["weight"][tokens].reshape(-1, 4)
+    moe = params["moe"]["deepspeed_moe"]
+    gates = jax.nn.softmax(xs @ moe["gate"]["wg"]["weight"].T, axis=1)
+    mask = jax.nn.one_hot(jnp.argmax(gates, axis=1), 2)
+    l_aux = jnp.sum(gates.mean(0) * mask.mean(0)) * 2
+    y = 0.0
+    for e in range(2):
+        ex = moe["experts"]["deepspeed_experts"][str(e)]
+        out = jax.nn.relu(xs @ ex["0"]["weight"].T + ex["0"]["bias"]) @ ex["2"]["weight"].T + ex["2"]["bias"]
+        y = y + (mask[:, e] * gates[:, e])[:, None] * out
+    logits = (xs + y) @ params["head"]["weight"].T + params["head"]["bias"]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens.reshape(-1, 1), axis=1)
+    return nll.mean() + 0.01 * l_aux
+
+
+def test_moe_checkpoint_continues_as_deepspeed_continued_it():
+    """Imported at stage 3 on 8 devices (written at ZeRO-2 on 2 ranks, ep_size 2), one step on the batch
+    DeepSpeed took after its save gives DeepSpeed's loss and DeepSpeed's weights after that step, for
+    the experts of both ranks and the dense part alike."""
+    ckpt = ds.read_checkpoint(os.path.join(FIXTURES, "moe"))
+    tree: dict = {}
+    for name, shape in ckpt.params.shapes.items():
+        node = tree
+        *path, last = name.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = jax.ShapeDtypeStruct(shape, np.float32)
+    cfg = load_config({"train_batch_size": 16, "gradient_clipping": 1.0,
+                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+                       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "model": GPT2})
+    plan, state = _import(ckpt, cfg, tree, mapping_sources({n: n for n in ckpt.params}))
+    tokens = np.load(os.path.join(FIXTURES, "moe_step3_tokens.npy"))  # DeepSpeed's batch (seed 2), 2 x 16
+    # each device gets the 2 rows each DeepSpeed rank had: the gate's l_aux is over the same 32 tokens
+    batch = {"tokens": np.tile(tokens, (8, 1)).astype(np.int32)}
+    gates = np.asarray(ckpt.params["moe.deepspeed_moe.gate.wg.weight"])
+    counts = np.bincount((ckpt.params["embed.weight"][tokens.reshape(-1)] @ gates.T).argmax(1), minlength=2)
+    assert counts.max() <= 16, counts  # DeepSpeed's capacity for 32 tokens, 2 experts: no token was dropped
+    state, metrics = make_train_step(cfg, plan, _moe_loss)(state, batch)
+    want = [np.load(os.path.join(FIXTURES, f"moe_rank{r}_step3.npz")) for r in (0, 1)]
+    np.testing.assert_allclose(float(metrics["loss"]), float(want[0]["loss"]), rtol=1e-6)
+    got = dict(zip(leaf_names(plan.abstract_params), jax.tree.leaves(jax.device_get(state.params))))
+    for r, w in enumerate(want):
+        for name in w.files:
+            if name != "loss":
+                np.testing.assert_allclose(got[name.replace("experts.0.", f"experts.{r}.")], w[name],
+                                           rtol=0, atol=3e-7, err_msg=name)
+
+
 def test_import_holds_one_leaf_of_checkpoint_tensors_at_a_time():
     """import_state asks the checkpoint for one leaf's tensors, places them, and lets them go before
     the next leaf: the checkpoint tensors alive at once never exceed the largest parameter."""
