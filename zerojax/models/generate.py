@@ -192,12 +192,20 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
     if rows is not None:
         padded, lens = _place(padded, rows), _place(lens, rows)
     room = new_token_bucket(max_new_tokens)
-    out = _program(decoder, params, padded, lens, jnp.uint32(seed), jnp.int32(max_new_tokens), room,
+    # numpy scalars, not jnp ones: each eager jnp op would be a program of its own
+    out = _program(decoder, params, padded, lens, np.uint32(seed), np.int32(max_new_tokens), room,
                    float(temperature), top_k, top_p, stops, pad, rows, replicated)
     if room == max_new_tokens:
         return Generation(*out)
     toks, logps, count, sampled = out
-    return Generation(toks[:, :max_new_tokens], logps[:, :max_new_tokens], count, sampled[:, :max_new_tokens])
+    toks, logps, sampled = _trim((toks, logps, sampled), max_new_tokens)
+    return Generation(toks, logps, count, sampled)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _trim(arrays: tuple[jax.Array, ...], n: int) -> tuple[jax.Array, ...]:
+    """The first `n` columns of each: one program, where eager slicing is one per array."""
+    return tuple(x[:, :n] for x in arrays)
 
 
 def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
