@@ -35,15 +35,16 @@ Nothing here reads a config: the decoder and plan carry everything (docs/archite
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax.core import decode_layout
+from zerojax.core.decode_layout import Layout
 from zerojax.core.layout import Plan
-from zerojax.core.mesh import data_axes
 
 
 class Decoder(Protocol):
@@ -114,10 +115,12 @@ def bucket(longest: int, max_new_tokens: int, max_positions: int | None) -> int:
 
 def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_id: int | None = None, plan: Plan | None = None) -> Generation:
+             eos_id: int | None = None, plan: Plan | None = None, layout: str | None = None,
+             _lower: Callable[[tuple], Any] | None = None) -> Generation:
     """`max_new_tokens` new tokens after each prompt (module docstring); `prompts` [B, T] right-padded
     with `lengths` [B] (or a list of token lists and lengths None). `plan`: the plan the params are laid
-    out by (their gather and the rows' split follow it); None for params on one device."""
+    out by (where the weights and rows lie while decoding follows it); None for params on one device.
+    `layout`: "tensor", "layers" or "gathered" to force one (`zerojax.core.decode_layout`); None chooses."""
     tokens, lens = pad_prompts(prompts, lengths)
     b = tokens.shape[0]
     if max_new_tokens <= 0:
@@ -130,11 +133,67 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
     padded = np.zeros((b, width), np.int32)
     keep = min(width, tokens.shape[1])
     padded[:, :keep] = tokens[:, :keep]
-    rows, replicated = _shardings(plan, b)
-    if rows is not None:
-        padded, lens = _place(padded, rows), _place(lens, rows)
-    return _program(decoder, params, padded, lens, jnp.uint32(seed), max_new_tokens,
-                    float(temperature), top_k, top_p, eos_id, rows, replicated)
+    route = decode_layout.choose(plan, decoder, params, b, width + max_new_tokens, layout, cache_bytes)
+    padded, lens = _rows(padded, lens, route)
+    args = (decoder, params, padded, lens, jnp.uint32(seed), max_new_tokens, float(temperature), top_k, top_p,
+            eos_id, route)
+    if _lower is not None:
+        return _lower(args)
+    out = _program(*args)
+    return out if len(lens) == b else Generation(*(x[:b] for x in out))
+
+
+class GenerateMemory(NamedTuple):
+    """The memory report of one generate program, per device (`memory_report`).
+
+    layout, why: which layout ran (`zerojax.core.decode_layout`) and why it was chosen.
+    weights: the most weight bytes the layout holds at once; planned: the parameters as the plan stores them.
+    peak: the compiled program's arguments + temporaries + outputs (`memory_analysis`): its peak,
+        the KV cache and any gathered weights included (they are temporaries of the program).
+    cache: the KV cache's bytes on one device.
+    """
+    layout: str
+    why: str
+    weights: int
+    planned: int
+    peak: int
+    cache: int
+
+    def line(self) -> str:
+        mib = 2 ** 20
+        return (f"generate ({self.layout} layout: {self.why}): peak {self.peak / mib:.2f} MiB per device, weights "
+                f"{self.weights / mib:.2f} MiB (the plan stores {self.planned / mib:.2f} MiB), KV cache "
+                f"{self.cache / mib:.2f} MiB")
+
+
+def memory_report(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_tokens: int, *,
+                  plan: Plan | None = None, layout: str | None = None, **sampling: Any) -> GenerateMemory:
+    """What `generate` with these arguments would hold per device, read from its compiled program
+    (compiling it; nothing runs)."""
+    found: dict[str, Any] = {}
+
+    def lower(args: tuple) -> Any:
+        found["route"], found["compiled"] = args[-1], _program.lower(*args).compile()
+        found["batch"], found["max_len"] = args[2].shape[0], args[2].shape[1] + max_new_tokens
+
+    generate(decoder, params, prompts, lengths, max_new_tokens, plan=plan, layout=layout, _lower=lower, **sampling)
+    route, stats = found["route"], found["compiled"].memory_analysis()
+    stats = stats[0] if isinstance(stats, (list, tuple)) else stats
+    peak = int(stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
+               - stats.alias_size_in_bytes)
+    cache = cache_bytes(decoder, params, found["batch"], found["max_len"]) // route.row_shards
+    return GenerateMemory(route.name, route.why, route.weight_bytes, route.planned_bytes, peak, cache)
+
+
+def _rows(tokens: np.ndarray, lengths: np.ndarray, route: Layout) -> tuple[Any, Any]:
+    """The prompts and lengths padded to a batch the row shards divide (pad rows: length 0, which the
+    program treats as done from the start) and placed in the rows' sharding."""
+    if route.rows is None:
+        return tokens, lengths
+    b = decode_layout.pad_rows(len(lengths), route.row_shards)
+    tokens = np.pad(tokens, ((0, b - len(tokens)), (0, 0)))
+    lengths = np.pad(lengths, (0, b - len(lengths)))
+    return _place(tokens, route.rows), _place(lengths, route.rows)
 
 
 def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -147,16 +206,6 @@ def cache_bytes(decoder: Decoder, params: Any, batch: int, max_len: int) -> int:
     """Bytes of the cache `generate` builds for `batch` rows and `max_len` positions."""
     abstract = jax.eval_shape(lambda p: decoder.init_cache(p, batch, max_len), params)
     return sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(abstract))
-
-
-def _shardings(plan: Plan | None, batch: int) -> tuple[NamedSharding | None, NamedSharding | None]:
-    """(rows' sharding, replicated) on the plan's mesh; rows replicated when the batch does not divide."""
-    if plan is None:
-        return None, None
-    replicated = NamedSharding(plan.mesh, P())
-    if batch % plan.data_size == 0:
-        return NamedSharding(plan.mesh, P(data_axes(plan.mesh))), replicated
-    return replicated, replicated
 
 
 def _cache_sharding(rows: NamedSharding | None, ndim: int) -> NamedSharding | None:
@@ -191,16 +240,51 @@ def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | Non
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10, 11))
+def _route(decoder: Decoder, params: Any, layout: Layout) -> tuple[Any, Callable[..., Any], Callable[..., Any]]:
+    """(params, prefill, decode_step) as the program runs them in `layout`: the weights constrained to
+    where the layout holds them (`tensor`: weight-stationary; `gathered`: whole), or the decoder run
+    inside `shard_map` on each device's rows with each shard gathered where a layer uses it (`layers`)."""
+    if layout.name == "layers":
+        return params, _at_use(decoder.prefill, layout), _at_use(decoder.decode_step, layout)
+    if layout.weights is not None:
+        held = jax.tree.unflatten(jax.tree.structure(params), layout.weights)
+        params = jax.tree.map(jax.lax.with_sharding_constraint, params, held)
+    return params, decoder.prefill, decoder.decode_step
+
+
+def _at_use(fn: Callable[..., Any], layout: Layout) -> Callable[..., Any]:
+    """`fn(params, cache, tokens, positions) -> (logits, cache)` on each device's rows, its ZeRO-3 shards
+    gathered layer by layer where they are used (and run on tensor slices, as the train step runs a loss)."""
+    from zerojax.core import step
+    from zerojax.core.gather_at_use import gather_at_use
+    plan = layout.plan
+    rows = layout.rows.spec
+
+    def local(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+        shards = step._wrap_params(plan, params, for_grad=False, marked=False)
+        return gather_at_use(step._on_slices(plan, fn))(shards, cache, tokens, positions)
+
+    def run(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+        specs = jax.tree.map(lambda c: _cache_sharding(layout.rows, c.ndim).spec, cache)
+        mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, specs, rows, rows),
+                               out_specs=(rows, specs), check_vma=False)
+        return mapped(params, cache, tokens, positions)
+
+    return run
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10))
 def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Array, seed: jax.Array,
              n: int, temperature: float, top_k: int | None, top_p: float | None, eos_id: int | None,
-             rows: NamedSharding | None, replicated: NamedSharding | None) -> Generation:
-    params = jax.tree.map(lambda x: _constrain(x, replicated), params)  # ZeRO-3: the one gather of the call
+             layout: Layout) -> Generation:
+    rows = layout.rows
+    replicated = None if rows is None else NamedSharding(rows.mesh, P())
+    params, prefill, decode_step = _route(decoder, params, layout)
     key = jax.random.key(seed)
     b, width = prompts.shape
     cache = decoder.init_cache(params, b, width + n)
     cache = jax.tree.map(lambda c: _constrain(c, _cache_sharding(rows, c.ndim)), cache)
-    logits, cache = decoder.prefill(params, cache, prompts, lengths)
+    logits, cache = prefill(params, cache, prompts, lengths)
     pad = jnp.int32(0 if eos_id is None else eos_id)
 
     def emit(i: jax.Array, logits: jax.Array, out: jax.Array, logps: jax.Array, done: jax.Array,
@@ -216,7 +300,8 @@ def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Arr
 
     out = _constrain(jnp.full((b, n), pad, jnp.int32), rows)
     logps = _constrain(jnp.zeros((b, n), jnp.float32), rows)
-    done, count = _constrain(jnp.zeros((b,), jnp.bool_), rows), _constrain(jnp.zeros((b,), jnp.int32), rows)
+    done = _constrain(lengths < 1, rows)  # the rows padding the batch to the row shards: done from the start
+    count = _constrain(jnp.zeros((b,), jnp.int32), rows)
     token, out, logps, done, count = emit(jnp.int32(0), logits, out, logps, done, count)
 
     def cond(carry: tuple[Any, ...]) -> jax.Array:
@@ -225,7 +310,7 @@ def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Arr
 
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
         i, token, cache, out, logps, done, count = carry
-        logits, cache = decoder.decode_step(params, cache, token, lengths + i - 1)  # token i-1 sits at length + i-1
+        logits, cache = decode_step(params, cache, token, lengths + i - 1)  # token i-1 sits at length + i-1
         token, out, logps, done, count = emit(i, logits, out, logps, done, count)
         return i + 1, token, cache, out, logps, done, count
 
