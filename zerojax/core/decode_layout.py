@@ -4,12 +4,14 @@ A training plan at ZeRO-3 stores each device's 1/(data x tensor) of every weight
 for decoding would hold the whole model on every device for the length of the call, the very thing
 ZeRO-3 was chosen to avoid (and would undo a tensor split). `choose` picks, per call, one of:
 
-* `tensor`: weight-stationary tensor-parallel decoding. Each weight keeps one dimension split over
-  the plan's tensor axis and, where the plan shards it over the data axes (ZeRO-3), over those too,
-  re-read as more tensor devices (Megatron's column/row splits where the plan has them, else the
-  ZeRO dimension). The weights are resharded in place at most once per call (the same bytes per
-  device); activations move between devices in every step, the weights never do. This is
-  DeepSpeed's hybrid engine's choice (tensor-parallel inference from the training shards).
+* `tensor`: weight-stationary tensor-parallel decoding. Every weight stays exactly as the plan stores
+  it: its tensor dimension over the `tensor` axis and, at ZeRO-3, its ZeRO dimension over the data
+  axes, which decoding re-reads as more tensor devices (each weight is a 2-D block; a contraction
+  over a split dimension leaves partial sums that are all-reduced). XLA's SPMD partitioner places
+  those collectives on the activations; the weights never move (tests/test_generate_layouts.py reads
+  the compiled program: no all-gather inside the decode loop). With the data axes holding weight
+  blocks, every device runs every row. This is DeepSpeed's hybrid engine's choice
+  (tensor-parallel inference from the training shards), without its gather into a second copy.
 * `layers`: each device decodes its rows with every ZeRO-3 shard gathered where a layer uses it
   (`gather_at_use`, one layer per iteration of the model's scanned stack, in every decode step).
   The weights move in every step, so it pays when the rows' compute and activations outweigh the
@@ -18,14 +20,14 @@ ZeRO-3 was chosen to avoid (and would undo a tensor split). `choose` picks, per 
   bytes per device, the fewest collectives. Never chosen by `choose` when the plan shards weights
   (it would exceed the plan's bytes); kept for the benchmarks and for `layout="gathered"`.
 
-The rule: `tensor` when every weight has a dimension the group divides and its weights fit the
-budget (the plan's parameter bytes per device plus two layers), unless the batch is so large that one
+The rule: `tensor` (its weights are the plan's bytes per device, the budget), unless the batch is so large that one
 step's activation traffic under `tensor` (about two all-reduces of each layer's [rows, width], which
 `cache_bytes` of one position estimates) exceeds gathering the weights once (`layers`). With a device
 that reports its memory, a layout whose weights and KV cache do not fit what is free moves to the other;
 when neither fits, `choose` raises before anything compiles.
 
-Rows are split over the data x expert axes (`row_axes`); a batch they do not divide is padded with
+Rows are split over the data x expert axes (`row_axes`) where the weights leave those axes free (the
+`layers` and `gathered` layouts, and `tensor` below ZeRO-3); a batch they do not divide is padded with
 rows that are done from the start (`pad_rows`), so each device decodes its own rows.
 """
 from __future__ import annotations
@@ -37,8 +39,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax.core.layout import Plan, Shard, is_layout
-from zerojax.core.mesh import TENSOR, axes_size, data_axes, row_axes
+from zerojax.core.layout import Plan
+from zerojax.core.mesh import axes_size, data_axes, row_axes
 
 NAMES = ("tensor", "layers", "gathered")
 
@@ -103,35 +105,6 @@ def _held(abstract: Any, shardings: Any) -> int:
                for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
 
 
-def stationary(plan: Plan, params: Any) -> Any:
-    """Per leaf, the sharding `tensor` decoding holds it in: one dimension split over the tensor axis
-    and, where the plan shards the leaf over the data axes, over those too (first choice the leaf's
-    tensor dimension, else its ZeRO dimension); other splits (expert, stage) kept. A leaf no group
-    divides stays as the plan stores it, if unsharded, else whole (`_fits` counts its bytes)."""
-    mesh = plan.mesh
-    data = _tuple(data_axes(mesh))
-
-    def one(lay: Any, x: Any) -> NamedSharding:
-        others = [(d, a) for d, a in lay.split if a != TENSOR]
-        used = {a for _, a in others}
-        group = ([a for a in data if a not in used] if isinstance(lay.param, Shard) else []) + (
-            [TENSOR] if TENSOR in mesh.axis_names else [])
-        taken = {d for d, _ in others}
-        choices = [d for d in (lay.over(TENSOR), lay.param.dim if isinstance(lay.param, Shard) else None)
-                   if d is not None and d not in taken]
-        axes: list[Any] = [None] * len(x.shape)
-        for d, a in others:
-            axes[d] = a
-        n = axes_size(mesh, tuple(group)) if group else 1
-        for d in choices:
-            if n > 1 and x.shape[d] % n == 0:
-                axes[d] = tuple(group) if len(group) > 1 else group[0]
-                break
-        return NamedSharding(mesh, P(*axes))
-
-    return jax.tree.map(one, plan.layouts, params, is_leaf=is_layout)
-
-
 def one_layer_bytes(decoder: Any, params: Any) -> int:
     """Bytes of one layer of the decoder's scanned stacks (their leaves' slice along the scanned
     axes), what `layers` decoding gathers at a time."""
@@ -168,33 +141,27 @@ def choose(plan: Plan | None, decoder: Any, params: Any, batch: int, max_len: in
     planned = _held(abstract, plan.param_shardings)
     whole = sum(_leaf_bytes(x) for x in jax.tree.leaves(abstract))
     layer = one_layer_bytes(decoder, abstract)
-    budget = planned + 2 * layer
     shards = axes_size(mesh, rows_axes)
     cache = cache_bytes(decoder, abstract, pad_rows(batch, shards), max_len) if cache_bytes else 0
     step_cache = cache_bytes(decoder, abstract, pad_rows(batch, shards), 1) if cache_bytes else 0
     free = _free_bytes()
 
-    held = stationary(plan, abstract)
+    held = plan.param_shardings
     reread = any(a in _flat(s.spec) for s in jax.tree.leaves(held) for a in _tuple(data_axes(mesh)))
     tensor = Layout("tensor", NamedSharding(mesh, P()) if reread else rows, tuple(jax.tree.leaves(held)),
                     _held(abstract, held), planned, "", plan)
     layers = Layout("layers", rows, None, planned + 2 * layer, planned, "", plan)
     gathered = Layout("gathered", rows, tuple(NamedSharding(mesh, P()) for _ in jax.tree.leaves(abstract)), whole,
                       planned, "", plan)
-    per_device_cache = cache // shards
 
     def fits(lay: Layout) -> bool:
-        return free is None or lay.weight_bytes - planned + per_device_cache <= free
+        return free is None or lay.weight_bytes - planned + cache // lay.row_shards <= free
 
     if name is not None:
         lay = {"tensor": tensor, "layers": layers, "gathered": gathered}[name]
         lay.why = "asked for"
         return lay
-    if tensor.weight_bytes > budget:
-        layers.why = (f"tensor decoding would hold {tensor.weight_bytes} B of weights per device, over the plan's "
-                      f"{planned} B plus two layers ({2 * layer} B): some weight has no dimension the devices divide")
-        chosen, other = layers, None
-    elif 2 * step_cache > whole:
+    if 2 * step_cache > whole:
         layers.why = (f"{batch} rows: a step's activations (~{2 * step_cache} B) outweigh gathering the weights "
                       f"({whole} B), so the weights move, not the activations")
         chosen, other = layers, tensor
@@ -205,7 +172,7 @@ def choose(plan: Plan | None, decoder: Any, params: Any, batch: int, max_len: in
         if other is not None and fits(other):
             other.why = f"{chosen.name} decoding does not fit the device's free {free} B"
             return other
-        raise ValueError(f"generate: {batch} rows x {max_len} positions need a KV cache of {per_device_cache} B per "
+        raise ValueError(f"generate: {batch} rows x {max_len} positions need a KV cache of {cache // chosen.row_shards} B per "
                          f"device and {chosen.weight_bytes} B of weights; the device has {free} B free. Generate "
                          "fewer rows per call or fewer new tokens")
     return chosen
