@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 from benchmarks.report import output_args, run_section  # noqa: E402
 
 BEGIN, END = "<!-- generate -->", "<!-- /generate -->"
+LAYOUTS_BEGIN, LAYOUTS_END = "<!-- generate_layouts -->", "<!-- /generate_layouts -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="config overrides on top of configs/zero3.yaml (e.g. a larger model on a GPU)")
+    p.add_argument("--layouts", action="store_true",
+                   help="only the decode layouts at ZeRO-3 x tensor 2 x data 4 (their own section of the page)")
     output_args(p, "benchmarks.md", rounds=3)
     return p.parse_args(argv)
 
@@ -153,19 +156,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         padded, lens = gen.pad_prompts(prompts)
         width = gen.bucket(int(lens.max()), args.new, cfg.seq_len)
         padded = np.pad(padded, ((0, 0), (0, width - padded.shape[1])))
-        rows_s, replicated = gen._shardings(engine.plan, b)
-        placed = gen._place(padded, rows_s), gen._place(lens, rows_s)
+        route = gen.decode_layout.choose(engine.plan, engine.decoder, engine.state.params, b, width + args.new,
+                                         "gathered")
+        placed = gen._rows(padded, lens, route)
+        rows_s, replicated = route.rows, jax.sharding.NamedSharding(engine.plan.mesh, jax.sharding.PartitionSpec())
         per_token = gather_per_token.lower(engine.decoder, engine.state.params, *placed, args.new, rows_s,
                                            replicated).compile()
         once = gen._program.lower(engine.decoder, engine.state.params, *placed, np.uint32(0), args.new, 0.0, None,
-                                  None, None, rows_s, replicated).compile()
+                                  None, None, route).compile()
         memory.append(dict(batch=b, once=_memory(once), per_token=_memory(per_token),
                            cache=gen.cache_bytes(engine.decoder, engine.state.params, b, width + args.new),
                            rows_split=b % engine.plan.data_size == 0,
                            gathered_once=_gathered_once(engine.state.params, engine.plan.data_size),
                            gathered_per_token=_gathered(per_token)))
         paths = [("KV cache, engine.generate", lambda: engine.generate(prompts, args.new).tokens),
-                 ("gather per token", lambda: per_token(engine.state.params, *placed)),
+                 ("gather per token", lambda: per_token(engine.state.params, *placed)[:b]),
                  ("KV cache, fp32 master", lambda: generate(engine.decoder, engine.params, prompts, None, args.new,
                                                            plan=engine.plan).tokens),
                  ("KV cache, one device", one_device),
@@ -253,7 +258,70 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
     return "\n".join(lines)
 
 
+def measure_layouts(args: argparse.Namespace) -> dict[str, Any]:
+    """Per decode layout (zerojax.core.decode_layout) on a ZeRO-3 x tensor 2 x data 4 engine: the
+    compiled generate program's peak per device against the plan's parameter bytes, and tokens/s."""
+    import zerojax
+    from zerojax.app import trainer
+    from zerojax.core import generate as gen
+
+    config = zerojax.load_config(os.path.join(ROOT, "configs", "zero3.yaml"),
+                                 ["run.progress=false", "mesh.tensor=2", f"model.seq_len={max(128, args.prompt + args.new)}",
+                                  *args.overrides])
+    mesh = trainer.make_mesh(config)
+    engine = trainer.build_engine(config, mesh, trainer.build_model(config, mesh))
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in args.batches:
+        prompts = [list(rng.integers(0, config.model.vocab_size, args.prompt)) for _ in range(b)]
+        got = {}
+        for layout in ("tensor", "layers", "gathered"):
+            mem = gen.memory_report(engine.decoder, engine.state.params, prompts, None, args.new, plan=engine.plan,
+                                    layout=layout)
+            call = lambda: gen.generate(engine.decoder, engine.state.params, prompts, None, args.new,  # noqa: E731
+                                        plan=engine.plan, layout=layout).tokens
+            first, median, out = _timed(call, args.rounds)
+            got[layout] = np.asarray(out)
+            rows.append(dict(batch=b, layout=layout, peak=mem.peak, weights=mem.weights, planned=mem.planned,
+                             cache=mem.cache, tps=b * args.new / median, first=first))
+        chosen = gen.memory_report(engine.decoder, engine.state.params, prompts, None, args.new, plan=engine.plan)
+        rows[-1]["chosen"], rows[-1]["same"] = chosen.layout, all(np.array_equal(got["gathered"], v) for v in got.values())
+    devices = jax.devices()
+    return dict(rows=rows, cfg=config.model, params=sum(x.size for x in jax.tree.leaves(engine.params)),
+                devices=f"{len(devices)} {devices[0].device_kind}", cpu=devices[0].platform == "cpu")
+
+
+def render_layouts(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str:
+    cfg = res["cfg"]
+    lines = [LAYOUTS_BEGIN, "## Generation from the shards: decode layouts at ZeRO-3 x tensor 2 x data 4", "",
+             f"`python -m benchmarks.generate --layouts` ({seconds:.0f} s here): the embedded GPT at configs/zero3.yaml's "
+             f"size ({res['params'] / 1e6:.2f}M parameters, d_model {cfg.d_model}, {cfg.n_layers} layers), bf16 "
+             f"parameters, ZeRO-3 with `mesh.tensor: 2` over {res['devices']}{' (virtual)' if res['cpu'] else ''}; "
+             f"prompts of {args.prompt} tokens, {args.new} new tokens, greedy, median of {args.rounds} calls. "
+             "Peak: the compiled generate program's arguments + temporaries + outputs per device "
+             "(`zerojax.core.generate.memory_report`, from `memory_analysis`), against the parameter bytes the "
+             "plan stores per device (what the train step holds of the bf16 parameters).", "",
+             "- **tensor**: the weights stay as stored (weight-stationary; the data axis re-read as a tensor axis), "
+             "activations move; every device runs every row.",
+             "- **layers**: each device decodes its rows, every ZeRO-3 shard all-gathered where a layer uses it, in "
+             "every decode step.",
+             "- **gathered**: every weight all-gathered whole once per call (the path before).", "",
+             "| batch | layout | peak per device (MiB) | vs plan's parameter bytes | KV cache per device (MiB) | tokens/s | first call (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['batch']} | {r['layout']} | {r['peak'] / 2**20:.2f} | {r['peak'] / r['planned']:.2f}x | "
+                     f"{r['cache'] / 2**20:.2f} | {r['tps']:.0f} | {r['first']:.1f} |")
+    ends = [r for r in res["rows"] if "chosen" in r]
+    lines += ["", "Chosen by default: " + ", ".join(f"batch {r['batch']}: {r['chosen']}" for r in ends) +
+              f". The three layouts gave {'the same' if all(r['same'] for r in ends) else 'different'} greedy tokens.",
+              "", LAYOUTS_END]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "--layouts" in (sys.argv[1:] if argv is None else argv):
+        return run_section(argv, parse_args, measure_layouts, render_layouts, LAYOUTS_BEGIN, LAYOUTS_END,
+                           "generate layouts")
     return run_section(argv, parse_args, measure, render, BEGIN, END, "generate")
 
 
