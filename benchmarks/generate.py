@@ -285,7 +285,9 @@ def measure_layouts(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(dict(batch=b, layout=layout, peak=mem.peak, weights=mem.weights, planned=mem.planned,
                              cache=mem.cache, tps=b * args.new / median, first=first))
         chosen = gen.memory_report(engine.decoder, engine.state.params, prompts, None, args.new, plan=engine.plan)
-        rows[-1]["chosen"], rows[-1]["same"] = chosen.layout, all(np.array_equal(got["gathered"], v) for v in got.values())
+        for r in rows[-3:]:  # share of greedy tokens equal to the gathered layout's (bf16 sums in another order can
+            r["agree"] = float(np.mean(got[r["layout"]] == got["gathered"]))  # flip a near-tie, and all after it)
+        rows[-1]["chosen"] = chosen.layout
     devices = jax.devices()
     return dict(rows=rows, cfg=config.model, params=sum(x.size for x in jax.tree.leaves(engine.params)),
                 devices=f"{len(devices)} {devices[0].device_kind}", cpu=devices[0].platform == "cpu")
@@ -306,14 +308,16 @@ def render_layouts(args: argparse.Namespace, res: dict[str, Any], seconds: float
              "- **layers**: each device decodes its rows, every ZeRO-3 shard all-gathered where a layer uses it, in "
              "every decode step.",
              "- **gathered**: every weight all-gathered whole once per call (the path before).", "",
-             "| batch | layout | peak per device (MiB) | vs plan's parameter bytes | KV cache per device (MiB) | tokens/s | first call (s) |",
-             "|---|---|---|---|---|---|---|"]
+             "| batch | layout | peak per device (MiB) | vs plan's parameter bytes | KV cache per device (MiB) | tokens/s | first call (s) | tokens as gathered |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['batch']} | {r['layout']} | {r['peak'] / 2**20:.2f} | {r['peak'] / r['planned']:.2f}x | "
-                     f"{r['cache'] / 2**20:.2f} | {r['tps']:.0f} | {r['first']:.1f} |")
+                     f"{r['cache'] / 2**20:.2f} | {r['tps']:.0f} | {r['first']:.1f} | {r['agree']:.0%} |")
     ends = [r for r in res["rows"] if "chosen" in r]
-    lines += ["", "Chosen by default: " + ", ".join(f"batch {r['batch']}: {r['chosen']}" for r in ends) +
-              f". The three layouts gave {'the same' if all(r['same'] for r in ends) else 'different'} greedy tokens.",
+    lines += ["", "Chosen by default: " + ", ".join(f"batch {r['batch']}: {r['chosen']}" for r in ends) + ". "
+              "Tokens as gathered: the share of greedy tokens equal to the gathered layout's; in float32 the layouts "
+              "give the one-device tokens exactly (tests/test_generate_layouts.py), in bf16 a sum taken in another "
+              "order can flip a near-tie of this randomly initialised model, and every token after it.",
               "", LAYOUTS_END]
     return "\n".join(lines)
 

@@ -16,11 +16,12 @@ carried through the loop, so it is updated in place and, like a donated buffer, 
 memory once the call returns (`cache_bytes` says how much it holds while the call runs).
 
 Where the weights are: the parameters enter the program in the placement they are stored in (a
-ZeRO-3 plan's shards included) and are constrained to replicated once, before the prefill, so at
-ZeRO-3 each leaf is all-gathered once per call, not once per token; the gathered copy is a
-temporary of the program, freed when it returns. Rows are split over the data axis when the batch
-divides by it (data-parallel decoding); otherwise every device decodes the whole batch. The results
-are replicated, so every process of a multi-process run reads all of them.
+ZeRO-3 plan's shards included) and stay in a layout chosen per call (`zerojax.core.decode_layout`):
+weight-stationary tensor-parallel decoding from the plan's blocks, or each shard gathered where a
+layer uses it; neither holds the whole model on a device (`layout="gathered"`, the one gather per
+call, does). A batch the row shards do not divide is padded with done rows. `memory_report` reads
+which layout a call takes and its compiled peak. The results are replicated, so every process of a
+multi-process run reads all of them.
 
 Several processes: each calls `generate` with the same prompts and settings (the whole batch, not
 its own rows), and each places its devices' rows. Every process runs the same number of loop
