@@ -1,4 +1,4 @@
-"""Decoding from the shards (zerojax.core.decode_layout): at ZeRO-3 x tensor 2 x data 4 every layout
+"""Decoding from the shards (zerojax.models.decode_layout): at ZeRO-3 x tensor 2 x data 4 every layout
 generates the one-device tokens, and the chosen `tensor` layout holds no more than the plan's bytes."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import zerojax
 from helpers import computations_with, while_bodies
 from test_generate import N, PROMPTS
-from zerojax.core import generate as gen
+from zerojax.models import generate as gen
 from zerojax.models import decode, llama
 from zerojax.planner.mesh import make_mesh
 
@@ -69,7 +69,7 @@ def test_tensor_decoding_holds_the_plans_bytes_not_the_model() -> None:
 def test_layers_gather_inside_the_decode_loop_tensor_moves_less_than_one_copy_of_the_weights() -> None:
     """`layers` all-gathers inside the decode loop (every step); `tensor` moves only activations: all it
     gathers over the whole call (loop trip counts multiplied) is less than one gather of the weights."""
-    from zerojax.core.hlo import collectives
+    from zerojax.measure.hlo import collectives
     eng = engine(tuple(WIDE.items()))
     tokens, lengths = gen.pad_prompts(PROMPTS[:1])
     padded = np.zeros((1, 8), np.int32)

@@ -16,7 +16,7 @@ carried through the loop, so it is updated in place and, like a donated buffer, 
 memory once the call returns (`cache_bytes` says how much it holds while the call runs).
 
 Where the weights are: the parameters enter the program in the placement they are stored in (a
-ZeRO-3 plan's shards included) and stay in a layout chosen per call (`zerojax.core.decode_layout`):
+ZeRO-3 plan's shards included) and stay in a layout chosen per call (`zerojax.models.decode_layout`):
 weight-stationary tensor-parallel decoding from the plan's blocks, or each shard gathered where a
 layer uses it; neither holds the whole model on a device (`layout="gathered"`, the one gather per
 call, does). A batch the row shards do not divide is padded with done rows. `memory_report` reads
@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax.core import decode_layout
-from zerojax.core.decode_layout import Layout
+from zerojax.models import decode_layout
+from zerojax.models.decode_layout import Layout
 from zerojax.core.layout import Plan
 
 
@@ -121,7 +121,7 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
     """`max_new_tokens` new tokens after each prompt (module docstring); `prompts` [B, T] right-padded
     with `lengths` [B] (or a list of token lists and lengths None). `plan`: the plan the params are laid
     out by (where the weights and rows lie while decoding follows it); None for params on one device.
-    `layout`: "tensor", "layers" or "gathered" to force one (`zerojax.core.decode_layout`); None chooses."""
+    `layout`: "tensor", "layers" or "gathered" to force one (`zerojax.models.decode_layout`); None chooses."""
     tokens, lens = pad_prompts(prompts, lengths)
     b = tokens.shape[0]
     if max_new_tokens <= 0:
@@ -147,7 +147,7 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
 class GenerateMemory(NamedTuple):
     """The memory report of one generate program, per device (`memory_report`).
 
-    layout, why: which layout ran (`zerojax.core.decode_layout`) and why it was chosen.
+    layout, why: which layout ran (`zerojax.models.decode_layout`) and why it was chosen.
     weights: the most weight bytes the layout holds at once; planned: the parameters as the plan stores them.
     peak: the compiled program's arguments + temporaries + outputs (`memory_analysis`): its peak,
         the KV cache and any gathered weights included (they are temporaries of the program).
@@ -257,7 +257,7 @@ def _at_use(fn: Callable[..., Any], layout: Layout) -> Callable[..., Any]:
     """`fn(params, cache, tokens, positions) -> (logits, cache)` on each device's rows, its ZeRO-3 shards
     gathered layer by layer where they are used (and run on tensor slices, as the train step runs a loss)."""
     from zerojax.core import step
-    from zerojax.core.gather_at_use import gather_at_use
+    from zerojax.rewrite.gather_at_use import gather_at_use
     plan = layout.plan
     rows = layout.rows.spec
 

@@ -108,7 +108,7 @@ def _held(abstract: Any, shardings: Any) -> int:
 def one_layer_bytes(decoder: Any, params: Any) -> int:
     """Bytes of one layer of the decoder's scanned stacks (their leaves' slice along the scanned
     axes), what `layers` decoding gathers at a time."""
-    from zerojax.core.gather_at_use import find_layer_axes
+    from zerojax.rewrite.gather_at_use import find_layer_axes
     b = 1
     fn = lambda p, c, t, q: decoder.decode_step(p, c, t, q)  # noqa: E731
     cache = jax.eval_shape(lambda p: decoder.init_cache(p, b, 2), params)
