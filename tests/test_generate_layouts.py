@@ -84,3 +84,26 @@ def test_layers_gather_inside_the_decode_loop_tensor_moves_less_than_one_copy_of
             assert computations_with(hlo, "all-gather") & while_bodies(hlo) and gathered > whole / 2
         else:
             assert gathered < whole / 8, gathered
+
+
+def test_the_choice_follows_the_batch_and_the_devices_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tensor` for a few rows; `layers` when a step's activations outweigh the weights, or when only its
+    weights and cache fit the free memory; one error naming what to cut when neither fits (nothing compiles)."""
+    from zerojax.models import decode_layout
+    eng = engine(tuple(SMALL.items()))
+    params = eng.state.params
+
+    def choose(batch: int, max_len: int = 32) -> decode_layout.Layout:
+        return decode_layout.choose(eng.plan, eng.decoder, params, batch, max_len, None, gen.cache_bytes)
+
+    assert choose(8).name == "tensor" and choose(8).weight_bytes == choose(8).planned_bytes
+    assert choose(4096).name == "layers" and "outweigh" in choose(4096).why
+    cache = gen.cache_bytes(eng.decoder, params, 8, 1024)  # a long generation: the cache outweighs the weights
+    layer = decode_layout.one_layer_bytes(eng.decoder, params)
+    monkeypatch.setattr(decode_layout, "_free_bytes", lambda: 2 * layer + cache // 4)  # the rows' cache, not all of it
+    assert choose(8, 1024).name == "layers" and "does not fit" in choose(8, 1024).why
+    monkeypatch.setattr(decode_layout, "_free_bytes", lambda: 100)
+    with pytest.raises(ValueError, match="fewer rows"):
+        choose(8)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        decode_layout.choose(eng.plan, eng.decoder, params, 8, 32, "sharded")
