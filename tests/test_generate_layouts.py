@@ -107,3 +107,14 @@ def test_the_choice_follows_the_batch_and_the_devices_free_memory(monkeypatch: p
         choose(8)
     with pytest.raises(ValueError, match="layout must be one of"):
         decode_layout.choose(eng.plan, eng.decoder, params, 8, 32, "sharded")
+
+
+def test_padding_rows_leaves_the_sampled_rows_as_on_one_device() -> None:
+    """3 rows padded to the 4 data shards: the sampled tokens of the 3 are those of the unpadded run (a
+    pad row draws its own random numbers after theirs)."""
+    eng = engine(tuple(SMALL.items()))
+    host = jax.device_put(jax.device_get(eng.state.params), jax.devices()[0])
+    want = gen.generate(eng.decoder, host, PROMPTS[:3], None, N, temperature=1.0, seed=5)
+    got = gen.generate(eng.decoder, eng.state.params, PROMPTS[:3], None, N, temperature=1.0, seed=5, plan=eng.plan,
+                       layout="layers")
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))

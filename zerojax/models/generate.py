@@ -263,7 +263,7 @@ def _at_use(fn: Callable[..., Any], layout: Layout) -> Callable[..., Any]:
 
     def local(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         shards = step._wrap_params(plan, params, for_grad=False, marked=False)
-        return gather_at_use(step._on_slices(plan, fn))(shards, cache, tokens, positions)
+        return gather_at_use(step._on_slices(plan, fn), plan.step.prefetch)(shards, cache, tokens, positions)
 
     def run(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         specs = jax.tree.map(lambda c: _cache_sharding(layout.rows, c.ndim).spec, cache)
