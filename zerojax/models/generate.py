@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax.core.layout import Plan
 from zerojax.models import decode_layout
 from zerojax.models.decode_layout import Layout
-from zerojax.core.layout import Plan
 
 
 class Decoder(Protocol):
@@ -121,7 +121,8 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
     """`max_new_tokens` new tokens after each prompt (module docstring); `prompts` [B, T] right-padded
     with `lengths` [B] (or a list of token lists and lengths None). `plan`: the plan the params are laid
     out by (where the weights and rows lie while decoding follows it); None for params on one device.
-    `layout`: "tensor", "layers" or "gathered" to force one (`zerojax.models.decode_layout`); None chooses."""
+    `layout`: "tensor", "layers" or "gathered" to force one (`zerojax.models.decode_layout`); None chooses.
+    `_lower`: `memory_report`'s hook, handed the program's arguments instead of running it."""
     tokens, lens = pad_prompts(prompts, lengths)
     b = tokens.shape[0]
     if max_new_tokens <= 0:
