@@ -238,9 +238,8 @@ class MoELlamaDecoder(LlamaDecoder):
     gates with `min_capacity` lowered to its token count, which still leaves room for every token, so
     the routing and the outputs are those of the configured gate.
 
-    With an expert mesh axis the generation program gathers every weight replicated before the
-    prefill (`zerojax.models.generate`), so each device holds every expert and the layer runs without
-    all-to-alls.
+    With an expert mesh axis the generation program runs the layer on the experts where the plan
+    stores them (`zerojax.models.decode_layout`); the layer's maths is the same either way.
     """
 
     def __init__(self, cfg: ModelConfig):
