@@ -102,3 +102,18 @@ def test_nvme_refusals_name_the_key(tmp_path: Path) -> None:
                                           r"tile by tile .* lamb needs whole tensors: use device: cpu$"):
         engine(config(2, "bf16", tmp_path, optimizer={"type": "Lamb", "params": {"lr": 1e-3}}))
     assert list(tmp_path.iterdir()) == []  # refused before any file was made
+
+
+def test_the_memory_table_counts_the_state_on_nvme(tmp_path: Path) -> None:
+    """The bytes host offload would keep in host memory are the NVMe column's; the device column is the rest."""
+    cpu = zerojax.plan(make_config(3, dtype="bf16", zero_optimization={
+        "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}}),
+        data_mesh(), mlp_params(0)).report()
+    nvme = zerojax.plan(config(3, "bf16", tmp_path), data_mesh(), mlp_params(0)).report()
+    assert nvme.optimizer_nvme == cpu.optimizer_host > 0 and nvme.optimizer_host == 0
+    assert nvme.device == cpu.device and nvme.optimizer == cpu.optimizer
+    assert nvme.nvme_buffers == 8 * TILE * 4
+    table = nvme.table()
+    assert "NVMe MiB" in table.splitlines()[1] and "swap files" in table
+    assert "NVMe" not in cpu.table()
+    assert list(tmp_path.iterdir()) == []  # planning makes no file

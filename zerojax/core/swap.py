@@ -19,6 +19,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -52,6 +53,14 @@ class Tile(NamedTuple):
     stop: int
 
 
+class StreamStats(NamedTuple):
+    """One streamed pass: how long the update waited on the disk, and the bytes it moved."""
+    read_wait_s: float = 0.0
+    write_wait_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
 class SwapFiles:
     """One file per state array (`names`), each the concatenation of `sizes` regions of fp32 elements.
 
@@ -82,6 +91,7 @@ class SwapFiles:
                         for _ in range(self.sets)]
         self._pool = ThreadPoolExecutor(max_workers=max(1, swap.threads), thread_name_prefix="zerojax-swap")
         weakref.finalize(self, self._pool.shutdown, True)
+        self.last = StreamStats()  # the latest `stream`'s waits and bytes
 
     @property
     def buffer_bytes(self) -> int:
@@ -120,29 +130,35 @@ class SwapFiles:
         `i % sets` holds tile i, so a set is read again only once its last write is done."""
         reads: dict[int, list[Future]] = {}
         writes: dict[int, list[Future]] = {}
+        waited = {"read": 0.0, "write": 0.0}
+
+        def wait(fs: list[Future], kind: str) -> None:
+            t0 = time.perf_counter()
+            for f in fs:
+                f.result()
+            waited[kind] += time.perf_counter() - t0
 
         def start_read(i: int) -> None:
             s = i % self.sets
-            for f in writes.pop(s, []):
-                f.result()
+            wait(writes.pop(s, []), "write")
             reads[i] = self._io(_pread_all, s, tiles[i])
 
         for i, t in enumerate(tiles):
             if i not in reads:
                 start_read(i)
-            for f in reads.pop(i):
-                f.result()
+            wait(reads.pop(i), "read")
             if self.swap.read_ahead and i + 1 < len(tiles) and (i + 1) % self.sets != i % self.sets:
                 start_read(i + 1)
             s = i % self.sets
             compute(i, t, self.buffers[s])
             writes[s] = self._io(_pwrite_all, s, t)
             if not self.swap.write_behind:
-                for f in writes.pop(s):
-                    f.result()
+                wait(writes.pop(s), "write")
         for fs in writes.values():
-            for f in fs:
-                f.result()
+            wait(fs, "write")
+        moved = sum(t.stop - t.start for t in tiles) * 4 * len(self.names)
+        self.last = StreamStats(read_wait_s=waited["read"], write_wait_s=waited["write"], bytes_read=moved,
+                                bytes_written=moved)
 
     def close(self) -> None:
         """Remove the working files now (also done when the object is collected)."""
