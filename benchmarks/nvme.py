@@ -81,6 +81,7 @@ gc.collect()
 import ctypes
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system, in every run alike
 between = rss()
+live = sum(sh.data.nbytes for x in jax.live_arrays() for sh in x.addressable_shards)  # arrays JAX holds
 peak = [between]
 stop = threading.Event()
 def sample():
@@ -101,7 +102,7 @@ for _ in range(a["rounds"]):
         ww.append(step.files.last.write_wait_s)
 stop.set()
 t.join()
-out = {"between": between, "peak": peak[0], "step": float(np.median(times)),
+out = {"between": between, "live": live, "peak": peak[0], "step": float(np.median(times)),
        "opt_bytes": int(L * D * D + D * 8) * 12}
 if stalls:
     files = e._train_step.files
@@ -172,9 +173,9 @@ def render(args: argparse.Namespace, res: dict, seconds: float) -> str:
              f"{args.tile:,}, `buffer_count` {args.buffers}, `aio.thread_count` {args.threads}; medians of "
              f"{args.rounds} steps; {seconds:.0f} s). Disk under the swap folder: writes "
              f"{res['write_bw'] / MiB:,.0f} MiB/s, reads {res['read_bw'] / MiB:,.0f} MiB/s.", "",
-             "| run | RSS between steps MiB | peak RSS in a step MiB | host buffers MiB | state in files MiB "
-             "| step s | host update (stall) s | of it waiting on reads / writes s | disk floor s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| run | arrays held between steps MiB | RSS between steps MiB | peak RSS in a step MiB | host buffers MiB "
+             "| state in files MiB | step s | host update (stall) s | of it waiting on reads / writes s | disk floor s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if "stall" in r:
             floor = r["moved"] / res["read_bw"] + r["moved"] / res["write_bw"]
@@ -182,14 +183,18 @@ def render(args: argparse.Namespace, res: dict, seconds: float) -> str:
                      f"{r['stall']:.2f} | {r['read_wait']:.2f} / {r['write_wait']:.2f} | {floor:.2f}")
         else:
             extra = f"- | - | {r['step']:.2f} | - | - | -"
-        lines.append(f"| {name} | {r['between'] / MiB:,.0f} | {r['peak'] / MiB:,.0f} | {extra} |")
+        lines.append(f"| {name} | {r['live'] / MiB:,.1f} | {r['between'] / MiB:,.0f} | {r['peak'] / MiB:,.0f} | {extra} |")
     nv = rows["nvme, pipelined"]
     lines += ["",
-              f"Between steps the pipelined NVMe run holds {(base['between'] - nv['between']) / MiB:,.0f} MiB less "
-              f"than the in-memory one (the optimizer state is {res['opt_bytes'] / MiB:.0f} MiB); its host "
+              f"Between steps the pipelined NVMe run's arrays hold {(base['live'] - nv['live']) / MiB:,.1f} MiB less "
+              f"than the in-memory run's (the optimizer state is {res['opt_bytes'] / MiB:.0f} MiB); its host "
               f"buffers are {nv['buffer_bytes'] / MiB:.1f} MiB, {nv['file_bytes'] / nv['buffer_bytes']:.1f}x less "
-              f"than the state in its files. `disk floor`: the bytes one step reads and writes over the measured "
-              f"bandwidths, read and write one after the other.", "", END]
+              f"than the state in its files. On CPU the devices' arrays are host memory too, and RSS also holds "
+              f"what XLA's and the C library's allocators keep after freeing, so its differences are smaller and "
+              f"vary from run to run. `disk floor`: the bytes one step reads and writes over the measured "
+              f"bandwidths, read then write. The swap files go through the page cache (no O_DIRECT), so a "
+              f"state that fits in free memory is read from RAM: the waits stay under the floor here. Step times on "
+              f"this shared 2-core machine vary by 2-3x from run to run.", "", END]
     return "\n".join(lines)
 
 

@@ -124,16 +124,20 @@ class NvmeStep:
         by_device = {s.device: s for s in array.addressable_shards}
         return np.asarray(by_device[region.devices[0]].data, np.float32).reshape(-1)
 
-    def _assemble(self, leaf: int, parts: dict[int, np.ndarray], dtype: Any = np.float32) -> jax.Array:
-        """A trainable leaf's update-placement array from its regions' host values."""
-        sharding = jax.tree.leaves(self._update_dev)[leaf]
-        shape = self._trained_shapes[leaf]
-        arrays = []
-        for r, values in parts.items():
-            region = self.regions[r]
-            for device in region.devices:
-                arrays.append(jax.device_put(values.reshape(region.shape).astype(dtype, copy=False), device))
-        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    def _place(self, r: int, values: np.ndarray) -> list[jax.Array]:
+        """One region's host values on each device that holds that shard."""
+        region = self.regions[r]
+        return [jax.device_put(values.reshape(region.shape), device) for device in region.devices]
+
+    def _assemble(self, leaf: int, placed: list[jax.Array]) -> jax.Array:
+        """A trainable leaf's update-placement array from its regions' device arrays."""
+        return jax.make_array_from_single_device_arrays(self._trained_shapes[leaf],
+                                                        jax.tree.leaves(self._update_dev)[leaf], placed)
+
+    def _read_leaf(self, array: int, leaf: int) -> jax.Array:
+        """A leaf of one file's state array, read and placed region by region."""
+        return self._assemble(leaf, [x for r, g in enumerate(self.regions) if g.leaf == leaf
+                                     for x in self._place(r, self.files.read_region(array, r))])
 
     def _moment_slots(self) -> list[list[int]]:
         """Per trainable leaf, the flat opt_state positions of its moments (in order)."""
@@ -170,8 +174,7 @@ class NvmeStep:
         for a in range(len(self.names)):
             per_leaf = []
             for leaf in range(len(self._trained_shapes)):
-                parts = {r: self.files.read_region(a, r) for r, g in enumerate(self.regions) if g.leaf == leaf}
-                per_leaf.append(self._assemble(leaf, parts))
+                per_leaf.append(self._read_leaf(a, leaf))
             columns.append(per_leaf)
         master = None
         if self.mixed:
@@ -228,8 +231,7 @@ class NvmeStep:
     def _old_shards(self, state: TrainState, master: Any) -> Any:
         if not self.mixed:
             return master
-        columns = [self._assemble(leaf, {r: self.files.read_region(0, r) for r, g in enumerate(self.regions)
-                                         if g.leaf == leaf}) for leaf in range(len(self._trained_shapes))]
+        columns = [self._read_leaf(0, leaf) for leaf in range(len(self._trained_shapes))]
         return self._trained_def.unflatten(columns)
 
     def _stream(self, state: TrainState, grads: Any, master: Any, coef: jax.Array) -> tuple[Any, Any]:
@@ -239,13 +241,12 @@ class NvmeStep:
         scalars = [np.asarray(x) for x, o in zip(opt_leaves, self._owner) if o < 0]
         coef = np.asarray(coef)
         new_scalars: list[Any] = list(scalars)
-        out: dict[int, np.ndarray] = {}
         current: dict[str, Any] = {}
         shards: list[jax.Array | None] = [None] * len(self._trained_shapes)
+        placed: list[list[jax.Array]] = [[] for _ in self._trained_shapes]
         tiles = [t for r in range(len(self.regions)) for t in self.files.tiles(r)]
-        last_of_leaf = {}
-        for idx, t in enumerate(tiles):
-            last_of_leaf[self.regions[t.region].leaf] = idx
+        last_of_leaf = {self.regions[t.region].leaf: i for i, t in enumerate(tiles)}
+        last_of_region = {t.region: i for i, t in enumerate(tiles)}
 
         def compute(i: int, t: Tile, bufs: list[np.ndarray]) -> None:
             region = self.regions[t.region]
@@ -253,7 +254,7 @@ class NvmeStep:
                 current["region"] = t.region
                 current["grad"] = self._shard(grads_l[region.leaf], region)
                 current["param"] = None if self.mixed else self._shard(master_l[region.leaf], region)
-                out[t.region] = np.empty(region.size, np.float32)
+                current["out"] = np.empty(region.size, np.float32)
             a, b = t.start, t.stop
             m = b - a
             filed, extra = bufs[:len(self.names)], bufs[len(self.names):]
@@ -271,12 +272,15 @@ class NvmeStep:
                 np.copyto(buf[:m], np.asarray(value)[:m])
             if self.mixed:
                 np.copyto(master_buf[:m], new_master[:m])
-            out[t.region][a:b] = new_master[:m]
+            current["out"][a:b] = new_master[:m]
             new_scalars[:] = [np.asarray(x) for x in sc]
+            # Host memory beyond the buffers: this region's gradient and new master, sent up when it ends.
+            if i == last_of_region[t.region]:
+                placed[region.leaf] += self._place(t.region, current.pop("out"))
+                current.clear()
             if i == last_of_leaf[region.leaf]:
-                leaf = region.leaf
-                shards[leaf] = self._assemble(leaf, {r: out.pop(r) for r in list(out)
-                                                     if self.regions[r].leaf == leaf})
+                shards[region.leaf] = self._assemble(region.leaf, placed[region.leaf])
+                placed[region.leaf] = []
 
         self.files.stream(tiles, compute)
         leaves = list(opt_leaves)
