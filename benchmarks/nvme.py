@@ -7,6 +7,8 @@ A stack of `--layers` square `--d-model` weights (bf16 parameters, fp32 master a
 configuration, each in its own process (so each peak is its own):
 
 * `in memory`: no offload;
+* `cpu offload`: `offload_optimizer.device: cpu` (ZeRO-Offload: the update runs inside the compiled
+  step, as a host computation where the backend compiles one);
 * `nvme`: `offload_optimizer.device: nvme`, `sub_group_size` elements per tile, `buffer_count` buffers;
 * `nvme, pipelined`: the same with `pipeline_read` and `pipeline_write`.
 
@@ -41,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- nvme -->", "<!-- /nvme -->"
 MiB = 2 ** 20
 
-CONFIGS = {"in memory": None, "nvme": False, "nvme, pipelined": True}
+CONFIGS = {"in memory": "none", "cpu offload": "cpu", "nvme": "nvme", "nvme, pipelined": "nvme pipelined"}
 
 _CHILD = r"""
 import gc, json, os, sys, threading, time
@@ -64,9 +66,12 @@ def loss(p, batch):
     h, _ = jax.lax.scan(layer, batch["x"], p["w"])
     return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
 zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": a["tile"]}
-if a["pipelined"] is not None:
+if a["mode"] == "cpu":
+    zero["offload_optimizer"] = {"device": "cpu"}
+elif a["mode"].startswith("nvme"):
+    piped = a["mode"].endswith("pipelined")
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": a["path"], "buffer_count": a["buffers"],
-                                 "pipeline_read": a["pipelined"], "pipeline_write": a["pipelined"]}
+                                 "pipeline_read": piped, "pipeline_write": piped}
 cfg = zerojax.load_config({"train_batch_size": 64, "bf16": {"enabled": True}, "zero_optimization": zero,
                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "kernels": "xla",
                            "aio": {"thread_count": a["threads"]}})
@@ -150,9 +155,9 @@ def measure(args: argparse.Namespace) -> dict:
     opt_bytes = (args.layers * args.d_model * args.d_model + args.d_model * 8) * 12
     write_bw, read_bw = disk_bandwidth(path, opt_bytes, args.tile * 4, args.threads)
     rows = {}
-    for name, pipelined in CONFIGS.items():
+    for name, mode in CONFIGS.items():
         child = {"layers": args.layers, "d_model": args.d_model, "tile": args.tile, "buffers": args.buffers,
-                 "threads": args.threads, "path": path, "pipelined": pipelined, "warmup": args.warmup,
+                 "threads": args.threads, "path": path, "mode": mode, "warmup": args.warmup,
                  "rounds": args.rounds}
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
         run = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)], capture_output=True, text=True,

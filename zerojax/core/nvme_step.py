@@ -88,7 +88,7 @@ class NvmeStep:
         self.regions = self._regions()
         self.files = SwapFiles(swap, self.names, [r.size for r in self.regions], extra=per_tile - len(self.names))
         self.slim_shardings = full._replace(master=None, opt_state=self.slim(full.opt_state))
-        self.stall_s = 0.0  # host time of the last step's streamed update (what the devices waited)
+        self.stall_s = 0.0  # the last step's host update, from the device part's end (the devices wait for it)
 
         update_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), plan.update_shardings)
         self._front = jax.jit(front, in_shardings=(self.slim_shardings, None))
@@ -120,9 +120,11 @@ class NvmeStep:
                 out.append(seen[key])
         return out
 
+    def _device_shard(self, array: jax.Array, region: Region) -> jax.Array:
+        return next(s.data for s in array.addressable_shards if s.device == region.devices[0])
+
     def _shard(self, array: jax.Array, region: Region) -> np.ndarray:
-        by_device = {s.device: s for s in array.addressable_shards}
-        return np.asarray(by_device[region.devices[0]].data, np.float32).reshape(-1)
+        return np.asarray(self._device_shard(array, region), np.float32).reshape(-1)
 
     def _place(self, r: int, values: np.ndarray) -> list[jax.Array]:
         """One region's host values on each device that holds that shard."""
@@ -220,8 +222,9 @@ class NvmeStep:
         state = self.store(state)
         losses, grads, master, norm, finite, overflow, coef, model_state = self._front(state, batch)
         opt_state = state.opt_state
+        skip = bool(overflow)  # waits for the device part
         started = time.perf_counter()
-        if bool(overflow):  # skipped: the files keep the previous state, the parameters stay as they were
+        if skip:  # skipped: the files keep the previous state, the parameters stay as they were
             shards = self._old_shards(state, master)
         else:
             shards, opt_state = self._stream(state, grads, master, coef)
@@ -252,6 +255,9 @@ class NvmeStep:
             region = self.regions[t.region]
             if current.get("region") != t.region:
                 current["region"] = t.region
+                if t.region + 1 < len(self.regions):  # the next shard's gradient comes down while this updates
+                    nxt = self.regions[t.region + 1]
+                    self._device_shard(grads_l[nxt.leaf], nxt).copy_to_host_async()
                 current["grad"] = self._shard(grads_l[region.leaf], region)
                 current["param"] = None if self.mixed else self._shard(master_l[region.leaf], region)
                 current["out"] = np.empty(region.size, np.float32)
