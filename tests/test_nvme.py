@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import pytest
 
 import zerojax

@@ -26,7 +26,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -36,8 +35,7 @@ from zerojax.core.swap import SwapFiles, Tile
 from zerojax.errors import ConfigError
 
 
-
-def _param_index(plan: Plan, tx: optax.GradientTransformation, opt_state: Any, trained: Any) -> list[int]:
+def _param_index(tx: optax.GradientTransformation, opt_state: Any, trained: Any) -> list[int]:
     """Per leaf of `opt_state` (flattened): the index of the trainable parameter it mirrors, or -1 for
     a counter or scalar. `trained` is the parameter tree the state was made for."""
     index = iter(range(10**9))
@@ -69,7 +67,7 @@ class NvmeStep:
         self.mixed = plan.policy.mixed
         full = state_shardings(plan)
         self._opt_def = jax.tree.structure(plan.abstract_opt_state)
-        owner = _param_index(plan, plan.tx, plan.abstract_opt_state, plan.abstract_trained)
+        owner = _param_index(plan.tx, plan.abstract_opt_state, plan.abstract_trained)
         self._owner = owner
         self._trained_def = jax.tree.structure(plan.abstract_trained)
         self._trained_shapes = [tuple(x.shape) for x in jax.tree.leaves(plan.abstract_trained)]
@@ -77,6 +75,10 @@ class NvmeStep:
         if len(set(moments)) > 1:
             raise ConfigError("zero_optimization.offload_optimizer.device: nvme needs the same optimizer state "
                               f"for every parameter (got {sorted(set(moments))} arrays per leaf); use device: cpu")
+        dtypes = {str(x.dtype) for x, o in zip(self._opt_def.flatten_up_to(plan.abstract_opt_state), owner) if o >= 0}
+        if dtypes - {"float32"}:
+            raise ConfigError(f"zero_optimization.offload_optimizer.device: nvme stores float32 state; this "
+                              f"optimizer keeps {sorted(dtypes)}: use device: cpu")
         self.k = moments[0] if moments else 0
         self.names = (["master"] if self.mixed else []) + [f"moment{j}" for j in range(self.k)]
         per_tile = len(self.names) + 1 + (0 if self.mixed else 1)  # + the gradient (+ the fp32 parameter)
@@ -203,7 +205,7 @@ class NvmeStep:
 
         template = jax.eval_shape(tx.init, tree(jax.ShapeDtypeStruct((n,), np.float32)))
         t_def = jax.tree.structure(template)
-        t_owner = _param_index(self.plan, tx, template, tree(jax.ShapeDtypeStruct((n,), np.float32)))
+        t_owner = _param_index(tx, template, tree(jax.ShapeDtypeStruct((n,), np.float32)))
 
         def update(master: jax.Array, grad: jax.Array, moments: list[jax.Array], scalars: list[jax.Array],
                    coef: jax.Array) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:

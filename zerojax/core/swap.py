@@ -23,7 +23,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -189,8 +189,3 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while done < len(view):
         done += os.pwritev(fd, [view[done:]], offset + done)
 
-
-def stale_folders(path: str | os.PathLike) -> Iterator[Path]:
-    """Working folders a killed run left under `path` (its files are not a checkpoint)."""
-    root = Path(path)
-    return (p for p in root.glob(SWAP_PREFIX + "*") if p.is_dir()) if root.is_dir() else iter(())
