@@ -116,3 +116,18 @@ def test_the_memory_table_counts_the_state_on_nvme(tmp_path: Path) -> None:
     assert "NVMe MiB" in table.splitlines()[1] and "swap files" in table
     assert "NVMe" not in cpu.table()
     assert list(tmp_path.iterdir()) == []  # planning makes no file
+
+
+def test_frozen_leaves_and_no_decay_groups_stream_as_in_memory(tmp_path: Path) -> None:
+    """Each tile is updated with its own leaf's name in the tree, so name-based groups hold; frozen
+    leaves have no state and no file region."""
+    adamw = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}, "no_decay": ["layers.b"]}
+
+    def run(nvme: Path | None) -> zerojax.Engine:
+        cfg = config(2, "bf16", nvme, optimizer=adamw)
+        cfg = zerojax.load_config(cfg, ["model.frozen=[w_in]"])
+        return trained(cfg, steps=2)
+    plain, nvme = run(None), run(tmp_path)
+    assert nvme.plan.n_trained == len(jax.tree.leaves(mlp_params(0))) - 1
+    assert {nvme.plan.trained_paths[r.leaf] for r in nvme._train_step.regions} == set(nvme.plan.trained_paths)
+    assert_tree_close(to_numpy(nvme.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
