@@ -151,7 +151,13 @@ def disk_bandwidth(path: str, nbytes: int, tile_bytes: int, threads: int) -> tup
 
 
 def measure(args: argparse.Namespace) -> dict:
-    path = args.nvme_path or tempfile.mkdtemp(prefix="zerojax-bench-nvme-")
+    if args.nvme_path is None:
+        with tempfile.TemporaryDirectory(prefix="zerojax-bench-nvme-") as path:
+            return _measure(args, path)
+    return _measure(args, args.nvme_path)
+
+
+def _measure(args: argparse.Namespace, path: str) -> dict:
     opt_bytes = (args.layers * args.d_model * args.d_model + args.d_model * 8) * 12
     write_bw, read_bw = disk_bandwidth(path, opt_bytes, args.tile * 4, args.threads)
     rows = {}
