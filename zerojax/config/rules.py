@@ -313,9 +313,14 @@ def _check_sections(config: Config) -> None:
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
                           "(stage is 0); set zero_optimization.stage or remove offload_optimizer")
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(zero, key).device == "nvme":
-            raise ConfigError(_NVME_REFUSED.format(key=key))
+    if zero.offload_param.device == "nvme":
+        raise ConfigError(_NVME_REFUSED)
+    if zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path:
+        raise ConfigError("zero_optimization.offload_optimizer.nvme_path: device nvme keeps the optimizer state "
+                          "in files; give a folder on a local disk (e.g. nvme_path: /local_nvme)")
+    if config.aio.use_gds:
+        raise ConfigError("aio.use_gds: GPUDirect Storage is not built (the swap files are read through host "
+                          "buffers); remove it or set it to false")
     pipe = config.pipeline
     if pipe.chunks > 1 and pipe.schedule != "interleaved":
         raise ConfigError(f"pipeline.chunks: {pipe.chunks} chunks per stage need pipeline.schedule: "
@@ -400,8 +405,9 @@ def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
     raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu")
 
 
-_NVME_REFUSED = ("zero_optimization.{key}.device: nvme is not supported (DeepSpeed's ZeRO-Infinity NVMe "
-                 "swapping is not built in zerojax); use cpu (host memory, docs/offload.md) or none")
+_NVME_REFUSED = ("zero_optimization.offload_param.device: nvme is not supported (parameters are not swapped to "
+                 "files; the optimizer state is: offload_optimizer.device: nvme); use cpu (host memory, "
+                 "docs/offload.md) or none")
 
 
 def unsupported_features(config: Config) -> list[str]:
@@ -410,9 +416,8 @@ def unsupported_features(config: Config) -> list[str]:
     zero = config.zero_optimization
     if config.fp16.fp16_master_weights_and_grads:
         out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(zero, key).device == "nvme":
-            out.append(_NVME_REFUSED.format(key=key))
+    if zero.offload_param.device == "nvme":
+        out.append(_NVME_REFUSED)
     if zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.ratio < 1.0:
         out.append(f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
                    f"offload) is not supported; use 1.0")

@@ -12,7 +12,8 @@ REFUSED = "refused"
 KINDS = (HONOURED, NO_EFFECT, REFUSED)
 
 _BUCKETS = f"{NO_EFFECT}: XLA schedules, fuses and overlaps the collectives itself"
-_NVME = f"{NO_EFFECT}: NVMe offload is refused"
+_NVME = f"{NO_EFFECT}: parameter NVMe offload is refused (offload_param.device: nvme)"
+_AIO = f"{NO_EFFECT}: libaio's submission setting; the swap files are read and written with preadv/pwritev from aio.thread_count threads"
 _SECTION = HONOURED + " (see its keys)"
 _LOG = f"{HONOURED} (the run's metrics writer)"
 _GPT = f"{HONOURED} (the model that train.py and the CLI train: the embedded GPT or the Llama)"
@@ -41,6 +42,7 @@ KEY_STATUS: dict[str, str] = {
     "fp16": _SECTION,
     "bf16": _SECTION,
     "zero_optimization": _SECTION,
+    "aio": _SECTION,
     "zero_allow_untested_optimizer": HONOURED,
     "zero_force_ds_cpu_optimizer": f"{NO_EFFECT}: the offloaded update is always the configured optimizer",
     "activation_checkpointing": _SECTION,
@@ -129,7 +131,8 @@ KEY_STATUS: dict[str, str] = {
     "zero_optimization.cpu_offload": HONOURED + " (offload_optimizer.device: cpu)",
     "zero_optimization.cpu_offload_param": HONOURED + " (offload_param.device: cpu)",
     "zero_optimization.cpu_offload_use_pin_memory": f"{NO_EFFECT}: pin_memory defaults to true",
-    "zero_optimization.sub_group_size": _BUCKETS,
+    "zero_optimization.sub_group_size": HONOURED + " with offload_optimizer.device: nvme (elements per tile the "
+                                                   "optimizer streams from the files); otherwise " + _BUCKETS,
     "zero_optimization.stage3_param_persistence_threshold": HONOURED,
     "zero_optimization.stage3_prefetch_bucket_size": HONOURED + " (a layer is prefetched only if it fits; 0: off)",
     "zero_optimization.stage3_max_live_parameters": HONOURED + " (prefetch only when two layers fit)",
@@ -147,21 +150,33 @@ KEY_STATUS: dict[str, str] = {
                                                              "reduce-scatter)",
     "zero_optimization.mics_shard_size": f"{REFUSED} above 0 (MiCS)",
     "zero_optimization.save_muon_momentum_buffer_in_memory": f"{NO_EFFECT}: Muon's momentum always stays in memory "
-                                                             f"with the other optimizer state (NVMe offload is "
-                                                             f"refused)",
-    "zero_optimization.offload_optimizer.device": HONOURED + " (none, cpu); nvme refused",
-    "zero_optimization.offload_optimizer.nvme_path": _NVME,
+                                                             f"with the other optimizer state (Muon is not "
+                                                             f"elementwise, so NVMe offload refuses it)",
+    "zero_optimization.offload_optimizer.device": HONOURED + " (none, cpu, nvme: ZeRO-Infinity's NVMe tier, "
+                                                             "elementwise optimizers)",
+    "zero_optimization.offload_optimizer.nvme_path": HONOURED + " (a fresh zerojax-swap-* subfolder per run)",
+    "zero_optimization.offload_optimizer.pipeline_read": HONOURED + " (read the next tile while one updates)",
+    "zero_optimization.offload_optimizer.pipeline_write": HONOURED + " (write tiles back while the next update)",
     "zero_optimization.offload_optimizer.pin_memory": HONOURED,
-    "zero_optimization.offload_optimizer.buffer_count": _NVME,
-    "zero_optimization.offload_optimizer.fast_init": _NVME,
+    "zero_optimization.offload_optimizer.buffer_count": HONOURED + " with device nvme (host buffers of "
+                                                                   "sub_group_size elements)",
+    "zero_optimization.offload_optimizer.fast_init": f"{NO_EFFECT}: the initial state is written to the swap "
+                                                     f"files once, at start",
     "zero_optimization.offload_optimizer.ratio": HONOURED + " at 1.0; below it refused (partial offload)",
     "zero_optimization.offload_optimizer.compute": HONOURED,
-    "zero_optimization.offload_param.device": HONOURED + " (none, cpu); nvme refused",
+    "zero_optimization.offload_param.device": HONOURED + " (none, cpu); nvme refused (parameters are not "
+                                                         "swapped to files)",
     "zero_optimization.offload_param.nvme_path": _NVME,
     "zero_optimization.offload_param.pin_memory": HONOURED,
     "zero_optimization.offload_param.buffer_count": _NVME,
     "zero_optimization.offload_param.buffer_size": _NVME,
     "zero_optimization.offload_param.max_in_cpu": _NVME,
+    "aio.block_size": _AIO,
+    "aio.queue_depth": _AIO,
+    "aio.thread_count": HONOURED + " (threads reading and writing the NVMe swap files)",
+    "aio.single_submit": _AIO,
+    "aio.overlap_events": _AIO,
+    "aio.use_gds": f"{REFUSED} when true (GPUDirect Storage is not built)",
     # activation checkpointing
     "activation_checkpointing.partition_activations":
         HONOURED + " with a tensor axis (each rematerialized layer's kept input split over mesh.tensor, gathered "

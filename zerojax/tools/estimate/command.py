@@ -132,7 +132,13 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
               f"DeepSpeed: estimate_zero2_model_states_mem_needs (stages 1, 2) and "
               f"estimate_zero3_model_states_mem_needs "
               f"(stage 3, zero_init={int(req.zero_init)}), additional_buffer_factor={req.additional_buffer_factor}; "
-              f"no estimator for stage 0."]
+              f"no estimator for stage 0, and none takes NVMe (their offload_optimizer=cpu rows count the same "
+              f"bytes in CPU memory)."]
+    for e in exact:
+        if e.nvme_bytes:
+            lines.append(f"{e.choice.label}: {num(e.nvme_bytes).strip()} {unit} per host in NVMe swap files (the fp32 "
+                         f"master and moments); its per-host figure above is host memory: the parameters' and "
+                         f"buffers' share (buffer_count x sub_group_size x 4 bytes per device)")
     frozen = exact[0].report.n_frozen
     if frozen:
         lines += ["", f"frozen: {frozen:,} of {model.total_params:,} parameters (model.trainable / model.frozen): "
