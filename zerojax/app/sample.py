@@ -132,7 +132,8 @@ def load_run(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Any, 
         raise ConfigError(f"sample: {cfg_file} does not exist; give the folder of a train.py run "
                           f"(its run.output_dir, which holds config.json and checkpoints/)")
     config = load_config(json.loads(cfg_file.read_text()))
-    ckpt = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else run / "checkpoints"
+    from zerojax.app.run_dirs import checkpoint_folder
+    ckpt = checkpoint_folder(run, "sample")
     if checkpoint.latest_tag(ckpt) is None and tag is None:
         raise ConfigError(f"sample: {ckpt} holds no checkpoint yet; wait for the run's first save "
                           f"(run.save_every) or its end")

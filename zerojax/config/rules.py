@@ -391,7 +391,7 @@ def _check_sections(config: Config) -> None:
 
 def _check_data(config: Config, sources: Mapping[str, str]) -> None:
     """The data and loop keys that only make sense together."""
-    data = config.data
+    data, run = config.data, config.run
     if data.source != "stdlib" and not data.path:
         kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file", "parquet": "a Parquet file",
                 "arrow": "an Arrow file", "datasets": "a folder datasets' save_to_disk wrote"}[data.source]
@@ -412,7 +412,9 @@ def _check_data(config: Config, sources: Mapping[str, str]) -> None:
         raise ConfigError(f"data.packing: pad gives each document its own row, but data.source {data.source} without "
                           f"a tokenizer is one stream of bytes; give documents (jsonl, parquet, arrow, datasets) or "
                           f"use data.packing: pack")
-
+    if run.eval_every is not None and run.eval_batches == 0:
+        raise ConfigError(f"run.eval_every: {run.eval_every}, but run.eval_batches is 0, so there is nothing to "
+                          f"validate on; set run.eval_batches to 1 or more, or remove run.eval_every")
 
 
 def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:

@@ -288,7 +288,7 @@ KEY_STATUS: dict[str, str] = {
                                    "split", "val_split", "val_path")},
     **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",
                                   "checkpoint_dir", "save_every", "non_finite", "non_finite_limit", "signal_save_seconds",
-                                  "sample_tokens", "compile_cache")},
+                                  "sample_tokens", "compile_cache", "eval_every", "save_best", "epochs")},
     **{f"distributed.{k}": HONOURED for k in ("coordinator_address", "num_processes", "process_id", "join",
                                               "initialization_timeout", "check_consistency", "hang_timeout")},
 }

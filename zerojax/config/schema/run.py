@@ -218,7 +218,19 @@ class RunConfig:
     steps: int = option(200, "Optimizer steps to run.", gt=0)
     output_dir: str = option("runs/zerojax", "Where metrics.jsonl and config.json are written.")
     seed: int = option(0, "Seed of the parameter initialization.")
-    eval_batches: int = option(4, "Validation batches evaluated at the end.", ge=0)
+    eval_batches: int = option(4, "Validation batches evaluated at the end (and every run.eval_every steps): "
+                                  "the first ones of the validation set, the same each time.", ge=0)
+    eval_every: Optional[int] = option(None, "Steps between validations during the run (run.eval_batches batches "
+                                             "each; a val_loss row in metrics.jsonl and a Train/Samples/val_loss "
+                                             "event); null: only at the end.", gt=0)
+    save_best: bool = option(True, "With run.eval_every: a validation loss lower than every earlier one saves a "
+                                   "checkpoint of that step (if none is saved there) and points `best` in the "
+                                   "checkpoint folder at it; retention (checkpoint.max_to_keep) never deletes the "
+                                   "tag `best` names. `--tag best` exports or samples it.")
+    epochs: Optional[float] = option(None, "Passes over the training data: run.steps becomes epochs x rows an epoch "
+                                           "/ train_batch_size, rounded up (rows an epoch: the windows of a packed "
+                                           "corpus, the documents of a padded one), and run.steps is not used. "
+                                           "Batches run on across an epoch's end (each epoch reshuffled).", gt=0)
     progress: bool = option(True, "Show a progress bar.")
     log_every: Optional[int] = option(None, "Steps between metrics lines (default: steps_per_print).", gt=0)
     checkpoint_dir: Optional[str] = option(
