@@ -36,7 +36,7 @@ def test_finetune_config_validates_keeps_the_best_and_resumes(tmp_path: Path, mo
     # 40 training documents, 8 a step: 0.4 epochs is 2 steps; nothing to resume yet, so `auto` starts the run
     assert main(["train", "--config", CONFIG, "--set", *common, "run.epochs=0.4", "--resume", "auto"]) == 0
     ckpt = out / "checkpoints"
-    assert (ckpt / "best").read_text().strip() == "global_step2"
+    assert (ckpt / ".best").read_text().strip() == "global_step2"
     assert len(seen) == 2
     # `auto` again: there is a checkpoint now, so the same command continues the run to 0.8 epochs
     assert main(["train", "--config", CONFIG, "--set", *common, "run.epochs=0.8", "--resume", "auto"]) == 0
@@ -50,7 +50,7 @@ def test_finetune_config_validates_keeps_the_best_and_resumes(tmp_path: Path, mo
         np.testing.assert_array_equal(batch["loss_mask"], source.batch(k)["loss_mask"])
     # max_to_keep 1 keeps the newest tag and the one `best` names (the resumed run kept its record)
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["global_step2", "global_step4"]
-    assert (ckpt / "best").read_text().strip() == "global_step2" and (ckpt / "latest").read_text().strip() == "global_step4"
+    assert (ckpt / ".best").read_text().strip() == "global_step2" and (ckpt / "latest").read_text().strip() == "global_step4"
     meta = json.loads((ckpt / "global_step2" / "meta.json").read_text())
     assert meta["extra"]["val_loss"] == 2.0
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]

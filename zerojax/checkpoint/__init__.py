@@ -10,7 +10,7 @@ On disk (DeepSpeed's shape: one folder per tag and a `latest` pointer)::
 
 `meta.json` is written last, after orbax has committed, so it is the mark of a complete tag: a
 folder without it is never listed, loaded or pointed at by `latest`. A save marks its folder with
-`.zerojax-saving` until meta.json is written; `best` (beside `latest`) names the tag of a run's lowest
+`.zerojax-saving` until meta.json is written; `.best` (beside `latest`) names the tag of a run's lowest
 validation loss, and retention keeps it; only such a leftover of an interrupted zerojax save is
 ever replaced, and retention deletes only tags of the run that saves (`run_id` in meta.json). Its checksums make a complete tag verifiable: a file that was truncated, zeroed,
 bit-flipped or removed after the save is an error at load and export, never silent garbage.

@@ -30,7 +30,9 @@ META_FILE = "meta.json"
 LATEST_FILE = "latest"
 
 
-BEST_FILE = "best"                # the tag of the lowest validation loss (train.py's run.save_best)
+BEST_FILE = ".best"               # the tag of the lowest validation loss (train.py's run.save_best); hidden,
+                                  # so no tag name is taken from users (DeepSpeed's examples save tag="best")
+BEST = "best"                     # what --tag names it by, when no tag of that name exists
 
 
 PIPELINE_ROWS = "pipeline_rows"   # extra key: where a pipelined run's logical parameters sit in its rows
@@ -118,7 +120,7 @@ def default_tag(step: int) -> str:
 
 def check_tag(tag: str) -> str:
     """A tag is one plain folder name (no separators, not hidden, not the pointer file)."""
-    if (not isinstance(tag, str) or not tag or tag in (".", "..", LATEST_FILE, BEST_FILE) or tag.startswith(".")
+    if (not isinstance(tag, str) or not tag or tag in (".", "..", LATEST_FILE) or tag.startswith(".")
             or "/" in tag or os.sep in tag or "\0" in tag):
         raise ConfigError(f"checkpoint tag {tag!r} is not a usable folder name; use letters, digits, "
                           f"'_', '-', '.' (not leading) such as 'global_step100'")
@@ -202,8 +204,8 @@ def latest_tag(directory: PathLike) -> str | None:
 
 
 def best_tag(directory: PathLike) -> str | None:
-    """The tag `best` names (the run's lowest validation loss) if it is a plain name beside it and
-    complete, else None."""
+    """The tag the `.best` pointer names (the run's lowest validation loss) if it is a plain name beside
+    it and complete, else None."""
     pointer = absolute(directory) / BEST_FILE
     if not pointer.is_file():
         return None

@@ -185,7 +185,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
     `exclude_frozen` (DeepSpeed's `exclude_frozen_parameters`): the frozen leaves are not written, only
     what is trained (and the optimizer's state): a LoRA-style run's tag is then its adapters' size. Such
     a tag is loaded with the frozen weights given (`load(..., frozen=params)`; the engine passes its own).
-    `best`: once complete (and finite), the tag is also the one the folder's `best` pointer names (the
+    `best`: once complete (and finite), the tag is also the one the folder's `.best` pointer names (the
     lowest validation loss so far), which retention never deletes.
     """
     root = absolute(directory)
@@ -239,7 +239,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
 def prune(directory: PathLike, max_to_keep: int | None = None,
           keep_every_n_steps: int | None = None, *, run_id: str | None = None) -> list[str]:
     """Delete old complete tags: keep the newest `max_to_keep`, every multiple of
-    `keep_every_n_steps`, and always the tags `latest` and `best` resolve to. Returns the deleted tags.
+    `keep_every_n_steps`, and always the tags `latest` and `.best` name. Returns the deleted tags.
 
     Only zerojax checkpoints are candidates (a folder with a meta.json of this format), and with
     `run_id` (as after each save) only the tags that run wrote: another run's tags, and tags from

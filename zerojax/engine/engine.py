@@ -299,7 +299,7 @@ class Engine(DeepSpeedAPI):
         holds more JSON state (the trainer keeps its data position there). Relative paths are fine.
         `exclude_frozen_parameters` (DeepSpeed's): the frozen parameters are not written; the tag then
         loads into an engine that holds them (`load_checkpoint` takes them from this engine's state).
-        `best` (zerojax): the folder's `best` pointer names this tag once it is complete (train.py's lowest
+        `best` (zerojax): the folder's `.best` pointer names this tag once it is complete (train.py's lowest
         validation loss); retention never deletes that tag.
         """
         from zerojax import checkpoint  # orbax is imported only when checkpoints are used

@@ -224,9 +224,9 @@ class RunConfig:
                                              "each; a val_loss row in metrics.jsonl and a Train/Samples/val_loss "
                                              "event); null: only at the end.", gt=0)
     save_best: bool = option(True, "With run.eval_every: a validation loss lower than every earlier one saves a "
-                                   "checkpoint of that step (if none is saved there) and points `best` in the "
-                                   "checkpoint folder at it; retention (checkpoint.max_to_keep) never deletes the "
-                                   "tag `best` names. `--tag best` exports or samples it.")
+                                   "checkpoint of that step (if none is saved there) and points the checkpoint "
+                                   "folder's .best file at it; retention (checkpoint.max_to_keep) never deletes the "
+                                   "tag it names. `--tag best` exports or samples it.")
     epochs: Optional[float] = option(None, "Passes over the training data: run.steps becomes epochs x rows an epoch "
                                            "/ train_batch_size, rounded up (rows an epoch: the windows of a packed "
                                            "corpus, the documents of a padded one), and run.steps is not used. "
