@@ -1,4 +1,4 @@
-"""A short generation from a run's model (the embedded GPT or the Llama): `zerojax sample --run RUN_DIR`,
+"""A short generation from a run's model (the embedded GPT or the Llama): `zerojax sample RUN_DIR`,
 and the end of train.py.
 
 A loss curve says a run learned; a few generated lines show what. When the prompt and the new tokens
