@@ -149,7 +149,7 @@ def test_estimate_counts_one_momentum_per_matrix_and_two_moments_for_the_rest() 
 def test_stage_3_gathers_each_muon_matrix_once() -> None:
     """The replicated constraint around the iteration: Muon's extra traffic over AdamW is one fp32
     all-gather of its matrices (without it XLA splits every product and moves ~13x that)."""
-    from zerojax.core.hlo import collectives, summarize
+    from zerojax.measure.hlo import collectives, summarize
     params = h.mlp_params(0, divisible=True)
 
     def sent(optimizer: dict) -> float:

@@ -2,7 +2,7 @@
 
 Counted from the model's shapes and the ZeRO paper's volumes (nothing compiled, an answer in seconds),
 or, with `--compiled`, read from the embedded GPT's step compiled on the local devices with abstract
-inputs (`zerojax.core.hlo`, loops counted trip-count times: XLA's `cost_analysis()` counts a scanned
+inputs (`zerojax.measure.hlo`, loops counted trip-count times: XLA's `cost_analysis()` counts a scanned
 layer stack's body once).
 """
 from __future__ import annotations
@@ -72,10 +72,10 @@ class StepTime:
 def compiled_costs(config: Config) -> tuple[float, float, float, int]:
     """(FLOPs, memory bytes, collective bytes, data size) per device for one step of the embedded
     GPT, read from the step compiled on the local devices with abstract inputs (nothing is
-    allocated): `zerojax.core.hlo.work` (matmul FLOPs and kernel operand/result bytes) and
-    `zerojax.core.hlo.collectives` (ZeRO-paper volume accounting), both counting loop bodies trip-count
+    allocated): `zerojax.measure.hlo.work` (matmul FLOPs and kernel operand/result bytes) and
+    `zerojax.measure.hlo.collectives` (ZeRO-paper volume accounting), both counting loop bodies trip-count
     times - XLA's `cost_analysis()` counts a scanned layer stack's body once."""
-    from zerojax.core import hlo
+    from zerojax.measure import hlo
     from zerojax.core.mesh import row_size
     from zerojax.planner.plan import make_plan
     from zerojax.planner.mesh import make_mesh
