@@ -5,11 +5,13 @@ machine has the same bytes with nothing downloaded. Batch `k` depends only on (s
 resumes at any position by index alone.
 
 Your own data comes as a flat token file (the nanoGPT/Megatron `.bin`: uint16 or uint32 ids end to
-end, memory-mapped, never read whole), or as text/JSONL tokenized at start-up with a `tokenizers`
-tokenizer.json. Documents are packed: concatenated with an end-of-document id and cut into windows
-of seq_len + 1 tokens, visited in an order that grain shuffles afresh each epoch; the loss skips the
-prediction across a document boundary (`loss_mask`). Attention still sees the previous document
-inside a window, as in GPT-2/nanoGPT packing.
+end, memory-mapped, never read whole), as text/JSONL, or as a text or token-id column of a Parquet
+file, an Arrow file or a Hugging Face `datasets` folder (`tables`, with pyarrow), text tokenized at
+start-up with a `tokenizers` tokenizer.json (the model's own by default). Documents are packed:
+concatenated with an end-of-document id and cut into windows of seq_len + 1 tokens, visited in an
+order that grain shuffles afresh each epoch; the loss skips the prediction across a document
+boundary (`loss_mask`). Attention still sees the previous document inside a window, as in
+GPT-2/nanoGPT packing. Or padded (`data.packing: pad`): a document a row, the padding out of the loss.
 
 `Loader` runs any of these through grain: a MapDataset of batch indices whose iterator builds the
 batches in a background thread and whose state (`{"next_index": k}`) is what a checkpoint saves.
