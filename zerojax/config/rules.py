@@ -188,23 +188,36 @@ def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
     return dataclasses.replace(config, bf16=dataclasses.replace(config.bf16, check_grad_overflow=True))
 
 
+#: data.source implied by a data.path's suffix (a folder datasets wrote: datasets; anything else: file)
+_SOURCE_BY_SUFFIX = {".jsonl": "jsonl", ".bin": "tokens", ".npy": "tokens", ".parquet": "parquet", ".pq": "parquet",
+                     ".arrow": "arrow", ".feather": "arrow"}
+
+
 def _derive_data_source(config: Config, sources: dict[str, str]) -> Config:
-    """A `data.path` means "train on this file": it implies `data.source` (jsonl for *.jsonl, tokens for
-    *.bin and *.npy, else file) unless the source is written; a written `stdlib` next to a path would silently
-    ignore the file, so that is an error."""
+    """A `data.path` means "train on this file": it implies `data.source` (by its suffix, or a folder
+    `datasets` wrote) unless the source is written; a written `stdlib` next to a path would silently
+    ignore the file, so that is an error. Text that needs tokenizing takes `model.hf_checkpoint`'s own
+    tokenizer.json when `data.tokenizer` is not given."""
     data = config.data
     if data.path is None:
         return config
     if "data.source" not in sources:
-        suffix = Path(data.path).suffix.lower()
-        source = {".jsonl": "jsonl", ".bin": "tokens", ".npy": "tokens"}.get(suffix, "file")
-        sources["data.source"] = f"derived (data.path is given{f', {suffix}' if source != 'file' else ''})"
-        return dataclasses.replace(config, data=dataclasses.replace(data, source=source))
+        path = Path(data.path)
+        folder = path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+        source = "datasets" if folder else _SOURCE_BY_SUFFIX.get(path.suffix.lower(), "file")
+        why = "a datasets folder" if folder else path.suffix.lower()
+        sources["data.source"] = f"derived (data.path is given{f', {why}' if source != 'file' else ''})"
+        data = dataclasses.replace(data, source=source)
     if data.source == "stdlib":
         raise ConfigError(f"data.path: {data.path} is given but data.source is '{data.source}', which "
-                          f"ignores it; set data.source: file (or jsonl, tokens) to train on the file, or "
-                          f"remove data.path")
-    return config
+                          f"ignores it; set data.source: file (or jsonl, tokens, parquet, arrow, datasets) to train "
+                          f"on the file, or remove data.path")
+    hf = config.model.hf_checkpoint
+    needs_tokenizer = data.source in ("jsonl", "parquet", "arrow", "datasets") and data.tokens_key is None
+    if data.tokenizer is None and needs_tokenizer and hf and (Path(hf) / "tokenizer.json").is_file():
+        data = dataclasses.replace(data, tokenizer=str(Path(hf) / "tokenizer.json"))
+        sources["data.tokenizer"] = "derived (model.hf_checkpoint's tokenizer.json)"
+    return dataclasses.replace(config, data=data)
 
 
 def check_rules(config: Config, sources: Mapping[str, str] | None = None) -> None:
@@ -215,6 +228,7 @@ def check_rules(config: Config, sources: Mapping[str, str] | None = None) -> Non
     if config.optimizer is not None:
         _check_optimizer(config)
     _check_sections(config)
+    _check_data(config, sources or {})
     _check_engine_modes(config)
 
 
@@ -378,16 +392,34 @@ def _check_sections(config: Config) -> None:
             raise ConfigError(f"tensor_parallel.partition_config.layer_specs[{i}].patterns: required (a spec without "
                               f"patterns matches no parameter); give a list of regular expressions such as "
                               f'[".*\\.o_proj\\.weight$"]')
-    data = config.data
+
+
+def _check_data(config: Config, sources: Mapping[str, str]) -> None:
+    """The data and loop keys that only make sense together."""
+    data, run = config.data, config.run
     if data.source != "stdlib" and not data.path:
-        kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file"}[data.source]
+        kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file", "parquet": "a Parquet file",
+                "arrow": "an Arrow file", "datasets": "a folder datasets' save_to_disk wrote"}[data.source]
         raise ConfigError(f"data.path: required when data.source is '{data.source}'; give {kind}")
-    if data.source == "jsonl" and not data.tokenizer:
-        raise ConfigError("data.tokenizer: data.source: jsonl needs a tokenizer; give the path of a "
-                          "tokenizer.json (Hugging Face `tokenizers` format)")
+    if data.source in ("jsonl", "parquet", "arrow", "datasets") and not data.tokenizer and data.tokens_key is None:
+        raise ConfigError(f"data.tokenizer: data.source: {data.source} needs a tokenizer for its text (data.text_key: "
+                          f"{data.text_key}); give data.tokenizer (a tokenizer.json, Hugging Face `tokenizers` "
+                          f"format), a model.hf_checkpoint folder holding its tokenizer.json, or data.tokens_key "
+                          f"naming a field of token ids")
     if data.source == "tokens" and data.tokenizer:
         raise ConfigError("data.tokenizer: a data.source: tokens file is already tokenized; remove "
                           "data.tokenizer (the model's vocab_size must cover its ids)")
+    if data.tokens_key is not None and data.source not in ("jsonl", "parquet", "arrow", "datasets"):
+        raise ConfigError(f"data.tokens_key: names a JSONL field or a table column of token ids, but data.source is "
+                          f"{data.source}; set data.source to jsonl, parquet, arrow or datasets, or remove "
+                          f"data.tokens_key")
+    if data.packing == "pad" and (data.source == "stdlib" or (data.source == "file" and not data.tokenizer)):
+        raise ConfigError(f"data.packing: pad gives each document its own row, but data.source {data.source} without "
+                          f"a tokenizer is one stream of bytes; give documents (jsonl, parquet, arrow, datasets) or "
+                          f"use data.packing: pack")
+    if run.eval_every is not None and run.eval_batches == 0:
+        raise ConfigError(f"run.eval_every: {run.eval_every}, but run.eval_batches is 0, so there is nothing to "
+                          f"validate on; set run.eval_batches to 1 or more, or remove run.eval_every")
 
 
 def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:

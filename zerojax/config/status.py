@@ -299,10 +299,11 @@ KEY_STATUS: dict[str, str] = {
     "model.expert_tensor_parallelism": f"{HONOURED} (the Llama's MoE layers and the tensor plan: false keeps "
                                        f"every leaf annotated `expert` whole over mesh.tensor)",
     **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed", "dtype", "tokenizer",
-                                   "text_key", "eos_id", "mask_boundaries")},
+                                   "text_key", "eos_id", "mask_boundaries", "tokens_key", "packing", "pad_id",
+                                   "split", "val_split", "val_path")},
     **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",
                                   "checkpoint_dir", "save_every", "non_finite", "non_finite_limit", "signal_save_seconds",
-                                  "sample_tokens", "compile_cache")},
+                                  "sample_tokens", "compile_cache", "eval_every", "save_best", "epochs")},
     **{f"distributed.{k}": HONOURED for k in ("coordinator_address", "num_processes", "process_id", "join",
                                               "initialization_timeout", "check_consistency", "hang_timeout")},
 }

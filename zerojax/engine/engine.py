@@ -311,7 +311,7 @@ class Engine(DeepSpeedAPI):
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
                         extra: Mapping[str, Any] | None = None, async_save: bool | None = None,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        exclude_frozen_parameters: bool = False, best: bool = False) -> str:
         """Save everything needed to continue bit for bit; returns the tag (`global_step{N}` by default).
 
         As in DeepSpeed, the save is complete and verifiable when this returns. `async_save=True`
@@ -321,6 +321,8 @@ class Engine(DeepSpeedAPI):
         holds more JSON state (the trainer keeps its data position there). Relative paths are fine.
         `exclude_frozen_parameters` (DeepSpeed's): the frozen parameters are not written; the tag then
         loads into an engine that holds them (`load_checkpoint` takes them from this engine's state).
+        `best` (zerojax): the folder's `.best` pointer names this tag once it is complete (train.py's lowest
+        validation loss); retention never deletes that tag.
         """
         from zerojax import checkpoint  # orbax is imported only when checkpoints are used
         cfg = self.config.checkpoint
@@ -334,7 +336,7 @@ class Engine(DeepSpeedAPI):
                    **({"hf_source": self._hf_source} if getattr(self, "_hf_source", None) else {}), **(extra or {})},
             async_save=cfg.async_save if async_save is None else async_save,
             max_to_keep=cfg.max_to_keep, keep_every_n_steps=cfg.keep_every_n_steps,
-            exclude_frozen=exclude_frozen_parameters)
+            exclude_frozen=exclude_frozen_parameters, best=best)
         return self._pending.tag
 
     def wait_for_checkpoint(self) -> None:

@@ -160,11 +160,18 @@ class DataConfig:
     source: str = option("stdlib", "stdlib: the embedded corpus, as bytes. file: a text file (bytes, or tokens "
                                    "with data.tokenizer). jsonl: one JSON document a line, tokenized with "
                                    "data.tokenizer. tokens: a flat array of token ids (nanoGPT/Megatron .bin), "
-                                   "memory-mapped, or a 1-D integer .npy. Default with data.path: jsonl for *.jsonl, "
-                                   "tokens for *.bin and *.npy, else file. A binary file (Parquet, Arrow, zip, "
-                                   "gzip, ...; by its first bytes or its name) or text that is not UTF-8 is "
-                                   "refused as a text or JSONL file.", choices=("stdlib", "file", "jsonl", "tokens"))
-    path: Optional[str] = option(None, "The file to train on (implies data.source, see there).")
+                                   "memory-mapped, or a 1-D integer .npy. parquet, arrow: a Parquet file, an Arrow "
+                                   "IPC file or stream, a document a row (data.text_key or data.tokens_key names "
+                                   "the column). datasets: a folder Hugging Face datasets' save_to_disk wrote "
+                                   "(a Dataset, or a DatasetDict and data.split), read with pyarrow (the datasets "
+                                   "package is not needed). Default with data.path: jsonl for *.jsonl, tokens for "
+                                   "*.bin and *.npy, parquet for *.parquet, arrow for *.arrow and *.feather, "
+                                   "datasets for a folder holding state.json or dataset_dict.json, else file. A "
+                                   "binary file (Parquet, Arrow, zip, gzip, ...; by its first bytes or its name) or "
+                                   "text that is not UTF-8 is refused as a text or JSONL file.",
+                         choices=("stdlib", "file", "jsonl", "tokens", "parquet", "arrow", "datasets"))
+    path: Optional[str] = option(None, "The file (or datasets folder) to train on (implies data.source, see "
+                                       "there).")
     max_bytes: int = option(4_000_000, "Read at most this many bytes of a text corpus (stdlib, file, jsonl).",
                             gt=0)
     val_fraction: float = option(0.05, "Fraction held out for validation (the end of the token stream).",
@@ -172,9 +179,31 @@ class DataConfig:
     seed: int = option(0, "Seed of the batch order.")
     dtype: str = option("uint16", "Element type of a data.source: tokens file (uint16 for vocabularies up to "
                                   "65536, else uint32).", choices=("uint16", "uint32"))
-    tokenizer: Optional[str] = option(None, "A Hugging Face `tokenizers` tokenizer.json that tokenizes text "
-                                            "and JSONL files (needs `pip install zerojax[tokenizers]`).")
-    text_key: str = option("text", "The field of each JSONL line that holds the document's text.")
+    tokenizer: Optional[str] = option(None, "A Hugging Face `tokenizers` tokenizer.json that tokenizes the text "
+                                            "of text, JSONL, Parquet, Arrow and datasets sources (default: the "
+                                            "tokenizer.json of model.hf_checkpoint, when that folder has one "
+                                            "and the text needs tokenizing).")
+    text_key: str = option("text", "The field of each JSONL line, or the column of a Parquet, Arrow or datasets "
+                                   "source, that holds the document's text.")
+    tokens_key: Optional[str] = option(None, "The field of each JSONL line, or the column of a Parquet, Arrow or "
+                                             "datasets source, that holds the document's token ids (a list of "
+                                             "integers), used as they are: no tokenizer (data.eos_id, when given, "
+                                             "is appended to each). Unset: the text of data.text_key is "
+                                             "tokenized.")
+    packing: str = option("pack", "How documents become rows. pack: end to end with data.eos_id between them, "
+                                  "cut into windows of model.seq_len + 1 (no loss across a boundary, "
+                                  "data.mask_boundaries). pad: one document a row, cut at model.seq_len + 1 "
+                                  "tokens and padded with data.pad_id, the padding left out of the loss (a "
+                                  "fine-tuning set of separate examples).", choices=("pack", "pad"))
+    pad_id: Optional[int] = option(None, "data.packing: pad: the id that fills a row after its document (default: "
+                                         "the end-of-document id, else 0); never in the loss.", ge=0)
+    split: str = option("train", "data.source: datasets: the split of a DatasetDict folder to train on.")
+    val_split: Optional[str] = option(None, "data.source: datasets: the split of a DatasetDict folder to validate on "
+                                            "(default: its validation split when it has one, else the last "
+                                            "data.val_fraction of data.split).")
+    val_path: Optional[str] = option(None, "A validation file (or datasets folder) read as data.path is (same "
+                                           "data.source, keys and tokenizer); default: the last data.val_fraction "
+                                           "of data.path.")
     eos_id: Optional[int] = option(None, "Token id that ends each document: appended after every tokenized "
                                          "document, and where the loss stops (default: the tokenizer's "
                                          "end-of-text token; none for a tokens file: give it to mask its "
@@ -189,7 +218,19 @@ class RunConfig:
     steps: int = option(200, "Optimizer steps to run.", gt=0)
     output_dir: str = option("runs/zerojax", "Where metrics.jsonl and config.json are written.")
     seed: int = option(0, "Seed of the parameter initialization.")
-    eval_batches: int = option(4, "Validation batches evaluated at the end.", ge=0)
+    eval_batches: int = option(4, "Validation batches evaluated at the end (and every run.eval_every steps): "
+                                  "the first ones of the validation set, the same each time.", ge=0)
+    eval_every: Optional[int] = option(None, "Steps between validations during the run (run.eval_batches batches "
+                                             "each; a val_loss row in metrics.jsonl and a Train/Samples/val_loss "
+                                             "event); null: only at the end.", gt=0)
+    save_best: bool = option(True, "With run.eval_every: a validation loss lower than every earlier one saves a "
+                                   "checkpoint of that step (if none is saved there) and points the checkpoint "
+                                   "folder's .best file at it; retention (checkpoint.max_to_keep) never deletes the "
+                                   "tag it names. `--tag best` exports or samples it.")
+    epochs: Optional[float] = option(None, "Passes over the training data: run.steps becomes epochs x rows an epoch "
+                                           "/ train_batch_size, rounded up (rows an epoch: the windows of a packed "
+                                           "corpus, the documents of a padded one), and run.steps is not used. "
+                                           "Batches run on across an epoch's end (each epoch reshuffled).", gt=0)
     progress: bool = option(True, "Show a progress bar.")
     log_every: Optional[int] = option(None, "Steps between metrics lines (default: steps_per_print).", gt=0)
     checkpoint_dir: Optional[str] = option(
