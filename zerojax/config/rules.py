@@ -331,7 +331,10 @@ def _check_sections(config: Config) -> None:
     m = config.model
     if m.name == "gpt":
         for key, default in (("head_dim", None), ("qkv_bias", False), ("qk_norm", False), ("rope_scaling", None),
-                             ("sliding_window", None)):
+                             ("sliding_window", None), ("global_every", None), ("query_scale", None),
+                             ("attn_softcap", None), ("final_softcap", None), ("norm_offset", 0.0),
+                             ("embed_scale", False), ("post_norms", False), ("mlp_activation", "silu"),
+                             ("hf_family", None)):
             if getattr(m, key) != default:
                 raise ConfigError(f"model.{key}: {getattr(m, key)}, but the gpt model has learned positions and "
                                   f"GPT-2's fused attention; remove it, or set model.name: llama")
@@ -350,6 +353,9 @@ def _check_sections(config: Config) -> None:
     if m.name == "gpt" and m.n_kv_heads not in (None, m.n_heads):
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} differs from n_heads, but the gpt model has "
                           f"plain multi-head attention; remove it, or set model.name: llama")
+    if m.global_every is not None and m.n_experts:
+        raise ConfigError(f"model.global_every: {m.global_every}, but the MoE llama's layers all keep "
+                          f"model.sliding_window; remove model.global_every (Gemma 2's alternation is dense)")
     if m.n_experts:
         if m.name != "llama":
             raise ConfigError(f"model.n_experts: {m.n_experts} experts, but the {m.name} model has no "

@@ -269,7 +269,9 @@ KEY_STATUS: dict[str, str] = {
                                     "remat", "init_std", "norm_eps", "attention", "attention_block")},
     **{f"model.{k}": _LLAMA for k in ("n_kv_heads", "head_dim", "qkv_bias", "qk_norm", "sliding_window", "rope_scaling", "rope_factor",
                                       "rope_low_freq_factor", "rope_high_freq_factor",
-                                      "rope_original_max_positions")},
+                                      "rope_original_max_positions", "global_every", "query_scale",
+                                      "attn_softcap", "final_softcap", "norm_offset", "embed_scale", "post_norms",
+                                      "mlp_activation", "hf_family")},
     **{f"model.{k}": f"{HONOURED} (zerojax key: frozen parameters have no gradient, master or optimizer state; "
                      f"not with pipelines; see docs/lora.md)" for k in ("trainable", "frozen")},
     "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",
