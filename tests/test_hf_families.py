@@ -252,3 +252,50 @@ def test_new_families_train_at_zero3(name: str, mesh: dict[str, Any], tmp_path: 
     back = hf.read_params(out, cfg.model)
     for g, w in zip(jax.tree.leaves(back), jax.tree.leaves(trained)):
         np.testing.assert_array_equal(g, w)
+
+
+def test_hf_config_builds_the_family_with_fresh_weights(tmp_path: Path) -> None:
+    """`model.hf_config: config.json` gives the same model keys as the checkpoint folder, and train.py's
+    engine builds that model with fresh weights (no tensor read), which trains at stage 3 and exports as
+    the family; the file's errors name model.hf_config."""
+    from zerojax.app.trainer import build_engine, build_model
+    from zerojax.planner.mesh import make_mesh
+    from zerojax.tools.estimate import embedded_model
+
+    def load(**model: Any) -> zerojax.Config:
+        return zerojax.load_config({
+            "train_batch_size": 8, "gradient_clipping": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "model": {"seq_len": 24, **model}})
+
+    for name in ("gemma2", "qwen3_moe"):
+        fresh = load(hf_config=str(FIXTURES / name / "config.json")).model
+        assert dataclasses.replace(fresh, hf_config=None) == dataclasses.replace(config(name).model, hf_checkpoint=None)
+    assert load(hf_config=str(FIXTURES / "phi3")).model.hf_family == "phi3"  # the folder holding it too
+    cfg = load(hf_config=str(FIXTURES / "gemma2" / "config.json"))
+    with hf.Checkpoint(FIXTURES / "gemma2") as src:  # the estimate counts the checkpoint's parameters
+        assert embedded_model(cfg).total_params == sum(int(np.prod(src.shape(t))) for t in src.where)
+    mesh = data_mesh()
+    engine = build_engine(cfg, mesh, build_model(cfg, mesh))
+    imported = hf.read_params(FIXTURES / "gemma2", config("gemma2").model)
+    assert not np.allclose(to_numpy(engine.params)["layers"]["q"]["kernel"], imported["layers"]["q"]["kernel"])
+    np.testing.assert_array_equal(to_numpy(engine.params)["norm"]["scale"], 0.0)  # Gemma's (1 + w) starts at 1
+    tokens = np.tile(np.load(FIXTURES / "gemma2" / "tokens.npy"), (4, 1))
+    before = float(engine.eval_batch({"tokens": tokens}))
+    engine.train_batch({"tokens": tokens})
+    assert float(engine.eval_batch({"tokens": tokens})) < before
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.wait_for_checkpoint()
+    out = hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gemma2"
+    with hf.Checkpoint(FIXTURES / "gemma2") as src, hf.Checkpoint(out) as got:
+        assert {t: got.shape(t) for t in got.where} == {t: src.shape(t) for t in src.where}
+    with pytest.raises(zerojax.ConfigError, match="model.hf_config: .*nope.json not found"):
+        load(hf_config=str(tmp_path / "nope.json"))
+    with pytest.raises(zerojax.ConfigError, match="model.hf_config: .* given with model.hf_checkpoint"):
+        load(hf_config=str(FIXTURES / "qwen3" / "config.json"), hf_checkpoint=str(FIXTURES / "qwen3"))
+    bad = tmp_path / "gemma3.json"
+    bad.write_text(json.dumps({**json.loads((FIXTURES / "gemma2" / "config.json").read_text()), "model_type": "gemma3"}))
+    with pytest.raises(zerojax.ConfigError, match="model.hf_config: .*model_type 'gemma3'.*nearest it reads: gemma2"):
+        load(hf_config=str(bad))

@@ -19,8 +19,17 @@ class HFError(ConfigError):
     """A Hugging Face checkpoint folder that cannot be read as the config's model."""
 
 
-def read_config_json(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+def read_config_json(directory: str | os.PathLike[str], key: str = "model.hf_checkpoint") -> tuple[Path, dict[str, Any]]:
+    """The folder and the parsed config.json of a checkpoint folder; for `model.hf_config` the file itself
+    may be given."""
     root = Path(directory).expanduser()
+    if key != "model.hf_checkpoint" and root.is_file():
+        try:
+            return root.parent, json.loads(root.read_text())
+        except json.JSONDecodeError as e:
+            raise HFError(f"{key}: {root} is not valid JSON ({e})") from None
+    if key != "model.hf_checkpoint" and not root.is_dir():
+        raise HFError(f"{key}: {root} not found; give a transformers config.json (or the folder holding one)")
     if not root.is_dir():
         raise HFError(f"model.hf_checkpoint: {root} is not a folder; give a local transformers checkpoint "
                       f"folder (config.json and model.safetensors, as save_pretrained writes)")
@@ -170,14 +179,25 @@ def _qwen3_moe_keys(hf: Mapping[str, Any], where: str, need: Callable[..., Any],
             "d_ff": int(need("moe_intermediate_size"))}
 
 
-def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) -> tuple[dict[str, Any], str]:
+def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None,
+               key: str = "model.hf_checkpoint") -> tuple[dict[str, Any], str]:
     """The `model.*` values a checkpoint's config.json implies, and where they came from.
 
     `seq_len` is the config's own `model.seq_len` when given (GPT-2's position table must cover it).
     Architectures the models here do not compute exactly are refused, naming the config.json key.
+    `key`: the config key that named the file (`model.hf_config` reads a config.json alone).
     """
-    root, hf = read_config_json(directory)
-    where = f"{root / 'config.json'}"
+    try:
+        return _model_keys(directory, seq_len, key)
+    except HFError as e:
+        if key == "model.hf_checkpoint":
+            raise
+        raise HFError(str(e).replace("model.hf_checkpoint", key)) from None
+
+
+def _model_keys(directory: str | os.PathLike[str], seq_len: int | None, key: str) -> tuple[dict[str, Any], str]:
+    root, hf = read_config_json(directory, key)
+    where = str(Path(directory).expanduser()) if Path(directory).expanduser().is_file() else f"{root / 'config.json'}"
     kind = hf.get("model_type")
 
     def need(*names: str) -> Any:

@@ -125,6 +125,11 @@ class ModelConfig:
         None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
               "not; Llama-family, Qwen2, Qwen3, Mistral, Mixtral or GPT-2: docs/models.md) to start from: its weights are read straight into the plan's "
               "shards, and model keys not given are taken from its config.json.")
+    hf_config: Optional[str] = option(
+        None, "A Hugging Face config.json (or the folder holding one) whose model the run builds with fresh "
+              "weights - pre-training, or a test with no checkpoint: the model keys not given are taken from it "
+              "as model.hf_checkpoint takes them, and no weight is read; `zerojax estimate` reads the same file. "
+              "Not with model.hf_checkpoint (whose config.json is the model already).")
     n_experts: Optional[int] = option(
         None, "llama: experts per mixture-of-experts layer (DeepSpeed's MoE num_experts); unset or 0: the dense "
               "model. The MLP of every model.moe_every-th layer becomes a MoE layer; see docs/moe.md.", ge=0)
