@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from zerojax.config import OP_NAMES
-from zerojax.core.hlo import comms_report as hlo_comms_report, work
+from zerojax.measure.hlo import comms_report as hlo_comms_report, work
 from zerojax.core.measure import array_bytes, live_device_bytes, step_memory
 from zerojax.core.mesh import row_size
 from zerojax.engine.engine import Engine
@@ -114,7 +114,7 @@ def flops_profile(engine: Engine, batch: Any, latency: float) -> str:
     the achieved TFLOPS. Nothing is trained here: the step timed is one of the run's own."""
     placed = engine.place_batch(batch, engine.plan.batch.train_batch_size)
     compiled = engine.train_step_fn.lower(engine.state, placed).compile()
-    # zerojax.core.hlo.work counts a scanned layer stack's matmuls once per layer (XLA's cost_analysis
+    # zerojax.measure.hlo.work counts a scanned layer stack's matmuls once per layer (XLA's cost_analysis
     # counts a while body once, whatever its trip count)
     flops = work(compiled.as_text()).flops * engine.mesh.size  # the module is each device's program
     return (f"flops profile: {flops:.3e} FLOPs per step (all devices), latency {1e3 * latency:.1f} ms, "

@@ -7,7 +7,7 @@ from typing import Optional
 
 from zerojax.config.fields import option
 
-# The HLO names of the collectives (zerojax.core.hlo reads them from compiled steps).
+# The HLO names of the collectives (zerojax.measure.hlo reads them from compiled steps).
 COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 # DeepSpeed's comms logger names ops after torch.distributed calls; each maps to one HLO kind.
 OP_NAMES = {
