@@ -117,8 +117,13 @@ def test_family_export_writes_the_checkpoint_back_bit_for_bit(name: str, tmp_pat
             np.testing.assert_array_equal(got.read(tensor, ()), src.read(tensor, ()))
     keys, _ = hf.model_keys(out, cfg.seq_len)
     assert all(getattr(cfg, k) == v for k, v in keys.items()), keys
-    assert json.loads((out / "config.json").read_text())["model_type"] == \
-        json.loads((FIXTURES / name / "config.json").read_text())["model_type"]
+    written, source = json.loads((out / "config.json").read_text()), json.loads((FIXTURES / name / "config.json").read_text())
+    assert written["model_type"] == source["model_type"]
+    for key in ("query_pre_attn_scalar", "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                "sliding_window", "num_experts", "moe_intermediate_size", "norm_topk_prob"):
+        if key in written:  # transformers' strict config classes check the types too (an int stays an int)
+            assert (written[key], type(written[key])) == (source.get(key, source.get("num_local_experts")),
+                                                          type(source.get(key, source.get("num_local_experts")))), key
 
 
 def test_qwen3_trains_at_zero3_and_exports_through_its_source(tmp_path: Path) -> None:
@@ -274,8 +279,12 @@ def test_hf_config_builds_the_family_with_fresh_weights(tmp_path: Path) -> None:
         assert dataclasses.replace(fresh, hf_config=None) == dataclasses.replace(config(name).model, hf_checkpoint=None)
     assert load(hf_config=str(FIXTURES / "phi3")).model.hf_family == "phi3"  # the folder holding it too
     cfg = load(hf_config=str(FIXTURES / "gemma2" / "config.json"))
-    with hf.Checkpoint(FIXTURES / "gemma2") as src:  # the estimate counts the checkpoint's parameters
-        assert embedded_model(cfg).total_params == sum(int(np.prod(src.shape(t))) for t in src.where)
+    from zerojax.tools.estimate import hf_model
+    for name in ("gemma2", "phi3", "qwen3_moe"):  # the estimate counts the checkpoint's parameters, from the same file
+        with hf.Checkpoint(FIXTURES / name) as src:
+            n = sum(int(np.prod(src.shape(t))) for t in src.where)
+        assert embedded_model(load(hf_config=str(FIXTURES / name / "config.json"))).total_params == n
+        assert hf_model(FIXTURES / name / "config.json").total_params == n, name
     mesh = data_mesh()
     engine = build_engine(cfg, mesh, build_model(cfg, mesh))
     imported = hf.read_params(FIXTURES / "gemma2", config("gemma2").model)

@@ -731,7 +731,7 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
             del out["hidden_act"]
             n = cfg.n_layers
             out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, sliding_window=cfg.sliding_window,
-                       query_pre_attn_scalar=cfg.query_scale or out["head_dim"],
+                       query_pre_attn_scalar=_whole(cfg.query_scale or out["head_dim"]),
                        attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
                        layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
         else:
@@ -743,6 +743,11 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
             "layer_norm_epsilon": cfg.norm_eps if cfg.norm_eps is not None else 1e-6,
             "activation_function": "gelu_new", "tie_word_embeddings": bool(cfg.tie_embeddings),
             "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "torch_dtype": dtype}
+
+
+def _whole(x: float) -> int | float:
+    """An integral value as an int: Gemma2Config's query_pre_attn_scalar is typed int."""
+    return int(x) if float(x).is_integer() else x
 
 
 def _rope_scaling(cfg: Any) -> dict[str, Any] | None:
