@@ -189,9 +189,9 @@ KEY_STATUS: dict[str, str] = {
     "flops_profiler.enabled": HONOURED,
     "flops_profiler.profile_step": HONOURED,
     "flops_profiler.recompute_fwd_factor": f"{NO_EFFECT}: FLOPs come from the compiled step, recomputation included",
-    "flops_profiler.module_depth": f"{NO_EFFECT}: the profile is one total of the compiled step",
-    "flops_profiler.top_modules": f"{NO_EFFECT}: the profile is one total of the compiled step",
-    "flops_profiler.detailed": f"{NO_EFFECT}: the profile is one total of the compiled step",
+    "flops_profiler.module_depth": HONOURED,
+    "flops_profiler.top_modules": HONOURED,
+    "flops_profiler.detailed": HONOURED,
     "flops_profiler.output_file": HONOURED,
     "comms_logger.enabled": HONOURED + " (counts and bytes from the compiled step's HLO; no per-op latency)",
     "comms_logger.verbose": HONOURED,
@@ -277,8 +277,8 @@ KEY_STATUS: dict[str, str] = {
     "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",
     "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",
     "model.hf_config": f"{HONOURED} (the model keys it implies; fresh weights; `zerojax estimate` reads it too)",
-    "model.hf_checkpoint": f"{HONOURED} (train.py and `zerojax train`: the run starts from the checkpoint's "
-                           f"weights, read into the plan's shards)",
+    "model.hf_checkpoint": f"{HONOURED} (train.py, `zerojax train` and `zerojax.from_hf`: the run starts from the "
+                           f"checkpoint's weights, read into the plan's shards)",
     **{f"model.{k}": f"{HONOURED} (the Llama's mixture-of-experts layers, zerojax.models.moe; the GPT refuses "
                      f"model.n_experts)"
        for k in ("n_experts", "experts_per_token", "gating", "moe_every", "capacity_factor",
