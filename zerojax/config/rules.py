@@ -132,10 +132,17 @@ def _derive_sequence(config: Config, sources: dict[str, str]) -> Config:
 
 
 def _derive_model(config: Config, sources: dict[str, str]) -> Config:
-    """Model keys not given: from `model.hf_checkpoint`'s config.json, then each family's defaults."""
+    """Model keys not given: from `model.hf_checkpoint`'s config.json (or `model.hf_config`'s, fresh
+    weights), then each family's defaults."""
     m = config.model
-    if m.hf_checkpoint is not None:
-        found, where = model_keys(m.hf_checkpoint, m.seq_len if "model.seq_len" in sources else None)
+    if m.hf_checkpoint is not None and m.hf_config is not None:
+        raise ConfigError(f"model.hf_config: {m.hf_config} given with model.hf_checkpoint {m.hf_checkpoint}, whose "
+                          f"config.json already describes the model; keep model.hf_checkpoint to start from its "
+                          f"weights, or model.hf_config alone for fresh ones")
+    given = "model.hf_checkpoint" if m.hf_checkpoint is not None else "model.hf_config"
+    if m.hf_checkpoint is not None or m.hf_config is not None:
+        found, where = model_keys(m.hf_checkpoint or m.hf_config, m.seq_len if "model.seq_len" in sources else None,
+                                  given)
         changes = {}
         for key, value in found.items():
             path = f"model.{key}"
@@ -144,14 +151,14 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
             if key in TRAINING_KEYS and path in sources:
                 continue  # a training choice (the aux loss's weight): the config's own value wins
             if path in sources and getattr(m, key) != value:
-                raise ConfigError(f"{path}: {getattr(m, key)} given, but the checkpoint model.hf_checkpoint "
+                raise ConfigError(f"{path}: {getattr(m, key)} given, but the checkpoint {given} "
                                   f"names has {value} ({where}); remove {path} from the config to take the "
                                   f"checkpoint's value, or choose a checkpoint of that size")
             if path not in sources:
                 changes[key] = value
-                sources[path] = f"derived (model.hf_checkpoint {where})"
+                sources[path] = f"derived ({given} {where})"
         if m.n_experts and "n_experts" not in found:
-            raise ConfigError(f"model.n_experts: {m.n_experts} given, but model.hf_checkpoint's {where} describes a "
+            raise ConfigError(f"model.n_experts: {m.n_experts} given, but {given}'s {where} describes a "
                               f"dense model (no num_local_experts); remove model.n_experts, or name a Mixtral "
                               f"checkpoint")
         m = dataclasses.replace(m, **changes)
@@ -350,7 +357,10 @@ def _check_sections(config: Config) -> None:
     m = config.model
     if m.name == "gpt":
         for key, default in (("head_dim", None), ("qkv_bias", False), ("qk_norm", False), ("rope_scaling", None),
-                             ("sliding_window", None)):
+                             ("sliding_window", None), ("global_every", None), ("query_scale", None),
+                             ("attn_softcap", None), ("final_softcap", None), ("norm_offset", 0.0),
+                             ("embed_scale", False), ("post_norms", False), ("mlp_activation", "silu"),
+                             ("hf_family", None)):
             if getattr(m, key) != default:
                 raise ConfigError(f"model.{key}: {getattr(m, key)}, but the gpt model has learned positions and "
                                   f"GPT-2's fused attention; remove it, or set model.name: llama")
@@ -369,6 +379,9 @@ def _check_sections(config: Config) -> None:
     if m.name == "gpt" and m.n_kv_heads not in (None, m.n_heads):
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} differs from n_heads, but the gpt model has "
                           f"plain multi-head attention; remove it, or set model.name: llama")
+    if m.global_every is not None and m.n_experts:
+        raise ConfigError(f"model.global_every: {m.global_every}, but the MoE llama's layers all keep "
+                          f"model.sliding_window; remove model.global_every (Gemma 2's alternation is dense)")
     if m.n_experts:
         if m.name != "llama":
             raise ConfigError(f"model.n_experts: {m.n_experts} experts, but the {m.name} model has no "

@@ -284,11 +284,14 @@ KEY_STATUS: dict[str, str] = {
                                     "remat", "init_std", "norm_eps", "attention", "attention_block")},
     **{f"model.{k}": _LLAMA for k in ("n_kv_heads", "head_dim", "qkv_bias", "qk_norm", "sliding_window", "rope_scaling", "rope_factor",
                                       "rope_low_freq_factor", "rope_high_freq_factor",
-                                      "rope_original_max_positions")},
+                                      "rope_original_max_positions", "global_every", "query_scale",
+                                      "attn_softcap", "final_softcap", "norm_offset", "embed_scale", "post_norms",
+                                      "mlp_activation", "hf_family")},
     **{f"model.{k}": f"{HONOURED} (zerojax key: frozen parameters have no gradient, master or optimizer state; "
                      f"not with pipelines; see docs/lora.md)" for k in ("trainable", "frozen")},
     "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",
     "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",
+    "model.hf_config": f"{HONOURED} (the model keys it implies; fresh weights; `zerojax estimate` reads it too)",
     "model.hf_checkpoint": f"{HONOURED} (train.py, `zerojax train` and `zerojax.from_hf`: the run starts from the "
                            f"checkpoint's weights, read into the plan's shards)",
     **{f"model.{k}": f"{HONOURED} (the Llama's mixture-of-experts layers, zerojax.models.moe; the GPT refuses "

@@ -68,11 +68,14 @@ class Source(NamedTuple):
     stored transposed ([out, in], torch's Linear) or not. `prefix_rows`: the tensor may have more
     rows than the leaf, which takes the first ones (GPT-2's position table, n_positions >= seq_len).
     `per_expert`: the leaf's next dimension (after the layer's) is the expert, `{j}` in the name:
-    one transformers tensor per layer and expert."""
+    one transformers tensor per layer and expert. `part`: (start, stop, rows) - the leaf is rows
+    start:stop of a fused tensor of `rows` rows (Phi-3's qkv_proj and gate_up_proj, torch's [out, in]):
+    split on import, the parts written back side by side on export."""
     name: str
     transpose: bool = False
     prefix_rows: bool = False
     per_expert: bool = False
+    part: tuple[int, int, int] | None = None
 
 
 def _layer_linears(pairs: tuple[tuple[str, str], ...]) -> dict[tuple[str, ...], Source]:
@@ -102,38 +105,113 @@ QWEN3_TENSORS: dict[tuple[str, ...], Source] = {  # Llama's, and each head's que
     ("layers", "q_norm", "scale"): Source("model.layers.{i}.self_attn.q_norm.weight"),
     ("layers", "k_norm", "scale"): Source("model.layers.{i}.self_attn.k_norm.weight"),
 }
-FAMILY_TENSORS = {"llama": LLAMA_TENSORS, "mistral": LLAMA_TENSORS, "qwen2": QWEN2_TENSORS, "qwen3": QWEN3_TENSORS}
+GEMMA2_TENSORS: dict[tuple[str, ...], Source] = {  # Llama's projections; four norms a layer, named Gemma's way
+    **{path: source for path, source in LLAMA_TENSORS.items() if path[-2] != "mlp_norm"},
+    ("layers", "post_attn_norm", "scale"): Source("model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers", "mlp_norm", "scale"): Source("model.layers.{i}.pre_feedforward_layernorm.weight"),
+    ("layers", "post_mlp_norm", "scale"): Source("model.layers.{i}.post_feedforward_layernorm.weight"),
+}
+# Phi-3's fused tensors: each zerojax leaf and its share of the fused rows, by the parts' widths
+# (`_fused`): [q | k | v] rows of qkv_proj, [gate | up] rows of gate_up_proj.
+PHI3_FUSED: dict[str, tuple[tuple[str, ...], ...]] = {
+    "model.layers.{i}.self_attn.qkv_proj.weight": (("layers", "q", "kernel"), ("layers", "k", "kernel"),
+                                                   ("layers", "v", "kernel")),
+    "model.layers.{i}.mlp.gate_up_proj.weight": (("layers", "gate", "kernel"), ("layers", "up", "kernel")),
+}
+FAMILY_TENSORS = {"llama": LLAMA_TENSORS, "mistral": LLAMA_TENSORS, "qwen2": QWEN2_TENSORS, "qwen3": QWEN3_TENSORS,
+                  "gemma2": GEMMA2_TENSORS, "phi3": LLAMA_TENSORS}
+FUSED = {"phi3": PHI3_FUSED}
+
+# The options that name a family when model.hf_family is not set, and the one each names.
+_NAMED_BY = {"qk_norm": "qwen3", "qkv_bias": "qwen2", "post_norms": "gemma2", "sliding_window": "mistral"}
 
 
 def family(cfg: Any) -> str:
-    """The transformers model type of a dense llama-model config: its options name it (Qwen3's per-head
-    q/k norms, Qwen2's q/k/v biases, Mistral's sliding window), else Llama. Options no one transformers
-    family has together are refused."""
-    chosen = [key for key in ("qk_norm", "qkv_bias", "sliding_window") if getattr(cfg, key)]
+    """The transformers model type of a dense llama-model config: `model.hf_family` (set by an import),
+    else the one its options name (Qwen3's per-head q/k norms, Qwen2's q/k/v biases, Gemma 2's post
+    norms, Mistral's sliding window), else Llama. Options no one transformers family has together are
+    refused."""
+    if cfg.hf_family in FAMILY_TENSORS:
+        return cfg.hf_family
+    chosen = [key for key in _NAMED_BY if getattr(cfg, key)]
+    if chosen == ["post_norms", "sliding_window"]:
+        chosen = ["post_norms"]  # Gemma 2's local layers
     if len(chosen) > 1:
         raise HFError(f"model.{chosen[0]} and model.{chosen[1]} together match no Hugging Face family (Qwen3 has "
-                      f"the q/k norms, Qwen2 the q/k/v biases, Mistral the sliding window); export this model with "
-                      f"--format safetensors instead")
-    return {"qk_norm": "qwen3", "qkv_bias": "qwen2", "sliding_window": "mistral"}[chosen[0]] if chosen else "llama"
+                      f"the q/k norms, Qwen2 the q/k/v biases, Gemma 2 the post norms, Mistral the sliding window); "
+                      f"export this model with --format safetensors instead")
+    kind = _NAMED_BY[chosen[0]] if chosen else "llama"
+    _check_family(cfg, kind)
+    return kind
+
+
+# What each family computes, beyond the options that name it: a model whose switches differ is no
+# checkpoint of that family, and an export under its name would load as another model.
+_GEMMA2_SWITCHES = {"norm_offset": 1.0, "embed_scale": True, "post_norms": True, "mlp_activation": "gelu_tanh"}
+_PLAIN_SWITCHES = {"norm_offset": 0.0, "embed_scale": False, "post_norms": False, "mlp_activation": "silu",
+                   "attn_softcap": None, "final_softcap": None, "query_scale": None, "global_every": None}
+
+
+def _check_family(cfg: Any, kind: str) -> None:
+    want = _GEMMA2_SWITCHES if kind == "gemma2" else _PLAIN_SWITCHES
+    for key, value in want.items():
+        if getattr(cfg, key) != value:
+            raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face {kind} checkpoint has "
+                          f"{json.dumps(value)}; export this model with --format safetensors instead")
+    if kind == "gemma2" and cfg.sliding_window is not None and cfg.global_every != 2:
+        raise HFError(f"model.global_every: {cfg.global_every}, but Gemma 2 alternates local and global layers "
+                      f"(2); export this model with --format safetensors instead")
+
+
+def _fused(cfg: Any, kind: str) -> dict[tuple[str, ...], Source]:
+    """The leaves of `kind`'s fused tensors, each with its rows (the parts' widths from the config)."""
+    widths = {"q": cfg.n_heads * _head_dim(cfg), "k": (cfg.n_kv_heads or cfg.n_heads) * _head_dim(cfg),
+              "v": (cfg.n_kv_heads or cfg.n_heads) * _head_dim(cfg), "gate": cfg.d_ff, "up": cfg.d_ff}
+    out = {}
+    for name, parts in FUSED.get(kind, {}).items():
+        total, start = sum(widths[p[1]] for p in parts), 0
+        for path in parts:
+            out[path] = Source(name, transpose=True, part=(start, start + widths[path[1]], total))
+            start += widths[path[1]]
+    return out
+
+
+def _head_dim(cfg: Any) -> int:
+    return cfg.head_dim or cfg.d_model // cfg.n_heads
 
 
 def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
-    names = dict(FAMILY_TENSORS[family(cfg)])
+    kind = family(cfg)
+    _check_family(cfg, kind)
+    names = {**FAMILY_TENSORS[kind], **_fused(cfg, kind)}
     if not cfg.tie_embeddings:
         names[("head", "kernel")] = Source("lm_head.weight", transpose=True)
     return names
 
 
+def moe_family(cfg: Any) -> str:
+    """The transformers MoE model type of a MoE llama: Qwen3-MoE with Qwen3's q/k norms, else Mixtral."""
+    if cfg.hf_family in ("mixtral", "qwen3_moe"):
+        return cfg.hf_family
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
+
+
 def _check_mixtral(cfg: Any) -> None:
-    """The MoE Llama is a transformers Mixtral only in Mixtral's shape and with a gate that renormalizes
-    its top-k weights (every gate but DeepSpeed's top-1); else one error naming the key."""
-    for key, want, why in (("moe_every", 1, "every Mixtral layer's MLP is a mixture of experts"),
-                           ("use_residual", False, "Mixtral has no residual MLP beside its experts (PR-MoE)"),
-                           ("qkv_bias", False, "Mixtral's attention has no biases"),
-                           ("qk_norm", False, "Mixtral's attention has no query/key norms")):
+    """The MoE Llama is a transformers Mixtral (or Qwen3-MoE) only in its shape and with a gate that
+    renormalizes its top-k weights (every gate but DeepSpeed's top-1); else one error naming the key."""
+    kind = moe_family(cfg)
+    name = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}[kind]
+    for key, want, why in (("moe_every", 1, f"every {name} layer's MLP is a mixture of experts"),
+                           ("use_residual", False, f"{name} has no residual MLP beside its experts (PR-MoE)"),
+                           ("qkv_bias", False, f"{name}'s attention has no biases"),
+                           ("qk_norm", kind == "qwen3_moe", f"{name}'s attention has {'' if kind == 'qwen3_moe' else 'no '}"
+                                                            f"query/key norms"),
+                           ("sliding_window", None if kind == "qwen3_moe" else cfg.sliding_window,
+                            "Qwen3-MoE's published checkpoints attend to the whole context")):
         if getattr(cfg, key) != want:
-            raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face MoE checkpoint (Mixtral) needs "
+            raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face MoE checkpoint ({name}) needs "
                           f"{json.dumps(want)}: {why}; export this model with --format safetensors instead")
+    _check_family(cfg, "mixtral")
     if cfg.experts_per_token == 1 and cfg.gating != "topk":
         raise HFError(f"model.gating: {cfg.gating} with model.experts_per_token 1 is DeepSpeed's top-1 gate, which "
                       f"weights a token's expert by its softmax probability where a Hugging Face Mixtral "
@@ -141,16 +219,23 @@ def _check_mixtral(cfg: Any) -> None:
                       f"instead")
 
 
+# Each MoE family's router and experts: its layer's MoE prefix, and the names of the SwiGLU gate, up
+# and down projections of expert {j}.
+MOE_TENSORS = {"mixtral": ("model.layers.{i}.block_sparse_moe.", (("gate", "w1"), ("up", "w3"), ("down", "w2"))),
+               "qwen3_moe": ("model.layers.{i}.mlp.", (("gate", "gate_proj"), ("up", "up_proj"),
+                                                       ("down", "down_proj")))}
+
+
 def _mixtral_names(cfg: Any) -> dict[tuple[str, ...], Source]:
-    """The MoE Llama as transformers' MixtralForCausalLM: the Llama's attention and norms, and in every
-    layer a `block_sparse_moe` of a router (`gate`, [experts, hidden]) and experts whose w1, w3, w2 are
-    the SwiGLU gate, up and down projections."""
+    """The MoE Llama as transformers' MixtralForCausalLM (or Qwen3MoeForCausalLM): the Llama's (Qwen3's)
+    attention and norms, and in every layer a router (`gate`, [experts, hidden]) and experts whose
+    projections are the SwiGLU gate, up and down (Mixtral's w1, w3, w2)."""
     _check_mixtral(cfg)
     names = {path: source for path, source in _llama_names(cfg).items()
              if not (path[0] == "layers" and path[1] in ("gate", "up", "down"))}
-    moe = "model.layers.{i}.block_sparse_moe."
+    moe, projections = MOE_TENSORS[moe_family(cfg)]
     names[("layers", "moe", "router", "kernel")] = Source(moe + "gate.weight", transpose=True)
-    for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+    for ours, theirs in projections:
         names[("layers", "moe", "experts", ours)] = Source(moe + "experts.{j}." + theirs + ".weight",
                                                            transpose=True, per_expert=True)
     return names
@@ -302,6 +387,14 @@ def _names_for(cfg: Any, ckpt: Checkpoint) -> dict[tuple[str, ...], Source]:
     return _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in ckpt else None, cfg.tie_embeddings)
 
 
+def _refuse_fused(table: Mapping[tuple[str, ...], Source], what: str) -> None:
+    fused = next((source.name for source in table.values() if source.part is not None), None)
+    if fused is not None:
+        raise HFError(f"{what}: this model's Hugging Face names fuse several parameters into one tensor ({fused}, "
+                      f"Phi-3's), which a DeepSpeed checkpoint of it holds whole; use model.hf_checkpoint and "
+                      f"export --format hf for Phi-3")
+
+
 def deepspeed_sources(cfg: Any, names: Any) -> dict[str, Source]:
     """The name table for a DeepSpeed checkpoint of this model written by the Hugging Face Trainer:
     zerojax leaf (dotted) -> the DeepSpeed parameter name it comes from (`names`: the checkpoint's
@@ -311,6 +404,7 @@ def deepspeed_sources(cfg: Any, names: Any) -> dict[str, Source]:
     present = set(names)
     if cfg.name == "llama":
         table = _llama_names(cfg)
+        _refuse_fused(table, "import-deepspeed")
     else:
         prefix = "transformer." if "transformer.wte.weight" in present else ""
         table = _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in present else None, cfg.tie_embeddings)
@@ -321,6 +415,7 @@ def named_tensors(cfg: Any, path: tuple[str, ...], array: np.ndarray) -> Iterato
     """(transformers / HF Trainer name, tensor) of one zerojax leaf of the embedded GPT or Llama: one
     per layer (and expert) for a stacked leaf, transposed to torch's [out, in] where the table says so."""
     source = _export_names(cfg)[path]
+    _refuse_fused({path: source}, "export --format deepspeed")
     for ix, name in _tensors_of(path, source, np.shape(array)):
         part = array[ix] if ix else array
         yield name, (part.T if source.transpose else part)
@@ -338,6 +433,12 @@ def _check_shapes(cfg: Any, ckpt: Checkpoint, abstract: Mapping[str, Any],
     for path, leaf in _paths(abstract):
         source = names[path]
         want = _expected(path, tuple(leaf.shape), source)
+        if source.part is not None:
+            start, stop, rows = source.part
+            if want[0] != stop - start:
+                raise HFError(f"model.hf_checkpoint: the model's {'.'.join(path)} has {want[0]} rows of the fused "
+                              f"{source.name}, the config's sizes give it {stop - start}")
+            want = (rows,) + want[1:]
         for _, name in _tensors_of(path, source, tuple(leaf.shape)):
             got = ckpt.shape(name)
             ok = got == want or (source.prefix_rows and len(got) == 2 and got[1] == want[1] and got[0] >= want[0])
@@ -371,7 +472,10 @@ def _block(ckpt: Checkpoint, path: tuple[str, ...], source: Source, index: tuple
 
     def one(name: str, idx: tuple[slice, ...]) -> np.ndarray:
         if source.transpose:
-            return ckpt.read(name, tuple(reversed(idx))).T
+            idx = tuple(reversed(idx))
+            if source.part is not None:  # this leaf's rows of the fused tensor
+                idx = (slice(idx[0].start + source.part[0], idx[0].stop + source.part[0]),) + idx[1:]
+            return ckpt.read(name, idx).T
         return ckpt.read(name, idx)
 
     lead = _lead(path, source)
@@ -590,17 +694,23 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
     source checkpoint: a model trained from scratch)."""
     if cfg.name == "llama" and cfg.n_experts:
         _check_mixtral(cfg)
-        llama = hf_config(dataclasses.replace(cfg, n_experts=None, sliding_window=None), dtype)
-        dense_only = ("architectures", "model_type", "attention_bias", "mlp_bias")
-        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                **{k: v for k, v in llama.items() if k not in dense_only},
-                "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
-                "router_aux_loss_coef": cfg.moe_aux_loss_coef, "router_jitter_noise": 0.0,
-                "output_router_logits": False, "sliding_window": cfg.sliding_window}
+        llama = hf_config(dataclasses.replace(cfg, n_experts=None, sliding_window=None, hf_family=None), dtype)
+        dense_only = ("architectures", "model_type", "attention_bias", "mlp_bias", "use_sliding_window")
+        moe = {k: v for k, v in llama.items() if k not in dense_only}
+        routing = {"num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.moe_aux_loss_coef,
+                   "output_router_logits": False}
+        if moe_family(cfg) == "qwen3_moe":
+            return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **moe,
+                    "num_experts": cfg.n_experts, **routing, "moe_intermediate_size": cfg.d_ff,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **moe,
+                "num_local_experts": cfg.n_experts, **routing, "router_jitter_noise": 0.0,
+                "sliding_window": cfg.sliding_window}
     if cfg.name == "llama":
         kind = family(cfg)
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "mistral": "MistralForCausalLM"}[kind]
+                "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}[kind]
         out = {"architectures": [arch], "model_type": kind, "vocab_size": cfg.vocab_size,
                "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
@@ -615,6 +725,15 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
             out.update(attention_bias=False, use_sliding_window=False)
         elif kind == "mistral":
             out.update(sliding_window=cfg.sliding_window)
+        elif kind == "phi3":  # Phi3Config's pad_token_id (32000) is a row of Phi-3's own vocabulary only
+            out.update(sliding_window=cfg.sliding_window, pad_token_id=None)
+        elif kind == "gemma2":
+            del out["hidden_act"]
+            n = cfg.n_layers
+            out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, sliding_window=cfg.sliding_window,
+                       query_pre_attn_scalar=_whole(cfg.query_scale or out["head_dim"]),
+                       attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                       layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
         else:
             out.update(use_sliding_window=False)
         return out
@@ -624,6 +743,11 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
             "layer_norm_epsilon": cfg.norm_eps if cfg.norm_eps is not None else 1e-6,
             "activation_function": "gelu_new", "tie_word_embeddings": bool(cfg.tie_embeddings),
             "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "torch_dtype": dtype}
+
+
+def _whole(x: float) -> int | float:
+    """An integral value as an int: Gemma2Config's query_pre_attn_scalar is typed int."""
+    return int(x) if float(x).is_integer() else x
 
 
 def _rope_scaling(cfg: Any) -> dict[str, Any] | None:
@@ -655,6 +779,35 @@ def _rows(read: Reader, path: tuple[str, ...], ix: tuple[int, ...], transpose: b
     return read(path, lead + ((rows,) if rows != () else ()))
 
 
+def _fuse(tensors: list[tuple[Tensor, Source]]) -> list[Tensor]:
+    """The tensors to write: each fused tensor's parts (`Source.part`, each a Tensor of its own rows)
+    joined into one at the place of its first part, its rows made from the parts they fall in."""
+    groups: dict[str, list[tuple[Tensor, Source]]] = {}
+    for t, source in tensors:
+        if source.part is not None:
+            groups.setdefault(t.name, []).append((t, source))
+    out: list[Tensor] = []
+    for t, source in tensors:
+        if source.part is None:
+            out.append(t)
+            continue
+        parts = groups.pop(t.name, None)
+        if parts is None:
+            continue  # joined already
+        parts.sort(key=lambda part: part[1].part[0])  # the leaves come by name (k before q), the rows by start
+
+        def make(rows: Any, parts=parts) -> np.ndarray:
+            pieces = []
+            for part, src in parts:
+                start, stop, _ = src.part
+                lo, hi = max(rows.start, start), min(rows.stop, stop)
+                if lo < hi:
+                    pieces.append(np.asarray(part.make(slice(lo - start, hi - start))))
+            return np.concatenate(pieces)
+        out.append(Tensor(t.name, t.dtype, (source.part[2],) + tuple(t.shape[1:]), make))
+    return out
+
+
 def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
                    dtype: str) -> list[Tensor]:
     """Every zerojax leaf under its transformers name(s), no source checkpoint."""
@@ -666,8 +819,8 @@ def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tupl
         for ix, name in _tensors_of(path, source, tuple(shape)):
             def make(rows: Any, path=path, ix=ix, source=source) -> np.ndarray:
                 return _rows(read, path, ix, source.transpose, rows)
-            out.append(Tensor(name, _ST_DTYPES[dtype], one, make))
-    return out
+            out.append((Tensor(name, _ST_DTYPES[dtype], one, make), source))
+    return _fuse(out)
 
 
 def save_params(out_dir: str | os.PathLike[str], cfg: Any, params: Mapping[str, Any], dtype: str = "float32",
@@ -723,6 +876,7 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tupl
     names = _names_for(cfg, src)
     _check_shapes(cfg, src, abstract, names)
     trained: list[Tensor] = []
+    fused: list[tuple[Tensor, Source]] = []
     taken: set[str] = set()
     untied = False
     for path, leaf in _paths(abstract):
@@ -739,6 +893,12 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tupl
             continue
         for ix, name in _tensors_of(path, source, tuple(leaf.shape)):
             full = src.shape(name)
+            if source.part is not None:  # a fused tensor's rows (Phi-3's): joined by `_fuse`
+                def part(rows: Any, path=path, ix=ix, source=source) -> np.ndarray:
+                    return _rows(read, path, ix, source.transpose, rows)
+                fused.append((Tensor(name, st_dtype, _expected(path, tuple(leaf.shape), source), part), source))
+                taken.add(name)
+                continue
 
             held = _expected(path, tuple(leaf.shape), source)[0]  # rows the model has (GPT-2: seq_len positions)
 
@@ -762,7 +922,7 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tupl
                           f"which the export cannot copy; export with --hf-source none (only the model's tensors)")
         copied.append(Tensor(name, st_dtype if kind in _ST_FLOATS else kind, src.shape(name),
                              lambda rows, name=name: src.read(name, (rows,) if rows != () else ())))
-    return trained + copied, untied
+    return trained + _fuse(fused) + copied, untied
 
 
 def _config_from_source(src: Path, dtype: str, untied: bool) -> str:

@@ -90,6 +90,32 @@ class ModelConfig:
     rope_original_max_positions: Optional[int] = option(None, "llama, rope_scaling llama3: the context length "
                                                               "the model was pretrained at (original_max_position_"
                                                               "embeddings).", gt=0)
+    global_every: Optional[int] = option(None, "llama, with model.sliding_window: every global_every-th layer "
+                                               "(counted from 1) attends to the whole causal context, the others "
+                                               "to the window (Gemma 2's alternation: 2; Gemma 3's: 6). Unset: "
+                                               "every layer keeps the window.", gt=0)
+    query_scale: Optional[float] = option(None, "llama: attention scores are scaled by query_scale ** -0.5 "
+                                                "(Gemma's query_pre_attn_scalar). Unset: the head width's.", gt=0)
+    attn_softcap: Optional[float] = option(None, "llama: attention scores soft-capped to (-c, c) as c * "
+                                                 "tanh(score / c) before the mask and softmax (Gemma 2's "
+                                                 "attn_logit_softcapping). Unset: none.", gt=0)
+    final_softcap: Optional[float] = option(None, "llama: logits soft-capped as c * tanh(logit / c) (Gemma 2's "
+                                                  "final_logit_softcapping). Unset: none.", gt=0)
+    norm_offset: float = option(0.0, "llama: every RMSNorm multiplies by (norm_offset + scale): Gemma's 1, its "
+                                     "scales stored around 0 (and initialized to 0).", ge=0)
+    embed_scale: bool = option(False, "llama: the token embeddings are multiplied by sqrt(d_model) before the "
+                                      "first layer (Gemma's).")
+    post_norms: bool = option(False, "llama: an RMSNorm on the attention's and the MLP's outputs before each "
+                                     "residual add, besides the ones on their inputs (Gemma 2/3's).")
+    mlp_activation: str = option("silu", "llama: the gated MLP's activation. silu: SwiGLU (Llama's). gelu_tanh: "
+                                         "GeGLU with the tanh-approximated GELU (Gemma's gelu_pytorch_tanh).",
+                                 choices=("silu", "gelu_tanh"))
+    hf_family: Optional[str] = option(None, "llama: the Hugging Face model_type the model is read and written "
+                                            "as (model.hf_checkpoint sets it; export --format hf writes it). Unset: "
+                                            "the one its options name (docs/models.md). phi3 stores q/k/v and "
+                                            "gate/up as fused tensors.",
+                                      choices=("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral",
+                                               "qwen3_moe"))
     norm_eps: Optional[float] = option(None, "Epsilon of the norms (default: 1e-6 for gpt, 1e-5 for llama; "
                                              "GPT-2 uses 1e-5).", gt=0)
     tie_embeddings: bool = option(False, "The LM head is the transposed token embedding (no head parameter), "
@@ -99,6 +125,11 @@ class ModelConfig:
         None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
               "not; Llama-family, Qwen2, Qwen3, Mistral, Mixtral or GPT-2: docs/models.md) to start from: its weights are read straight into the plan's "
               "shards, and model keys not given are taken from its config.json.")
+    hf_config: Optional[str] = option(
+        None, "A Hugging Face config.json (or the folder holding one) whose model the run builds with fresh "
+              "weights - pre-training, or a test with no checkpoint: the model keys not given are taken from it "
+              "as model.hf_checkpoint takes them, and no weight is read; `zerojax estimate` reads the same file. "
+              "Not with model.hf_checkpoint (whose config.json is the model already).")
     n_experts: Optional[int] = option(
         None, "llama: experts per mixture-of-experts layer (DeepSpeed's MoE num_experts); unset or 0: the dense "
               "model. The MLP of every model.moe_every-th layer becomes a MoE layer; see docs/moe.md.", ge=0)
