@@ -176,6 +176,9 @@ def _derive_lora(config: Config, sources: dict[str, str]) -> Config:
     it), refusals that need no model, and the resolved section handed to the model config."""
     lora = config.lora
     if lora.adapter is not None:
+        if config.model.hf_checkpoint is None:
+            raise ConfigError("lora.adapter: a PEFT adapter goes onto its base model; name the base with "
+                              "model.hf_checkpoint (the Hugging Face folder the adapter was trained on)")
         found, where = adapter_keys(lora.adapter)
         changes = {}
         for key, value in found.items():
@@ -189,9 +192,6 @@ def _derive_lora(config: Config, sources: dict[str, str]) -> Config:
             changes["enabled"] = True
             sources["lora.enabled"] = "derived (lora.adapter)"
         lora = dataclasses.replace(lora, **changes)
-        if config.model.hf_checkpoint is None:
-            raise ConfigError("lora.adapter: a PEFT adapter goes onto its base model; name the base with "
-                              "model.hf_checkpoint (the Hugging Face folder the adapter was trained on)")
     if not lora.enabled:
         return dataclasses.replace(config, lora=lora)
     if lora.lora_dropout:

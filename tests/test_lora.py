@@ -1,0 +1,150 @@
+"""LoRA (`lora` section): adapters on the shipped models' projections, the base frozen. Training at every
+ZeRO stage and with the tensor axis equals a one-device optax run that trains only the adapters; the
+base stays bit-identical; generation runs base plus adapter; the refusals name their key."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import zerojax
+from zerojax.errors import ConfigError
+from zerojax.models import gpt, llama, lora
+from zerojax.models.decode import decoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+import helpers as h  # noqa: E402
+
+ROWS, SEQ, VOCAB = 8, 8, 64
+LLAMA = dict(name="llama", vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2,
+             remat=False)
+GPT = dict(name="gpt", vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, d_ff=64, n_layers=2, tie_embeddings=False)
+LORA = {"enabled": True, "lora_r": 4, "lora_alpha": 8}
+
+
+def config(model: dict, stage: int = 0, lora_section: dict | None = None, **extra: Any) -> zerojax.Config:
+    return zerojax.load_config({"train_batch_size": ROWS, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                "gradient_clipping": 1.0,
+                                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                                "model": model, "lora": LORA if lora_section is None else lora_section, **extra})
+
+
+def batch(i: int) -> dict[str, np.ndarray]:
+    return {"tokens": np.random.default_rng(3 + i).integers(0, VOCAB, size=(ROWS, SEQ + 1), dtype=np.int32)}
+
+
+def mesh(tensor: int) -> Mesh:
+    devices = np.array(jax.devices())
+    if tensor == 1:
+        return Mesh(devices, ("data",))
+    return Mesh(devices.reshape(-1, tensor), ("data", "tensor"))
+
+
+def start(cfg: zerojax.Config) -> dict[str, Any]:
+    """The adapted Llama's parameters with every B non-zero, so the first step trains A too."""
+    params = nnx.to_pure_dict(nnx.state(llama.constructor(cfg.model)(), nnx.Param))
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: np.asarray(x) + (0.05 if str(p[-1].key) == "lora_b" else 0.0), params)
+
+
+def adapters_mask(params: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(lambda p, _: lora.is_adapter([str(k.key) for k in p]), params)
+
+
+_REFERENCE: dict[str, Any] = {}
+
+
+def reference(cfg: zerojax.Config, tx: optax.GradientTransformation, params: Any) -> list[dict]:
+    """One device, plain optax: the base's gradients stopped and its updates zeroed (optax.masked)."""
+    if "run" not in _REFERENCE:
+        mask = adapters_mask(params)
+        loss_fn = llama.build(cfg.model)[1]
+
+        def loss(p: Any, b: Any) -> jax.Array:
+            return loss_fn(jax.tree.map(lambda x, t: x if t else jax.lax.stop_gradient(x), p, mask), b)
+
+        ref_tx = optax.chain(optax.masked(tx, mask), optax.masked(optax.set_to_zero(), jax.tree.map(lambda t: not t, mask)))
+        _REFERENCE["run"] = h.reference_run(ref_tx, jnp.float32, loss, params, [batch(i) for i in range(3)], clip=1.0)
+    return _REFERENCE["run"]
+
+
+GRID = [(0, 1), (1, 1), (2, 1), (3, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("stage,tensor", GRID, ids=[f"z{z}-t{t}" for z, t in GRID])
+def test_lora_training_equals_one_device_optax(stage: int, tensor: int) -> None:
+    cfg = config(LLAMA, stage)
+    params = start(cfg)
+    engine = zerojax.initialize(cfg, params=params, loss_fn=llama.build(cfg.model)[1], mesh=mesh(tensor))
+    metrics = [jax.device_get(engine.train_batch(batch(i))) for i in range(3)]
+    ref = reference(cfg, engine.plan.tx, params)
+    got = h.to_numpy(engine.params)
+    h.assert_tree_close(got, ref[-1]["master"], rtol=2e-4, atol=2e-5, what=f"stage {stage} x tensor {tensor}")
+    np.testing.assert_allclose([float(m["loss"]) for m in metrics], [r["loss"] for r in ref], rtol=2e-5)
+    # the base is frozen, bit for bit; both adapter matrices moved
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        names = [str(k.key) for k in path]
+        now = got
+        for n in names:
+            now = now[n]
+        if lora.is_adapter(names):
+            assert not np.array_equal(now, x), names
+        else:
+            np.testing.assert_array_equal(now, x, err_msg=".".join(names))
+    trained = engine.plan.trained_paths
+    assert trained and all("lora_" in p for p in trained) and len(trained) == 14  # 7 projections x (A, B)
+    assert len([x for x in jax.tree.leaves(engine.state.opt_state) if x.ndim]) == 2 * len(trained)
+    if tensor > 1:
+        dims = engine.plan.tensor_dims["layers"]
+        assert (dims["q"]["lora_a"], dims["q"]["lora_b"], dims["q"]["kernel"]) == (None, 2, 2)  # column
+        assert (dims["o"]["lora_a"], dims["o"]["lora_b"], dims["o"]["kernel"]) == (1, None, 1)  # row
+
+
+@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_generation_runs_base_plus_adapter_without_a_merged_copy(model: dict) -> None:
+    """The KV-cache decoder's logits are the training forward's, adapter included, and equal the merged
+    model's (computed only here, for the check)."""
+    cfg = config(model).model
+    if model["name"] == "gpt":
+        params = gpt.init_params(cfg, 0)
+    else:
+        params = nnx.to_pure_dict(nnx.state(llama.constructor(cfg)(), nnx.Param))
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.05 if str(p[-1].key) == "lora_b" else x, params)
+    family = gpt if model["name"] == "gpt" else llama
+    tokens = jnp.arange(6)[None] % VOCAB
+    logits = family.apply(cfg, params, tokens)
+    dec = decoder(cfg)
+    out, _ = dec.prefill(params, dec.init_cache(params, 1, SEQ), tokens, jnp.array([6]))
+    np.testing.assert_allclose(out[0], logits[0, -1], atol=1e-5)
+    base = family.apply(lora.without(cfg), lora.merged(cfg, jax.tree.map(np.asarray, params)), tokens)
+    np.testing.assert_allclose(base, logits, atol=1e-5)
+    plain = family.apply(lora.without(cfg), lora.merged(cfg, jax.tree.map(np.asarray, lora.disabled(params))), tokens)
+    assert np.abs(plain - logits).max() > 1e-3  # the adapter does change the outputs
+
+
+def test_targets_and_refusals() -> None:
+    assert lora.targets(config(GPT).model) == {"qkv", "proj", "fc", "out"}  # DeepSpeed's defaults, mapped
+    assert lora.targets(config(LLAMA, lora_section={**LORA, "target_modules": ["q_proj", "v"]}).model) == {"q", "v"}
+    with pytest.raises(ConfigError, match="lora.target_modules: 'qproj' is no projection of the llama model"):
+        lora.targets(config(LLAMA, lora_section={**LORA, "target_modules": ["qproj"]}).model)
+    with pytest.raises(ConfigError, match="lora.lora_dropout: 0.1 is not built"):
+        config(LLAMA, lora_section={**LORA, "lora_dropout": 0.1})
+    with pytest.raises(ConfigError, match="lora.enabled: a pipeline"):
+        config(GPT, lora_section=LORA, mesh={"stage": 2})
+    with pytest.raises(ConfigError, match="lora.adapter: a PEFT adapter goes onto its base model"):
+        config(LLAMA, lora_section={"adapter": str(Path(__file__).parent / "fixtures" / "peft")})
+    cfg = config({**GPT, "trainable": ["ln_f"]})  # trained beside the adapters
+    p = zerojax.plan(cfg, mesh(1), gpt.abstract_params(cfg.model))
+    assert set(p.trained_paths) == {x for x in p.trained_paths if "lora_" in x or "ln_f" in x} and any(
+        "ln_f" in x for x in p.trained_paths)
+    with pytest.raises(ConfigError, match="lora.enabled: the model has no adapter parameters"):
+        zerojax.plan(cfg, mesh(1), gpt.abstract_params(lora.without(cfg.model)))
