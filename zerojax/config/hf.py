@@ -205,7 +205,7 @@ def model_keys(directory: str | os.PathLike[str], seq_len: int | None = None) ->
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 # adapter_config.json values PEFT may write that change the adapter's maths, and the only value built here.
-_ADAPTER_PLAIN = {"bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False}
+_ADAPTER_PLAIN = {"bias": "none", "use_rslora": False, "use_dora": False, "lora_bias": False}
 
 
 def adapter_keys(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
@@ -227,7 +227,8 @@ def adapter_keys(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], Pat
         if hf.get(key, plain) not in (plain, None):
             raise HFError(f"lora.adapter: {path} has {key}: {json.dumps(hf[key])}; only plain LoRA is built "
                           f"({key}: {json.dumps(plain)})")
-    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save", "exclude_modules",
+                "target_parameters", "trainable_token_indices", "layer_replication"):
         if hf.get(key):
             raise HFError(f"lora.adapter: {path} has {key}: {json.dumps(hf[key])}; one rank, alpha and set of "
                           f"projections for every layer is what is read (train with PEFT's defaults for it)")
