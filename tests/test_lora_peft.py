@@ -77,3 +77,34 @@ def test_adapter_refusals(tmp_path: Path) -> None:
     (bad / "adapter_config.json").write_text(json.dumps({**cfg_json, "target_modules": ["q_proj"]}))
     with pytest.raises(ConfigError, match="holds tensors no adapter of this model takes"):
         hf.read_params(BASE, config(adapter=str(bad)).model)
+
+
+def test_the_lora_config_trains_with_the_main_command_and_exports_both_ways(tmp_path: Path) -> None:
+    """configs/lora.yaml through `python train.py --config` (two steps, fp32 so the stored base is the
+    checkpoint's own values), then `zerojax export --format peft` and `--format hf`: the exported adapter on
+    the base and the merged model give the same logits, and not the base's."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+
+    out = tmp_path / "run"
+    proc = run("train.py", "--config", "configs/lora.yaml", "--set", "run.steps=2", "run.eval_batches=1",
+               "run.progress=false", "run.sample_tokens=0", "bf16.enabled=false", f"run.output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(78,144 frozen)" in proc.stdout, proc.stdout[-2000:]
+    for fmt in ("peft", "hf"):
+        proc = run("-m", "zerojax.cli", "export", str(out / "checkpoints"), "--format", fmt, "--out", str(tmp_path / fmt),
+                   *(["--hf-source", str(BASE)] if fmt == "peft" else []))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    adapted = config(adapter=str(tmp_path / "peft"))
+    assert adapted.lora.r == 8 and lora.targets(adapted.model) == set(lora.PROJECTIONS["llama"])
+    want = logits(adapted.model, hf.read_params(BASE, adapted.model))
+    plain = zerojax.load_config({"train_batch_size": 8, "model": {"name": "llama", "hf_checkpoint": str(tmp_path / "hf")}})
+    np.testing.assert_allclose(logits(plain.model, hf.read_params(tmp_path / "hf", plain.model)), want, atol=1e-4)
+    assert np.abs(want - np.load(BASE / "logits.npy")).max() > 1e-4  # the trained adapters changed the model

@@ -859,9 +859,6 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
     one layer of a stacked leaf is read from the checkpoint when it is written, so host memory stays
     near one tensor whatever the model size."""
     from zerojax import checkpoint as ck
-    from zerojax.checkpoint.export import LeafReader
-    from zerojax.core.names import join
-    from zerojax.config import ModelConfig
 
     hf_dtype = EXPORT_DTYPES.get(dtype)
     if hf_dtype is None:
@@ -873,24 +870,12 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"export --format hf: {out} is not empty and is never overwritten silently; pass "
                               f"--force to replace its config.json and weights, or choose another --out")
-    tag_dir, meta = ck.unpipelined_tag(directory, tag, "export --format hf")
+    tag_dir, meta, cfg, shapes, read = _open_tag(directory, tag, "export --format hf")
     extra = meta.get("extra", {})
-    model = extra.get("config", {}).get("model")
-    if not model:
-        raise ConfigError(f"export --format hf: {tag_dir} does not record the run's config (model.*), so the "
-                          f"transformers architecture is unknown; export it with --format safetensors")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in model.items() if k in fields})
-    expected = {".".join(p): tuple(x.shape) for p, x in _paths(abstract_params(cfg))}
-    saved = {name: tuple(entry["shape"]) for name, entry in meta["params"].items()}
-    if saved != expected:
-        raise ConfigError(f"export --format hf: the parameters in {tag_dir} are not those of the {cfg.name} model "
-                          f"its config names (a custom model?); export it with --format safetensors")
-    shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
-    reader = LeafReader(tag_dir / ck.STATE_DIR)
-
-    def read(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
-        return reader.read(join(meta["truth"], ".".join(path)), index)
+    if cfg.lora is not None:  # the adapters folded into their kernels as each is written: the plain model
+        read = _merged_reader(cfg, read, shapes)
+        shapes = {path: shape for path, shape in shapes.items() if not lora.is_adapter(path)}
+        cfg = lora.without(cfg)
 
     record = extra.get("hf_source")
     if source is not None and str(source).lower() == "none":
@@ -931,6 +916,90 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
                 and extra_file.name not in ("config.json", INDEX_FILE)):
             shutil.copyfile(extra_file, out / extra_file.name)
     return out
+
+
+def _open_tag(directory: str | os.PathLike[str], tag: str | None, what: str) -> tuple[Path, dict[str, Any], Any,
+                                                                                  dict[tuple[str, ...], tuple[int, ...]],
+                                                                                  Reader]:
+    """A zerojax checkpoint tag of a shipped model: its folder, meta.json, the model config it records
+    (with its `lora` section when enabled), every leaf's shape, and a reader of any block of a leaf."""
+    from zerojax import checkpoint as ck
+    from zerojax.checkpoint.export import LeafReader
+    from zerojax.config import LoraConfig, ModelConfig
+    from zerojax.core.names import join
+
+    tag_dir, meta = ck.unpipelined_tag(directory, tag, what)
+    config = meta.get("extra", {}).get("config", {})
+    model = config.get("model")
+    if not model:
+        raise ConfigError(f"{what}: {tag_dir} does not record the run's config (model.*), so the "
+                          f"transformers architecture is unknown; export it with --format safetensors")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in model.items() if k in fields and k != "lora"})
+    section = config.get("lora") or {}
+    if section.get("enabled"):
+        keys = {f.name for f in dataclasses.fields(LoraConfig)}
+        cfg = dataclasses.replace(cfg, lora=LoraConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                                          for k, v in section.items() if k in keys}))
+    expected = {".".join(p): tuple(x.shape) for p, x in _paths(abstract_params(cfg))}
+    saved = {name: tuple(entry["shape"]) for name, entry in meta["params"].items()}
+    if saved != expected:
+        raise ConfigError(f"{what}: the parameters in {tag_dir} are not those of the {cfg.name} model "
+                          f"its config names (a custom model?); export it with --format safetensors")
+    shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
+    reader = LeafReader(tag_dir / ck.STATE_DIR)
+
+    frozen, excluded = set(meta.get("frozen", ())), set(meta.get("excluded", ()))
+
+    def read(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
+        name = ".".join(path)
+        if name in excluded:
+            raise ConfigError(f"{what}: {tag_dir} was saved with exclude_frozen_parameters, so it does not hold "
+                              f"{name}; export a tag saved with them, or only the adapters (--format peft)")
+        return reader.read(join("params" if name in frozen else meta["truth"], name), index)  # frozen: no master
+
+    return tag_dir, meta, cfg, shapes, read
+
+
+def _merged_reader(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]]) -> Reader:
+    """`read` with each adapted kernel's block W + alpha / r * A B (A's rows and B's columns of the block
+    only): the merged model, one block at a time, never a merged copy of the whole model."""
+    s, picked = lora.scale(cfg), lora.targets(cfg)
+
+    def merged(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
+        w = read(path, index)
+        if path[-1] != "kernel" or len(path) < 2 or path[-2] not in picked:
+            return w
+        index = tuple(index) + (slice(None),) * (len(shapes[path]) - len(tuple(index)))
+        lead, rows, cols = index[:-2], index[-2], index[-1]
+        a = np.asarray(read(path[:-1] + ("lora_a",), lead + (rows, slice(None))), np.float32)
+        b = np.asarray(read(path[:-1] + ("lora_b",), lead + (slice(None), cols)), np.float32)
+        return (np.asarray(w, np.float32) + s * (a @ b)).astype(np.asarray(w).dtype)
+
+    return merged
+
+
+def export_adapter(directory: str | os.PathLike[str], tag: str | None, out_dir: str | os.PathLike[str], *,
+                   overwrite: bool = False, base: str | None = None) -> Path:
+    """`zerojax export --format peft`: a LoRA run's checkpoint's adapters as a PEFT folder
+    (`save_adapter`); the base named in it is `base`, else the run's model.hf_checkpoint."""
+    from zerojax import checkpoint as ck
+    out = ck.absolute(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise FileExistsError(f"export --format peft: {out} exists and is never overwritten silently; pass --force "
+                              f"to replace its adapter files, or choose another --out")
+    _, _, cfg, shapes, read = _open_tag(directory, tag, "export --format peft")
+    if cfg.lora is None:
+        raise ConfigError("export --format peft: the run trained no LoRA adapters (its lora.enabled is false); "
+                          "export the model with --format hf")
+    params: dict[str, Any] = {}
+    for path in shapes:
+        if lora.is_adapter(path):
+            node = params
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = read(path, ())
+    return save_adapter(out, cfg, params, base=base or cfg.hf_checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------
