@@ -148,3 +148,38 @@ def test_targets_and_refusals() -> None:
         "ln_f" in x for x in p.trained_paths)
     with pytest.raises(ConfigError, match="lora.enabled: the model has no adapter parameters"):
         zerojax.plan(cfg, mesh(1), gpt.abstract_params(lora.without(cfg.model)))
+
+
+def test_rl_reference_of_a_lora_policy_is_its_own_frozen_base() -> None:
+    """`rl.reference` of a LoRA policy: the live parameters with the adapters off, no copy of the weights;
+    its log-probabilities are the base model's."""
+    from zerojax.models import rl
+    cfg = config(GPT).model
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.05 if str(p[-1].key) == "lora_b" else x, gpt.init_params(cfg, 0))
+    engine = type("E", (), {"params": params})()
+    ref = rl.reference(cfg, engine)
+    assert isinstance(ref, rl.BaseReference) and not hasattr(ref, "params")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, SEQ), dtype=np.int32)
+    base = lora.merged(cfg, jax.tree.map(np.asarray, lora.disabled(params)))
+    want = rl.token_logprobs(gpt.apply(lora.without(cfg), base, jnp.asarray(tokens[:, :-1])), jnp.asarray(tokens))
+    np.testing.assert_allclose(ref.logprobs(tokens), np.asarray(want), atol=1e-5)
+    policy = rl.token_logprobs(gpt.apply(cfg, params, jnp.asarray(tokens[:, :-1])), jnp.asarray(tokens))
+    assert np.abs(np.asarray(policy) - np.asarray(want)).max() > 1e-3
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        rl.BaseReference(lora.without(cfg), lambda: params)
+
+
+def test_rlhf_example_trains_only_adapters(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "examples/rlhf.py", "--steps", "3", "--lora", "4", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kl"] < 1e-3 < rows[-1]["kl"]  # starts at the base (B = 0), then moves away from it
+    assert json.loads((tmp_path / "config.json").read_text())["lora"]["r"] == 4
