@@ -12,7 +12,7 @@ ones). Prompts of 16 tokens, `--new` new tokens each, greedy, at batch 1 and 16:
 * `KV cache, engine.generate`: `engine.generate` on the live state (the bf16 compute copy, ZeRO-3
   shards gathered once per call inside the one program, rows split over the data axis when the
   batch divides by 8).
-* `KV cache, fp32 master`: `zerojax.core.generate` on the fp32 master copy, also sharded: the
+* `KV cache, fp32 master`: `zerojax.models.generate` on the fp32 master copy, also sharded: the
   weights `zerojax sample` and the end-of-run sample now read.
 * `KV cache, one device`: the same program with the master weights gathered to the host and put on
   one device (as the recompute path has them), for what 8 virtual devices sharing the CPU cost.
@@ -82,7 +82,7 @@ def gather_per_token(decoder: Any, params: Any, prompts: jax.Array, lengths: jax
                      replicated: Any) -> jax.Array:
     """Greedy KV-cache decoding with the sharded `params` all-gathered in the prefill and again in
     every decode step (DeepSpeed ZeRO-3's generation), [B, n] tokens."""
-    from zerojax.core import generate as gen
+    from zerojax.models import generate as gen
 
     def whole(p: Any) -> Any:
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), p)
@@ -113,7 +113,7 @@ def _memory(compiled: Any) -> dict[str, int]:
 
 def _gathered(compiled: Any) -> float:
     """All-gathered bytes per device in one run of the compiled program (loop trip counts multiplied)."""
-    from zerojax.core.hlo import collectives
+    from zerojax.measure.hlo import collectives
     return sum(c.bytes_per_device for c in collectives(compiled.as_text()) if c.kind == "all-gather")
 
 
@@ -127,8 +127,8 @@ def _gathered_once(params: Any, n: int) -> float:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import zerojax
     from zerojax.app import sample, trainer
-    from zerojax.core import generate as gen
-    from zerojax.core.generate import generate
+    from zerojax.models import generate as gen
+    from zerojax.models.generate import generate
 
     config = zerojax.load_config(os.path.join(ROOT, "configs", "zero3.yaml"),
                                  ["run.progress=false", f"model.seq_len={max(128, args.prompt + args.new)}",

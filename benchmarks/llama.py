@@ -8,7 +8,7 @@ train.py builds it (`trainer.build_model`, `trainer.build_engine`, the trainer's
 its own byte batches of the embedded corpus, 8 virtual CPU devices. After `--warmup` steps, the
 stages run interleaved, one step each per round (each waited for with block_until_ready), for
 `--rounds` rounds; the median step gives tokens/s. FLOPs per step come from the compiled step's HLO
-(`zerojax.core.hlo.work`: every dot, loop bodies counted trip-count times; per device program x devices);
+(`zerojax.measure.hlo.work`: every dot, loop bodies counted trip-count times; per device program x devices);
 XLA's `cost_analysis()` counts the scanned layer stack once and is shown next to it. MFU is achieved
 FLOP/s over a peak measured in the same run: the best of a large matmul on one device and a batch of
 matmuls over all 8 devices, in float32 and bfloat16 (the cores are shared, so no published figure
@@ -103,7 +103,7 @@ def measure_training(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import zerojax
     from zerojax.runtime.data import make_batches
-    from zerojax.core.hlo import work
+    from zerojax.measure.hlo import work
     from zerojax.planner.mesh import make_mesh
     from zerojax.app.trainer import build_engine, build_model, compile_step
 
@@ -319,7 +319,7 @@ def render(args: argparse.Namespace, m: dict[str, Any], seconds: float) -> str:
            f"train.py builds it (`trainer.build_model` / `build_engine` / `compile_step`) with only "
            f"`zero_optimization.stage` changed. Median step of {args.rounds} rounds after {args.warmup} warm-up "
            f"steps, the stages interleaved round by round.", "",
-           "- **FLOPs/step (HLO)**: `zerojax.core.hlo.work` over the compiled step's text, every dot counted, the scanned "
+           "- **FLOPs/step (HLO)**: `zerojax.measure.hlo.work` over the compiled step's text, every dot counted, the scanned "
            "layer loop trip-count times, per device program x 8 devices. It includes the rematerialized forward "
            "pass, so it is hardware FLOPs.",
            "- **XLA cost_analysis**: the same executable's `cost_analysis()['flops']` x 8: it counts a while "

@@ -9,7 +9,7 @@ of the 8 devices is `data`), on the same random batches. Reported per size:
 * the median step time, the sizes' steps interleaved round by round, and the first step's loss
   (each device gates its own tokens whatever the expert size, so it must not move);
 * the compiled step's memory per device (`memory_analysis()`) and collective bytes per device per
-  step by mesh axis and kind (compiled HLO, zerojax.core.hlo, ZeRO-paper accounting);
+  step by mesh axis and kind (compiled HLO, zerojax.measure.hlo, ZeRO-paper accounting);
 * the expert all-to-alls against theory: per MoE layer, forward and backward, two all-to-alls of the
   dispatched [E, C, M] buffer, of which (ep - 1) / ep leaves the device; plus the two the
   rematerialized forward replays when the layers are checkpointed;
@@ -123,7 +123,7 @@ def a2a_theory(cfg: Any, ep: int, batch: Any, itemsize: int, per_layer: int) -> 
 
 def measure(args: argparse.Namespace) -> dict:
     from zerojax.app.reports import compile_step
-    from zerojax.core import hlo
+    from zerojax.measure import hlo
 
     rows: dict[int, dict] = {}
     runners: dict[int, list] = {}
@@ -228,7 +228,7 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
            f"({args.rounds} rounds after {args.warmup} warm-up), **/ ep 1** that over expert 1's; **loss 1** the "
            "first step's loss (each device gates its own tokens whatever the expert size, as DeepSpeed's ranks "
            "do, so it must not move); memory per device from `compiled.memory_analysis()`; collective MiB sent "
-           "per device per step from the compiled HLO (`zerojax.core.hlo`, ZeRO-paper accounting: all-to-all "
+           "per device per step from the compiled HLO (`zerojax.measure.hlo`, ZeRO-paper accounting: all-to-all "
            "S(N-1)/N, all-gather and reduce-scatter S(N-1)/N, all-reduce 2S(N-1)/N), by the mesh axes of each "
            "op's replica groups (**data+expert**: both at once, ZeRO's group for every weight but the experts).", ""]
     kinds = sorted({k for r in rows.values() for k, b in r["traffic"].items() if b >= 0.005 * MiB},

@@ -7,7 +7,7 @@ The shipped Llama (`zerojax.models.llama`, built with `llama.build` as a user's 
 virtual CPU devices, AdamW with gradient clipping, per precision (fp32; bf16 with fp32 masters):
 
 * `zerojax TP`: ZeRO-3 at tensor 2 x data 4 (`mesh.tensor: 2`): the loss runs inside `shard_map` on
-  each device's weight slices with Megatron's collectives (zerojax.core.tensor_parallel);
+  each device's weight slices with Megatron's collectives (zerojax.rewrite.tensor_slices);
 * `zerojax DP`: ZeRO-3 at data 8 (tensor 1);
 * `XLA (jit)`: what a user writes by hand: one `jax.jit` train step, `jax.value_and_grad` of the
   same loss on the global batch sharded over `data` + optax (clip, AdamW), with in/out shardings
@@ -18,7 +18,7 @@ virtual CPU devices, AdamW with gradient clipping, per precision (fp32; bf16 wit
 Reported per variant: the first step's loss on the same batch (zerojax TP and XLA must agree before
 the rest means anything), the median step time (the variants interleaved round by round) over the
 XLA step's, the compiled step's memory per device (`memory_analysis()`), collective bytes per device
-per step from the compiled HLO (zerojax.core.hlo, ZeRO-paper accounting) split by mesh axis (from
+per step from the compiled HLO (zerojax.measure.hlo, ZeRO-paper accounting) split by mesh axis (from
 each op's replica groups) and kind, and for the tensor-parallel variants the tensor-axis all-reduces
 counted by phase against Megatron's per-layer count. Writes the section between the `tensor`
 markers of docs/benchmarks.md (`--no-write` to print only).
@@ -208,7 +208,7 @@ def measure(args: argparse.Namespace) -> dict:
 def _measure(args: argparse.Namespace, precision: str) -> dict:
     import zerojax
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from zerojax.core import hlo
+    from zerojax.measure import hlo
     from zerojax.models import llama
 
     rng = np.random.default_rng(0)
@@ -295,7 +295,7 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
            f"{args.seq_len}, vocabulary {args.vocab}, remat on), global batch {args.rows} rows, AdamW with "
            f"clipping at {CLIP}, 8 virtual CPU devices, ZeRO-3 (`stage3_param_persistence_threshold` 0).", "",
            f"- **{TP}**: `mesh.tensor: {args.tensor}` x data {8 // args.tensor}; the loss runs on each device's "
-           "weight slices with Megatron's all-reduces (`zerojax.core.tensor_parallel`).",
+           "weight slices with Megatron's all-reduces (`zerojax.rewrite.tensor_slices`).",
            f"- **{DP}**: `mesh.tensor: 1`, data 8.",
            f"- **{XLA}**: one `jax.jit` step (`value_and_grad` of the same loss on the batch sharded over "
            f"`data`, optax clip + AdamW) with in/out shardings from {TP}'s plan (`plan.param_shardings`, "
@@ -307,7 +307,7 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
            "arguments + temp + outputs not aliased to donated arguments); collective MiB are sent per "
            "device per step (compiled HLO, ZeRO-paper accounting: all-reduce 2S(N-1)/N, all-gather and "
            "reduce-scatter S(N-1)/N), by the mesh axes of each op's replica groups (**all**: both axes at "
-           "once); **GFLOP** is the compiled step's matmul work per device (`zerojax.core.hlo.work`).", ""]
+           "once); **GFLOP** is the compiled step's matmul work per device (`zerojax.measure.hlo.work`).", ""]
     for precision, res in results.items():
         rows = res["rows"]
         base = rows[XLA]["step_s"]

@@ -306,7 +306,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def _measure_rows(args: argparse.Namespace, batch_rows: int) -> dict:
     import zerojax
-    from zerojax.core import hlo
+    from zerojax.measure import hlo
 
     lr = 1e-3
     sizes = {"nnx_scan": (args.scan_width, args.scan_layers), "lax_scan": (args.scan_width, args.scan_layers),

@@ -55,7 +55,7 @@ import zerojax.config  # noqa: E402
 import zerojax.core.mesh  # noqa: E402
 import zerojax.planner.mesh  # noqa: E402
 import zerojax.planner.plan  # noqa: E402
-from zerojax.core import hlo  # noqa: E402
+from zerojax.measure import hlo  # noqa: E402
 from zerojax.core.measure import array_bytes  # noqa: E402
 from benchmarks.fsdp_baseline import make_fsdp  # noqa: E402
 from benchmarks.report import gpt_args, output_args, write_head  # noqa: E402

@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 import zerojax  # noqa: E402
 from benchmarks.report import gpt_args, output_args, run_section  # noqa: E402
-from zerojax.core import hlo  # noqa: E402
+from zerojax.measure import hlo  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 BEGIN, END = "<!-- zeropp:begin -->", "<!-- zeropp:end -->"

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "zerojax"
 LAYERS = {
     "zerojax.errors": 0,
     "zerojax.config": 1,
-    "zerojax.core": 2, "zerojax.pallas": 2, "zerojax.pipeline": 2, "zerojax.optim.transforms": 2,
+    "zerojax.core": 2, "zerojax.rewrite": 2, "zerojax.measure": 2, "zerojax.pallas": 2, "zerojax.pipeline": 2, "zerojax.optim.transforms": 2,
     "zerojax.planner": 3, "zerojax.optim": 3,
     "zerojax.checkpoint": 4, "zerojax.runtime": 4, "zerojax.models": 4,
     "zerojax.engine": 5,

@@ -116,7 +116,7 @@ def test_ulysses_over_tensor_slices_with_blockwise_attention_equals_one_dense_de
         return loss, to_numpy(e.params)
 
     want = trained(1, 1, 1, attention="dense")
-    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+    with caplog.at_level(logging.WARNING, logger="zerojax.rewrite.tensor_slices"):
         got = trained(8, 2, 2, attention="blockwise", attention_block=4)
     assert not caplog.records  # every equation, the scans' included, ran on tensor slices
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)

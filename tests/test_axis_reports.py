@@ -104,7 +104,7 @@ def test_comms_logger_names_the_all_to_alls_axis(axis: str) -> None:
 
 def test_a_collective_permute_is_labelled_with_the_axes_it_crosses() -> None:
     from jax.sharding import Mesh, PartitionSpec as P
-    from zerojax.core import hlo
+    from zerojax.measure import hlo
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
     ring = [(i, (i + 1) % 4) for i in range(4)]
 

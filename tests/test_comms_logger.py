@@ -39,7 +39,7 @@ def _row(report: str, op: str) -> tuple[int, float]:
 
 
 def test_report_counts_zero_paper_bytes() -> None:
-    from zerojax.core.hlo import comms_report
+    from zerojax.measure.hlo import comms_report
     text, psi = _stage2_text()
     report = comms_report(text)
     n = 8

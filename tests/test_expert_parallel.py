@@ -18,11 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from helpers import assert_tree_close, reference_run, to_numpy
-from zerojax.core import hlo
+from zerojax.measure import hlo
 from zerojax.core.collectives import REPLICATED, Shard
 from zerojax.core.mesh import (DATA, EXPERT, SEQUENCE, TENSOR, data_axes, data_size, expert_data_axes, expert_size,
                                row_axes, row_size)
-from zerojax.core.tensor_parallel import tensor_parallel
+from zerojax.rewrite.tensor_slices import tensor_parallel
 from zerojax.errors import ConfigError
 from zerojax.models import llama
 from zerojax.models.moe import MoE
@@ -229,7 +229,7 @@ def test_expert_and_tensor_parallel_llama_trains_to_the_single_device_parameters
     splits = {name: lay.split for name, lay in experts(e.plan.layouts).items()}
     assert splits == {"gate": ((3, TENSOR), (1, EXPERT)), "up": ((3, TENSOR), (1, EXPERT)),
                       "down": ((2, TENSOR), (1, EXPERT))}
-    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+    with caplog.at_level(logging.WARNING, logger="zerojax.rewrite.tensor_slices"):
         losses, got = train(e)
     assert not caplog.records  # every equation, the all-to-alls included, ran on slices
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -398,7 +398,7 @@ def test_whole_experts_beside_a_tensor_axis_train_to_the_single_device_parameter
         "gate": ((1, EXPERT),), "up": ((1, EXPERT),), "down": ((1, EXPERT),)}
     assert e.plan.layouts["layers"]["q"]["kernel"].split == ((2, TENSOR),)
     assert "experts whole on every tensor device" in expert_plan(e.plan)
-    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+    with caplog.at_level(logging.WARNING, logger="zerojax.rewrite.tensor_slices"):
         losses, got = train(e)
     assert not caplog.records  # the split capacity ran on slices throughout, nothing gathered early
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)

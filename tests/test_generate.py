@@ -1,4 +1,4 @@
-"""Generation with a KV cache from the training engine's own (sharded) weights: zerojax.core.generate,
+"""Generation with a KV cache from the training engine's own (sharded) weights: zerojax.models.generate,
 zerojax.models.decode and `engine.generate`, checked against greedy decoding by full recomputation."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from helpers import computations_with, data_mesh, greedy_by_recompute, while_bodies
-from zerojax.core import generate as gen
+from zerojax.models import generate as gen
 from zerojax.engine.pipeline import PipelineEngine
 from zerojax.models import decode, gpt, llama
 from zerojax.planner.mesh import make_mesh

@@ -23,7 +23,7 @@ import pytest
 
 import zerojax
 from helpers import data_mesh, to_numpy
-from zerojax.core.generate import generate
+from zerojax.models.generate import generate
 from zerojax.models import decode, hf, llama
 from zerojax.planner.plan import make_plan
 

@@ -16,7 +16,7 @@ import pytest
 import zerojax
 from helpers import assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, to_numpy
 from zerojax.planner import settings
-from zerojax.core.hlo import entry_layout_bytes
+from zerojax.measure.hlo import entry_layout_bytes
 from zerojax.core.measure import HOST_KINDS, step_memory
 
 STEPS = 3

@@ -25,7 +25,7 @@ from zerojax.core.mesh import expert_axis
 from zerojax.models import llama
 from zerojax.pallas.backend import resolve
 from zerojax.pallas import multi_tensor
-from zerojax.pallas.update import sum_groups
+from zerojax.core.fused_update import sum_groups
 from zerojax.planner.mesh import make_mesh
 
 TBS = 32

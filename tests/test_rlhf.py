@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import zerojax
-from zerojax.core import generate as gen
+from zerojax.models import generate as gen
 from zerojax.models import decode, gpt, rl
 
 CFG = zerojax.load_config({"train_batch_size": 8, "model": dict(name="gpt", vocab_size=32, seq_len=24, d_model=32, n_heads=2,

@@ -11,7 +11,7 @@ import pytest
 
 import zerojax
 from helpers import assert_tree_close, to_numpy
-from zerojax.core.hlo import collectives
+from zerojax.measure.hlo import collectives
 from zerojax.errors import ConfigError
 from zerojax.models import llama
 from zerojax.planner.mesh import make_mesh
@@ -125,7 +125,7 @@ def test_sequence_and_tensor_axes_equal_the_single_device_run(single_unmasked: t
                                                               caplog: pytest.LogCaptureFixture) -> None:
     e = engine(stage, 2, 8, tensor=2, **TP)
     assert dict(e.mesh.shape) == {"data": 2, "sequence": 2, "tensor": 2}
-    with caplog.at_level(logging.WARNING, logger="zerojax.core.tensor_parallel"):
+    with caplog.at_level(logging.WARNING, logger="zerojax.rewrite.tensor_slices"):
         losses, got = trained(e)
     assert not caplog.records  # every equation ran on slices: Ulysses' all-to-alls on the slice's own heads
     np.testing.assert_allclose(losses, single_unmasked[0], rtol=1e-5)

@@ -15,8 +15,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import zerojax
 from helpers import assert_tree_close, to_numpy
-from zerojax.core import hlo
-from zerojax.core.tensor_parallel import tensor_parallel, warn_fallbacks
+from zerojax.measure import hlo
+from zerojax.rewrite.tensor_slices import tensor_parallel, warn_fallbacks
 from zerojax.errors import ConfigError
 from zerojax.models import llama
 
@@ -511,7 +511,7 @@ def test_a_custom_vjp_keeps_its_backward_rule_and_the_gather_is_logged(caplog: A
     assert float(jnp.abs(want_g["w1"]).max()) > 0  # the rule passes gradients through the rounding
     _, grads, fallbacks, _ = _on_slices(loss, params, {"s": None, "w1": 1, "b1": None, "w2": 0, "b2": None}, x)
     assert fallbacks == {"custom_vjp_call": 1}
-    with caplog.at_level("WARNING", logger="zerojax.core.tensor_parallel"):
+    with caplog.at_level("WARNING", logger="zerojax.rewrite.tensor_slices"):
         warn_fallbacks(fallbacks)  # what the step reports by default
     assert "1 equations ran on gathered activations (custom_vjp_call x1)" in caplog.text
     assert_tree_close(to_numpy(grads), to_numpy(want_g), rtol=1e-5, atol=1e-6, what="straight-through")

@@ -17,11 +17,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax.core.hlo import collectives as hlo_collectives
+from zerojax.measure.hlo import collectives as hlo_collectives
 from benchmarks.user_models import SHAPES
 from helpers import assert_relative_close, assert_tree_close, data_mesh, to_numpy, while_bodies
 from zerojax.core.collectives import ParamShard, Shard
-from zerojax.core.gather_at_use import gather_at_use
+from zerojax.rewrite.gather_at_use import gather_at_use
 from zerojax.core.layout import is_layout
 
 ROWS = 32

@@ -7,8 +7,8 @@ The package is layered (docs/architecture.md): `config` -> `core` (mesh, layouts
 """
 from zerojax.config import Config, load_config
 from zerojax.core.collectives import gather, gathers_params
-from zerojax.core.gather_at_use import find_layer_axes
-from zerojax.core.tensor_pairs import find_tensor_splits
+from zerojax.rewrite.gather_at_use import find_layer_axes
+from zerojax.rewrite.tensor_pairs import find_tensor_splits
 from zerojax.core.layout import Plan
 from zerojax.core.mesh import request_cpu_devices
 from zerojax.core.sharded_init import ParamsInit, init_params

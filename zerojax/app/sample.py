@@ -2,7 +2,7 @@
 and the end of train.py.
 
 A loss curve says a run learned; a few generated lines show what. When the prompt and the new tokens
-fit in the model's `seq_len` window, generation is `zerojax.core.generate`: a KV cache, one compiled
+fit in the model's `seq_len` window, generation is `zerojax.models.generate`: a KV cache, one compiled
 program for the whole text, sampled on the device from a key made from the seed. Longer, the window
 slides (the GPT's learned positions stop at seq_len), so the whole window is recomputed for every new
 token: one compiled forward pass of [1, seq_len] tokens, with the context left-aligned and the
@@ -71,7 +71,7 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
     window = cfg.seq_len
     from zerojax.models.decode import decoder
     if len(prompt) + n <= window:  # the KV-cache path: one program for the whole text
-        from zerojax.core.generate import generate as cached
+        from zerojax.models.generate import generate as cached
         if plan is None:
             params = jax.device_put(jax.tree.map(np.asarray, params), jax.devices()[0])
         out = cached(decoder(cfg), params, [list(prompt)], None, n, temperature=temperature,

@@ -279,7 +279,7 @@ def gathers_params(loss_fn: Any) -> Any:
     """Mark a loss function that calls `gather` itself, layer by layer (see `ParamShard`).
 
     An expert option: unmarked loss functions are evaluated with each sharded parameter gathered
-    where it is used (`zerojax.core.gather_at_use`), which already keeps one layer of a scanned stack
+    where it is used (`zerojax.rewrite.gather_at_use`), which already keeps one layer of a scanned stack
     whole at a time. A marked loss places its gathers itself.
     """
     loss_fn.__zerojax_gathers__ = True

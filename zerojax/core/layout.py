@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core.collectives import PARTIAL, REPLICATED, Placement, Shard, Wire
-from zerojax.core.gather_at_use import Prefetch
+from zerojax.rewrite.gather_at_use import Prefetch
 from zerojax.core.measure import planned_bytes
 from zerojax.core.mesh import (DATA, EXPERT, TENSOR, DataAxis, data_axes, data_size, expert_size, host_axes,
                                inner_major, row_axes, sequence_size, tensor_size)

@@ -2,7 +2,7 @@
 
 One place for the library (the plan's memory report, the start-up table, `memory_breakdown`,
 offload's host split), the benchmarks and the tests. Collective traffic and work are read from
-compiled HLO text by `zerojax.core.hlo`.
+compiled HLO text by `zerojax.measure.hlo`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from zerojax.core.hlo import entry_layout_bytes
+from zerojax.measure.hlo import entry_layout_bytes
 
 HOST_KINDS = ("pinned_host", "unpinned_host")  # memory kinds of host memory (offload)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from zerojax.core.jaxpr_eval import bind, interpret
+from zerojax.rewrite.jaxpr_eval import bind, interpret
 
 __all__ = ["POLICIES", "LAYER_INPUT", "Remat", "for_loss"]
 

@@ -33,15 +33,15 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.core import remat
 from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering, move, to_varying, unwrap)
-from zerojax.core.gather_at_use import gather_at_use
+from zerojax.rewrite.gather_at_use import gather_at_use
 from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
 from zerojax.core.mesh import TENSOR, DataAxis, data_axis, row_axes, row_size, sequence_size
 from zerojax.core.sequence import batch_specs, split_tokens
-from zerojax.core.tensor_parallel import tensor_parallel
+from zerojax.rewrite.tensor_slices import tensor_parallel
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
-from zerojax.pallas.update import FusedUpdate
+from zerojax.core.fused_update import FusedUpdate
 from zerojax.core.precision import LossScaleState, leaf_finite, update_loss_scale
 from zerojax.core.state import TrainState, state_shardings
 
@@ -517,7 +517,7 @@ def make_train_step(plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], 
 
     `loss_fn(params, batch) -> scalar` is the mean loss over the rows it is given (a parameter
     named `rng` receives a PRNG key). Under ZeRO-3 the loss is evaluated with each sharded
-    parameter all-gathered where it is used (`zerojax.core.gather_at_use`); loss functions marked with
+    parameter all-gathered where it is used (`zerojax.rewrite.gather_at_use`); loss functions marked with
     `zerojax.gathers_params` receive `ParamShard`s and gather them themselves.
     metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped, and micro_losses
     (each micro-batch's mean loss, in DeepSpeed's order).

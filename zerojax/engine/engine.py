@@ -25,7 +25,7 @@ from zerojax.engine.deepspeed_api import DeepSpeedAPI
 from zerojax.runtime.agreement import agree_on_program
 from zerojax.runtime.distributed import InFlight, check_consistency, config_items, global_array, same_request
 from zerojax.errors import LossScaleError, NonFiniteError
-from zerojax.core.generate import Decoder, Generation, generate
+from zerojax.models.generate import Decoder, Generation, generate
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
@@ -66,7 +66,7 @@ class Engine(DeepSpeedAPI):
                  tensor_dims: Any = None, trainable: Any = None):
         """`plan`: one already made from this config and mesh (`zerojax.plan`), so it is not made twice;
         without it the engine makes its own from `optimizer`, `lr_scheduler`, `layer_axes` and `tensor_dims`.
-        `decode`: the model's KV-cache forward (`zerojax.core.generate.Decoder`: `init_cache`, `prefill`,
+        `decode`: the model's KV-cache forward (`zerojax.models.generate.Decoder`: `init_cache`, `prefill`,
         `decode_step` over these params), which `generate` runs; train.py passes the shipped GPT's or
         Llama's (`zerojax.models.decode.decoder(config.model)`). `trainable`: `zerojax.plan`'s (which
         leaves are trained: a bool tree, or an NNX Variable class such as `nnx.LoRAParam`)."""
@@ -232,7 +232,7 @@ class Engine(DeepSpeedAPI):
     def generate(self, prompts: Any, max_new_tokens: int, *, lengths: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  eos_id: int | None = None) -> Generation:
-        """New tokens after each prompt from the live training weights (`zerojax.core.generate`).
+        """New tokens after each prompt from the live training weights (`zerojax.models.generate`).
 
         `prompts`: a list of token lists, or an int array [B, T] right-padded with `lengths` [B].
         Greedy at temperature 0, else sampled (`top_k`, `top_p`, `seed`); a row stops at `eos_id`.
@@ -246,7 +246,7 @@ class Engine(DeepSpeedAPI):
         if self.decoder is None:
             raise TypeError("generate: this engine has no decoder; pass decode= to zerojax.initialize(...) or "
                             "Engine(...): an object with init_cache / prefill / decode_step over these params "
-                            "(zerojax.core.generate.Decoder), e.g. zerojax.models.decode.decoder(model_config) for "
+                            "(zerojax.models.generate.Decoder), e.g. zerojax.models.decode.decoder(model_config) for "
                             "the shipped GPT or Llama")
         bound = self.config.hybrid_engine.max_out_tokens
         widest = max((len(p) for p in prompts), default=0) if lengths is None else int(np.max(lengths))

@@ -39,7 +39,7 @@ def initialize(config: Config | Mapping[str, Any] | str, params: Any = None, los
     reads them off the loss), so ZeRO-3 keeps them whole and compares the persistence threshold
     with one layer. `tensor_dims` is `plan`'s too: per leaf, the dimension a tensor axis splits where
     nothing else decides (`zerojax.find_tensor_splits(loss_fn, params, batch)` derives Megatron's pairs
-    from the loss). `decode` is the model's KV-cache forward (`zerojax.core.generate.Decoder`) that
+    from the loss). `decode` is the model's KV-cache forward (`zerojax.models.generate.Decoder`) that
     `engine.generate` runs; `zerojax.models.decode.decoder(model_config)` is the shipped GPT's or Llama's.
     `trainable` is `plan`'s: which leaves are trained (a tree of bools, or an NNX Variable class such as
     `nnx.LoRAParam` for a model from `zerojax.from_nnx`); the others are frozen (docs/lora.md).

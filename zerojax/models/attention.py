@@ -12,7 +12,7 @@ in T, and the longest sequence grows about linearly with the sequence axis, as D
 it with flash attention.
 
 Both are written with plain `lax` primitives (einsums, elementwise ops, scans, checkpoints), so the
-tensor-parallel evaluator (zerojax.core.tensor_parallel) runs them on a tensor slice's heads and
+tensor-parallel evaluator (zerojax.rewrite.tensor_slices) runs them on a tensor slice's heads and
 Ulysses (zerojax.models.ulysses) wraps either as its `attend`.
 
 The blockwise form computes every (query block, key block) tile, the ones above the diagonal masked

@@ -2,7 +2,7 @@
 
 The params are the very pytree training uses (`gpt.init_params`, the Llama's `from_nnx` dict, an
 engine's `state.params`); nothing is converted. Each decoder answers the protocol
-`zerojax.core.generate.Decoder`:
+`zerojax.models.generate.Decoder`:
 
     init_cache(params, batch, max_len) -> cache   {"k", "v"}: [layers, batch, max_len, kv_heads, head_dim]
     prefill(params, cache, tokens [B, T], lengths [B]) -> (logits [B, vocab] at position lengths - 1, cache)
@@ -239,7 +239,7 @@ class MoELlamaDecoder(LlamaDecoder):
     the routing and the outputs are those of the configured gate.
 
     With an expert mesh axis the generation program gathers every weight replicated before the
-    prefill (`zerojax.core.generate`), so each device holds every expert and the layer runs without
+    prefill (`zerojax.models.generate`), so each device holds every expert and the layer runs without
     all-to-alls.
     """
 

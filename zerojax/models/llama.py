@@ -4,7 +4,7 @@ Written as a user writes an NNX model, and trained through the same public path 
 takes (`zerojax.from_nnx(constructor, loss)`): the layers are created with `nnx.vmap` (one leading
 layer axis per parameter) and applied with `nnx.scan` over an `nnx.remat` body. Nothing in it
 knows about ZeRO: under stage 3 the step gathers each parameter where the traced loss uses it
-(zerojax.core.gather_at_use), which for the scanned stack means one layer per scan iteration, forward
+(zerojax.rewrite.gather_at_use), which for the scanned stack means one layer per scan iteration, forward
 and again in the rematerialized backward pass.
 
 The maths follows Hugging Face transformers' `LlamaForCausalLM` (rotate-half rotary embeddings,

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from zerojax.core.mesh import expert_axis, tensor_axis
-from zerojax.core.tensor_parallel import split_hint, whole_hint
+from zerojax.rewrite.tensor_slices import split_hint, whole_hint
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 DROP_POLICIES = ("probs", "position")  # DeepSpeed's topkgating: which tokens an over-full expert keeps

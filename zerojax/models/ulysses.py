@@ -8,7 +8,7 @@ device's heads, and a second all-to-all brings the output back to the token spli
 With a `tensor` axis of size T as well, the heads are laid out [T, P, h/(T P)]: tensor slice t holds
 heads [t h/T, (t+1) h/T) (a column-parallel q, k, v projection splits them so), and sequence device p
 takes block p of each slice's heads. The all-to-all splits the P dimension only, so run on a
-tensor slice's own heads (what `zerojax.core.tensor_parallel` does with a head-split activation) it
+tensor slice's own heads (what `zerojax.rewrite.tensor_slices` does with a head-split activation) it
 is Ulysses over that slice's heads, and run on whole heads it is Ulysses too: either way every device
 ends with whole-sequence q, k and v for a set of heads, and each query head stays with the key/value
 head it shares (grouped-query attention), because both counts are split the same way.

@@ -63,7 +63,7 @@ from zerojax.errors import ConfigError
 from zerojax.core.mesh import (STAGE, TENSOR, DataAxis, axes_size, data_axes, data_size, row_axes, row_size,
                                sequence_size)
 from zerojax.core.sequence import batch_specs, split_tokens
-from zerojax.core.tensor_parallel import tensor_parallel
+from zerojax.rewrite.tensor_slices import tensor_parallel
 from zerojax.pipeline.buffers import ROWS, StageRows
 from zerojax.pipeline.schedule import Backward, Forward, RecvActivation, RecvGrad, Schedule
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import jax
 
-from zerojax.core.hlo import collectives
+from zerojax.measure.hlo import collectives
 from zerojax.errors import ConfigError
 
 __all__ = ["ProgramMismatch", "ProcessMismatch", "program_digest", "agree_on_program", "first_difference",

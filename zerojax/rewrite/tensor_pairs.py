@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from zerojax.core.tensor_parallel import Group, Split, evaluate
+from zerojax.rewrite.tensor_slices import Group, Split, evaluate
 
 
 class _Search(Group):

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from zerojax.core.collectives import PLAIN, ParamShard, Wire, gather_shard, reduce_scatter_shard
-from zerojax.core.jaxpr_eval import bind, interpret
+from zerojax.rewrite.jaxpr_eval import bind, interpret
 from zerojax.core.mesh import data_axis
 
 # Primitives that commute with slicing a stacked leading axis (used to carry a parameter's

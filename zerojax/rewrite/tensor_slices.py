@@ -49,7 +49,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from zerojax.core.jaxpr_eval import bind, interpret
+from zerojax.rewrite.jaxpr_eval import bind, interpret
 
 _log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Reading compiled programs: collectives, work and layout bytes from XLA's HLO text."""
