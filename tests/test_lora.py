@@ -183,3 +183,17 @@ def test_rlhf_example_trains_only_adapters(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["kl"] < 1e-3 < rows[-1]["kl"]  # starts at the base (B = 0), then moves away from it
     assert json.loads((tmp_path / "config.json").read_text())["lora"]["r"] == 4
+
+
+def test_estimate_counts_a_lora_fine_tune_of_a_config_json_as_the_run_plans_it() -> None:
+    """`zerojax estimate --hf-config` with a lora section: the adapters are added to the config.json's
+    model, and the plan-exact count is the run's (configs/lora.yaml on the imported Llama fixture)."""
+    from zerojax.tools.estimate import Choice, choose_model, plan_exact
+    root = Path(__file__).resolve().parents[1]
+    cfg = zerojax.load_config(str(root / "configs" / "lora.yaml"),
+                              [f"model.hf_checkpoint={root / 'tests/fixtures/hf/llama'}"])
+    model = choose_model(cfg, hf_config=str(root / "tests/fixtures/hf/llama/config.json"))
+    rep = plan_exact(cfg, model, 8, 8, Choice(3)).report
+    run = zerojax.plan(cfg, mesh(1), llama.build(cfg.model)[0]).report()
+    assert (rep.n_params, rep.n_frozen) == (run.n_params, run.n_frozen) == (92_992, 78_144)
+    assert rep.params + rep.grads + rep.optimizer == run.params + run.grads + run.optimizer
