@@ -138,6 +138,8 @@ def test_targets_and_refusals() -> None:
         lora.targets(config(LLAMA, lora_section={**LORA, "target_modules": ["qproj"]}).model)
     with pytest.raises(ConfigError, match="lora.lora_dropout: 0.1 is not built"):
         config(LLAMA, lora_section={**LORA, "lora_dropout": 0.1})
+    with pytest.raises(ConfigError, match="lora.r: given while lora.enabled is false"):
+        config(GPT, lora_section={"r": 4})
     with pytest.raises(ConfigError, match="lora.enabled: a pipeline"):
         config(GPT, lora_section=LORA, mesh={"stage": 2})
     with pytest.raises(ConfigError, match="lora.adapter: a PEFT adapter goes onto its base model"):

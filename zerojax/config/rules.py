@@ -193,6 +193,12 @@ def _derive_lora(config: Config, sources: dict[str, str]) -> Config:
             sources["lora.enabled"] = "derived (lora.adapter)"
         lora = dataclasses.replace(lora, **changes)
     if not lora.enabled:
+        defaults = type(lora)()
+        changed = [f.name for f in dataclasses.fields(lora) if f.name != "enabled"
+                   and getattr(lora, f.name) != getattr(defaults, f.name) and _given(sources, f"lora.{f.name}")]
+        if changed:  # a lora section without enabled would otherwise train the whole model, silently
+            raise ConfigError(f"lora.{changed[0]}: given while lora.enabled is false, so no adapter would be added "
+                              f"and every parameter trained; set lora.enabled: true, or remove the lora keys")
         return dataclasses.replace(config, lora=lora)
     if lora.lora_dropout:
         raise ConfigError(f"lora.lora_dropout: {lora.lora_dropout} is not built (the shipped models' losses take "
