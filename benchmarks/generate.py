@@ -157,10 +157,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         placed = gen._place(padded, rows_s), gen._place(lens, rows_s)
         per_token = gather_per_token.lower(engine.decoder, engine.state.params, *placed, args.new, rows_s,
                                            replicated).compile()
-        once = gen._program.lower(engine.decoder, engine.state.params, *placed, np.uint32(0), args.new, 0.0, None,
-                                  None, None, rows_s, replicated).compile()
+        once = gen._program.lower(engine.decoder, engine.state.params, *placed, np.uint32(0), np.int32(args.new),
+                                  gen.new_token_bucket(args.new), 0.0, None, None, (), 0, rows_s, replicated).compile()
         memory.append(dict(batch=b, once=_memory(once), per_token=_memory(per_token),
-                           cache=gen.cache_bytes(engine.decoder, engine.state.params, b, width + args.new),
+                           cache=gen.cache_bytes(engine.decoder, engine.state.params, b, width + gen.new_token_bucket(args.new)),
                            rows_split=b % engine.plan.data_size == 0,
                            gathered_once=_gathered_once(engine.state.params, engine.plan.data_size),
                            gathered_per_token=_gathered(per_token)))

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 from zerojax.app.monitor import Monitor  # noqa: E402
 from zerojax.models import decode, gpt, rl  # noqa: E402
+from zerojax.runtime.compile_cache import Compilations  # noqa: E402
 
 PROMPTS, GROUP, NEW = 4, 8, 8   # prompts per step, completions per prompt, new tokens per completion
 PROMPT_MAX = 6                  # prompts hold 2..PROMPT_MAX tokens (the batch's width is fixed)
@@ -98,23 +99,25 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(args.seed)
     rewards = []
     try:
-        for step in range(1, args.steps + 1):
-            prompts = sample_prompts(rng, cfg.vocab_size)
-            gen = engine.generate(prompts, NEW, temperature=1.0, seed=args.seed * 100_003 + step, eos_id=EOS)
-            tokens, logps, lengths = (np.asarray(x) for x in gen)
-            score = reward(tokens)
-            batch = rl.rollout_batch(*padded(prompts), tokens, lengths, logps)
-            batch["ref_logp"] = reference.logprobs(batch["tokens"])
-            batch["advantages"] = rl.group_advantages(score, GROUP)
-            kl = masked_mean(np.asarray(rl.kl_k3(batch["old_logp"], batch["ref_logp"])), batch["mask"])
-            metrics = engine.train_batch(batch)
-            rewards.append(float(score.mean()))
-            monitor.step(step, metrics, {"reward": rewards[-1], "kl": kl})
+        with Compilations() as compiled:  # prompts of 2..PROMPT_MAX tokens share one generate program
+            for step in range(1, args.steps + 1):
+                prompts = sample_prompts(rng, cfg.vocab_size)
+                gen = engine.generate(prompts, NEW, temperature=1.0, seed=args.seed * 100_003 + step, eos_id=EOS)
+                tokens, logps, lengths = (np.asarray(x) for x in gen)
+                score = reward(tokens)
+                batch = rl.rollout_batch(*padded(prompts), tokens, lengths, logps)
+                batch["ref_logp"] = reference.logprobs(batch["tokens"])
+                batch["advantages"] = rl.group_advantages(score, GROUP)
+                kl = masked_mean(np.asarray(rl.kl_k3(batch["old_logp"], batch["ref_logp"])), batch["mask"])
+                metrics = engine.train_batch(batch)
+                rewards.append(float(score.mean()))
+                monitor.step(step, metrics, {"reward": rewards[-1], "kl": kl})
     finally:
         monitor.close()
     k = max(1, len(rewards) // 5)
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
     print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}")
+    print(f"programs compiled: {compiled.count} over {args.steps} steps")
     print(f"curves: zerojax plot {out} -o {out / 'curves.png'}")
     return {"first": first, "last": last, "rewards": rewards}
 

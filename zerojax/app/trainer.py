@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -19,7 +20,7 @@ from zerojax.app.monitor import Monitor, check_monitors
 from zerojax.app.reports import (comms_report, compile_step, flops_profile, memory_table, schedule_warning,
                                  startup_table)
 from zerojax.checkpoint import latest_tag
-from zerojax.config import Config
+from zerojax.config import Config, load_config
 from zerojax.core.mesh import row_size
 from zerojax.core.sharded_init import ParamsInit
 from zerojax.core.nonfinite import NonFiniteGuard, stop_message
@@ -108,6 +109,36 @@ def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
     loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
     from zerojax.models.decode import decoder
     return Engine(config, params, loss_fn, mesh, plan=plan, decode=decoder(model_cfg))
+
+
+def from_hf(path: str | os.PathLike[str], config: Config | Mapping[str, Any] | str, *, mesh: Any = None,
+            loss_fn: Any = None) -> Engine:
+    """An engine that trains and generates, started from the transformers checkpoint folder `path`:
+    what `zerojax.initialize` returns, built as train.py builds a run with `model.hf_checkpoint: path`
+    (the model keys read from config.json, each device reading only its own slices of the weights, the
+    model's decoder attached so `engine.generate` works).
+
+    `config`: the run's DeepSpeed config (a Config, a dict or a file), without the model's size keys
+    (they come from the checkpoint; one that disagrees is an error naming both values). `mesh`: default
+    the config's. `loss_fn`: what `train_batch` minimises over the model's params; default the model's
+    next-token loss (batches {"tokens": [B, T+1]}); e.g. `zerojax.models.rl.make_grpo_loss(engine.config.model)`
+    for GRPO, whose model config is `zerojax.load_config(...)`'s with the same `model.hf_checkpoint`.
+    """
+    given = config.model.hf_checkpoint if isinstance(config, Config) else None
+    if isinstance(config, Mapping):
+        given = (config.get("model") or {}).get("hf_checkpoint")
+    if given is not None and Path(given).expanduser().resolve() != Path(path).expanduser().resolve():
+        raise ConfigError(f"model.hf_checkpoint: the config names {given}, but from_hf was given {path}; drop the "
+                          f"key from the config (from_hf sets it) or pass the same folder")
+    config = load_config(config, [f"model.hf_checkpoint={json.dumps(str(path))}"])
+    if config.mesh.stage > 1:
+        raise ConfigError(f"mesh.stage: {config.mesh.stage} pipeline stages, but from_hf builds one engine over the "
+                          f"whole model; set mesh.stage: 1 (ZeRO-3 shards the model over the data axis instead)")
+    mesh = mesh if mesh is not None else make_mesh(config)
+    model = build_model(config, mesh)
+    if loss_fn is not None:
+        model = model._replace(loss_fn=loss_fn)
+    return build_engine(config, mesh, model)
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:

@@ -275,8 +275,8 @@ KEY_STATUS: dict[str, str] = {
                      f"not with pipelines; see docs/lora.md)" for k in ("trainable", "frozen")},
     "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",
     "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",
-    "model.hf_checkpoint": f"{HONOURED} (train.py and `zerojax train`: the run starts from the checkpoint's "
-                           f"weights, read into the plan's shards)",
+    "model.hf_checkpoint": f"{HONOURED} (train.py, `zerojax train` and `zerojax.from_hf`: the run starts from the "
+                           f"checkpoint's weights, read into the plan's shards)",
     **{f"model.{k}": f"{HONOURED} (the Llama's mixture-of-experts layers, zerojax.models.moe; the GPT refuses "
                      f"model.n_experts)"
        for k in ("n_experts", "experts_per_token", "gating", "moe_every", "capacity_factor",

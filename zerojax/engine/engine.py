@@ -13,7 +13,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from zerojax.engine.deepspeed_api import DeepSpeedAPI
 from zerojax.runtime.agreement import agree_on_program
 from zerojax.runtime.distributed import InFlight, check_consistency, config_items, global_array, same_request
 from zerojax.errors import LossScaleError, NonFiniteError
-from zerojax.models.generate import Decoder, Generation, generate
+from zerojax.models.generate import Decoder, Generation, generate, pad_prompts
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
@@ -231,15 +231,21 @@ class Engine(DeepSpeedAPI):
 
     def generate(self, prompts: Any, max_new_tokens: int, *, lengths: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 eos_id: int | None = None) -> Generation:
+                 eos_id: int | None = None, attention_mask: Any = None, stop_ids: Sequence[int] | None = None,
+                 pad_id: int | None = None) -> Generation:
         """New tokens after each prompt from the live training weights (`zerojax.models.generate`).
 
-        `prompts`: a list of token lists, or an int array [B, T] right-padded with `lengths` [B].
-        Greedy at temperature 0, else sampled (`top_k`, `top_p`, `seed`); a row stops at `eos_id`.
-        Returns tokens, log-probabilities (of the model at temperature 1) and lengths (`Generation`).
+        `prompts`: a list of token lists; an int array [B, T] right-padded with `lengths` [B]; or an
+        array with an `attention_mask` [B, T], left-padded as transformers' `generate` takes it (or
+        right-padded). Greedy at temperature 0, else sampled (`top_k`, `top_p`, `seed`); a row stops
+        at `eos_id` or any of `stop_ids`, and `pad_id` (default `eos_id`) fills the rest of it.
+        Returns tokens, log-probabilities (of the model at temperature 1) and lengths (`Generation`),
+        and `.sampled_logprobs` (of the distribution the tokens were drawn from).
         The parameters are read where the ZeRO stage keeps them (`state.params`, the compute dtype):
         at stage 3 they are gathered once per call inside the one compiled program, not per token,
         and the gathered copy is gone when the call returns; nothing of the state changes.
+        Prompt widths and new-token counts round up to powers of two (at least 8), so a loop whose
+        shapes vary compiles a few programs, not one per call.
         In a multi-process run every process passes the same prompts and settings (checked: a
         difference is an error on every process, not a hang) and every process gets every row.
         """
@@ -247,16 +253,19 @@ class Engine(DeepSpeedAPI):
             raise TypeError("generate: this engine has no decoder; pass decode= to zerojax.initialize(...) or "
                             "Engine(...): an object with init_cache / prefill / decode_step over these params "
                             "(zerojax.models.generate.Decoder), e.g. zerojax.models.decode.decoder(model_config) for "
-                            "the shipped GPT or Llama")
+                            "the shipped GPT or Llama; zerojax.from_hf(path, config) passes it for you")
+        prompts, lengths = pad_prompts(prompts, lengths, attention_mask)
         bound = self.config.hybrid_engine.max_out_tokens
-        widest = max((len(p) for p in prompts), default=0) if lengths is None else int(np.max(lengths))
+        widest = int(np.max(lengths, initial=0))
         if widest + max_new_tokens > bound:
             raise ValueError(f"generate: a prompt of {widest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                              f"hybrid_engine.max_out_tokens={bound}; raise it in the config or ask for fewer tokens")
         if jax.process_count() > 1:
-            same_request("generate", prompts, lengths, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+            same_request("generate", prompts, lengths, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
+                         stop_ids, pad_id)
         return generate(self.decoder, self.state.params, prompts, lengths, max_new_tokens, temperature=temperature,
-                        top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, plan=self.plan)
+                        top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, plan=self.plan, stop_ids=stop_ids,
+                        pad_id=pad_id)
 
     # -- state ------------------------------------------------------------------------------
     @property
