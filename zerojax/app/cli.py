@@ -40,9 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--tag", default=None, help="checkpoint tag (default: latest; best: the lowest validation "
                                                     "loss of a run with run.eval_every)")
     export.add_argument("--force", action="store_true", help="replace --out if it already exists")
-    export.add_argument("--format", default="safetensors", choices=("safetensors", "hf", "deepspeed"),
+    export.add_argument("--format", default="safetensors", choices=("safetensors", "hf", "peft", "deepspeed"),
                         help="safetensors: zerojax's parameter names in one file; hf: config.json + "
-                             "model.safetensors with transformers' names (llama and gpt models); deepspeed: "
+                             "model.safetensors with transformers' names (llama and gpt models; a LoRA run's "
+                             "adapters merged into their weights); peft: a LoRA run's adapters as "
+                             "adapter_config.json + adapter_model.safetensors (peft.PeftModel loads them onto "
+                             "the base, --hf-source naming it); deepspeed: "
                              "the fp32 state dict DeepSpeed's zero_to_fp32.py writes (pytorch_model.bin; "
                              "--out a file or folder)")
     export.add_argument("--max-shard-size", default=None, metavar="SIZE",
@@ -240,6 +243,14 @@ def _export(args: argparse.Namespace) -> int:
     from zerojax.app.run_dirs import checkpoint_folder
     check_not_deepspeed(args.checkpoint_dir)
     args.checkpoint_dir = str(checkpoint_folder(args.checkpoint_dir))
+    if args.format == "peft":
+        if args.max_shard_size or args.dtype != "fp32":
+            raise ConfigError("export --format peft: the adapters are written whole in fp32; drop --max-shard-size "
+                              "and --dtype")
+        from zerojax.models.hf import export_adapter
+        path = export_adapter(args.checkpoint_dir, args.tag, args.out, overwrite=args.force, base=args.hf_source)
+        print(f"wrote {path} (adapter_config.json, adapter_model.safetensors)")
+        return 0
     if args.format != "hf" and (args.max_shard_size or args.hf_source):
         raise ConfigError("export: --max-shard-size and --hf-source are options of --format hf; add --format hf "
                           "or drop them")

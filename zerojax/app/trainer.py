@@ -102,7 +102,7 @@ def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
     if model_cfg.hf_checkpoint:  # each device reads only its own slices of the checkpoint's tensors
         from zerojax.models.hf import load_params
         beat(f"reading {model_cfg.hf_checkpoint}", allowance=FIRST_STEP_ALLOWANCE)
-        params = load_params(model_cfg.hf_checkpoint, model_cfg, plan.init_shardings)
+        params = load_params(model_cfg.hf_checkpoint, model_cfg, plan.init_shardings, seed=config.run.seed)
     elif params is None:
         # Initialized straight into the sharded master plan (no device ever holds the whole model), inside
         # the one program that makes the train state.

@@ -274,3 +274,42 @@ def _model_keys(directory: str | os.PathLike[str], seq_len: int | None, key: str
         raise HFError(f"model.hf_checkpoint: {where} has model_type {kind!r}, which zerojax does not read{nearest}; "
                       f"it reads model_type {', '.join(map(repr, FAMILIES))} and 'gpt2' checkpoints")
     return keys, "config.json"
+
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+# adapter_config.json values PEFT may write that change the adapter's maths, and the only value built here.
+_ADAPTER_PLAIN = {"bias": "none", "use_rslora": False, "use_dora": False, "lora_bias": False}
+
+
+def adapter_keys(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
+    """`lora.*` keys of a PEFT LoRA adapter folder (its adapter_config.json: r, lora_alpha,
+    target_modules), refusing the variants whose maths differ (DoRA, rsLoRA, trained biases, per-layer
+    ranks), each with the key that asks for it."""
+    root = Path(directory).expanduser()
+    path = root / ADAPTER_CONFIG
+    if not path.is_file() or not (root / ADAPTER_WEIGHTS).is_file():
+        raise HFError(f"lora.adapter: {root} needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (what PEFT's "
+                      f"save_pretrained writes); give the adapter's folder")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HFError(f"lora.adapter: {path} is not valid JSON ({e})") from None
+    if hf.get("peft_type", "LORA") != "LORA":
+        raise HFError(f"lora.adapter: {path} is a {hf.get('peft_type')} adapter; only LoRA adapters are read")
+    for key, plain in _ADAPTER_PLAIN.items():
+        if hf.get(key, plain) not in (plain, None):
+            raise HFError(f"lora.adapter: {path} has {key}: {json.dumps(hf[key])}; only plain LoRA is built "
+                          f"({key}: {json.dumps(plain)})")
+    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save", "exclude_modules",
+                "target_parameters", "trainable_token_indices", "layer_replication"):
+        if hf.get(key):
+            raise HFError(f"lora.adapter: {path} has {key}: {json.dumps(hf[key])}; one rank, alpha and set of "
+                          f"projections for every layer is what is read (train with PEFT's defaults for it)")
+    targets = hf.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets]
+    keys = {"r": int(hf["r"]), "lora_alpha": float(hf.get("lora_alpha", hf["r"]))}
+    if targets:
+        keys["target_modules"] = tuple(sorted(targets))
+    return keys, path

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from zerojax.config.hf import TRAINING_KEYS, model_keys
+from zerojax.config.hf import TRAINING_KEYS, adapter_keys, model_keys
 from zerojax.config.schema.monitoring import OP_NAMES
 from zerojax.errors import ConfigError
 from zerojax.config.fields import warn, warn_ignored
@@ -83,7 +83,7 @@ def derive(config: Config, sources: dict[str, str]) -> Config:
         zero = dataclasses.replace(zero, offload_param=OffloadParamConfig())
     config = dataclasses.replace(config, zero_optimization=zero)
 
-    config = _derive_model(_derive_sequence(_derive_tensor(config, sources), sources), sources)
+    config = _derive_lora(_derive_model(_derive_sequence(_derive_tensor(config, sources), sources), sources), sources)
     if config.run.log_every is None:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run,
                                                                      log_every=config.steps_per_print))
@@ -176,6 +176,47 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
         m = dataclasses.replace(m, norm_eps=1e-5 if m.name == "llama" else 1e-6)
         sources["model.norm_eps"] = f"derived ({m.name}'s default)"
     return dataclasses.replace(config, model=m)
+
+
+def _derive_lora(config: Config, sources: dict[str, str]) -> Config:
+    """The `lora` section: keys not given from `lora.adapter`'s adapter_config.json (which also enables
+    it), refusals that need no model, and the resolved section handed to the model config."""
+    lora = config.lora
+    if lora.adapter is not None:
+        if config.model.hf_checkpoint is None:
+            raise ConfigError("lora.adapter: a PEFT adapter goes onto its base model; name the base with "
+                              "model.hf_checkpoint (the Hugging Face folder the adapter was trained on)")
+        found, where = adapter_keys(lora.adapter)
+        changes = {}
+        for key, value in found.items():
+            path = f"lora.{key}"
+            if _given(sources, path) and getattr(lora, key) != value:
+                raise ConfigError(f"{path}: {getattr(lora, key)} given, but lora.adapter's {where} has {value}; "
+                                  f"remove {path} to take the adapter's value")
+            changes[key] = value
+            sources.setdefault(path, f"derived (lora.adapter {where})")
+        if not lora.enabled:
+            changes["enabled"] = True
+            sources["lora.enabled"] = "derived (lora.adapter)"
+        lora = dataclasses.replace(lora, **changes)
+    if not lora.enabled:
+        defaults = type(lora)()
+        changed = [f.name for f in dataclasses.fields(lora) if f.name != "enabled"
+                   and getattr(lora, f.name) != getattr(defaults, f.name) and _given(sources, f"lora.{f.name}")]
+        if changed:  # a lora section without enabled would otherwise train the whole model, silently
+            raise ConfigError(f"lora.{changed[0]}: given while lora.enabled is false, so no adapter would be added "
+                              f"and every parameter trained; set lora.enabled: true, or remove the lora keys")
+        return dataclasses.replace(config, lora=lora)
+    if lora.lora_dropout:
+        raise ConfigError(f"lora.lora_dropout: {lora.lora_dropout} is not built (the shipped models' losses take "
+                          f"no random key to draw a dropout mask from); set lora.lora_dropout: 0")
+    if config.mesh.stage > 1:
+        raise ConfigError(f"lora.enabled: a pipeline (mesh.stage: {config.mesh.stage}) keeps its parameters as flat "
+                          f"stage rows and freezes none; set mesh.stage: 1 (ZeRO-3 shards the frozen base instead)")
+    if not lora.target_modules:
+        raise ConfigError("lora.target_modules: empty, so no projection gets an adapter; name some (e.g. "
+                          "[q_proj, v_proj]) or set lora.enabled: false")
+    return dataclasses.replace(config, lora=lora, model=dataclasses.replace(config.model, lora=lora))
 
 
 def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:

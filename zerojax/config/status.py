@@ -73,6 +73,7 @@ KEY_STATUS: dict[str, str] = {
     "kernels": HONOURED,
     "mesh": _SECTION,
     "model": _SECTION,
+    "lora": _SECTION,
     "data": _SECTION,
     "run": _SECTION,
     "distributed": _SECTION,
@@ -299,6 +300,11 @@ KEY_STATUS: dict[str, str] = {
        for k in ("n_experts", "experts_per_token", "gating", "moe_every", "capacity_factor",
                  "eval_capacity_factor", "min_capacity", "drop_tokens", "use_rts", "noisy_gate_policy",
                  "top2_2nd_expert_sampling", "use_residual", "moe_aux_loss_coef")},
+    **{f"lora.{k}": f"{HONOURED} (zerojax key: adapters on the shipped GPT and Llama and Hugging Face imports, "
+                    f"the base frozen; see docs/lora.md)" for k in ("enabled", "r", "lora_alpha", "target_modules")},
+    "lora.lora_dropout": f"{HONOURED} at 0; {REFUSED} above 0 (the shipped models' losses take no random key)",
+    "lora.adapter": f"{HONOURED} (a PEFT adapter folder read onto model.hf_checkpoint's base)",
+    "lora.base_weight_sharding": f"{NO_EFFECT}: ZeRO-3 shards the frozen base with every other weight",
     "model.expert_tensor_parallelism": f"{HONOURED} (the Llama's MoE layers and the tensor plan: false keeps "
                                        f"every leaf annotated `expert` whole over mesh.tensor)",
     **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed", "dtype", "tokenizer",

@@ -52,9 +52,9 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
-from zerojax.config.hf import HFError, model_keys
+from zerojax.config.hf import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HFError, model_keys
 from zerojax.errors import ConfigError
-from zerojax.models import abstract_params
+from zerojax.models import abstract_params, lora
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -305,12 +305,12 @@ def _shard_name(index: Path, file: Any) -> str:
 class Checkpoint:
     """The tensors of a transformers folder, read lazily by slices (safetensors' `get_slice`)."""
 
-    def __init__(self, directory: str | os.PathLike[str]):
+    def __init__(self, directory: str | os.PathLike[str], single: str = SINGLE_FILE):
         from safetensors import safe_open
 
         self.root = Path(directory).expanduser()
         index = self.root / INDEX_FILE
-        if index.is_file():
+        if single == SINGLE_FILE and index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 if not isinstance(weight_map, dict):
@@ -318,7 +318,7 @@ class Checkpoint:
             except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
                 raise HFError(f"model.hf_checkpoint: {index} is not a safetensors index ({e!r})") from None
             self.where = {name: self.root / _shard_name(index, file) for name, file in weight_map.items()}
-        elif (self.root / SINGLE_FILE).is_file():
+        elif (self.root / single).is_file():
             self.where = {}
         else:
             found = sorted(p.name for p in self.root.iterdir() if p.suffix in (".bin", ".safetensors", ".pt"))
@@ -327,7 +327,7 @@ class Checkpoint:
                           + "; zerojax reads safetensors: save with save_pretrained(..., safe_serialization=True)")
         self._stack = contextlib.ExitStack()
         self._files: dict[Path, Any] = {}
-        files = sorted(set(self.where.values())) or [self.root / SINGLE_FILE]
+        files = sorted(set(self.where.values())) or [self.root / single]
         try:
             for path in files:
                 if not path.is_file():
@@ -431,6 +431,8 @@ def _check_shapes(cfg: Any, ckpt: Checkpoint, abstract: Mapping[str, Any],
                   names: Mapping[tuple[str, ...], Source]) -> None:
     """Every tensor the model needs is there with the shape the config implies (before any read)."""
     for path, leaf in _paths(abstract):
+        if path not in names and lora.is_adapter(path):
+            continue  # a new adapter, not read from the checkpoint
         source = names[path]
         want = _expected(path, tuple(leaf.shape), source)
         if source.part is not None:
@@ -488,22 +490,86 @@ def _block(ckpt: Checkpoint, path: tuple[str, ...], source: Source, index: tuple
     return np.ascontiguousarray(out.astype(dtype))
 
 
-def load_params(directory: str | os.PathLike[str], cfg: Any, shardings: Any) -> dict[str, Any]:
+ADAPTER_PREFIX = "base_model.model."  # PEFT's names: the base model's module path under its wrapper
+
+
+def adapter_names(cfg: Any, base: Mapping[tuple[str, ...], Source]) -> dict[tuple[str, ...], Source]:
+    """PEFT's tensor of each adapter leaf: `base_model.model.<module>.lora_A.weight` [r, in] and
+    `lora_B.weight` [out, r] beside the projection's own tensor, stored as torch's Linear stores
+    them (transposed from our A [in, r] and B [r, out]) whatever the base's own layout."""
+    picked = lora.targets(cfg)
+    out = {}
+    for path, source in base.items():
+        if path[-1] == "kernel" and len(path) >= 2 and path[-2] in picked:
+            stem = ADAPTER_PREFIX + source.name.removesuffix(".weight")
+            out[path[:-1] + ("lora_a",)] = Source(f"{stem}.lora_A.weight", transpose=True)
+            out[path[:-1] + ("lora_b",)] = Source(f"{stem}.lora_B.weight", transpose=True)
+    return out
+
+
+@contextlib.contextmanager
+def _sources(directory: str | os.PathLike[str], cfg: Any, seed: int) -> Iterator[Callable[..., np.ndarray]]:
+    """`block(path, index, shape, dtype)` of every leaf of `cfg`'s model: the base from the checkpoint
+    folder; the adapters (with `cfg.lora`) from `lora.adapter`'s PEFT file, or new (`lora.initial`)."""
+    abstract = abstract_params(cfg)
+    adapter_dir = getattr(getattr(cfg, "lora", None), "adapter", None)
+    with Checkpoint(directory) as ckpt, contextlib.ExitStack() as stack:
+        names = _names_for(cfg, ckpt)
+        _check_shapes(cfg, ckpt, abstract, names)
+        adapters = adapter_names(cfg, names) if getattr(cfg, "lora", None) is not None else {}
+        peft = None
+        if adapter_dir is not None:
+            peft = stack.enter_context(Checkpoint(adapter_dir, single=ADAPTER_WEIGHTS))
+            _check_adapter(cfg, peft, abstract, adapters)
+
+        def block(path: tuple[str, ...], index: tuple[Any, ...], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            if path in adapters and peft is not None:
+                return _block(peft, path, adapters[path], index, shape, dtype)
+            if path in adapters:
+                return np.ascontiguousarray(lora.initial(path, shape, dtype, seed)[tuple(index)])
+            return _block(ckpt, path, names[path], index, shape, dtype)
+
+        yield block
+
+
+def _check_adapter(cfg: Any, peft: Checkpoint, abstract: Mapping[str, Any],
+                   adapters: Mapping[tuple[str, ...], Source]) -> None:
+    """The PEFT file holds exactly the adapters the lora section describes, each of the right shape."""
+    where = f"lora.adapter: {peft.root / ADAPTER_WEIGHTS}"
+    for path, leaf in _paths(abstract):
+        if path in adapters:
+            want = _expected(path, tuple(leaf.shape), adapters[path])
+            for _, name in _tensors_of(path, adapters[path], tuple(leaf.shape)):
+                if name not in peft:
+                    raise HFError(f"{where} has no {name}; its adapter_config.json's target_modules and the "
+                                  f"lora section disagree (remove lora.target_modules to take the adapter's)")
+                if peft.shape(name) != want:
+                    raise HFError(f"{where}: {name} has shape {list(peft.shape(name))}, but lora.r {cfg.lora.r} on "
+                                  f"this base needs {list(want)}; remove lora.r to take the adapter's")
+    expected = {name for path, leaf in _paths(abstract) if path in adapters
+                for _, name in _tensors_of(path, adapters[path], tuple(leaf.shape))}
+    extra = sorted(set(peft.where) - expected)
+    if extra:
+        raise HFError(f"{where} holds tensors no adapter of this model takes ({', '.join(extra[:4])}"
+                      f"{' ...' if len(extra) > 4 else ''}); only LoRA on the projections lora.target_modules "
+                      f"names is read")
+
+
+def load_params(directory: str | os.PathLike[str], cfg: Any, shardings: Any, seed: int = 0) -> dict[str, Any]:
     """The checkpoint's parameters as the zerojax model's params tree, each leaf created under its
-    sharding in `shardings` (the plan's `update_shardings`), each device reading only its block."""
+    sharding in `shardings` (the plan's `update_shardings`), each device reading only its block. With
+    `cfg.lora`, the adapters come from `lora.adapter` or are new (drawn from `seed`)."""
     import jax
 
     abstract = abstract_params(cfg)
-    with Checkpoint(directory) as ckpt:
-        names = _names_for(cfg, ckpt)
-        _check_shapes(cfg, ckpt, abstract, names)
+    with _sources(directory, cfg, seed) as block:
         flat_shardings = dict(_paths(shardings))
         out: dict[str, Any] = {}
         for path, leaf in _paths(abstract):
             shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
             array = jax.make_array_from_callback(
                 shape, flat_shardings[path],
-                lambda idx, path=path, shape=shape, dtype=dtype: _block(ckpt, path, names[path], idx, shape, dtype))
+                lambda idx, path=path, shape=shape, dtype=dtype: block(path, idx, shape, dtype))
             node = out
             for key in path[:-1]:
                 node = node.setdefault(key, {})
@@ -511,18 +577,16 @@ def load_params(directory: str | os.PathLike[str], cfg: Any, shardings: Any) -> 
     return out
 
 
-def read_params(directory: str | os.PathLike[str], cfg: Any) -> dict[str, Any]:
+def read_params(directory: str | os.PathLike[str], cfg: Any, seed: int = 0) -> dict[str, Any]:
     """The checkpoint's parameters as numpy arrays (whole, on the host): for tests and small models."""
     abstract = abstract_params(cfg)
-    with Checkpoint(directory) as ckpt:
-        names = _names_for(cfg, ckpt)
-        _check_shapes(cfg, ckpt, abstract, names)
+    with _sources(directory, cfg, seed) as block:
         out: dict[str, Any] = {}
         for path, leaf in _paths(abstract):
             node = out
             for key in path[:-1]:
                 node = node.setdefault(key, {})
-            node[path[-1]] = _block(ckpt, path, names[path], (), tuple(leaf.shape), np.dtype(leaf.dtype))
+            node[path[-1]] = block(path, (), tuple(leaf.shape), np.dtype(leaf.dtype))
     return out
 
 
@@ -641,7 +705,7 @@ def _write_tensor(f: Any, t: Tensor) -> None:
 
 
 def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                      metadata: Mapping[str, str] | None = None) -> list[str]:
+                      metadata: Mapping[str, str] | None = None, single: str = SINGLE_FILE) -> list[str]:
     """Write `tensors` in their order as model.safetensors, or as shards of at most `max_shard_size`
     bytes (a tensor larger than that alone in its shard) with model.safetensors.index.json, as
     transformers' `save_pretrained` does. Each file is written as its tensors are made, one tensor at a
@@ -658,7 +722,7 @@ def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | st
         shards[-1].append(t)
         used += _nbytes(t)
     n = len(shards)
-    files = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    files = [single] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     out.mkdir(parents=True, exist_ok=True)
     temps = [out / f".{file}.tmp-{os.getpid()}" for file in files]
     try:
@@ -809,9 +873,9 @@ def _fuse(tensors: list[tuple[Tensor, Source]]) -> list[Tensor]:
 
 
 def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
-                   dtype: str) -> list[Tensor]:
-    """Every zerojax leaf under its transformers name(s), no source checkpoint."""
-    names = _export_names(cfg)
+                   dtype: str, names: Mapping[tuple[str, ...], Source] | None = None) -> list[Tensor]:
+    """Every zerojax leaf under its transformers name(s) (`names`: default the model's), no source checkpoint."""
+    names = _export_names(cfg) if names is None else names
     out = []
     for path, shape in shapes.items():
         source = names[path]
@@ -825,7 +889,11 @@ def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tupl
 
 def save_params(out_dir: str | os.PathLike[str], cfg: Any, params: Mapping[str, Any], dtype: str = "float32",
                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Write an in-memory params tree (numpy or jax arrays) as a transformers folder."""
+    """Write an in-memory params tree (numpy or jax arrays) as a transformers folder. A model with LoRA
+    adapters (`cfg.lora`) is written merged (W + alpha / r A B): the plain model, which transformers
+    loads without peft; `save_adapter` writes the adapters alone."""
+    if getattr(cfg, "lora", None) is not None:
+        params, cfg = lora.merged(cfg, params), lora.without(cfg)
     flat = dict(_paths(params))
     shapes = {path: tuple(np.shape(x)) for path, x in flat.items()}
     out = Path(out_dir)
@@ -951,9 +1019,6 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
     one layer of a stacked leaf is read from the checkpoint when it is written, so host memory stays
     near one tensor whatever the model size."""
     from zerojax import checkpoint as ck
-    from zerojax.checkpoint.export import LeafReader
-    from zerojax.core.names import join
-    from zerojax.config import ModelConfig
 
     hf_dtype = EXPORT_DTYPES.get(dtype)
     if hf_dtype is None:
@@ -965,24 +1030,12 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"export --format hf: {out} is not empty and is never overwritten silently; pass "
                               f"--force to replace its config.json and weights, or choose another --out")
-    tag_dir, meta = ck.unpipelined_tag(directory, tag, "export --format hf")
+    tag_dir, meta, cfg, shapes, read = _open_tag(directory, tag, "export --format hf")
     extra = meta.get("extra", {})
-    model = extra.get("config", {}).get("model")
-    if not model:
-        raise ConfigError(f"export --format hf: {tag_dir} does not record the run's config (model.*), so the "
-                          f"transformers architecture is unknown; export it with --format safetensors")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in model.items() if k in fields})
-    expected = {".".join(p): tuple(x.shape) for p, x in _paths(abstract_params(cfg))}
-    saved = {name: tuple(entry["shape"]) for name, entry in meta["params"].items()}
-    if saved != expected:
-        raise ConfigError(f"export --format hf: the parameters in {tag_dir} are not those of the {cfg.name} model "
-                          f"its config names (a custom model?); export it with --format safetensors")
-    shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
-    reader = LeafReader(tag_dir / ck.STATE_DIR)
-
-    def read(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
-        return reader.read(join(meta["truth"], ".".join(path)), index)
+    if cfg.lora is not None:  # the adapters folded into their kernels as each is written: the plain model
+        read = _merged_reader(cfg, read, shapes)
+        shapes = {path: shape for path, shape in shapes.items() if not lora.is_adapter(path)}
+        cfg = lora.without(cfg)
 
     record = extra.get("hf_source")
     if source is not None and str(source).lower() == "none":
@@ -1022,4 +1075,125 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
         if (extra_file.is_file() and extra_file.suffix in _CARRIED_SUFFIXES and extra_file.suffix not in _WEIGHT_SUFFIXES
                 and extra_file.name not in ("config.json", INDEX_FILE)):
             shutil.copyfile(extra_file, out / extra_file.name)
+    return out
+
+
+def _open_tag(directory: str | os.PathLike[str], tag: str | None, what: str) -> tuple[Path, dict[str, Any], Any,
+                                                                                  dict[tuple[str, ...], tuple[int, ...]],
+                                                                                  Reader]:
+    """A zerojax checkpoint tag of a shipped model: its folder, meta.json, the model config it records
+    (with its `lora` section when enabled), every leaf's shape, and a reader of any block of a leaf."""
+    from zerojax import checkpoint as ck
+    from zerojax.checkpoint.export import LeafReader
+    from zerojax.config import LoraConfig, ModelConfig
+    from zerojax.core.names import join
+
+    tag_dir, meta = ck.unpipelined_tag(directory, tag, what)
+    config = meta.get("extra", {}).get("config", {})
+    model = config.get("model")
+    if not model:
+        raise ConfigError(f"{what}: {tag_dir} does not record the run's config (model.*), so the "
+                          f"transformers architecture is unknown; export it with --format safetensors")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in model.items() if k in fields and k != "lora"})
+    section = config.get("lora") or {}
+    if section.get("enabled"):
+        keys = {f.name for f in dataclasses.fields(LoraConfig)}
+        cfg = dataclasses.replace(cfg, lora=LoraConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                                          for k, v in section.items() if k in keys}))
+    expected = {".".join(p): tuple(x.shape) for p, x in _paths(abstract_params(cfg))}
+    saved = {name: tuple(entry["shape"]) for name, entry in meta["params"].items()}
+    if saved != expected:
+        raise ConfigError(f"{what}: the parameters in {tag_dir} are not those of the {cfg.name} model "
+                          f"its config names (a custom model?); export it with --format safetensors")
+    shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
+    reader = LeafReader(tag_dir / ck.STATE_DIR)
+
+    frozen, excluded = set(meta.get("frozen", ())), set(meta.get("excluded", ()))
+
+    def read(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
+        name = ".".join(path)
+        if name in excluded:
+            raise ConfigError(f"{what}: {tag_dir} was saved with exclude_frozen_parameters, so it does not hold "
+                              f"{name}; export a tag saved with them, or only the adapters (--format peft)")
+        return reader.read(join("params" if name in frozen else meta["truth"], name), index)  # frozen: no master
+
+    return tag_dir, meta, cfg, shapes, read
+
+
+def _merged_reader(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]]) -> Reader:
+    """`read` with each adapted kernel's block W + alpha / r * A B (A's rows and B's columns of the block
+    only): the merged model, one block at a time, never a merged copy of the whole model."""
+    s, picked = lora.scale(cfg), lora.targets(cfg)
+
+    def merged(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
+        w = read(path, index)
+        if path[-1] != "kernel" or len(path) < 2 or path[-2] not in picked:
+            return w
+        index = tuple(index) + (slice(None),) * (len(shapes[path]) - len(tuple(index)))
+        lead, rows, cols = index[:-2], index[-2], index[-1]
+        a = np.asarray(read(path[:-1] + ("lora_a",), lead + (rows, slice(None))), np.float32)
+        b = np.asarray(read(path[:-1] + ("lora_b",), lead + (slice(None), cols)), np.float32)
+        return (np.asarray(w, np.float32) + s * (a @ b)).astype(np.asarray(w).dtype)
+
+    return merged
+
+
+def export_adapter(directory: str | os.PathLike[str], tag: str | None, out_dir: str | os.PathLike[str], *,
+                   overwrite: bool = False, base: str | None = None) -> Path:
+    """`zerojax export --format peft`: a LoRA run's checkpoint's adapters as a PEFT folder
+    (`save_adapter`); the base named in it is `base`, else the run's model.hf_checkpoint."""
+    from zerojax import checkpoint as ck
+    out = ck.absolute(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise FileExistsError(f"export --format peft: {out} exists and is never overwritten silently; pass --force "
+                              f"to replace its adapter files, or choose another --out")
+    _, _, cfg, shapes, read = _open_tag(directory, tag, "export --format peft")
+    if cfg.lora is None:
+        raise ConfigError("export --format peft: the run trained no LoRA adapters (its lora.enabled is false); "
+                          "export the model with --format hf")
+    params: dict[str, Any] = {}
+    for path in shapes:
+        if lora.is_adapter(path):
+            node = params
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = read(path, ())
+    return save_adapter(out, cfg, params, base=base or cfg.hf_checkpoint)
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT adapters out.
+
+def _peft_targets(cfg: Any, names: Mapping[tuple[str, ...], Source]) -> list[str]:
+    """adapter_config.json's target_modules: each adapted module's last name (q_proj), or its last two
+    where the last is shared with a module left without an adapter (GPT-2's attn.c_proj / mlp.c_proj)."""
+    picked = lora.targets(cfg)
+    stems = {path[-2]: source.name.removesuffix(".weight").split(".") for path, source in names.items()
+             if path[-1] == "kernel" and len(path) >= 2}
+    unadapted = {parts[-1] for layer, parts in stems.items() if layer not in picked}
+    return sorted({".".join(parts[-2:]) if parts[-1] in unadapted else parts[-1]
+                   for layer, parts in stems.items() if layer in picked})
+
+
+def save_adapter(out_dir: str | os.PathLike[str], cfg: Any, params: Mapping[str, Any],
+                 base: str | None = None) -> Path:
+    """Write the adapters of a params tree as a PEFT LoRA folder (adapter_config.json +
+    adapter_model.safetensors, fp32) that `peft.PeftModel.from_pretrained(base_model, out_dir)` loads
+    onto the base (`base`: its folder, recorded as base_model_name_or_path)."""
+    if getattr(cfg, "lora", None) is None:
+        raise ConfigError("export --adapter: the model has no LoRA adapters (lora.enabled is false)")
+    names = adapter_names(cfg, _export_names(cfg))
+    flat = {path: x for path, x in _paths(params) if path in names}
+    shapes = {path: tuple(np.shape(x)) for path, x in flat.items()}
+    out = Path(out_dir)
+    tensors = _model_tensors(cfg, lambda path, index: np.asarray(flat[path][index]), shapes, "float32", names)
+    write_safetensors(out, tensors, metadata={"format": "pt"}, single=ADAPTER_WEIGHTS)
+    fan_in_fan_out = cfg.name != "llama"  # GPT-2's Conv1D stores its weight [in, out]
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+              "r": cfg.lora.r, "lora_alpha": cfg.lora.lora_alpha, "lora_dropout": cfg.lora.lora_dropout,
+              "target_modules": _peft_targets(cfg, _export_names(cfg)), "bias": "none",
+              "fan_in_fan_out": fan_in_fan_out, "inference_mode": True, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "modules_to_save": None}
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out

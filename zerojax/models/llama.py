@@ -31,6 +31,7 @@ from flax import nnx
 from zerojax.config import ModelConfig
 from zerojax.core.mesh import sequence_axis
 from zerojax.models import attention as causal_attention
+from zerojax.models import lora
 from zerojax.models import ulysses
 from zerojax.models.loss import inputs, next_token_loss
 from zerojax.models.moe import MoE
@@ -195,8 +196,8 @@ class Layer(nnx.Module):
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
-        def linear(n_in: int, n_out: int, kernel_init: Callable = init, bias: bool = False) -> nnx.Linear:
-            return nnx.Linear(n_in, n_out, use_bias=bias, kernel_init=kernel_init, rngs=rngs)
+        def linear(name: str, n_in: int, n_out: int, kernel_init: Callable = init, bias: bool = False) -> nnx.Linear:
+            return lora.linear(cfg, name, n_in, n_out, use_bias=bias, kernel_init=kernel_init, rngs=rngs)
 
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
         self.attention_mode, self.attention_block = cfg.attention, cfg.attention_block
@@ -204,10 +205,10 @@ class Layer(nnx.Module):
         self.scale, self.softcap = attn_scale(cfg), cfg.attn_softcap
         self.act = activation(cfg)
         self.attn_norm = norm(cfg, d)
-        self.q = linear(d, h * hd, bias=cfg.qkv_bias)
-        self.k = linear(d, kv * hd, bias=cfg.qkv_bias)
-        self.v = linear(d, kv * hd, bias=cfg.qkv_bias)
-        self.o = linear(h * hd, d, out_init)
+        self.q = linear("q", d, h * hd, bias=cfg.qkv_bias)
+        self.k = linear("k", d, kv * hd, bias=cfg.qkv_bias)
+        self.v = linear("v", d, kv * hd, bias=cfg.qkv_bias)
+        self.o = linear("o", h * hd, d, out_init)
         if cfg.qk_norm:
             self.q_norm = norm(cfg, hd)
             self.k_norm = norm(cfg, hd)
@@ -218,9 +219,9 @@ class Layer(nnx.Module):
         if moe:
             self.moe = moe_layer(cfg, rngs)
         else:
-            self.gate = linear(d, _d_ff(cfg))
-            self.up = linear(d, _d_ff(cfg))
-            self.down = linear(_d_ff(cfg), d, out_init)
+            self.gate = linear("gate", d, _d_ff(cfg))
+            self.up = linear("up", d, _d_ff(cfg))
+            self.down = linear("down", _d_ff(cfg), d, out_init)
 
     def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, window: Any = None) -> jax.Array:
         """Causal attention of `x` [b, t, d]; under a `sequence` axis `x` is a chunk of each row and the

@@ -14,7 +14,7 @@ from zerojax.config.schema.optimizer import OptimizerConfig
 from zerojax.config.schema.parallel import (DistributedConfig, HybridEngineConfig, MeshConfig, PipelineConfig,
                                             TensorParallelConfig)
 from zerojax.config.schema.precision import BF16Config, DataTypesConfig, FP16Config
-from zerojax.config.schema.run import CheckpointConfig, DataConfig, ModelConfig, RunConfig
+from zerojax.config.schema.run import CheckpointConfig, DataConfig, LoraConfig, ModelConfig, RunConfig
 from zerojax.config.schema.scheduler import SchedulerConfig
 from zerojax.config.schema.zero import ActivationCheckpointingConfig, AioConfig, ZeroConfig
 
@@ -91,6 +91,7 @@ class Config:
                           choices=("auto", "pallas", "xla"))
     mesh: MeshConfig = section(MeshConfig)
     model: ModelConfig = section(ModelConfig)
+    lora: LoraConfig = section(LoraConfig)
     data: DataConfig = section(DataConfig)
     run: RunConfig = section(RunConfig)
     distributed: DistributedConfig = section(DistributedConfig)

@@ -2,8 +2,8 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from zerojax.config.fields import option
 from zerojax.config.paths import show
@@ -183,6 +183,40 @@ class ModelConfig:
     moe_aux_loss_coef: float = option(0.01, "llama MoE: the training loss adds this times the MoE layers' summed "
                                             "load-balancing loss (l_aux); model.hf_checkpoint of a Mixtral "
                                             "fills it from router_aux_loss_coef unless given.", ge=0)
+    # The resolved `lora` section when it is enabled (set by the loader, not a key): the models read
+    # their adapters' rank, scale and targets from the model config they are built from.
+    lora: Any = field(default=None, metadata=dict(internal=True))
+
+
+# DeepSpeed's LoRAConfig.target_mods default (deepspeed/linear/config.py): Llama 3.1's projections.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the model's projections, the base frozen; see docs/lora.md."""
+    enabled: bool = option(False, "Add a trainable low-rank adapter (A [in, r], B [r, out], B starting at zero) "
+                                  "beside each projection lora.target_modules names; every other parameter is "
+                                  "frozen (model.trainable adds parameters to train with the adapters).")
+    r: int = option(8, "The adapters' rank (PEFT's r; DeepSpeed's LoRAConfig.lora_r).", gt=0,
+                    aliases=("lora_r",))
+    lora_alpha: float = option(16.0, "The adapter's output is scaled by lora_alpha / r (PEFT's and DeepSpeed's "
+                                     "lora_alpha).", gt=0, aliases=("alpha",))
+    lora_dropout: float = option(0.0, "Dropout on the adapter's input (PEFT's lora_dropout); only 0 is built: the "
+                                      "shipped models' losses take no random key, so a non-zero value is refused "
+                                      "rather than ignored.", ge=0, le=1, aliases=("dropout",))
+    target_modules: tuple[str, ...] = option(
+        LORA_DEFAULT_TARGETS, "The projections given adapters, by module name: the models' own (llama: q k v o "
+                              "gate up down; gpt: qkv proj fc out), Hugging Face's (q_proj ... down_proj; GPT-2's "
+                              "c_attn c_fc attn.c_proj mlp.c_proj) or all-linear. Default: DeepSpeed's "
+                              "LoRAConfig.target_mods. A name that matches no projection is an error.",
+        aliases=("target_mods",))
+    adapter: Optional[str] = option(None, "A PEFT LoRA adapter folder (adapter_config.json + "
+                                          "adapter_model.safetensors) to start the adapters from, onto "
+                                          "model.hf_checkpoint's base; its r, lora_alpha and target_modules "
+                                          "fill the keys not given.")
+    base_weight_sharding: int = option(1, "DeepSpeed's LoRAConfig.base_weight_sharding; no effect: the frozen base "
+                                          "is ZeRO-3-sharded with every other weight at stage 3.", gt=0)
 
 
 @dataclass(frozen=True)

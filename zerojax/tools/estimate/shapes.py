@@ -198,6 +198,35 @@ def hf_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> ModelShape:
     return ModelShape(f"Hugging Face {kind} ({name}, {layers} layers, hidden {h})", params, axes, arch=arch)
 
 
+# hf_model's GPT-2 leaves under the embedded GPT's projection names (what lora.target_modules resolves to)
+_GPT2_PROJECTIONS = {"c_attn": "qkv", "attn_proj": "proj", "c_fc": "fc", "mlp_proj": "out"}
+
+
+def with_adapters(model: ModelShape, config: Config) -> ModelShape:
+    """`model` (from a config.json) with the `lora` section's adapters beside its targeted projections
+    (A [in, r], B [r, out], stacked like the kernel): what the run would train; unchanged without LoRA."""
+    if not config.lora.enabled:
+        return model
+    from zerojax.models import lora
+    gpt2 = model.arch is not None and not model.arch.gated
+    probe = dataclasses.replace(config.model, name="gpt" if gpt2 else "llama")
+    picked, r = lora.targets(probe), config.lora.r
+
+    def add(node: Any) -> Any:
+        if not isinstance(node, Mapping):
+            return node
+        out = {k: add(v) for k, v in node.items()}
+        for name, sub in node.items():
+            own = _GPT2_PROJECTIONS.get(name, name) if gpt2 else name
+            if isinstance(sub, Mapping) and "kernel" in sub and own in picked:
+                *lead, n_in, n_out = sub["kernel"].shape
+                out[name] = {**out[name], "lora_a": _sds(*lead, n_in, r), "lora_b": _sds(*lead, r, n_out)}
+        return out
+
+    return dataclasses.replace(model, abstract_params=add(model.abstract_params),
+                               name=f"{model.name} with rank-{r} LoRA adapters")
+
+
 def counts_model(total_params: int, largest_layer_params: int) -> ModelShape:
     """A model known only by DeepSpeed's two numbers: synthetic leaves (`k` stacked layers of
     `largest_layer_params` as one [k, largest] leaf, and the remainder as one flat leaf), so the
