@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from helpers import computations_with, data_mesh, greedy_by_recompute, while_bodies
-from zerojax.models import generate as gen
+from zerojax.models import decode_layout, generate as gen
 from zerojax.engine.pipeline import PipelineEngine
 from zerojax.models import decode, gpt, llama
 from zerojax.planner.mesh import make_mesh
@@ -86,15 +86,16 @@ def test_greedy_equals_full_recomputation(model: str, stage: int) -> None:
 
 
 def test_zero3_gathers_once_per_call_not_per_token() -> None:
-    """At ZeRO-3 the program's all-gathers sit outside every loop: once per call, never per token."""
+    """At ZeRO-3 the `gathered` layout's all-gathers sit outside every loop: once per call, never per token."""
     eng = engine("gpt", 3)
     tokens, lengths = gen.pad_prompts(PROMPTS)
     width = gen.bucket(int(lengths.max()), N, eng.decoder.max_positions)
     padded = np.zeros((len(PROMPTS), width), np.int32)
     padded[:, :tokens.shape[1]] = tokens
-    rows, replicated = gen._shardings(eng.plan, len(PROMPTS))
-    hlo = gen._program.lower(eng.decoder, eng.state.params, padded, lengths, jnp.uint32(0), jnp.int32(N),
-                             gen.new_token_bucket(N), 0.0, None, None, (), 0, rows, replicated).compile().as_text()
+    route = decode_layout.choose(eng.plan, eng.decoder, eng.state.params, len(PROMPTS),
+                                 width + gen.new_token_bucket(N), "gathered")
+    hlo = gen._program.lower(eng.decoder, eng.state.params, *gen._rows(padded, lengths, route), jnp.uint32(0),
+                             jnp.int32(N), gen.new_token_bucket(N), 0.0, None, None, (), 0, route).compile().as_text()
     gathers = computations_with(hlo, "all-gather")
     assert gathers and not gathers & while_bodies(hlo)
 

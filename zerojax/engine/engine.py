@@ -95,8 +95,8 @@ class Engine(DeepSpeedAPI):
         self.config, self.mesh, self.loss_fn, self.plan = config, mesh, loss_fn, plan
         if config.log_level is not None:
             set_log_level(config.log_level)
-        self.state: TrainState = init_state(plan, params)
         self._train_step, self._eval_step = train_step, eval_step
+        self.state: TrainState = self._stored(init_state(plan, params))
         self._pending: PendingSave | None = None
         self._in_flight = InFlight()  # multi-process: no process runs steps ahead of its devices
         self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
@@ -110,6 +110,18 @@ class Engine(DeepSpeedAPI):
         if config.model.hf_checkpoint:
             from zerojax.models.hf import source_record
             self._hf_source = source_record(config.model.hf_checkpoint)
+
+    def _stored(self, state: TrainState) -> TrainState:
+        """A whole state as the step carries it: with the optimizer state on NVMe, written to the step's
+        files and returned slim (`core.nvme_step`); otherwise unchanged."""
+        store = getattr(self._train_step, "store", None)
+        return state if store is None else store(state)
+
+    def whole_state(self) -> TrainState:
+        """The state with every field present: the master copy and optimizer moments read back from the
+        NVMe files when the optimizer state lives there (checkpoints save this), else `self.state`."""
+        full = getattr(self._train_step, "full", None)
+        return self.state if full is None else full(self.state)
 
     # -- training ---------------------------------------------------------------------------
     def place_batch(self, batch: Any, rows: int | None = None) -> Any:
@@ -275,8 +287,9 @@ class Engine(DeepSpeedAPI):
     # -- state ------------------------------------------------------------------------------
     @property
     def params(self) -> Any:
-        """Logical (whole-shape) parameters: the fp32 master copy under mixed precision."""
-        return logical_params(self.state)
+        """Logical (whole-shape) parameters: the fp32 master copy under mixed precision (read back from
+        the NVMe files when it lives there)."""
+        return logical_params(self.whole_state() if self.plan.policy.mixed else self.state)
 
     @property
     def model_state(self) -> Any:
@@ -303,7 +316,7 @@ class Engine(DeepSpeedAPI):
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
                         extra: Mapping[str, Any] | None = None, async_save: bool | None = None,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        exclude_frozen_parameters: bool = False, best: bool = False) -> str:
         """Save everything needed to continue bit for bit; returns the tag (`global_step{N}` by default).
 
         As in DeepSpeed, the save is complete and verifiable when this returns. `async_save=True`
@@ -313,6 +326,8 @@ class Engine(DeepSpeedAPI):
         holds more JSON state (the trainer keeps its data position there). Relative paths are fine.
         `exclude_frozen_parameters` (DeepSpeed's): the frozen parameters are not written; the tag then
         loads into an engine that holds them (`load_checkpoint` takes them from this engine's state).
+        `best` (zerojax): the folder's `.best` pointer names this tag once it is complete (train.py's lowest
+        validation loss); retention never deletes that tag.
         """
         from zerojax import checkpoint  # orbax is imported only when checkpoints are used
         cfg = self.config.checkpoint
@@ -321,12 +336,12 @@ class Engine(DeepSpeedAPI):
             validate_tag(tag, broadcast_text(tag), cfg.tag_validation)
         self.wait_for_checkpoint()
         self._pending = checkpoint.save(
-            save_dir, tag, self.state, self.plan,
+            save_dir, tag, self.whole_state(), self.plan,
             extra={"client_state": client_state, "config": self.config.to_dict(),
                    **({"hf_source": self._hf_source} if getattr(self, "_hf_source", None) else {}), **(extra or {})},
             async_save=cfg.async_save if async_save is None else async_save,
             max_to_keep=cfg.max_to_keep, keep_every_n_steps=cfg.keep_every_n_steps,
-            exclude_frozen=exclude_frozen_parameters)
+            exclude_frozen=exclude_frozen_parameters, best=best)
         return self._pending.tag
 
     def wait_for_checkpoint(self) -> None:
@@ -357,8 +372,9 @@ class Engine(DeepSpeedAPI):
         from zerojax import checkpoint
         del load_lr_scheduler_states
         self.wait_for_checkpoint()
-        self.state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
-                                            load_module_only=load_module_only, frozen=self.state.params)
+        state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
+                                       load_module_only=load_module_only, frozen=self.state.params)
+        self.state = self._stored(state)
         self.loaded_extra = extra
         resolved = tag or checkpoint.latest_tag(load_dir)
         return str(Path(load_dir) / str(resolved)), extra.get("client_state")

@@ -177,7 +177,7 @@ def _split_computations(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+def _trip_count(line: str, comps: dict[str, list[str]], unknown: int | None = None) -> int:
     m = _TRIP.search(line)
     if m:
         return int(m.group(1))
@@ -188,10 +188,13 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
     cmp = _COMPARE.search(root[0]) if root else None
     if cmp and cmp.group(3) == "LT" and cmp.group(2) in consts:
         return consts[cmp.group(2)]  # counter from 0 (lax.scan / fori_loop(0, n))
+    if unknown is not None:  # a loop bounded by a runtime value: the caller says how often it runs
+        return unknown
     raise ValueError(f"cannot find the trip count of while loop: {line[:200]}")
 
 
-def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int], set[str]]:
+def _executions(comps: dict[str, list[str]], entry: str,
+                unknown_trips: int | None = None) -> tuple[dict[str, int], set[str]]:
     """Executions of every computation per run of the module (while bodies trip-count times,
     nested loops multiplied), and the computations that run inside one kernel (fusion bodies,
     reducers: called through `calls=` of a fusion or `to_apply=`)."""
@@ -199,7 +202,7 @@ def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int]
     inner: set[str] = set()
     for name, lines in comps.items():
         for line in lines:
-            factor = _trip_count(line, comps) if _WHILE.search(line) else 1
+            factor = _trip_count(line, comps, unknown_trips) if _WHILE.search(line) else 1
             for role, callee in _CALLEE.findall(line):
                 edges[name].append((callee, factor if role in ("body", "condition") else 1))
                 if role == "to_apply" or (role == "calls" and " fusion(" in line):
@@ -227,12 +230,14 @@ def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int]
     return runs, inner
 
 
-def collectives(text: str) -> list[Collective]:
-    """Every collective in an HLO module's text, with its executions per run of the module."""
+def collectives(text: str, unknown_trips: int | None = None) -> list[Collective]:
+    """Every collective in an HLO module's text, with its executions per run of the module. A loop
+    whose trip count is a runtime value (a decode loop that stops at a traced count) is counted
+    `unknown_trips` times; None: such a loop is an error."""
     comps, entry = _split_computations(text)
     m = _NUM_PARTITIONS.search(text)
     num_partitions = int(m.group(1)) if m else 1
-    runs, _ = _executions(comps, entry)
+    runs, _ = _executions(comps, entry, unknown_trips)
     found = []
     for name, lines in comps.items():
         if not runs.get(name):

@@ -25,11 +25,12 @@ program and carried through the loop, so it is updated in place and, like a dona
 copy and no memory once the call returns (`cache_bytes` says how much it holds while the call runs).
 
 Where the weights are: the parameters enter the program in the placement they are stored in (a
-ZeRO-3 plan's shards included) and are constrained to replicated once, before the prefill, so at
-ZeRO-3 each leaf is all-gathered once per call, not once per token; the gathered copy is a
-temporary of the program, freed when it returns. Rows are split over the data axis when the batch
-divides by it (data-parallel decoding); otherwise every device decodes the whole batch. The results
-are replicated, so every process of a multi-process run reads all of them.
+ZeRO-3 plan's shards included) and stay in a layout chosen per call (`zerojax.models.decode_layout`):
+weight-stationary tensor-parallel decoding from the plan's blocks, or each shard gathered where a
+layer uses it; neither holds the whole model on a device (`layout="gathered"`, the one gather per
+call, does). A batch the row shards do not divide is padded with done rows. `memory_report` reads
+which layout a call takes and its compiled peak. The results are replicated, so every process of a
+multi-process run reads all of them.
 
 Several processes: each calls `generate` with the same prompts and settings (the whole batch, not
 its own rows), and each places its devices' rows. Every process runs the same number of loop
@@ -44,7 +45,7 @@ Nothing here reads a config: the decoder and plan carry everything (docs/archite
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core.layout import Plan
-from zerojax.core.mesh import data_axes
+from zerojax.models import decode_layout
+from zerojax.models.decode_layout import Layout
 
 
 class Decoder(Protocol):
@@ -168,12 +170,15 @@ def bucket(longest: int, max_new_tokens: int, max_positions: int | None) -> int:
 def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_id: int | None = None, plan: Plan | None = None, attention_mask: Any = None,
-             stop_ids: Sequence[int] | None = None, pad_id: int | None = None) -> Generation:
+             stop_ids: Sequence[int] | None = None, pad_id: int | None = None, layout: str | None = None,
+             _lower: Callable[[tuple], Any] | None = None) -> Generation:
     """`max_new_tokens` new tokens after each prompt (module docstring). `prompts`: [B, T] right-padded
     with `lengths` [B], or [B, T] with an `attention_mask` (left- or right-padded), or a list of token
     lists (`pad_prompts`). A row stops after `eos_id` or any of `stop_ids`; what follows is `pad_id`
-    (default `eos_id`, else 0). `plan`: the plan the params are laid out by (their gather and the
-    rows' split follow it); None for params on one device."""
+    (default `eos_id`, else 0). `plan`: the plan the params are laid out by (where the weights and rows
+    lie while decoding follows it); None for params on one device. `layout`: "tensor", "layers" or
+    "gathered" to force one (`zerojax.models.decode_layout`); None chooses. `_lower`: `memory_report`'s
+    hook, handed the program's arguments instead of running it."""
     tokens, lens = pad_prompts(prompts, lengths, attention_mask)
     b = tokens.shape[0]
     if max_new_tokens <= 0:
@@ -188,16 +193,72 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
     padded = np.zeros((b, width), np.int32)
     keep = min(width, tokens.shape[1])
     padded[:, :keep] = tokens[:, :keep]
-    rows, replicated = _shardings(plan, b)
-    if rows is not None:
-        padded, lens = _place(padded, rows), _place(lens, rows)
     room = new_token_bucket(max_new_tokens)
-    out = _program(decoder, params, padded, lens, jnp.uint32(seed), jnp.int32(max_new_tokens), room,
-                   float(temperature), top_k, top_p, stops, pad, rows, replicated)
-    if room == max_new_tokens:
+    route = decode_layout.choose(plan, decoder, params, b, width + room, layout, cache_bytes)
+    padded, lens = _rows(padded, lens, route)
+    args = (decoder, params, padded, lens, jnp.uint32(seed), jnp.int32(max_new_tokens), room, float(temperature),
+            top_k, top_p, stops, pad, route)
+    if _lower is not None:
+        return _lower(args)
+    out = _program(*args)
+    if room == max_new_tokens and len(lens) == b:
         return Generation(*out)
     toks, logps, count, sampled = out
-    return Generation(toks[:, :max_new_tokens], logps[:, :max_new_tokens], count, sampled[:, :max_new_tokens])
+    n = max_new_tokens
+    return Generation(toks[:b, :n], logps[:b, :n], count[:b], sampled[:b, :n])
+
+
+class GenerateMemory(NamedTuple):
+    """The memory report of one generate program, per device (`memory_report`).
+
+    layout, why: which layout ran (`zerojax.models.decode_layout`) and why it was chosen.
+    weights: the most weight bytes the layout holds at once; planned: the parameters as the plan stores them.
+    peak: the compiled program's arguments + temporaries + outputs (`memory_analysis`): its peak,
+        the KV cache and any gathered weights included (they are temporaries of the program).
+    cache: the KV cache's bytes on one device.
+    """
+    layout: str
+    why: str
+    weights: int
+    planned: int
+    peak: int
+    cache: int
+
+    def line(self) -> str:
+        mib = 2 ** 20
+        return (f"generate ({self.layout} layout: {self.why}): peak {self.peak / mib:.2f} MiB per device, weights "
+                f"{self.weights / mib:.2f} MiB (the plan stores {self.planned / mib:.2f} MiB), KV cache "
+                f"{self.cache / mib:.2f} MiB")
+
+
+def memory_report(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_tokens: int, *,
+                  plan: Plan | None = None, layout: str | None = None, **sampling: Any) -> GenerateMemory:
+    """What `generate` with these arguments would hold per device, read from its compiled program
+    (compiling it; nothing runs)."""
+    found: dict[str, Any] = {}
+
+    def lower(args: tuple) -> Any:
+        found["route"], found["compiled"] = args[-1], _program.lower(*args).compile()
+        found["batch"], found["max_len"] = args[2].shape[0], args[2].shape[1] + args[6]  # prompt width + new-token bucket
+
+    generate(decoder, params, prompts, lengths, max_new_tokens, plan=plan, layout=layout, _lower=lower, **sampling)
+    route, stats = found["route"], found["compiled"].memory_analysis()
+    stats = stats[0] if isinstance(stats, (list, tuple)) else stats
+    peak = int(stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
+               - stats.alias_size_in_bytes)
+    cache = cache_bytes(decoder, params, found["batch"], found["max_len"]) // route.row_shards
+    return GenerateMemory(route.name, route.why, route.weight_bytes, route.planned_bytes, peak, cache)
+
+
+def _rows(tokens: np.ndarray, lengths: np.ndarray, route: Layout) -> tuple[Any, Any]:
+    """The prompts and lengths padded to a batch the row shards divide (pad rows: length 0, which the
+    program treats as done from the start) and placed in the rows' sharding."""
+    if route.rows is None:
+        return tokens, lengths
+    b = decode_layout.pad_rows(len(lengths), route.row_shards)
+    tokens = np.pad(tokens, ((0, b - len(tokens)), (0, 0)))
+    lengths = np.pad(lengths, (0, b - len(lengths)))
+    return _place(tokens, route.rows), _place(lengths, route.rows)
 
 
 def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -210,16 +271,6 @@ def cache_bytes(decoder: Decoder, params: Any, batch: int, max_len: int) -> int:
     """Bytes of the cache `generate` builds for `batch` rows and `max_len` positions."""
     abstract = jax.eval_shape(lambda p: decoder.init_cache(p, batch, max_len), params)
     return sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(abstract))
-
-
-def _shardings(plan: Plan | None, batch: int) -> tuple[NamedSharding | None, NamedSharding | None]:
-    """(rows' sharding, replicated) on the plan's mesh; rows replicated when the batch does not divide."""
-    if plan is None:
-        return None, None
-    replicated = NamedSharding(plan.mesh, P())
-    if batch % plan.data_size == 0:
-        return NamedSharding(plan.mesh, P(data_axes(plan.mesh))), replicated
-    return replicated, replicated
 
 
 def _cache_sharding(rows: NamedSharding | None, ndim: int) -> NamedSharding | None:
@@ -257,19 +308,53 @@ def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | Non
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0], sampled
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10, 11, 12, 13))
+def _route(decoder: Decoder, params: Any, layout: Layout) -> tuple[Any, Callable[..., Any], Callable[..., Any]]:
+    """(params, prefill, decode_step) as the program runs them in `layout`: the weights constrained to
+    where the layout holds them (`tensor`: weight-stationary; `gathered`: whole), or the decoder run
+    inside `shard_map` on each device's rows with each shard gathered where a layer uses it (`layers`)."""
+    if layout.name == "layers":
+        return params, _at_use(decoder.prefill, layout), _at_use(decoder.decode_step, layout)
+    if layout.weights is not None:
+        held = jax.tree.unflatten(jax.tree.structure(params), layout.weights)
+        params = jax.tree.map(jax.lax.with_sharding_constraint, params, held)
+    return params, decoder.prefill, decoder.decode_step
+
+
+def _at_use(fn: Callable[..., Any], layout: Layout) -> Callable[..., Any]:
+    """`fn(params, cache, tokens, positions) -> (logits, cache)` on each device's rows, its ZeRO-3 shards
+    gathered layer by layer where they are used (and run on tensor slices, as the train step runs a loss)."""
+    from zerojax.core import step
+    from zerojax.rewrite.gather_at_use import gather_at_use
+    plan = layout.plan
+    rows = layout.rows.spec
+
+    def local(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+        shards = step._wrap_params(plan, params, for_grad=False, marked=False)
+        return gather_at_use(step._on_slices(plan, fn), plan.step.prefetch)(shards, cache, tokens, positions)
+
+    def run(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+        specs = jax.tree.map(lambda c: _cache_sharding(layout.rows, c.ndim).spec, cache)
+        mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, specs, rows, rows),
+                               out_specs=(rows, specs), check_vma=False)
+        return mapped(params, cache, tokens, positions)
+
+    return run
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10, 11, 12))
 def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Array, seed: jax.Array,
              n: jax.Array, room: int, temperature: float, top_k: int | None, top_p: float | None,
-             stops: tuple[int, ...], pad_id: int, rows: NamedSharding | None,
-             replicated: NamedSharding | None) -> tuple[jax.Array, ...]:
+             stops: tuple[int, ...], pad_id: int, layout: Layout) -> tuple[jax.Array, ...]:
     """`n` (traced) new tokens in arrays of `room` (static) columns: one program for every count up to
-    `room`, the loop running `n - 1` decode steps."""
-    params = jax.tree.map(lambda x: _constrain(x, replicated), params)  # ZeRO-3: the one gather of the call
+    `room`, the loop running `n - 1` decode steps, the weights where `layout` holds them."""
+    rows = layout.rows
+    replicated = None if rows is None else NamedSharding(rows.mesh, P())
+    params, prefill, decode_step = _route(decoder, params, layout)
     key = jax.random.key(seed)
     b, width = prompts.shape
     cache = decoder.init_cache(params, b, width + room)
     cache = jax.tree.map(lambda c: _constrain(c, _cache_sharding(rows, c.ndim)), cache)
-    logits, cache = decoder.prefill(params, cache, prompts, lengths)
+    logits, cache = prefill(params, cache, prompts, lengths)
     pad = jnp.int32(pad_id)
 
     def emit(i: jax.Array, logits: jax.Array, out: jax.Array, logps: jax.Array, sampled: jax.Array,
@@ -287,7 +372,8 @@ def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Arr
     out = _constrain(jnp.full((b, room), pad, jnp.int32), rows)
     logps = _constrain(jnp.zeros((b, room), jnp.float32), rows)
     sampled = _constrain(jnp.zeros((b, room), jnp.float32), rows)
-    done, count = _constrain(jnp.zeros((b,), jnp.bool_), rows), _constrain(jnp.zeros((b,), jnp.int32), rows)
+    done = _constrain(lengths < 1, rows)  # the rows padding the batch to the row shards: done from the start
+    count = _constrain(jnp.zeros((b,), jnp.int32), rows)
     token, out, logps, sampled, done, count = emit(jnp.int32(0), logits, out, logps, sampled, done, count)
 
     def cond(carry: tuple[Any, ...]) -> jax.Array:
@@ -298,7 +384,7 @@ def _program(decoder: Decoder, params: Any, prompts: jax.Array, lengths: jax.Arr
 
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
         i, token, cache, out, logps, sampled, done, count = carry
-        logits, cache = decoder.decode_step(params, cache, token, lengths + i - 1)  # token i-1 sits at length + i-1
+        logits, cache = decode_step(params, cache, token, lengths + i - 1)  # token i-1 sits at length + i-1
         token, out, logps, sampled, done, count = emit(i, logits, out, logps, sampled, done, count)
         return i + 1, token, cache, out, logps, sampled, done, count
 
