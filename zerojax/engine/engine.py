@@ -29,6 +29,7 @@ from zerojax.runtime.distributed import InFlight, check_consistency, config_item
 from zerojax.errors import LossScaleError, NonFiniteError
 from zerojax.models.generate import Decoder, Generation, generate, pad_prompts
 from zerojax.core.layout import MemoryReport, Plan
+from zerojax.core.measure import release_freed_heap
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
@@ -248,13 +249,17 @@ class Engine(DeepSpeedAPI):
     def _agreed(self, name: str, fn: Any, *args: Any) -> Any:
         """`fn`, once every process of a multi-process run has shown it compiled the same program for
         these arguments (`runtime.agreement`): the first call of each step is compiled here and its
-        executable used; a mismatch is refused on every process before any collective runs."""
-        if jax.process_count() == 1 or name in self._agreed_steps:
+        executable used; a mismatch is refused on every process before any collective runs. The
+        compiler's freed working memory is handed back before that first call runs, so the step's
+        buffers do not stack on it in the host's peak (later calls reuse jit's cached executable)."""
+        if name in self._agreed_steps:
             return fn
         lowered = fn.lower(*args)
         compiled = lowered.compile()
-        agree_on_program(name, lowered.as_text(), compiled.as_text(), config=config_items(self.config),
-                         timeout_s=self.config.distributed.hang_timeout or 300.0)
+        release_freed_heap()
+        if jax.process_count() > 1:
+            agree_on_program(name, lowered.as_text(), compiled.as_text(), config=config_items(self.config),
+                             timeout_s=self.config.distributed.hang_timeout or 300.0)
         self._agreed_steps.add(name)
         return compiled
 
