@@ -163,6 +163,35 @@ def test_layer_axes_reach_the_plan() -> None:
         zerojax.initialize(cfg, params=params, loss_fn=loss_fn, layer_axes={"stack": 1})
 
 
+def test_compile_for_compiles_the_first_step_and_the_finite_check_with_the_state() -> None:
+    """Engine(compile_for=batch) compiles the train step in a thread while the state initializes, and
+    the finiteness check that the trainer's guard and every save share (one program) meanwhile: the
+    first step, the guard and a save's check then compile nothing."""
+    from jax import monitoring
+    from zerojax.checkpoint import nonfinite_params
+    from zerojax.core.nonfinite import NonFiniteGuard
+    from zerojax.planner.mesh import make_mesh
+
+    programs = []
+
+    def count(event: str, secs: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            programs.append(secs)
+
+    params, loss_fn = zerojax.from_nnx(Net(rngs=nnx.Rngs(1)), mse)
+    config = zerojax.load_config({**DS_CONFIG, "zero_optimization": {"stage": 3}})
+    engine = zerojax.Engine(config, params, loss_fn, make_mesh(config), compile_for=data(32, 0))
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        metrics = engine.train_batch(data(32, 1))
+        assert NonFiniteGuard(engine).problem(saving=True) is None
+        assert nonfinite_params(engine.state, engine.plan) == []
+        assert np.isfinite(float(metrics["loss"]))
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert programs == []
+
+
 def test_first_step_hands_the_compilers_memory_back_and_compiles_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The step is compiled before its first call runs and the compiler's freed heap is returned
     then (once per step, not per call), so the step's buffers do not stack on it in the host's
