@@ -26,7 +26,7 @@ from zerojax.core.mesh import (DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, dat
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
-from zerojax.optim.transforms import name_matches
+from zerojax.optim.groups import name_matches
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.planner.settings import memory_plan, policy, remat_policy, scaler_config
 from zerojax.planner.tensor import LayerSpec, TensorPlan, tensor_plan
