@@ -31,6 +31,8 @@ keeps stepping with the others instead of leaving its peers waiting in a collect
 DeepSpeed issue 8262, where each rank stopped on its own rows).
 
 Nothing here reads a config: the decoder and plan carry everything (docs/architecture.md).
+Relies on: the plan's mesh and its data axes (`core.mesh.data_axes`: rows split over them when the
+batch divides); every other axis sees the weights replicated inside the program.
 """
 from __future__ import annotations
 

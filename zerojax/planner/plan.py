@@ -17,8 +17,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from zerojax.config import Config, ConfigWarning, as_config, check_supported, fingerprint
 from zerojax.core.collectives import Shard, Wire
-from zerojax.rewrite.gather_at_use import Prefetch
-from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
+from zerojax.core.layout import (Prefetch, STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
 from zerojax.core.names import dotted
 from zerojax.core.mesh import (DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size, expert_data_axes,
