@@ -28,9 +28,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)  # the ZeRO-step section's mesh on a CPU-only machine
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -333,6 +330,7 @@ def report(args: argparse.Namespace, device: Any, backend: str, rows: list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
+    jax.config.update("jax_num_cpu_devices", 8)  # the ZeRO-step section's mesh on a CPU-only machine
     args = parse_args(argv)
     multi_tensor.NUM_WARPS = args.warps
     device = jax.devices()[0]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from zerojax.tools import estimate as E
-from zerojax.tools import estimate_axes as AX, estimate_tensor as TP
+from zerojax.tools.estimate import axes as AX, tensor as TP
 from zerojax.measure import hlo
 from zerojax.app.cli import main
 from zerojax.config import load_config

@@ -133,7 +133,8 @@ def test_deepspeed_keys_load_and_a_bad_ns_method_is_one_error() -> None:
 
 
 def test_estimate_counts_one_momentum_per_matrix_and_two_moments_for_the_rest() -> None:
-    from zerojax.tools.estimate import _role_bytes, embedded_model
+    from zerojax.tools.estimate import embedded_model
+    from zerojax.tools.estimate.axes import _role_bytes
     raw = {"train_batch_size": 8, "bf16": {"enabled": True}, "optimizer": {"type": "Muon", "params": {"lr": 1e-3}},
            "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16, "vocab_size": 64}}
     cfg = zerojax.load_config(raw)
