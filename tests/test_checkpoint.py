@@ -300,6 +300,21 @@ def test_latest_list_and_prune(tmp_path) -> None:
     assert ckpt.list_tags(tmp_path / "nothing") == [] and ckpt.latest_tag(tmp_path / "nothing") is None
 
 
+def test_the_best_pointer_is_kept_by_retention_and_read_as_tag_best(tmp_path) -> None:
+    """save(best=True) points the hidden `.best` at the tag once complete; retention keeps that tag
+    whatever max_to_keep says; `--tag best` reads it, unless a tag called best exists (it wins)."""
+    plan, state = small_setup(stage=0)
+    ckpt.save(tmp_path, None, set_step(state, 1, plan), plan, async_save=False)
+    ckpt.save(tmp_path, None, set_step(state, 2, plan), plan, async_save=True, best=True).wait()
+    assert ckpt.best_tag(tmp_path) == "global_step2" and (tmp_path / ".best").is_file()
+    for k in (3, 4):
+        ckpt.save(tmp_path, None, set_step(state, k, plan), plan, async_save=False, max_to_keep=1)
+    assert ckpt.list_tags(tmp_path) == ["global_step2", "global_step4"]
+    assert ckpt.resolve_tag(tmp_path, "best").name == "global_step2"
+    ckpt.save(tmp_path, "best", set_step(state, 5, plan), plan, async_save=False)  # a tag of that name
+    assert ckpt.resolve_tag(tmp_path, "best").name == "best"
+
+
 def test_latest_naming_a_path_is_never_followed(tmp_path) -> None:
     """A `latest` holding `..` (or a path) is ignored even where it leads to a complete checkpoint:
     a resume never leaves the folder it was pointed at."""

@@ -647,13 +647,19 @@ def test_every_schema_field_has_a_default_and_a_doc() -> None:
 # ---------------------------------------------------------------------------------------------
 # Features that parse but are not built yet.
 
-@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
-def test_nvme_offload_is_refused_by_load_config(key: str) -> None:
-    """Refused when the file is read, not first when the plan is built."""
-    with pytest.raises(ConfigError, match=(rf"^zero_optimization\.{key}\.device: nvme is not supported "
-                                           rf"\(DeepSpeed's ZeRO-Infinity .*\); use cpu \(host memory, "
-                                           rf"docs/offload\.md\) or none$")):
-        load_config(with_batch(zero_optimization={"stage": 3, key: {"device": "nvme", "nvme_path": "/nvme"}}))
+def test_parameter_nvme_offload_is_refused_by_load_config() -> None:
+    """Refused when the file is read, not first when the plan is built; the optimizer's NVMe tier loads."""
+    with pytest.raises(ConfigError, match=(r"^zero_optimization\.offload_param\.device: nvme is not supported "
+                                           r"\(parameters are not swapped to files; .*\); use cpu \(host memory, "
+                                           r"docs/offload\.md\) or none$")):
+        load_config(with_batch(zero_optimization={"stage": 3, "offload_param": {"device": "nvme",
+                                                                                "nvme_path": "/nvme"}}))
+    cfg = load_config(with_batch(zero_optimization={"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/nvme", "pipeline_read": True, "pipeline_write": True}},
+        aio={"thread_count": 2, "block_size": 262144}))
+    assert cfg.zero_optimization.offload_optimizer.pipeline_read and cfg.aio.thread_count == 2
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_optimizer\.nvme_path: device nvme keeps"):
+        load_config(with_batch(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}))
 
 
 @pytest.mark.parametrize("overrides, pattern", [
@@ -752,7 +758,7 @@ def test_every_refused_key_of_a_config_is_named_in_one_error() -> None:
 
 def test_deepspeed_only_sections_load_with_one_warning_each() -> None:
     config, warned = load_warned(FIXTURES / "deepspeed_examples_zero3.json")
-    foreign = ["compile", "aio", "seq_parallel_communication_data_type",
+    foreign = ["compile", "seq_parallel_communication_data_type",
                "zero_optimization.model_persistence_threshold",
                "zero_optimization.use_multi_rank_bucket_allreduce", "zero_optimization.memory_efficient_linear"]
     assert sorted(w.split(":")[0] for w in warned) == sorted(foreign)

@@ -107,6 +107,7 @@ def test_refused_statuses_are_refused() -> None:
         "optimizer.params.max_grad_norm": {"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 1.0}}},
         "fp16.fp16_master_weights_and_grads": {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
         "zero_optimization.mics_shard_size": {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+        "aio.use_gds": {"aio": {"use_gds": True}},
         "zero_optimization.ignore_unused_parameters": {"zero_optimization": {"ignore_unused_parameters": False}},
         "tensor_parallel.replace_with_kernel_inject": {"tensor_parallel": {"kernel_inject": True}},
         "tensor_parallel.partition_config.strict_mode": {"tensor_parallel": {"partition_config": {"strict_mode": True}}},

@@ -522,3 +522,17 @@ def test_cli_estimate_prints_expert_and_sequence_rows(tmp_path: Path, capsys) ->
     out = capsys.readouterr().out
     assert "expert parallelism" not in out and "S=2 x data 4, stage 3" in out
     assert "cluster: 8 devices" in out  # every device ZeRO shards over, not the 4 row shards
+
+
+def test_the_nvme_row_moves_the_offloaded_optimizer_state_to_files() -> None:
+    """offload_optimizer.device: nvme (ZeRO-Infinity): the bytes the cpu-optimizer row keeps in host
+    memory are in swap files; host memory keeps the buffers they stream through. DeepSpeed's
+    estimators take no NVMe argument, so that side has no row."""
+    cfg = load_config(TINY)
+    model = E.embedded_model(cfg)
+    cpu = E.plan_exact(cfg, model, 8, 8, E.Choice(3, "cpu optimizer"))
+    nvme = E.plan_exact(cfg, model, 8, 8, E.Choice(3, "nvme optimizer"))
+    assert nvme.nvme_bytes == cpu.host_bytes > 0 and nvme.device_bytes == cpu.device_bytes
+    assert nvme.host_bytes == nvme.report.nvme_buffers * 8 > 0
+    assert E.deepspeed_estimate(model, 8, 8, E.Choice(3, "nvme optimizer")) is None
+    assert "zero_optimization.offload_optimizer.nvme_path=/local_nvme" in E.Choice(3, "nvme optimizer").overrides()

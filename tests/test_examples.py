@@ -48,6 +48,8 @@ def test_rlhf_learns_and_plots_reward_and_kl(tmp_path: Path) -> None:
     line = next(l for l in stdout.splitlines() if l.startswith("mean reward"))
     first, last = float(line.split()[5].rstrip(",")), float(line.split()[-1])
     assert first < 0.3 and last > first + 0.4, line  # 1/16 of the tokens by chance; most of them once learnt
+    compiled = next(l for l in stdout.splitlines() if l.startswith("programs compiled"))
+    assert int(compiled.split()[2]) <= 20, compiled  # a few programs for 20 steps, not some per step
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert all(r["kl"] >= 0 for r in rows) and rows[0]["kl"] < 1e-3 < rows[-1]["kl"]  # starts at the reference
@@ -58,4 +60,23 @@ def test_rlhf_learns_and_plots_reward_and_kl(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "zerojax.cli", "plot", str(out), "-o", str(png)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_grpo_copy_learns_to_copy_at_zero3_tensor2_and_draws_its_curves(tmp_path: Path) -> None:
+    """A task where collapse does not pay: a policy writing one constant digit copies 1/10 of them;
+    GRPO with a KL penalty, at ZeRO-3 x tensor 2, copies several times that within 60 steps, compiling
+    one generate program and a train step, not one per step."""
+    out = tmp_path / "grpo"
+    stdout = run_example("grpo_copy.py", "--digits", "1", "--prompts", "16", "--lr", "5e-3", "--steps", "60",
+                         "--out", str(out))
+    line = next(l for l in stdout.splitlines() if l.startswith("digits copied"))
+    first, last = float(line.split()[5].rstrip(",")), float(line.split()[9])
+    assert first < 0.15 and last > 0.25 and last > first + 0.15, line
+    compiled = next(l for l in stdout.splitlines() if l.startswith("programs compiled"))
+    assert int(compiled.split()[2]) <= 20 and "(1 generate program(s))" in compiled, compiled
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    assert all(r["kl"] >= 0 for r in rows) and rows[0]["kl"] < 1e-3 < rows[-1]["kl"]  # starts at the reference
+    png = out / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000

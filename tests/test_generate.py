@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from helpers import computations_with, data_mesh, greedy_by_recompute, while_bodies
-from zerojax.models import generate as gen
+from zerojax.models import decode_layout, generate as gen
 from zerojax.engine.pipeline import PipelineEngine
 from zerojax.models import decode, gpt, llama
 from zerojax.planner.mesh import make_mesh
@@ -86,15 +86,16 @@ def test_greedy_equals_full_recomputation(model: str, stage: int) -> None:
 
 
 def test_zero3_gathers_once_per_call_not_per_token() -> None:
-    """At ZeRO-3 the program's all-gathers sit outside every loop: once per call, never per token."""
+    """At ZeRO-3 the `gathered` layout's all-gathers sit outside every loop: once per call, never per token."""
     eng = engine("gpt", 3)
     tokens, lengths = gen.pad_prompts(PROMPTS)
     width = gen.bucket(int(lengths.max()), N, eng.decoder.max_positions)
     padded = np.zeros((len(PROMPTS), width), np.int32)
     padded[:, :tokens.shape[1]] = tokens
-    rows, replicated = gen._shardings(eng.plan, len(PROMPTS))
-    hlo = gen._program.lower(eng.decoder, eng.state.params, padded, lengths, jnp.uint32(0), N, 0.0, None, None,
-                             None, rows, replicated).compile().as_text()
+    route = decode_layout.choose(eng.plan, eng.decoder, eng.state.params, len(PROMPTS),
+                                 width + gen.new_token_bucket(N), "gathered")
+    hlo = gen._program.lower(eng.decoder, eng.state.params, *gen._rows(padded, lengths, route), jnp.uint32(0),
+                             jnp.int32(N), gen.new_token_bucket(N), 0.0, None, None, (), 0, route).compile().as_text()
     gathers = computations_with(hlo, "all-gather")
     assert gathers and not gathers & while_bodies(hlo)
 
@@ -146,7 +147,7 @@ def test_without_a_decoder_or_in_a_pipeline_generate_says_what_to_do() -> None:
 
 def test_generate_reads_the_live_state_and_leaves_nothing_behind() -> None:
     """After a train step at ZeRO-3, generation follows the updated shards; the state is untouched and
-    only the three results outlive the call (the gathered weights and the cache are gone)."""
+    only the results outlive the call (the gathered weights and the cache are gone)."""
     cfg = config("gpt", 3)
     eng = zerojax.initialize(cfg, params=gpt.init_params(cfg.model, 1), loss_fn=gpt.make_loss_fn(cfg.model),
                              mesh=data_mesh(), decode=decode.decoder(cfg.model))
@@ -157,7 +158,7 @@ def test_generate_reads_the_live_state_and_leaves_nothing_behind() -> None:
     live = {id(x) for x in jax.live_arrays()}
     out = eng.generate(PROMPTS[:3], N)
     jax.block_until_ready(out)
-    assert {id(x) for x in jax.live_arrays()} - live == {id(x) for x in out}
+    assert {id(x) for x in jax.live_arrays()} - live == {id(x) for x in (*out, out.sampled_logprobs)}
     toks, logps = reference("gpt", eng.state.params, PROMPTS[:3], N)
     np.testing.assert_array_equal(np.asarray(out.tokens), toks)
     np.testing.assert_allclose(np.asarray(out.logprobs), logps, atol=1e-5, rtol=0)

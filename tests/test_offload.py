@@ -14,7 +14,8 @@ import jax
 import pytest
 
 import zerojax
-from helpers import assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, to_numpy
+from helpers import (assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, mse_loss,
+                     to_numpy)
 from zerojax.planner import settings
 from zerojax.measure.hlo import entry_layout_bytes
 from zerojax.core.measure import HOST_KINDS, step_memory
@@ -94,6 +95,22 @@ def test_offloaded_run_equals_the_plain_run(case: str) -> None:
     # compute: host compiles the optimizer update as a host computation; compute: device does not.
     lowered = off.train_step_fn.lower(off.state, batch).as_text()
     assert ('_xla_compute_type = "host"' in lowered) == (update == "host")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_offloaded_params_with_a_plain_loss_gathered_at_use(dtype: str) -> None:
+    """A loss that does not gather its own parameters (gather_at_use evaluates it, prefetching the scanned
+    layers) over host-stored stage-3 parameters: their host-typed shards once made the custom VJPs'
+    cotangents mismatch ("Expected cotangent type float32[] but got float32<host>[]")."""
+    def run(param: dict | None) -> zerojax.Engine:
+        e = zerojax.initialize(config(3, dtype, None, param), params=mlp_params(0), loss_fn=mse_loss,
+                               mesh=data_mesh())
+        for i in range(2):
+            e.train_batch(make_batch(32, i))
+        return e
+    plain, off = run(None), run({"device": "cpu"})
+    assert off.plan.memory.params == "pinned_host"
+    assert_tree_close(to_numpy(off.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
 
 
 def test_report_splits_device_and_host_bytes() -> None:

@@ -77,6 +77,6 @@ def test_train_prints_the_sample(tmp_path, capsys) -> None:
                                                      f"run.output_dir={tmp_path}"])
     train(cfg)
     out = capsys.readouterr().out
-    assert "sample (12 tokens" in out and out.split("--run DIR):\n", 1)[1].startswith("def ")  # may hold newlines
+    assert "sample (12 tokens" in out and out.split("sample RUN_DIR):\n", 1)[1].startswith("def ")  # may hold newlines
     train(zerojax.load_config(cfg, ["run.sample_tokens=0", f"run.output_dir={tmp_path / 'off'}"]))
     assert "sample (" not in capsys.readouterr().out

@@ -25,7 +25,7 @@ from zerojax.planner.plan import make_plan, plan
 __all__ = [
     "Config", "ConfigError", "Engine", "LayerSpec", "LossScaleError", "ParamsInit", "PipelineModule", "Plan",
     "TiedLayerSpec", "TrainState", "apply_update", "find_layer_axes", "find_tensor_splits", "from_nnx", "gather", "gathers_params",
-    "init_params", "init_state", "initialize", "load_config", "load_exported", "make_eval_step", "make_grad_fn",
+    "from_hf", "init_params", "init_state", "initialize", "load_config", "load_exported", "make_eval_step", "make_grad_fn",
     "make_mesh", "make_plan", "make_train_step", "plan", "request_cpu_devices", "to_nnx",
 ]
 __version__ = "0.1.0"
@@ -35,3 +35,11 @@ def load_exported(path: str) -> dict:
     """Parameters from a `zerojax export` safetensors file, as a nested dict of numpy arrays."""
     from zerojax.checkpoint import load_exported as load  # orbax and safetensors load lazily
     return load(path)
+
+
+def from_hf(path: str, config: Config | dict | str, *, mesh: "object | None" = None, loss_fn: "object | None" = None) -> Engine:
+    """An engine that trains and generates from a local transformers checkpoint folder: what
+    `initialize` returns, with the weights read into their shards and the model's decoder attached
+    (`zerojax.app.trainer.from_hf`; the route train.py takes for `model.hf_checkpoint`)."""
+    from zerojax.app.trainer import from_hf as build  # the app layer loads lazily
+    return build(path, config, mesh=mesh, loss_fn=loss_fn)

@@ -25,6 +25,12 @@ _NOT_EVENTS = ("step", "grad_norm", "skipped", "tokens_per_s")
 def check_monitors(config: Config) -> None:
     """The monitors' optional packages, checked at start-up so that a missing one fails before
     anything is compiled rather than after. Every process checks, so that all of them stop together."""
+    if config.tensorboard.enabled:
+        try:
+            import tensorboardX  # noqa: F401  (imported only when used)
+        except ImportError:
+            raise ConfigError("tensorboard.enabled: needs the `tensorboardX` package; pip install tensorboardX "
+                              "(a dependency of zerojax), or set tensorboard.enabled: false") from None
     if config.wandb.enabled:
         try:
             import wandb  # noqa: F401  (optional dependency, imported only when used)
@@ -171,6 +177,19 @@ class Monitor:
             self.print(line)
         return record
 
+    def validation(self, step: int, val_loss: float, best: float | None = None) -> None:
+        """A validation during the run (`run.eval_every`): a `{"step", "val_loss"}` row in metrics.jsonl
+        (`zerojax plot` draws it), a Train/Samples/val_loss event in TensorBoard, CSV and wandb, and a
+        printed line saying whether it beat `best`, the lowest one before it."""
+        if not self.enabled:
+            return
+        record = {"step": step, "val_loss": val_loss}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        self._events(step, record)
+        note = " (best so far)" if best is None or val_loss < best else f" (best {best:.4f})"
+        self.print(f"step {step}: validation loss {val_loss:.4f}{note}")
+
     def _bar_numbers(self, wait: bool) -> None:
         """The bar shows the newest step whose numbers are on the host, named by its step, not the last
         logged step's: between fetches a step's loss and lr are taken once the device has them (no
@@ -198,7 +217,7 @@ class Monitor:
     def _events(self, step: int, record: Mapping[str, Any]) -> None:
         samples = step * self.samples_per_step  # DeepSpeed's x axis: samples seen
         extra = {k: f"Train/Samples/{k}" for k in record if k not in EVENTS and k not in _NOT_EVENTS}
-        events = {name: record[key] for key, name in {**EVENTS, **extra}.items()}
+        events = {name: record[key] for key, name in {**EVENTS, **extra}.items() if key in record}
         for name, value in events.items():
             if self._tb is not None:
                 self._tb.add_scalar(name, value, samples)

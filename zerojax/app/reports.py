@@ -8,9 +8,11 @@ import jax
 import numpy as np
 
 from zerojax.config import OP_NAMES
-from zerojax.measure.hlo import comms_report as hlo_comms_report, work
+from zerojax.measure.hlo import comms_report as hlo_comms_report, matmuls
+from zerojax.measure.profile import call_tree, top_by_depth
 from zerojax.core.measure import array_bytes, live_device_bytes, step_memory
 from zerojax.core.mesh import row_size
+from zerojax.core.names import dotted
 from zerojax.engine.engine import Engine
 from zerojax.optim.schedules import make_schedule, schedule_extent
 from zerojax.planner.axes import axis_plans
@@ -110,12 +112,58 @@ def memory_table(engine: Engine) -> str:
 
 
 def flops_profile(engine: Engine, batch: Any, latency: float) -> str:
-    """FLOPs of one step from the compiled HLO, with that step's measured `latency` (seconds) and
-    the achieved TFLOPS. Nothing is trained here: the step timed is one of the run's own."""
+    """DeepSpeed's flops profile of one step: its matmul FLOPs from the compiled HLO (a scanned layer
+    stack counted once per layer, where XLA's cost_analysis counts a while body once), that step's
+    measured `latency` and the achieved TFLOPS; the FLOPs by module of the user's model, from the
+    call stacks XLA keeps (`zerojax.measure.profile`), with the top modules at each depth and, with
+    `detailed`, the call tree to `module_depth`; the parameters by path. A module's latency is its
+    share of the step's FLOPs times the step's: the step runs as one program, with no per-module
+    boundary to time. Nothing is trained here: the step timed is one of the run's own."""
+    cfg = engine.config.flops_profiler
     placed = engine.place_batch(batch, engine.plan.batch.train_batch_size)
-    compiled = engine.train_step_fn.lower(engine.state, placed).compile()
-    # zerojax.measure.hlo.work counts a scanned layer stack's matmuls once per layer (XLA's cost_analysis
-    # counts a while body once, whatever its trip count)
-    flops = work(compiled.as_text()).flops * engine.mesh.size  # the module is each device's program
-    return (f"flops profile: {flops:.3e} FLOPs per step (all devices), latency {1e3 * latency:.1f} ms, "
-            f"{flops / latency / 1e12:.3f} TFLOPS")
+    # A cached executable keeps the call stacks of the code that first compiled it; keyed with them
+    # here, a profile never names lines of an older version of the model.
+    keyed = jax.config.jax_compilation_cache_include_metadata_in_key
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
+    try:
+        text = engine.train_step_fn.lower(engine.state, placed).compile().as_text()
+    finally:
+        jax.config.update("jax_compilation_cache_include_metadata_in_key", keyed)
+    devices = engine.mesh.size  # the module is each device's program
+    found = matmuls(text)
+    flops = sum(m.flops for m in found) * devices
+    backward = sum(m.flops for m in found if m.backward) * devices
+    lines = [f"flops profile: {flops:.3e} FLOPs per step (all devices; forward {flops - backward:.3e}, backward "
+             f"and recomputation {backward:.3e}), latency {1e3 * latency:.1f} ms, {flops / latency / 1e12:.3f} TFLOPS"]
+    nodes, outside = call_tree(found)
+
+    def row(node: Any, indent: str = "") -> str:
+        share = node.flops / (flops / devices) if flops else 0.0
+        return (f"{indent}{node.path[-1]}: {node.flops * devices:.3e} FLOPs ({share:.1%}; forward "
+                f"{node.forward * devices:.3e}), ~{1e3 * latency * share:.2f} ms")
+    if nodes:
+        lines.append(f"top {cfg.top_modules} module(s) by FLOPs at each depth:")
+        for depth, top in top_by_depth(nodes, cfg.top_modules, cfg.module_depth).items():
+            lines += [f"  depth {depth}: " + row(n) for n in top]
+        if cfg.detailed:
+            lines.append("by module (the chain of calls in the model; forward and backward together):")
+            lines += [row(n, "  " * len(p)) for p, n in sorted(nodes.items())
+                      if cfg.module_depth < 0 or len(p) <= cfg.module_depth]
+    if outside:
+        lines.append(f"outside the model (the update and anything without a Python stack): "
+                     f"{outside * devices:.3e} FLOPs")
+    lines.append("parameters by path: " + parameter_counts(engine.params, cfg.module_depth))
+    return "\n".join(lines)
+
+
+def parameter_counts(params: Any, depth: int = -1) -> str:
+    """Parameter counts grouped by the first `depth` keys of their paths (-1: the whole path)."""
+    counts: dict[str, int] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        keys = path if depth < 0 else path[:max(depth, 1)]
+        name = dotted(keys)
+        counts[name] = counts.get(name, 0) + int(np.prod(leaf.shape))
+    total = sum(counts.values())
+    return f"{total:,} in all; " + ", ".join(f"{k} {v:,}" for k, v in counts.items())
+
+

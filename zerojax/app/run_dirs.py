@@ -17,7 +17,10 @@ from zerojax.errors import ConfigError
 from zerojax.runtime.preflight import check_memory, check_resume_tag, check_writable, resume_target
 from zerojax.runtime.run_lock import RunLock
 
-__all__ = ["RunFolders", "choose", "fresh_output_dir", "resume_argument"]
+__all__ = ["RunFolders", "checkpoint_folder", "choose", "fresh_output_dir", "resolve_resume", "resume_argument"]
+
+#: `--resume auto`: continue the run if it has a checkpoint, else start it
+AUTO = "auto"
 
 
 def _run_dirs(path: Path) -> list[Path]:
@@ -90,6 +93,20 @@ def _missing(path: Path) -> list[Path]:
     return out[::-1]
 
 
+def resolve_resume(config: Config, resume: str | None) -> str | None:
+    """`--resume auto` is `--resume latest` when the run under run.output_dir (or run.checkpoint_dir)
+    holds a checkpoint, else a fresh start (None): one command for a job that is started and restarted
+    by a scheduler. Any other value is returned as it is."""
+    if resume != AUTO:
+        return resume
+    from zerojax.checkpoint import latest_tag
+    base = Path(config.run.output_dir)
+    if config.run.checkpoint_dir:
+        return "latest" if latest_tag(config.run.checkpoint_dir) is not None else None
+    runs = [d for d in _run_dirs(base) if _has_run(d)]
+    return "latest" if any(latest_tag(d / "checkpoints") is not None for d in runs) else None
+
+
 def choose(config: Config, plan: Plan, resume: str | None, processes: int) -> RunFolders:
     """The run's folders, with every check done before any batch or compile: memory for this
     process's rows, the folders writable, a resume target that exists, and no other run writing to
@@ -121,7 +138,8 @@ def choose(config: Config, plan: Plan, resume: str | None, processes: int) -> Ru
         check_writable(ckpt_dir, "run.checkpoint_dir")
         ckpt_lock = RunLock.hold(ckpt_dir, "run.checkpoint_dir")  # before reading it: no other run writes there
         if resume:
-            check_resume_tag(ckpt_dir, tag, config.run.steps, config.run.save_every)
+            # run.epochs: the length is known once the data is read, so any newer tag is in the way
+            check_resume_tag(ckpt_dir, tag, None if config.run.epochs else config.run.steps, config.run.save_every)
         else:
             _refuse_existing_checkpoints(ckpt_dir)
     except BaseException:
@@ -140,3 +158,21 @@ def resume_argument(config: Config, out: Path) -> str:
     except ConfigError:
         return str(out)
     return "latest" if found == out else str(out)
+
+
+def checkpoint_folder(path: str | Path, what: str = "export") -> Path:
+    """The checkpoint folder `path` means: a run folder (its run.output_dir, holding config.json) gives
+    its checkpoints (run.checkpoint_dir, else `checkpoints/`), so `export`, `sample` and `plot` all take
+    the same run folder; any other folder is taken as a checkpoint folder itself."""
+    import json
+    from zerojax.config import load_config
+    folder = Path(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file() or (folder / "latest").is_file():
+        return folder
+    try:
+        config = load_config(json.loads(cfg_file.read_text()))
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(f"{what}: {cfg_file} is not the config.json a train.py run writes ({e}); give the run's "
+                          f"checkpoint folder instead") from None
+    return Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else folder / "checkpoints"

@@ -1,4 +1,4 @@
-"""A short generation from a run's model (the embedded GPT or the Llama): `zerojax sample --run RUN_DIR`,
+"""A short generation from a run's model (the embedded GPT or the Llama): `zerojax sample RUN_DIR`,
 and the end of train.py.
 
 A loss curve says a run learned; a few generated lines show what. When the prompt and the new tokens
@@ -132,7 +132,8 @@ def load_run(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Any, 
         raise ConfigError(f"sample: {cfg_file} does not exist; give the folder of a train.py run "
                           f"(its run.output_dir, which holds config.json and checkpoints/)")
     config = load_config(json.loads(cfg_file.read_text()))
-    ckpt = Path(config.run.checkpoint_dir) if config.run.checkpoint_dir else run / "checkpoints"
+    from zerojax.app.run_dirs import checkpoint_folder
+    ckpt = checkpoint_folder(run, "sample")
     if checkpoint.latest_tag(ckpt) is None and tag is None:
         raise ConfigError(f"sample: {ckpt} holds no checkpoint yet; wait for the run's first save "
                           f"(run.save_every) or its end")

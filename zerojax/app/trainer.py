@@ -5,11 +5,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -19,7 +21,7 @@ from zerojax.app.monitor import Monitor, check_monitors
 from zerojax.app.reports import (comms_report, compile_step, flops_profile, memory_table, schedule_warning,
                                  startup_table)
 from zerojax.checkpoint import latest_tag
-from zerojax.config import Config
+from zerojax.config import Config, load_config
 from zerojax.core.mesh import row_size
 from zerojax.core.sharded_init import ParamsInit
 from zerojax.core.nonfinite import NonFiniteGuard, stop_message
@@ -100,7 +102,7 @@ def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
     if model_cfg.hf_checkpoint:  # each device reads only its own slices of the checkpoint's tensors
         from zerojax.models.hf import load_params
         beat(f"reading {model_cfg.hf_checkpoint}", allowance=FIRST_STEP_ALLOWANCE)
-        params = load_params(model_cfg.hf_checkpoint, model_cfg, plan.init_shardings)
+        params = load_params(model_cfg.hf_checkpoint, model_cfg, plan.init_shardings, seed=config.run.seed)
     elif params is None:
         # Initialized straight into the sharded master plan (no device ever holds the whole model), inside
         # the one program that makes the train state.
@@ -108,6 +110,36 @@ def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
     loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
     from zerojax.models.decode import decoder
     return Engine(config, params, loss_fn, mesh, plan=plan, decode=decoder(model_cfg))
+
+
+def from_hf(path: str | os.PathLike[str], config: Config | Mapping[str, Any] | str, *, mesh: Any = None,
+            loss_fn: Any = None) -> Engine:
+    """An engine that trains and generates, started from the transformers checkpoint folder `path`:
+    what `zerojax.initialize` returns, built as train.py builds a run with `model.hf_checkpoint: path`
+    (the model keys read from config.json, each device reading only its own slices of the weights, the
+    model's decoder attached so `engine.generate` works).
+
+    `config`: the run's DeepSpeed config (a Config, a dict or a file), without the model's size keys
+    (they come from the checkpoint; one that disagrees is an error naming both values). `mesh`: default
+    the config's. `loss_fn`: what `train_batch` minimises over the model's params; default the model's
+    next-token loss (batches {"tokens": [B, T+1]}); e.g. `zerojax.models.rl.make_grpo_loss(engine.config.model)`
+    for GRPO, whose model config is `zerojax.load_config(...)`'s with the same `model.hf_checkpoint`.
+    """
+    given = config.model.hf_checkpoint if isinstance(config, Config) else None
+    if isinstance(config, Mapping):
+        given = (config.get("model") or {}).get("hf_checkpoint")
+    if given is not None and Path(given).expanduser().resolve() != Path(path).expanduser().resolve():
+        raise ConfigError(f"model.hf_checkpoint: the config names {given}, but from_hf was given {path}; drop the "
+                          f"key from the config (from_hf sets it) or pass the same folder")
+    config = load_config(config, [f"model.hf_checkpoint={json.dumps(str(path))}"])
+    if config.mesh.stage > 1:
+        raise ConfigError(f"mesh.stage: {config.mesh.stage} pipeline stages, but from_hf builds one engine over the "
+                          f"whole model; set mesh.stage: 1 (ZeRO-3 shards the model over the data axis instead)")
+    mesh = mesh if mesh is not None else make_mesh(config)
+    model = build_model(config, mesh)
+    if loss_fn is not None:
+        model = model._replace(loss_fn=loss_fn)
+    return build_engine(config, mesh, model)
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
@@ -147,10 +179,11 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
     folders: list[run_dirs.RunFolders] = []
 
     def choose() -> str:
-        folders.append(run_dirs.choose(config, plan, None if deepspeed else resume, jax.process_count()))
-        return json.dumps([str(folders[0].out), str(folders[0].ckpt_dir), folders[0].tag])
+        wanted = run_dirs.resolve_resume(config, resume)  # `--resume auto`: latest if there is one, else fresh
+        folders.append(run_dirs.choose(config, plan, None if deepspeed else wanted, jax.process_count()))
+        return json.dumps([str(folders[0].out), str(folders[0].ckpt_dir), folders[0].tag, wanted])
 
-    out_name, ckpt_name, resume_tag = json.loads(agreed(choose))
+    out_name, ckpt_name, resume_tag, resume = json.loads(agreed(choose))
     out, ckpt_dir = Path(out_name), Path(ckpt_name)
     try:
         if deepspeed:  # every process places its shards; the tag is then resumed like any other
@@ -196,6 +229,7 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
     check_monitors(config)  # a monitor's missing package fails here, not after compiling
     # every data error (missing file, vocabulary, too short) is raised here, before compiling
     train_batches, val_batches = make_batches(config.data, rows, config.model.seq_len, config.model.vocab_size, mine)
+    steps = run_steps(config, train_batches)
     engine = build_engine(config, mesh, model)
     data_state = None
     if resume:
@@ -204,7 +238,26 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
         train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))
         data_state = engine.loaded_extra.get("data_state")  # the grain iterator's state, where saved
         _say(f"resumed from {path} at step {engine.global_steps}")
-    return Run(config, engine, out, ckpt_dir, train_batches, val_batches, data_state)
+    return Run(config, engine, out, ckpt_dir, train_batches, val_batches, data_state, steps)
+
+
+def run_steps(config: Config, batches: BatchSource) -> int:
+    """The run's length: `run.steps`, or `run.epochs` passes over the training rows (the windows of a
+    packed corpus, the documents of a padded one), rounded up to whole steps."""
+    if config.run.epochs is None:
+        return config.run.steps
+    rows = batches.rows
+    return max(int(np.ceil(config.run.epochs * batches.windows / rows - 1e-9)), 1)
+
+
+def best_val_loss(ckpt_dir: Path) -> float | None:
+    """The validation loss of the tag `best` names (a resumed run keeps beating the same record)."""
+    from zerojax.checkpoint import best_tag, metadata
+    tag = best_tag(ckpt_dir)
+    if tag is None:
+        return None
+    value = metadata(ckpt_dir, tag).get("extra", {}).get("val_loss")
+    return None if value is None else float(value)
 
 
 class Run:
@@ -213,9 +266,10 @@ class Run:
     loss), each of which leaves the last good checkpoint complete."""
 
     def __init__(self, config: Config, engine: Engine, out: Path, ckpt_dir: Path, batches: BatchSource,
-                 val_batches: BatchSource, data_state: Any):
+                 val_batches: BatchSource, data_state: Any, steps: int | None = None):
         self.config, self.engine, self.out, self.ckpt_dir = config, engine, out, ckpt_dir
         self.val_batches = val_batches
+        self.steps = config.run.steps if steps is None else steps  # run.epochs: counted from the data
         self.first_step = engine.global_steps + 1
         beat("compiling the train step", allowance=FIRST_STEP_ALLOWANCE)
         compiled = compile_step(engine, batches.batch(batches.position, batches.local))
@@ -226,11 +280,14 @@ class Run:
         if config.dump_state:
             _say(config.explain(row_size(engine.mesh)))
         _say(f"writing to {out}; checkpoints in {ckpt_dir}")
-        warning = schedule_warning(config)  # a run shorter than its lr schedule ends mid-schedule
-        if warning is not None:
+        if config.run.epochs is not None:
+            _say(f"run.epochs {config.run.epochs:g}: {self.steps} steps of {batches.rows} rows over {batches.windows} "
+                 f"rows an epoch ({batches.windows / batches.rows:.1f} steps an epoch)")
+        warning = schedule_warning(dataclasses.replace(config, run=dataclasses.replace(config.run, steps=self.steps)))
+        if warning is not None:  # a run shorter than its lr schedule ends mid-schedule
             _say(warning)
         rows = engine.plan.batch.train_batch_size
-        self.monitor = Monitor(config, out, config.run.steps, tokens_per_step=rows * config.model.seq_len,
+        self.monitor = Monitor(config, out, self.steps, tokens_per_step=rows * config.model.seq_len,
                                samples_per_step=rows, start_step=self.first_step - 1, enabled=is_primary())
         if self.monitor.replaced:
             self.monitor.print(f"metrics.jsonl: dropped {self.monitor.replaced} row(s) past step "
@@ -238,6 +295,8 @@ class Run:
                                f"this run writes them again)")
         self.guard = NonFiniteGuard(engine)
         self.saved_at: int | None = None  # the last save's step: a stop right after a save does not save twice
+        self.validated: tuple[int, float] | None = None  # the last validation's step and loss
+        self.best = best_val_loss(ckpt_dir) if engine.global_steps else None  # the lowest validation loss saved
         self.first: float | None = None
         self.last: float | None = None
         # grain builds the next batches in a thread while the step runs; its state counts the batches
@@ -252,16 +311,18 @@ class Run:
             raise NonFiniteError(stop_message(problem, self.engine.global_steps, latest_tag(self.ckpt_dir),
                                               self.ckpt_dir))
 
-    def save(self, async_save: bool | None = None) -> None:
+    def save(self, async_save: bool | None = None, best: bool = False) -> None:
         engine = self.engine
         if self.saved_at == engine.global_steps:
             return
         self.check_finite(saving=True)  # a non-finite state is never saved: `latest` stays the last good one
         beat(f"saving checkpoint global_step{engine.global_steps} (every process writes its shards, then "
              f"they meet in a barrier)")
-        tag = engine.save_checkpoint(str(self.ckpt_dir), async_save=async_save,
-                                     extra={"data_position": self.ahead.position, "data_state": self.ahead.state()})
-        self.monitor.print(f"checkpoint {tag} -> {self.ckpt_dir}")
+        extra: dict[str, Any] = {"data_position": self.ahead.position, "data_state": self.ahead.state()}
+        if self.validated is not None and self.validated[0] == engine.global_steps:
+            extra["val_loss"] = self.validated[1]
+        tag = engine.save_checkpoint(str(self.ckpt_dir), async_save=async_save, extra=extra, best=best)
+        self.monitor.print(f"checkpoint {tag} -> {self.ckpt_dir}" + (" (best validation loss so far)" if best else ""))
         self.saved_at = engine.global_steps
 
     def save_and_wait(self) -> None:
@@ -276,7 +337,7 @@ class Run:
         stopped = False  # all processes agreed to stop early (multi-process SIGTERM or Ctrl-C)
         try:
             with self.ahead, interrupts_as_preemption(), stop_signals() as signals:
-                for step in range(self.first_step, config.run.steps + 1):
+                for step in range(self.first_step, self.steps + 1):
                     self.step(step)
                     if signals.received is not None:
                         break
@@ -341,8 +402,32 @@ class Run:
             self.last = record["loss"]
         if monitor.fetches(step):  # every process reads the loss here, not only the one that logs
             self.check_finite({"loss": float(jax.device_get(metrics["loss"])), "step": step})
-        if config.run.save_every and step % config.run.save_every == 0 and step < config.run.steps:
+        every = config.run.eval_every
+        if every and (step % every == 0 or step == self.steps):
+            self.validate(step)
+        if config.run.save_every and step % config.run.save_every == 0 and step < self.steps:
             self.save()
+
+    def validate(self, step: int) -> float:
+        """`run.eval_batches` validation batches at `step` (the same ones each time), logged; with
+        `run.save_best`, a loss below every earlier one saves this step as the folder's `best`."""
+        config = self.config
+        beat(f"validating after step {step} (the first time compiles the eval step)", allowance=FIRST_STEP_ALLOWANCE)
+        loss = evaluate(self.engine, self.val_batches, config.run.eval_batches)
+        assert loss is not None  # run.eval_every needs run.eval_batches >= 1 (a config rule)
+        self.validated = (step, loss)
+        improved = bool(np.isfinite(loss)) and (self.best is None or loss < self.best)
+        self.monitor.validation(step, loss, self.best)
+        if improved and config.run.save_best:
+            self.best = loss
+            if self.saved_at == step:  # saved already at this step: a later save cannot mark it
+                self.monitor.print(f"step {step}: best validation loss, but its checkpoint was saved before "
+                                   f"validating; `best` stays at the earlier one")
+            else:
+                self.save(best=True)
+        elif improved:
+            self.best = loss
+        return loss
 
     def profile(self, batch: Any, latency: float, step: int) -> None:
         beat(f"profiling step {step} (compiles it once more)", allowance=FIRST_STEP_ALLOWANCE)
@@ -382,10 +467,13 @@ class Run:
                     monitor.print(comms_report(self.comms_text, config.comms_logger, steps=ran, mesh=self.engine.mesh))
                 beat("evaluating (compiles the eval step) and waiting for the last checkpoint",
                      f"step {engine.global_steps}", allowance=FIRST_STEP_ALLOWANCE)
-                if config.run.eval_batches:
-                    monitor.phase(f"validating on {config.run.eval_batches} batch(es) after step "
-                                  f"{engine.global_steps}...")
-                val_loss = evaluate(engine, self.val_batches, config.run.eval_batches)
+                if self.validated is not None and self.validated[0] == engine.global_steps:
+                    val_loss = self.validated[1]  # run.eval_every validated this very step
+                else:
+                    if config.run.eval_batches:
+                        monitor.phase(f"validating on {config.run.eval_batches} batch(es) after step "
+                                      f"{engine.global_steps}...")
+                    val_loss = evaluate(engine, self.val_batches, config.run.eval_batches)
             engine.wait_for_checkpoint()
         if late.received is not None:
             monitor.print(f"{late.name} during the final save: the checkpoint is complete; exiting")
@@ -405,6 +493,6 @@ def _print_sample(config: Config, engine: Engine) -> None:
         print(f"sample: not generated ({type(e).__name__}: {e})", flush=True)
         return
     if text is not None:
-        print(f"sample ({config.run.sample_tokens} tokens; more with zerojax sample --run DIR):\n{text}", flush=True)
+        print(f"sample ({config.run.sample_tokens} tokens; more with zerojax sample RUN_DIR):\n{text}", flush=True)
 
 

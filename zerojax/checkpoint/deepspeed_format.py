@@ -33,14 +33,36 @@ the ZeRO optimizer's `state_dict()`:
 `deepspeed/utils/zero_to_fp32.py` is the reference reader these rules were taken from (its
 `zero3_partitioned_param_info` and the 2 * world_size alignment check). Every `.pt` is read through
 `torch_zip`'s restricted unpickler, so a checkpoint cannot run code when it is read.
+
+Three more layouts (`deepspeed/checkpoint/ds_to_universal.py` is the reference for all three):
+
+* tensor parallel: every model-parallel rank M saves `mp_rank_MM_model_states.pt` and its own
+  `zero_pp_rank_R_mp_rank_MM_optim_states.pt`, over its slices of the parameters. Each rank is read
+  as above; a parameter is joined from its slices by the model states' `universal_checkpoint_info`
+  (AutoTP's `affine_map`: per rank, strided pieces of the full tensor; else the name patterns:
+  replicated, row-parallel joined on dimension 1, vocabulary rows cut to `original_vocab_size`, the
+  rest joined on dimension 0), as `merge_tp_slices` joins them.
+* MoE (expert parallel, stages 1-2): an expert group is partitioned over the expert-data-parallel
+  ranks only (`partition_count` [dp, dp / ep_size]); expert-parallel rank p = r % ep_size holds local
+  experts `...deepspeed_experts.L...`, which are expert p * local + L, the names DeepSpeed's
+  `layer_*_expert_*_model_states.pt` files carry (engine.py `_save_moe_checkpoint`).
+* universal (`ds_to_universal.py`'s output, `latest_universal`): `zero/<param>/fp32.pt`, `exp_avg.pt`,
+  `exp_avg_sq.pt`, `step.pt`, each the whole parameter; `zero/optimizer_state.pt`; the run's
+  model-states files for the names and counters.
+
+Nothing is joined ahead of use: the parameters, moments and weights come back as `Tensors`, which
+assemble one parameter when it is read, from shards mapped from their files (`torch_zip.load(mmap=
+True)`), so the host holds one parameter at a time, never the model.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -48,8 +70,8 @@ import numpy as np
 from . import torch_zip
 from .torch_zip import LazyArray, PickledEnum, PickledObject, TorchDtype, TorchFileError, TorchSize
 
-__all__ = ["DS_VERSION", "DeepSpeedCheckpoint", "DeepSpeedCheckpointError", "read_checkpoint", "write_checkpoint",
-           "write_fp32_state_dict"]
+__all__ = ["DS_VERSION", "DeepSpeedCheckpoint", "DeepSpeedCheckpointError", "Tensors", "read_checkpoint", "shape_of",
+           "write_checkpoint", "write_fp32_state_dict"]
 
 DS_VERSION = "0.19.6"
 """The DeepSpeed release whose layout this module reads and writes (written as `ds_version`)."""
@@ -57,6 +79,55 @@ DS_VERSION = "0.19.6"
 
 class DeepSpeedCheckpointError(ValueError):
     """A DeepSpeed checkpoint that cannot be read: the message names the file and what to do."""
+
+
+class Tensors(Mapping[str, np.ndarray]):
+    """Named fp32 tensors of a checkpoint, each assembled from the files when it is asked for and not
+    kept: the shard files are memory-mapped, so reading a model holds one parameter at a time in host
+    memory, never the model. `shapes` answers names and shapes without reading any tensor."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], produce: Callable[[str], np.ndarray]) -> None:
+        self.shapes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
+        self._produce = produce
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._produce(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __repr__(self) -> str:
+        return f"Tensors({len(self)} tensors, assembled on access)"
+
+
+def shape_of(tensors: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    """A tensor's shape without assembling it (any mapping of arrays works too)."""
+    if isinstance(tensors, Tensors):
+        return tensors.shapes[name]
+    return tuple(np.shape(tensors[name]))
+
+
+class _Flat:
+    """Several 1-D arrays read as their concatenation, without concatenating them: `take` copies out
+    one range (a parameter) only."""
+
+    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        self.arrays = [np.asarray(a).reshape(-1) for a in arrays]
+        self.starts = np.cumsum([0] + [a.size for a in self.arrays]).tolist()
+        self.size = self.starts[-1]
+
+    def take(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty(hi - lo, np.float32) if out is None else out
+        for a, start in zip(self.arrays, self.starts):
+            a_lo, a_hi = max(lo, start), min(hi, start + a.size)
+            if a_lo < a_hi:
+                out[a_lo - lo:a_hi - lo] = a[a_lo - start:a_hi - start]
+        return out
 
 
 # Keys DeepSpeed itself writes into the model-states file (engine.py `_common_checkpoint_state`,
@@ -80,9 +151,9 @@ class DeepSpeedCheckpoint:
     tag: str
     zero_stage: int
     dp_world_size: int                         # ranks that wrote the optimizer shards
-    params: dict[str, np.ndarray]              # fp32 master weights, full shapes, `param_shapes` order
-    exp_avg: dict[str, np.ndarray] | None      # Adam first moments, same names/shapes; None if not saved
-    exp_avg_sq: dict[str, np.ndarray] | None
+    params: Mapping[str, np.ndarray]           # fp32 master weights, full shapes, `param_shapes` order (`Tensors`:
+    exp_avg: Mapping[str, np.ndarray] | None   # each assembled when read); Adam first moments, same names and
+    exp_avg_sq: Mapping[str, np.ndarray] | None  # shapes; None if not saved
     step: int | None                           # the optimizer's step count
     lr: float | None                           # first param group's learning rate
     param_groups: list[dict[str, Any]]         # optimizer hyperparameters per group (lr, betas, eps, ...)
@@ -99,6 +170,9 @@ class DeepSpeedCheckpoint:
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     frozen_params: dict[str, np.ndarray] = field(default_factory=dict)
     shared_params: dict[str, str] = field(default_factory=dict)  # alias name -> name holding the data
+    universal_info: Any = None                 # `universal_checkpoint_info`: how tensor-parallel slices join
+    layout: str = "zero"                       # "zero" (per-rank shards), "universal" (one folder per parameter)
+    tp_degree: int = 1                         # tensor-parallel ranks that wrote it (joined here)
 
     def fp32_state_dict(self) -> OrderedDict[str, np.ndarray]:
         """What `zero_to_fp32.py` produces: buffers (cast to fp32, as it does), frozen then trainable
@@ -115,8 +189,9 @@ class DeepSpeedCheckpoint:
 # --------------------------------------------------------------------------- reading
 
 def _load(path: str, opaque: bool = False) -> Any:
+    """A `.pt` file, its tensors mapped from the file (pages read when a tensor is assembled)."""
     try:
-        return torch_zip.load(path, opaque=opaque)
+        return torch_zip.load(path, opaque=opaque, mmap=True)
     except TorchFileError as e:
         if e.refused is None:
             raise DeepSpeedCheckpointError(str(e)) from None
@@ -197,6 +272,8 @@ def _resolve(path: str) -> tuple[str, str]:
         raise DeepSpeedCheckpointError(f"{path} is not a folder: pass the folder save_checkpoint wrote (the one "
                                        "holding `latest`) or one of its global_stepN folders")
     latest = os.path.join(path, "latest")
+    if not os.path.isfile(latest):  # a run folder holding only ds_to_universal.py's output
+        latest = os.path.join(path, "latest_universal")
     if os.path.isfile(latest):
         with open(latest, encoding="utf-8", errors="replace") as f:
             tag = f.read(4096).strip()
@@ -227,20 +304,6 @@ def _as_int(value: Any) -> int | None:
     return int(value)
 
 
-def _split(flat: np.ndarray, shapes: Mapping[str, Sequence[int]], where: str) -> tuple[dict[str, np.ndarray], int]:
-    """Cut a flat vector into named tensors in order (stages 1-2 reassembly)."""
-    out, offset = {}, 0
-    for name, shape in shapes.items():
-        n = _numel(shape)
-        if offset + n > flat.size:
-            raise DeepSpeedCheckpointError(
-                f"{where}: param_shapes need more than the {flat.size} elements the ranks' partitions hold "
-                f"(ran out at {name!r}); the optimizer files do not belong to this model-states file")
-        out[name] = flat[offset:offset + n].reshape(tuple(int(d) for d in shape))
-        offset += n
-    return out, offset
-
-
 def _loss_scale(record: Any) -> dict[str, Any] | None:
     if not isinstance(record, PickledObject):
         return None
@@ -269,38 +332,101 @@ def _base_state(opt: dict, stage: int) -> tuple[list[dict], list[dict], Any]:
     return states, hyper, None
 
 
-def _reassemble_stage12(rank_groups: list[list[np.ndarray]], shapes: list[Mapping], dp: int,
-                        where: str) -> dict[str, np.ndarray]:
-    params: dict[str, np.ndarray] = {}
-    for g, group_shapes in enumerate(shapes):
-        flat = np.concatenate([np.asarray(rank[g]).reshape(-1) for rank in rank_groups])
-        group, used = _split(flat, group_shapes, f"{where} group {g}")
-        align = 2 * dp  # zero_to_fp32.py `zero2_align`: padding up to 2 * world_size elements
-        if align * math.ceil(used / align) != align * math.ceil(flat.size / align):
+_EXPERT = re.compile(r"\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)(?=\.)")
+
+
+def _flat_groups(shapes: list[Mapping], counts: list[int], dp: int, where: str) -> list[tuple[int, list[int], dict]]:
+    """(optimizer group, the ranks whose partitions make its flat vector in order, its parameters):
+    one per group; an expert group (partitioned over the expert-data-parallel ranks only, MoE) gives
+    one per expert-parallel rank, its local experts renamed to their global ids as DeepSpeed's
+    `_save_moe_checkpoint` names them (ep rank p's local expert l is expert p * local + l)."""
+    out = []
+    for g, (group_shapes, count) in enumerate(zip(shapes, counts)):
+        if count == dp:
+            out.append((g, list(range(dp)), dict(group_shapes)))
+            continue
+        ep = dp // count
+        local: dict[str, set[str]] = {}
+        for name in group_shapes:
+            m = _EXPERT.search(name)
+            if m is None:
+                raise DeepSpeedCheckpointError(
+                    f"{where} group {g}: partitioned over {count} of {dp} ranks (an expert group), but its parameter "
+                    f"{name!r} is not a DeepSpeed MoE expert (.deepspeed_moe.experts.deepspeed_experts.N.): which "
+                    "expert each rank holds cannot be told")
+            local.setdefault(name[:m.start()], set()).add(m.group(1))
+        for p in range(ep):  # groups.py: expert-parallel rank r % ep, expert-data-parallel rank r // ep
+            def rename(name: str) -> str:
+                m = _EXPERT.search(name)
+                n_local = len(local[name[:m.start()]])
+                return name[:m.start(1)] + str(p * n_local + int(m.group(1))) + name[m.end(1):]
+            out.append((g, [r for r in range(dp) if r % ep == p], {rename(n): s for n, s in group_shapes.items()}))
+    return out
+
+
+def _stage12_layout(partitions: list[list[np.ndarray]], flat_groups: list[tuple[int, list[int], dict]],
+                    where: str) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+    """name -> (flat group, offset in its flat vector, shape): each flat vector is its ranks' lean
+    partitions in rank order, its parameters in `param_shapes` order."""
+    layout = {}
+    for v, (g, ranks, group_shapes) in enumerate(flat_groups):
+        size = sum(np.asarray(partitions[r][g]).size for r in ranks)
+        offset = 0
+        for name, shape in group_shapes.items():
+            n = _numel(shape)
+            if offset + n > size:
+                raise DeepSpeedCheckpointError(
+                    f"{where} group {g}: param_shapes need more than the {size} elements the ranks' partitions hold "
+                    f"(ran out at {name!r}); the optimizer files do not belong to this model-states file")
+            layout[name] = (v, offset, tuple(int(d) for d in shape))
+            offset += n
+        align = 2 * len(ranks)  # zero_to_fp32.py `zero2_align`: padding up to 2 * world_size elements
+        if align * math.ceil(offset / align) != align * math.ceil(size / align):
             raise DeepSpeedCheckpointError(
-                f"{where} group {g}: param_shapes account for {used} elements but the ranks' partitions hold "
-                f"{flat.size}; the optimizer files do not belong to this model-states file")
-        params.update(group)
-    return params
+                f"{where} group {g}: param_shapes account for {offset} elements but the ranks' partitions hold "
+                f"{size}; the optimizer files do not belong to this model-states file")
+    return layout
 
 
-def _reassemble_stage3(rank_flat: list[np.ndarray], shapes: list[tuple[str, Sequence[int]]], dp: int,
-                       where: str) -> dict[str, np.ndarray]:
-    params, offset = {}, 0
-    for name, shape in shapes:
-        n = _numel(shape)
-        part = math.ceil(n / dp)  # zero_to_fp32.py `zero3_partitioned_param_info`
-        if offset + part > rank_flat[0].size:
+def _stage12_table(partitions: list[list[np.ndarray]], flat_groups: list[tuple[int, list[int], dict]],
+                   layout: Mapping[str, tuple]) -> Tensors:
+    flats = [_Flat([partitions[r][g] for r in ranks]) for g, ranks, _ in flat_groups]
+
+    def produce(name: str) -> np.ndarray:
+        v, offset, shape = layout[name]
+        return flats[v].take(offset, offset + _numel(shape)).reshape(shape)
+    return Tensors({n: v[2] for n, v in layout.items()}, produce)
+
+
+def _stage3_layout(size: int, shapes: list[Mapping], dp: int, where: str) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """name -> (offset in each rank's flat groups, shape): every parameter split on its own into
+    ceil(numel / dp) elements per rank, in `param_shapes` order (zero_to_fp32.py
+    `zero3_partitioned_param_info`)."""
+    layout, offset = {}, 0
+    for name, shape in ((n, s) for g in shapes for n, s in g.items()):
+        part = math.ceil(_numel(shape) / dp)
+        if offset + part > size:
             raise DeepSpeedCheckpointError(f"{where}: param_shapes need more elements than each rank's fp32 "
-                                           f"flat groups hold (ran out at {name!r}, {rank_flat[0].size} per rank)")
-        full = np.concatenate([flat[offset:offset + part] for flat in rank_flat])[:n]
-        params[name] = full.reshape(tuple(int(d) for d in shape))
+                                           f"flat groups hold (ran out at {name!r}, {size} per rank)")
+        layout[name] = (offset, tuple(int(d) for d in shape))
         offset += part
-    if offset != rank_flat[0].size:
+    if offset != size:
         raise DeepSpeedCheckpointError(f"{where}: param_shapes account for {offset} elements per rank but each "
-                                       f"rank's fp32 flat groups hold {rank_flat[0].size}; the optimizer files do "
-                                       "not belong to this model-states file")
-    return params
+                                       f"rank's fp32 flat groups hold {size}; the optimizer files do not belong "
+                                       "to this model-states file")
+    return layout
+
+
+def _stage3_table(ranks: list[_Flat], layout: Mapping[str, tuple], dp: int) -> Tensors:
+    def produce(name: str) -> np.ndarray:
+        offset, shape = layout[name]
+        n = _numel(shape)
+        part = math.ceil(n / dp)
+        out = np.empty(part * dp, np.float32)
+        for r, flat in enumerate(ranks):
+            flat.take(offset, offset + part, out[r * part:(r + 1) * part])
+        return out[:n].reshape(shape)
+    return Tensors({n: v[1] for n, v in layout.items()}, produce)
 
 
 def _bf16_enabled(ds_config: Any) -> bool:
@@ -312,11 +438,13 @@ def _bf16_enabled(ds_config: Any) -> bool:
 
 
 def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpeedCheckpoint:
-    """Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint: the run folder (follows `latest`) or a tag folder.
+    """Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint - tensor-parallel, MoE or universal ones too: the
+    run folder (follows `latest`, else `latest_universal`) or a tag folder.
 
     Raises `DeepSpeedCheckpointError` naming the file for a missing `latest` target or rank file,
     a truncated archive, shapes that do not add up, or a pickled global outside the allowlist.
-    Tensor-parallel (mp_rank_01...) and stage-0 checkpoints are refused with a message saying so.
+    Stage-0 checkpoints, and tensor-parallel ones that record no way to join their slices, are
+    refused with a message saying so.
     Model-states files whose client state holds other objects (Megatron-DeepSpeed's numpy RNG state)
     are read with those objects as inert `PickledObject` records (never imported or called), on every
     route; `opaque` is kept for callers that passed it and changes nothing now.
@@ -333,17 +461,89 @@ def read_checkpoint(path: str | os.PathLike, *, opaque: bool = False) -> DeepSpe
 
 
 def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
-    model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    stage3_model = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    if any(os.path.exists(os.path.join(tag_dir, n)) for n in
-           ("mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_model_states.pt")):
-        raise DeepSpeedCheckpointError(f"{tag_dir} was written with tensor/model parallelism (mp_rank_01 files); "
-                                       "only mp_rank_00 checkpoints are read - merge the model-parallel ranks first")
-    if not os.path.exists(model_file):
-        model_file = stage3_model
-    if not os.path.exists(model_file):
-        raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_00_model_states.pt nor zero_pp_rank_0_"
-                                       "mp_rank_00_model_states.pt; it is not a DeepSpeed checkpoint tag")
+    """A universal folder (`zero/<param>/fp32.pt`), or a ZeRO tag with one or more model-parallel
+    ranks (each read on its own, then joined parameter by parameter)."""
+    if os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt")):
+        return _read_universal(tag, tag_dir)
+    tp = _mp_degree(tag_dir)
+    parts = [_read_mp_rank(tag, tag_dir, mp) for mp in range(tp)]
+    if parts[0].tp_degree != tp:  # the degree rank 0 recorded (mp_world_size) against the files present
+        raise DeepSpeedCheckpointError(
+            f"{tag_dir}: {os.path.basename(_model_states_file(tag_dir, 0))} says {parts[0].tp_degree} model-parallel "
+            f"ranks saved this tag, but model-states files of {tp} are present (mp_rank_{tp:02d}... is missing): "
+            "every tensor-parallel rank saves its own slices. Copy the missing files from the nodes that wrote them.")
+    return parts[0] if tp == 1 else _join_tensor_parallel(parts, tag_dir)
+
+
+def _read_mp_rank(tag: str, tag_dir: str, mp: int) -> DeepSpeedCheckpoint:
+    """The steps for one model-parallel rank: find its model-states file, find and check the ranks'
+    optimizer files, load them, lay out the fp32 weights and moments (stage 1-2 or stage 3 layout),
+    then the counters."""
+    model_file = _model_states_file(tag_dir, mp)
+    model, shapes = _load_model(model_file)
+    ds_config = model.get("ds_config")
+    shards = _optimizer_files(tag_dir, ds_config, mp)
+    model_files = _rank_model_files(tag_dir, model_file, shards)
+    opts = _load_rank_optimizers(shards)
+    per_rank_states = [_base_state(o, shards.stage) for o in opts]
+    _check_backed(opts, per_rank_states, shards)
+    where = f"{model_file} with {shards.name('*')}"
+    rebuild = _stage12_tensors if shards.stage <= 2 else _stage3_tensors
+    params, moments = rebuild(opts, per_rank_states, shapes, shards, where)
+    step, lr, hyper = _step_and_lr(per_rank_states[0])
+    ckpt = _assemble(tag, tag_dir, model, shapes, shards.stage, shards.dp, params, moments, step, lr, hyper,
+                     opts[0].get("loss_scaler"), _frozen_params(model, shards.stage, model_files))
+    if len(set(shards.counts)) > 1:  # MoE: the groups' names as read, every expert under its global id
+        groups: dict[int, list[str]] = {}
+        for g, _, names in _flat_groups(shapes, shards.counts, shards.dp, where):
+            groups.setdefault(g, []).extend(names)
+        ckpt = dataclasses.replace(ckpt, group_names=[groups[g] for g in sorted(groups)])
+    return ckpt
+
+
+def _assemble(tag: str, tag_dir: str, model: dict, shapes: list, stage: int, dp: int, params: Mapping,
+              moments: Mapping, step: int | None, lr: float | None, hyper: list, loss_scaler: Any,
+              frozen: dict) -> DeepSpeedCheckpoint:
+    module = dict(model.get("module") or {})
+    return DeepSpeedCheckpoint(
+        path=tag_dir, tag=tag, zero_stage=stage, dp_world_size=dp, params=params,
+        exp_avg=moments.get("exp_avg"), exp_avg_sq=moments.get("exp_avg_sq"), step=step, lr=lr,
+        param_groups=hyper, group_names=[list(g.keys()) for g in shapes],
+        global_steps=int(model.get("global_steps") or 0), global_samples=int(model.get("global_samples") or 0),
+        skipped_steps=int(model.get("skipped_steps") or 0), lr_scheduler=model.get("lr_scheduler"),
+        loss_scale=_loss_scale(loss_scaler), ds_config=model.get("ds_config"), ds_version=model.get("ds_version"),
+        client_state={k: v for k, v in model.items() if k not in _DEEPSPEED_KEYS}, module=module,
+        buffers={n: module[n] for n in (model.get("buffer_names") or []) if n in module},
+        frozen_params=frozen, shared_params=dict(model.get("shared_params") or {}),
+        universal_info=model.get("universal_checkpoint_info"), tp_degree=int(model.get("mp_world_size") or 1))
+
+
+_MP_FILE = re.compile(r"^(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt$")
+
+
+def _mp_degree(tag_dir: str) -> int:
+    """How many model-parallel (tensor-parallel) ranks saved this tag: mp_rank_00, mp_rank_01, ..."""
+    found = sorted({int(m.group(1)) for m in map(_MP_FILE.match, os.listdir(tag_dir)) if m})
+    if found and found != list(range(len(found))):
+        missing = sorted(set(range(found[-1] + 1)) - set(found))
+        raise DeepSpeedCheckpointError(
+            f"{tag_dir} holds model-states files of model-parallel ranks {found} but not of {missing}: every "
+            "tensor-parallel rank saves its own slice, so all of them are needed. Copy the missing files from the "
+            "nodes that wrote them.")
+    return max(1, len(found))
+
+
+def _model_states_file(tag_dir: str, mp: int = 0) -> str:
+    """mp_rank_XX_model_states.pt (stages 1-2) or rank 0's zero_pp_rank_0_mp_rank_XX_... (stage 3)."""
+    for name in (f"mp_rank_{mp:02d}_model_states.pt", f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt"):
+        if os.path.exists(os.path.join(tag_dir, name)):
+            return os.path.join(tag_dir, name)
+    raise DeepSpeedCheckpointError(f"{tag_dir} has neither mp_rank_{mp:02d}_model_states.pt nor zero_pp_rank_0_"
+                                   f"mp_rank_{mp:02d}_model_states.pt; it is not a DeepSpeed checkpoint tag")
+
+
+def _load_model(model_file: str) -> tuple[dict, list]:
+    """The model-states dict and its `param_shapes` (one OrderedDict per optimizer group)."""
     model = _load_model_states(model_file)
     if not isinstance(model, dict) or "module" not in model:
         raise DeepSpeedCheckpointError(f"{model_file} is not a DeepSpeed model-states file (no 'module' key)")
@@ -351,142 +551,381 @@ def _read(tag: str, tag_dir: str, opaque: bool) -> DeepSpeedCheckpoint:
     if not shapes:
         raise DeepSpeedCheckpointError(f"{model_file} has no param_shapes: it was saved without a ZeRO optimizer "
                                        "(stage 0); read its 'module' and 'optimizer' with torch_zip.load instead")
+    return model, shapes
 
-    ds_config = model.get("ds_config")
+
+@dataclass
+class _Shards:
+    """The ranks' optimizer files of one tag: their name prefix, stage, rank count, rank 0's state."""
+    tag_dir: str
+    prefix: str          # "bf16_" or ""
+    stage: int
+    dp: int
+    first: dict          # rank 0's optimizer_state_dict
+    mp: int = 0          # the model-parallel rank
+    counts: list[int] = field(default_factory=list)  # ranks each group is partitioned over (MoE: fewer for experts)
+
+    def name(self, rank: int | str) -> str:
+        return _optim_name(self.prefix, rank, self.mp)
+
+    def path(self, rank: int) -> str:
+        return os.path.join(self.tag_dir, self.name(rank))
+
+
+def _optim_name(prefix: str, rank: int | str, mp: int = 0) -> str:
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+
+
+def _optimizer_files(tag_dir: str, ds_config: Any, mp: int = 0) -> _Shards:
+    """Rank 0's optimizer file (bf16_ prefixed or not) gives the stage and the rank count; every
+    rank's file must be there, and no more."""
     prefixes = ["bf16_", ""] if _bf16_enabled(ds_config) else ["", "bf16_"]
-
-    def optim_name(prefix: str, rank: int) -> str:
-        return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-    prefix = next((p for p in prefixes if os.path.exists(os.path.join(tag_dir, optim_name(p, 0)))), None)
+    prefix = next((p for p in prefixes if os.path.exists(os.path.join(tag_dir, _optim_name(p, 0, mp)))), None)
     if prefix is None:
-        raise DeepSpeedCheckpointError(f"{optim_name('', 0)} is missing in {tag_dir} (nor is there a bf16_ one): the "
-                                       "ZeRO optimizer shards were not saved, so the fp32 weights cannot be rebuilt")
-    first_file = os.path.join(tag_dir, optim_name(prefix, 0))
+        raise DeepSpeedCheckpointError(f"{_optim_name('', 0, mp)} is missing in {tag_dir} (nor is there a bf16_ one): "
+                                       "the ZeRO optimizer shards were not saved, so the fp32 weights cannot be "
+                                       "rebuilt")
+    first_file = os.path.join(tag_dir, _optim_name(prefix, 0, mp))
     first = _load(first_file)
     opt0 = first.get("optimizer_state_dict") if isinstance(first, dict) else None
     if not isinstance(opt0, dict) or "zero_stage" not in opt0:
         raise DeepSpeedCheckpointError(f"{first_file} is not a ZeRO optimizer file "
                                        "(no optimizer_state_dict.zero_stage)")
     stage = int(opt0["zero_stage"])
-    count = opt0.get("partition_count")
-    counts = {int(c) for c in count} if isinstance(count, (list, tuple)) else {int(count)}
-    if len(counts) != 1:
-        raise DeepSpeedCheckpointError(f"{first_file}: param groups are partitioned over different rank counts "
-                                       f"({sorted(counts)}): expert-parallel (MoE) checkpoints are not supported")
-    dp = counts.pop()
     if stage not in (1, 2, 3):
         raise DeepSpeedCheckpointError(f"{first_file}: unsupported zero_stage {stage}")
-
-    present = sorted(n for n in os.listdir(tag_dir) if n.startswith(prefix + "zero_pp_rank_")
-                     and n.endswith("_mp_rank_00_optim_states.pt"))
+    count = opt0.get("partition_count")
+    counts = [int(c) for c in count] if isinstance(count, (list, tuple)) else [int(count)]
+    dp = max(counts)
+    if len(set(counts)) != 1 and (stage == 3 or any(c < 1 or dp % c for c in counts)):
+        raise DeepSpeedCheckpointError(
+            f"{first_file}: param groups are partitioned over different rank counts ({sorted(set(counts))}): an "
+            "expert-parallel (MoE) checkpoint, which is read at ZeRO stages 1-2 when every count divides the "
+            f"largest; {'at stage 3 ' if stage == 3 else ''}convert it with DeepSpeed's ds_to_universal.py first")
+    if len(set(counts)) != 1 and isinstance(ds_config, dict) and ds_config.get("use_data_before_expert_parallelism"):
+        raise DeepSpeedCheckpointError(
+            f"{first_file}: an MoE checkpoint saved with use_data_before_expert_parallelism, whose ranks hold the "
+            "experts in another order than this reader follows (groups.py: expert-parallel rank r % ep_size); "
+            "convert it with DeepSpeed's ds_to_universal.py first")
+    shards = _Shards(tag_dir, prefix, stage, dp, opt0, mp, counts)
     for rank in range(dp):
-        name = optim_name(prefix, rank)
-        if not os.path.exists(os.path.join(tag_dir, name)):
+        if not os.path.exists(shards.path(rank)):
             raise DeepSpeedCheckpointError(
-                f"{name} is missing in {tag_dir}; the checkpoint was written by {dp} ranks (partition_count in "
-                f"{os.path.basename(first_file)}), so files for ranks 0..{dp - 1} must all be present. Copy it from "
-                "the node that wrote it, or read another tag.")
+                f"{shards.name(rank)} is missing in {tag_dir}; the checkpoint was written by {dp} ranks "
+                f"(partition_count in {os.path.basename(first_file)}), so files for ranks 0..{dp - 1} must all be "
+                "present. Copy it from the node that wrote it, or read another tag.")
+    present = [n for n in os.listdir(tag_dir) if n.startswith(prefix + "zero_pp_rank_")
+               and n.endswith(f"_mp_rank_{mp:02d}_optim_states.pt")]
     if len(present) != dp:
         raise DeepSpeedCheckpointError(
             f"{tag_dir} holds {len(present)} optimizer files but partition_count says {dp} ranks: the folder mixes "
             "checkpoints (an older save with more ranks was overwritten?); save again into a clean folder")
-    model_files = [model_file]
-    if stage == 3:
-        model_files = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(dp)]
-        for f in model_files:
-            if not os.path.exists(f):
-                raise DeepSpeedCheckpointError(
-                    f"{os.path.basename(f)} is missing in {tag_dir}; the stage-3 checkpoint was written by {dp} ranks "
-                    "and each saves its own model-states file. Copy it from the node that wrote it.")
+    return shards
 
-    opts = [opt0]
-    for rank in range(1, dp):
-        f = os.path.join(tag_dir, optim_name(prefix, rank))
-        loaded = _load(f)
+
+def _rank_model_files(tag_dir: str, model_file: str, shards: _Shards) -> list[str]:
+    """Stage 3 saves one model-states file per rank (each with its slice of the frozen parameters)."""
+    if shards.stage <= 2:
+        return [model_file]
+    files = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_{shards.mp:02d}_model_states.pt")
+             for r in range(shards.dp)]
+    for f in files:
+        if not os.path.exists(f):
+            raise DeepSpeedCheckpointError(
+                f"{os.path.basename(f)} is missing in {tag_dir}; the stage-3 checkpoint was written by {shards.dp} "
+                "ranks and each saves its own model-states file. Copy it from the node that wrote it.")
+    return files
+
+
+def _load_rank_optimizers(shards: _Shards) -> list[dict]:
+    """Every rank's optimizer_state_dict, each checked to come from the same save as rank 0's."""
+    opts = [shards.first]
+    for rank in range(1, shards.dp):
+        loaded = _load(shards.path(rank))
         opt = loaded.get("optimizer_state_dict") if isinstance(loaded, dict) else None
-        if not isinstance(opt, dict) or int(opt.get("zero_stage", -1)) != stage:
-            raise DeepSpeedCheckpointError(f"{f} does not match {os.path.basename(first_file)} (zero_stage differs or "
-                                           "missing): the folder mixes checkpoints")
+        if not isinstance(opt, dict) or int(opt.get("zero_stage", -1)) != shards.stage:
+            raise DeepSpeedCheckpointError(f"{shards.path(rank)} does not match {shards.name(0)} (zero_stage "
+                                           "differs or missing): the folder mixes checkpoints")
         opts.append(opt)
+    return opts
 
-    where = f"{model_file} with {prefix}zero_pp_rank_*_mp_rank_00_optim_states.pt"
-    group_names = [list(g.keys()) for g in shapes]
-    per_rank_states = [_base_state(o, stage) for o in opts]
+
+def _check_backed(opts: list[dict], per_rank_states: list, shards: _Shards) -> None:
+    """Each rank's fp32 partitions and moments are backed by its file's bytes (`_within`)."""
+    key = "single_partition_of_fp32_groups" if shards.stage <= 2 else "fp32_flat_groups"
     for rank, (o, (states, _, _)) in enumerate(zip(opts, per_rank_states)):
-        fp32 = o.get("single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups")
         moment_arrays = [s.get(k) for s in states for k in ("exp_avg", "exp_avg_sq")]
-        _within(list(fp32 or []) + moment_arrays, os.path.join(tag_dir, optim_name(prefix, rank)),
-                "fp32 partitions and Adam moments")
-    moments: dict[str, dict[str, np.ndarray] | None] = {}
-    if stage <= 2:
-        fp32 = [o.get("single_partition_of_fp32_groups") for o in opts]
-        if any(not isinstance(g, list) or len(g) != len(shapes) for g in fp32):
-            raise DeepSpeedCheckpointError(f"{where}: single_partition_of_fp32_groups does not have one entry per "
-                                           f"param_shapes group ({len(shapes)}) in every rank's optimizer file")
-        params = _reassemble_stage12(fp32, shapes, dp, where)
-        for key in ("exp_avg", "exp_avg_sq"):
-            ranks = []
-            for r, (states, _, _) in enumerate(per_rank_states):
-                if len(states) != len(shapes) or any(key not in s for s in states):
-                    ranks = None
-                    break
-                # rigid state is over padded partitions: keep as many elements as the lean fp32 partition
-                ranks.append([np.asarray(s[key]).reshape(-1)[:np.asarray(fp32[r][g]).size]
-                              for g, s in enumerate(states)])
-            moments[key] = None if ranks is None else _reassemble_stage12(ranks, shapes, dp, f"{where} ({key})")
-    else:
-        flat_groups = [o.get("fp32_flat_groups") for o in opts]
-        if any(not isinstance(g, list) or not g for g in flat_groups):
-            raise DeepSpeedCheckpointError(f"{where}: an optimizer file has no fp32_flat_groups")
-        rank_flat = [np.concatenate([np.asarray(t).reshape(-1) for t in g]) for g in flat_groups]
-        if len({f.size for f in rank_flat}) != 1:
-            raise DeepSpeedCheckpointError(f"{where}: the ranks' fp32_flat_groups differ in size "
-                                           f"({[f.size for f in rank_flat]}); the folder mixes checkpoints")
-        merged = [(name, shape) for g in shapes for name, shape in g.items()]
-        params = _reassemble_stage3(rank_flat, merged, dp, where)
-        for key in ("exp_avg", "exp_avg_sq"):
-            ranks = []
-            for states, _, _ in per_rank_states:
-                if not states or any(key not in s for s in states):
-                    ranks = None
-                    break
-                ranks.append(np.concatenate([np.asarray(s[key]).reshape(-1) for s in states]))
-            if ranks is not None and any(r.size != rank_flat[0].size for r in ranks):
-                raise DeepSpeedCheckpointError(f"{where}: {key} does not match the fp32 flat groups in size")
-            moments[key] = None if ranks is None else _reassemble_stage3(ranks, merged, dp, f"{where} ({key})")
+        _within(list(o.get(key) or []) + moment_arrays, shards.path(rank), "fp32 partitions and Adam moments")
 
-    states0, hyper, separate_step = per_rank_states[0]
+
+_Moments = dict[str, "Tensors | None"]
+
+
+def _stage12_tensors(opts: list[dict], per_rank_states: list, shapes: list, shards: _Shards,
+                     where: str) -> tuple[Tensors, _Moments]:
+    """Stages 1-2: each group's flat vector is the ranks' partitions in rank order."""
+    fp32 = [o.get("single_partition_of_fp32_groups") for o in opts]
+    if any(not isinstance(g, list) or len(g) != len(shapes) for g in fp32):
+        raise DeepSpeedCheckpointError(f"{where}: single_partition_of_fp32_groups does not have one entry per "
+                                       f"param_shapes group ({len(shapes)}) in every rank's optimizer file")
+    counts = shards.counts if len(shards.counts) == len(shapes) else [shards.dp] * len(shapes)
+    flat_groups = _flat_groups(shapes, counts, shards.dp, where)
+    layout = _stage12_layout(fp32, flat_groups, where)
+    moments: _Moments = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        ranks = []
+        for r, (states, _, _) in enumerate(per_rank_states):
+            if len(states) != len(shapes) or any(key not in s for s in states):
+                ranks = None
+                break
+            # rigid state is over padded partitions: keep as many elements as the lean fp32 partition
+            lean = [np.asarray(fp32[r][g]).size for g in range(len(shapes))]
+            if any(np.asarray(s[key]).size < n for s, n in zip(states, lean)):
+                raise DeepSpeedCheckpointError(f"{where} ({key}): rank {r}'s {key} is smaller than its fp32 partition")
+            ranks.append([np.asarray(s[key]).reshape(-1)[:n] for s, n in zip(states, lean)])
+        moments[key] = None if ranks is None else _stage12_table(ranks, flat_groups, layout)
+    return _stage12_table(fp32, flat_groups, layout), moments
+
+
+def _stage3_tensors(opts: list[dict], per_rank_states: list, shapes: list, shards: _Shards,
+                    where: str) -> tuple[Tensors, _Moments]:
+    """Stage 3: each rank's flat groups hold its slice of every parameter, in param_shapes order."""
+    dp = shards.dp
+    flat_groups = [o.get("fp32_flat_groups") for o in opts]
+    if any(not isinstance(g, list) or not g for g in flat_groups):
+        raise DeepSpeedCheckpointError(f"{where}: an optimizer file has no fp32_flat_groups")
+    rank_flat = [_Flat(g) for g in flat_groups]
+    if len({f.size for f in rank_flat}) != 1:
+        raise DeepSpeedCheckpointError(f"{where}: the ranks' fp32_flat_groups differ in size "
+                                       f"({[f.size for f in rank_flat]}); the folder mixes checkpoints")
+    layout = _stage3_layout(rank_flat[0].size, shapes, dp, where)
+    moments: _Moments = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        ranks = []
+        for states, _, _ in per_rank_states:
+            if not states or any(key not in s for s in states):
+                ranks = None
+                break
+            ranks.append(_Flat([s[key] for s in states]))
+        if ranks is not None and any(r.size != rank_flat[0].size for r in ranks):
+            raise DeepSpeedCheckpointError(f"{where}: {key} does not match the fp32 flat groups in size")
+        moments[key] = None if ranks is None else _stage3_table(ranks, layout, dp)
+    return _stage3_table(rank_flat, layout, dp), moments
+
+
+def _step_and_lr(rank0_state: tuple[list[dict], list[dict], Any]) -> tuple[int | None, float | None, list[dict]]:
+    """The optimizer's step (stored apart, per parameter, or per group) and the first group's lr."""
+    states0, hyper, separate_step = rank0_state
     step = _as_int(separate_step)
     if step is None and states0 and "step" in states0[0]:
         step = _as_int(states0[0]["step"])
     if step is None and hyper and "step" in hyper[0]:
         step = _as_int(hyper[0]["step"])
     lr = float(hyper[0]["lr"]) if hyper and "lr" in hyper[0] else None
+    return step, lr, hyper
 
-    module = dict(model.get("module") or {})
-    buffers = {n: module[n] for n in (model.get("buffer_names") or []) if n in module}
-    frozen: dict[str, np.ndarray] = {}
+
+def _frozen_params(model: dict, stage: int, model_files: list[str]) -> dict[str, np.ndarray]:
+    """Frozen parameters: whole in the model states (stages 1-2), or one slice per rank's file
+    (stage 3, zero_to_fp32.py `_zero3_merge_frozen_params`)."""
     frozen_shapes = model.get("frozen_param_shapes") or {}
-    if frozen_shapes:
-        if stage <= 2:
-            fragments = model.get("frozen_param_fragments") or {}
-            frozen = {n: np.asarray(fragments[n]) for n in frozen_shapes if n in fragments}
-        else:  # each rank saved its own slice; zero_to_fp32.py `_zero3_merge_frozen_params`
-            rank_models = [model] + [_load_model_states(f) for f in model_files[1:]]
-            for name, shape in frozen_shapes.items():
-                pieces = [np.asarray(m["frozen_param_fragments"][name]).reshape(-1) for m in rank_models]
-                frozen[name] = np.concatenate(pieces)[:_numel(shape)].reshape(tuple(shape))
+    if not frozen_shapes:
+        return {}
+    if stage <= 2:
+        fragments = model.get("frozen_param_fragments") or {}
+        return {n: np.asarray(fragments[n]) for n in frozen_shapes if n in fragments}
+    rank_models = [model] + [_load_model_states(f) for f in model_files[1:]]
+    frozen = {}
+    for name, shape in frozen_shapes.items():
+        pieces = [np.asarray(m["frozen_param_fragments"][name]).reshape(-1) for m in rank_models]
+        frozen[name] = np.concatenate(pieces)[:_numel(shape)].reshape(tuple(shape))
+    return frozen
 
-    return DeepSpeedCheckpoint(
-        path=tag_dir, tag=tag, zero_stage=stage, dp_world_size=dp, params=params,
-        exp_avg=moments.get("exp_avg"), exp_avg_sq=moments.get("exp_avg_sq"), step=step, lr=lr,
-        param_groups=hyper, group_names=group_names,
-        global_steps=int(model.get("global_steps") or 0), global_samples=int(model.get("global_samples") or 0),
-        skipped_steps=int(model.get("skipped_steps") or 0), lr_scheduler=model.get("lr_scheduler"),
-        loss_scale=_loss_scale(opt0.get("loss_scaler")), ds_config=ds_config, ds_version=model.get("ds_version"),
-        client_state={k: v for k, v in model.items() if k not in _DEEPSPEED_KEYS}, module=module, buffers=buffers,
-        frozen_params=frozen, shared_params=dict(model.get("shared_params") or {}))
+
+# --------------------------------------------------------------------------- tensor-parallel ranks
+
+def _join_tensor_parallel(parts: list[DeepSpeedCheckpoint], tag_dir: str) -> DeepSpeedCheckpoint:
+    """One checkpoint from the model-parallel ranks' own: each parameter joined from its slices when
+    it is read, by the rule the run recorded in `universal_checkpoint_info` (what DeepSpeed's
+    ds_to_universal.py `merge_tp_slices` follows)."""
+    first = parts[0]
+    info = first.universal_info
+    where = os.path.join(tag_dir, "mp_rank_*_model_states.pt")
+    if not isinstance(info, dict):
+        raise DeepSpeedCheckpointError(
+            f"{where}: the checkpoint was written by {len(parts)} tensor-parallel ranks but records no "
+            "universal_checkpoint_info, which says how each parameter's slices join (row- or column-parallel, "
+            "replicated, vocabulary-padded); DeepSpeed's AutoTP and Megatron-DeepSpeed write it. Without it no "
+            "reader can join them: save from a run that records it, or merge the slices with the model's own code.")
+    for mp, part in enumerate(parts[1:], 1):
+        if list(part.params) != list(first.params) or (part.step, part.global_steps) != (first.step, first.global_steps):
+            raise DeepSpeedCheckpointError(f"{tag_dir}: model-parallel rank {mp} holds other parameters or counters "
+                                           "than rank 0: the folder mixes checkpoints")
+    joins = {n: _tp_join(n, [shape_of(p.params, n) for p in parts], info, where) for n in first.params}
+
+    def joined(tables: list[Mapping[str, np.ndarray]] | None) -> Tensors | None:
+        if tables is None or any(t is None for t in tables):
+            return None
+        return Tensors({n: j[0] for n, j in joins.items()}, lambda n: joins[n][1]([t[n] for t in tables]))
+
+    frozen = {}
+    if first.frozen_params:
+        frozen_joins = {n: _tp_join(n, [np.shape(p.frozen_params[n]) for p in parts], info, where)
+                        for n in first.frozen_params}
+        frozen = {n: j[1]([p.frozen_params[n] for p in parts]) for n, j in frozen_joins.items()}
+    return dataclasses.replace(
+        first, params=joined([p.params for p in parts]), exp_avg=joined([p.exp_avg for p in parts]),
+        exp_avg_sq=joined([p.exp_avg_sq for p in parts]), frozen_params=frozen, tp_degree=len(parts))
+
+
+def _matching(patterns: Any, name: str) -> Any:
+    if isinstance(patterns, dict):
+        return next((v for p, v in patterns.items() if isinstance(p, str) and re.match(p, name)), None)
+    return next((p for p in patterns or [] if isinstance(p, str) and re.match(p, name)), None)
+
+
+def _tp_join(name: str, shapes: list[tuple[int, ...]], info: dict,
+             where: str) -> tuple[tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
+    """(full shape, join) for one parameter from its per-rank slice shapes."""
+    affine = _matching((info.get("affine_map") or {}).get("params") or {}, name)
+    if affine is not None:
+        return _affine_join(name, shapes, affine, where)
+    if _matching(info.get("tp_replicated_parameter_patterns"), name):
+        return shapes[0], lambda slices: np.asarray(slices[0], np.float32)
+    for key in ("parameter_to_average_patterns", "parameter_with_2_sub_params_cat_dim_0"):
+        if _matching(info.get(key), name):
+            raise DeepSpeedCheckpointError(f"{where}: parameter {name} is listed under {key}, a join this reader "
+                                           "does not make; convert the checkpoint with DeepSpeed's ds_to_universal.py "
+                                           "and pass the universal folder")
+    if any(_matching(s.get("patterns"), name) for s in info.get("parameter_with_sub_params") or []
+           if isinstance(s, dict)):
+        raise DeepSpeedCheckpointError(f"{where}: parameter {name} is a fused parameter (parameter_with_sub_params) "
+                                       "recorded without an affine_map; convert the checkpoint with DeepSpeed's "
+                                       "ds_to_universal.py and pass the universal folder")
+    axis = 1 if _matching(info.get("parameter_with_row_parallelism_patterns"), name) else 0
+    if any(len(s) <= axis or s[:axis] + s[axis + 1:] != shapes[0][:axis] + shapes[0][axis + 1:] for s in shapes):
+        raise DeepSpeedCheckpointError(f"{where}: the slices of {name} ({[list(s) for s in shapes]}) do not join "
+                                       f"along dimension {axis}")
+    full = list(shapes[0])
+    full[axis] = sum(s[axis] for s in shapes)
+    rows = None
+    if _matching(info.get("vocabulary_parameter_patterns"), name):  # padded vocabulary rows are dropped
+        rows = int(info.get("original_vocab_size", full[0]))
+        full[0] = min(full[0], rows)
+    return tuple(full), lambda slices: np.concatenate(slices, axis=axis)[:rows].astype(np.float32, copy=False)
+
+
+def _affine_join(name: str, shapes: list[tuple[int, ...]], spec: Any,
+                 where: str) -> tuple[tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
+    """DeepSpeed's `affine_map` entry: per rank, pieces copied from the rank's slice (`dest`: offset
+    and strides there) to the full tensor (`source`: offset and strides there). Every index is checked
+    in bounds before anything is copied; every element of the full tensor must be written."""
+    bad = f"{where}: the affine_map entry of {name} "
+    try:
+        logical = tuple(int(d) for d in spec["logical_shape"])
+        ranks = {int(k): v for k, v in spec["ranks"].items()}
+        plan = []
+        for r, shape in enumerate(shapes):
+            if r not in ranks or tuple(int(d) for d in ranks[r]["shard_shape"]) != tuple(shape):
+                raise DeepSpeedCheckpointError(bad + f"does not describe rank {r}'s slice {list(shape)}")
+            for piece in ranks[r]["pieces"]:
+                dims = tuple(int(d) for d in piece["shape"])
+                (src, src_strides), (dst, dst_strides) = piece["source"], piece["dest"]
+                plan.append((r, dims, _extent(int(src), src_strides, dims, _numel(logical), bad),
+                             _extent(int(dst), dst_strides, dims, _numel(shape), bad)))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise DeepSpeedCheckpointError(bad + f"is malformed ({type(e).__name__}: {e})") from None
+
+    def join(slices: list[np.ndarray]) -> np.ndarray:
+        out = np.empty(_numel(logical), np.float32)
+        covered = np.zeros(_numel(logical), bool)
+        for r, dims, (src, src_strides), (dst, dst_strides) in plan:
+            flat = np.ascontiguousarray(slices[r], np.float32).reshape(-1)
+            piece = np.lib.stride_tricks.as_strided(flat[dst:], dims, [s * 4 for s in dst_strides], writeable=False)
+            np.lib.stride_tricks.as_strided(out[src:], dims, [s * 4 for s in src_strides])[...] = piece
+            np.lib.stride_tricks.as_strided(covered[src:], dims, list(src_strides))[...] = True
+        if not covered.all():
+            raise DeepSpeedCheckpointError(bad + f"leaves {int((~covered).sum())} elements of the full tensor unwritten")
+        return out.reshape(logical)
+    return logical, join
+
+
+def _extent(offset: int, strides: Any, dims: tuple[int, ...], size: int, bad: str) -> tuple[int, list[int]]:
+    strides = [int(s) for s in strides]
+    if len(strides) != len(dims) or offset < 0 or any(s < 0 for s in strides) or any(d < 0 for d in dims):
+        raise DeepSpeedCheckpointError(bad + "has a piece with negative or mismatched offsets or strides")
+    if _numel(dims) and offset + sum((d - 1) * s for d, s in zip(dims, strides)) >= size:
+        raise DeepSpeedCheckpointError(bad + f"reaches past its tensor's {size} elements")
+    return offset, strides
+
+
+# --------------------------------------------------------------------------- universal folders
+
+def _read_universal(tag: str, tag_dir: str) -> DeepSpeedCheckpoint:
+    """What DeepSpeed's ds_to_universal.py writes: `zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt`
+    (each the whole parameter, its tensor-parallel and ZeRO slices already joined; stages 1-2 as
+    {"param": tensor, "cat_dim": ...}, stage 3 as the bare tensor), `zero/optimizer_state.pt` (param
+    groups, loss scaler, stage) and the run's `mp_rank_*_model_states.pt` (names, counters)."""
+    zero = os.path.join(tag_dir, "zero")
+    model_file = _model_states_file(tag_dir, 0)
+    model, shapes = _load_model(model_file)
+    names = [n for g in shapes for n in g]
+    for n in names:
+        if not n or n in (".", "..") or "/" in n or "\\" in n or "\0" in n:
+            raise DeepSpeedCheckpointError(f"{model_file}: parameter name {n!r} is not a folder name under {zero}")
+    opt_file = os.path.join(zero, "optimizer_state.pt")
+    opt = _load(opt_file)
+    if not isinstance(opt, dict):
+        raise DeepSpeedCheckpointError(f"{opt_file} is not the optimizer state ds_to_universal.py writes")
+    stage = int(opt.get("zero_stage", 1))
+
+    def tensor(name: str, state: str) -> np.ndarray:
+        path = os.path.join(zero, name, f"{state}.pt")
+        if not os.path.isfile(path):
+            raise DeepSpeedCheckpointError(
+                f"{path} is missing: ds_to_universal.py writes fp32.pt (and exp_avg.pt, exp_avg_sq.pt) for every "
+                f"parameter of {os.path.basename(model_file)}'s param_shapes; convert again, or copy it")
+        entry = _load(path)
+        value = entry.get("param") if isinstance(entry, dict) else entry
+        if not isinstance(value, np.ndarray):
+            raise DeepSpeedCheckpointError(f"{path} holds no tensor (expected a tensor or {{'param': tensor, ...}})")
+        _within([value], path, "tensor")
+        return value
+
+    recorded = {n: tuple(int(d) for d in sh) for g in shapes for n, sh in g.items()}
+
+    def shape(name: str, value: np.ndarray) -> tuple[int, ...]:
+        # stage 3's merge_zero3_slices saves the parameter flat: its shape is the recorded one
+        flat = value.ndim == 1 and value.size == _numel(recorded[name]) and value.shape != recorded[name]
+        return recorded[name] if flat else value.shape
+
+    def table(state: str) -> Tensors:
+        def produce(n: str) -> np.ndarray:
+            value = tensor(n, state)
+            return np.array(value, dtype=np.float32).reshape(shape(n, value))
+        return Tensors({n: shape(n, tensor(n, state)) for n in names}, produce)
+
+    have = {s: [os.path.isfile(os.path.join(zero, n, f"{s}.pt")) for n in names] for s in ("exp_avg", "exp_avg_sq")}
+    moments = {s: table(s) if all(h) else None for s, h in have.items()}
+    for s, h in have.items():
+        if any(h) and not all(h):
+            raise DeepSpeedCheckpointError(f"{zero}: {s}.pt is there for some parameters and missing for "
+                                           f"{[n for n, x in zip(names, h) if not x][:4]}: convert again")
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.get("param_groups") or [] if isinstance(g, dict)]
+    step_file = os.path.join(zero, names[0], "step.pt") if names else ""
+    step = _as_int(_load(step_file)) if step_file and os.path.isfile(step_file) else None
+    if step is None and isinstance(opt.get("optimizer_state_dict"), dict):  # stage 3: no step.pt
+        step = _step_and_lr((_base_state(opt, 3)[0], hyper, None))[0]
+    if step is None and hyper and "step" in hyper[0]:
+        step = _as_int(hyper[0]["step"])
+    lr = float(hyper[0]["lr"]) if hyper and "lr" in hyper[0] else None
+    dp = int(model.get("dp_world_size") or 1)
+    model_files = [model_file] if stage <= 2 else [
+        os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(dp)]
+    frozen = _frozen_params(model, stage, model_files) if all(map(os.path.isfile, model_files)) else {}
+    ckpt = _assemble(tag, tag_dir, model, shapes, stage, dp, table("fp32"), moments, step, lr, hyper,
+                     opt.get("loss_scaler"), frozen)
+    return dataclasses.replace(ckpt, layout="universal")
 
 
 # --------------------------------------------------------------------------- writing

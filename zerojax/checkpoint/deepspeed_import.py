@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.checkpoint.deepspeed_format import DeepSpeedCheckpoint, DeepSpeedCheckpointError, read_checkpoint
+from zerojax.checkpoint.deepspeed_format import (DeepSpeedCheckpoint, DeepSpeedCheckpointError, read_checkpoint,
+                                                 shape_of)
 from zerojax.checkpoint.format import CheckpointError, PathLike, leaf_names
 from zerojax.core.layout import Plan
 from zerojax.core.offload import to_device
@@ -73,10 +74,11 @@ def is_deepspeed_checkpoint(path: PathLike) -> bool:
 
     if has_states(root):
         return True
-    latest = root / "latest"
-    if latest.is_file():
-        tag = latest.read_text(errors="replace").strip()
-        return bool(tag) and "/" not in tag and has_states(root / tag)
+    for pointer in ("latest", "latest_universal"):  # the latter: ds_to_universal.py's output folder
+        latest = root / pointer
+        if latest.is_file():
+            tag = latest.read_text(errors="replace").strip()
+            return bool(tag) and "/" not in tag and has_states(root / tag)
     return False
 
 
@@ -165,7 +167,7 @@ def check_sources(ckpt: DeepSpeedCheckpoint, plan: Plan, sources: Mapping[str, A
                     f"{where}: model leaf {leaf} needs DeepSpeed parameter {name}, which is not in the checkpoint's "
                     f"param_shapes ({len(ckpt.params)} parameters{', e.g. ' + ', '.join(close) if close else ''}); "
                     f"{fix}")
-            got = tuple(ckpt.params[name].shape)
+            got = shape_of(ckpt.params, name)
             ok = got == want or (source.prefix_rows and len(got) == len(want) >= 1 and got[1:] == want[1:]
                                  and got[0] >= want[0])
             if not ok:
@@ -185,7 +187,8 @@ def check_sources(ckpt: DeepSpeedCheckpoint, plan: Plan, sources: Mapping[str, A
 
 def _block(arrays: Mapping[str, np.ndarray], source: Any, shape: tuple[int, ...], index: tuple[slice, ...],
            dtype: Any) -> np.ndarray:
-    """The block `index` of a leaf of `shape`, cut from the checkpoint tensors (one per layer)."""
+    """The block `index` of a leaf of `shape`, cut from the checkpoint tensors (one per layer); always
+    a copy, so a device buffer never keeps a checkpoint tensor (or its file mapping) alive."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
 
@@ -197,18 +200,22 @@ def _block(arrays: Mapping[str, np.ndarray], source: Any, shape: tuple[int, ...]
         out = np.stack([one(source.name.format(i=i), index[1:]) for i in range(shape[0])[index[0]]])
     else:
         out = one(source.name, index)
-    return np.ascontiguousarray(out, dtype=dtype)
+    return np.array(out, dtype=dtype, order="C", copy=True)
 
 
 def _place(arrays: Mapping[str, np.ndarray], plan: Plan, sources: Mapping[str, Any]) -> Any:
-    """The parameter tree (fp32), each leaf made on its devices from only their blocks."""
+    """The parameter tree (fp32), each leaf made on its devices from only their blocks. A leaf's
+    checkpoint tensors are assembled once, placed, and let go before the next leaf's: host memory
+    holds one leaf's tensors at a time, not the model (`deepspeed_format.Tensors` assembles on access)."""
     names = leaf_names(plan.abstract_params)
     shardings = jax.tree.leaves(plan.update_shardings)
     leaves = []
     for name, x, sharding in zip(names, jax.tree.leaves(plan.abstract_params), shardings):
-        shape = tuple(x.shape)
+        shape, source = tuple(x.shape), sources[name]
+        held = {n: arrays[n] for _, n in _layers(source, shape)}
         leaves.append(jax.make_array_from_callback(
-            shape, sharding, lambda idx, s=sources[name], shape=shape: _block(arrays, s, shape, idx, np.float32)))
+            shape, sharding, lambda idx, s=source, shape=shape, held=held: _block(held, s, shape, idx, np.float32)))
+        del held
     return jax.tree.unflatten(jax.tree.structure(plan.abstract_params), leaves)
 
 

@@ -30,6 +30,11 @@ META_FILE = "meta.json"
 LATEST_FILE = "latest"
 
 
+BEST_FILE = ".best"               # the tag of the lowest validation loss (train.py's run.save_best); hidden,
+                                  # so no tag name is taken from users (DeepSpeed's examples save tag="best")
+BEST = "best"                     # what --tag names it by, when no tag of that name exists
+
+
 PIPELINE_ROWS = "pipeline_rows"   # extra key: where a pipelined run's logical parameters sit in its rows
 
 
@@ -196,6 +201,18 @@ def latest_tag(directory: PathLike) -> str | None:
             return tag
     finite = [tag for tag, meta in scan_tags(root) if meta.get("finite", True)]
     return finite[-1] if finite else None
+
+
+def best_tag(directory: PathLike) -> str | None:
+    """The tag the `.best` pointer names (the run's lowest validation loss) if it is a plain name beside
+    it and complete, else None."""
+    pointer = absolute(directory) / BEST_FILE
+    if not pointer.is_file():
+        return None
+    tag = pointer.read_text(errors="replace").strip()
+    if tag and tag == Path(tag).name and tag not in (".", "..") and is_complete(absolute(directory) / tag):
+        return tag
+    return None
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-from zerojax.checkpoint.format import CheckpointError, META_FILE, check_tag, is_complete, latest_tag, list_tags
+from zerojax.checkpoint.format import BEST, CheckpointError, META_FILE, best_tag, check_tag, is_complete, latest_tag, list_tags
 
 
 class PendingSave:
@@ -138,6 +138,11 @@ def resolve_tag(root: Path, tag: str | None) -> Path:
         tag = latest_tag(root)
         if tag is None:
             raise FileNotFoundError(f"no complete checkpoint in {root} (no tag folder with {META_FILE})")
+    elif tag == BEST and not is_complete(root / BEST):  # the pointer (a user's own tag "best" wins)
+        tag = best_tag(root)
+        if tag is None:
+            raise FileNotFoundError(f"no best checkpoint in {root}: its .best pointer is written by a run that validates "
+                                    f"(run.eval_every with run.save_best); complete tags: {list_tags(root) or 'none'}")
     tag_dir = root / check_tag(tag)
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"checkpoint {tag_dir} does not exist; complete tags in {root}: "

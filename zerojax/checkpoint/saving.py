@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint.format import CheckpointError, FORMAT, LATEST_FILE, META_FILE, PathLike, SAVING_FILE, STATE_DIR, VERSION, absolute, check_tag, closing, default_tag, describe_leaf, flatten_state, is_complete, latest_tag, leaf_names, meta_crc, named_leaves, is_primary_process, scan_tags, write_atomic
+from zerojax.checkpoint.format import BEST_FILE, CheckpointError, FORMAT, LATEST_FILE, best_tag, META_FILE, PathLike, SAVING_FILE, STATE_DIR, VERSION, absolute, check_tag, closing, default_tag, describe_leaf, flatten_state, is_complete, latest_tag, leaf_names, meta_crc, named_leaves, is_primary_process, scan_tags, write_atomic
 from zerojax.checkpoint.integrity import file_checksums, nonfinite_params
 from zerojax.checkpoint.pending import PendingSave, run_of, track, wait_pending
 from zerojax.errors import ConfigError
@@ -142,8 +142,9 @@ def _save_meta(state: TrainState, plan: Plan, tag: str, arrays: Mapping[str, Any
 
 
 def _commit(root: Path, tag: str, meta: dict[str, Any], max_to_keep: int | None,
-            keep_every_n_steps: int | None) -> None:
-    """After orbax has committed the arrays: checksums, meta.json, `latest` (finite tags only), retention."""
+            keep_every_n_steps: int | None, best: bool = False) -> None:
+    """After orbax has committed the arrays: checksums, meta.json, `latest` (and `best`, when asked;
+    finite tags only), retention."""
     if is_primary_process():
         tag_dir = root / tag
         meta = {**meta, "files": file_checksums(tag_dir)}
@@ -152,6 +153,8 @@ def _commit(root: Path, tag: str, meta: dict[str, Any], max_to_keep: int | None,
         (tag_dir / SAVING_FILE).unlink(missing_ok=True)  # complete: no longer an in-progress save
         if meta["finite"]:
             write_atomic(root / LATEST_FILE, tag + "\n")
+            if best:
+                write_atomic(root / BEST_FILE, tag + "\n")
         prune(root, max_to_keep, keep_every_n_steps, run_id=meta["run_id"])
     # No process returns before process 0 has written meta.json and `latest`: a load right after
     # (tag None) resolves the same tag on every process. This may run in a save's background
@@ -167,7 +170,7 @@ def _commit(root: Path, tag: str, meta: dict[str, Any], max_to_keep: int | None,
 def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
          extra: Mapping[str, Any] | None = None, async_save: bool = True,
          max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
-         exclude_frozen: bool = False) -> PendingSave:
+         exclude_frozen: bool = False, best: bool = False) -> PendingSave:
     """Write `state` to `directory/<tag>/` (tag None: `global_step<step>`); every process writes
     only its own shards, nothing is gathered.
 
@@ -182,6 +185,8 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
     `exclude_frozen` (DeepSpeed's `exclude_frozen_parameters`): the frozen leaves are not written, only
     what is trained (and the optimizer's state): a LoRA-style run's tag is then its adapters' size. Such
     a tag is loaded with the frozen weights given (`load(..., frozen=params)`; the engine passes its own).
+    `best`: once complete (and finite), the tag is also the one the folder's `.best` pointer names (the
+    lowest validation loss so far), which retention never deletes.
     """
     root = absolute(directory)
     tag = check_tag(default_tag(int(state.step)) if tag is None else tag)
@@ -213,7 +218,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
     if not async_save:
         with closing(ocp.Checkpointer(handler)) as ckptr:
             ckptr.save(tag_dir / STATE_DIR, args=ocp.args.PyTreeSave(arrays))
-        _commit(root, tag, meta, max_to_keep, keep_every_n_steps)
+        _commit(root, tag, meta, max_to_keep, keep_every_n_steps, best)
         return PendingSave(root, tag, nonfinite=nonfinite)
 
     ckptr = ocp.AsyncCheckpointer(handler)
@@ -224,7 +229,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
             ckptr.wait_until_finished()
         finally:
             ckptr.close()
-        _commit(root, tag, meta, max_to_keep, keep_every_n_steps)
+        _commit(root, tag, meta, max_to_keep, keep_every_n_steps, best)
 
     pending = PendingSave(root, tag, commit_then_finalize, nonfinite=nonfinite)
     track(root, pending)
@@ -234,7 +239,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
 def prune(directory: PathLike, max_to_keep: int | None = None,
           keep_every_n_steps: int | None = None, *, run_id: str | None = None) -> list[str]:
     """Delete old complete tags: keep the newest `max_to_keep`, every multiple of
-    `keep_every_n_steps`, and always the tag `latest` resolves to. Returns the deleted tags.
+    `keep_every_n_steps`, and always the tags `latest` and `.best` name. Returns the deleted tags.
 
     Only zerojax checkpoints are candidates (a folder with a meta.json of this format), and with
     `run_id` (as after each save) only the tags that run wrote: another run's tags, and tags from
@@ -246,7 +251,7 @@ def prune(directory: PathLike, max_to_keep: int | None = None,
     root = absolute(directory)
     tags = [(tag, meta) for tag, meta in scan_tags(root)
             if meta.get("format") == FORMAT and (run_id is None or meta.get("run_id") == run_id)]
-    keep = {tag for tag, _ in tags[-max_to_keep:]} | {latest_tag(root)}
+    keep = {tag for tag, _ in tags[-max_to_keep:]} | {latest_tag(root), best_tag(root)}
     deleted = []
     for tag, meta in tags:
         if tag in keep or (keep_every_n_steps and int(meta["step"]) % keep_every_n_steps == 0):

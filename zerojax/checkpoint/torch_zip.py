@@ -413,6 +413,12 @@ class _Archive:
         file_dtype = dtype.newbyteorder(">") if self.big_endian and dtype.itemsize > 1 else dtype
         if self.mmap and info.compress_type == zipfile.ZIP_STORED and nbytes:
             array = np.memmap(self.file, dtype=file_dtype, mode="c", offset=self._data_offset(info), shape=(numel,))
+            raw, crc = array.view(np.uint8), 0
+            for lo in range(0, nbytes, 16 << 20):  # the CRC over the mapped pages: they are read, not kept
+                crc = zlib.crc32(raw[lo:lo + (16 << 20)], crc)
+            if crc != info.CRC:
+                raise TorchFileError(f"{self.path} is corrupt or not a torch checkpoint (storage {full!r} fails "
+                                     "its CRC check)")
         else:
             buffer = bytearray(nbytes)
             with self.zip.open(info) as f:
@@ -664,8 +670,9 @@ def load(path: str | os.PathLike, *, mmap: bool = False, opaque: bool = False) -
     and the global, before anything of it is imported or called. `opaque=True` instead keeps such
     objects as inert `PickledObject` records of their arguments and state (for files whose extra
     state holds other objects, e.g. Megatron's numpy RNG state); nothing is imported or run either
-    way. `mmap=True` maps uncompressed storages copy-on-write instead of reading them (large
-    shards; no CRC check then).
+    way. `mmap=True` maps uncompressed storages copy-on-write instead of reading them into
+    memory (large shards: the pages are the file's, so host memory is not spent on them); their CRC
+    is checked over the mapping as the read path checks it.
     """
     path = os.fspath(path)
     try:

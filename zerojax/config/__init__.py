@@ -17,7 +17,7 @@ from zerojax.config.schema.monitoring import (COLLECTIVE_KINDS, OP_NAMES, CommsL
     MonitorConfig, WandbConfig)
 from zerojax.config.schema.parallel import (AxisRules, DistributedConfig, HybridEngineConfig, LayerSpec, MeshConfig,
     PARTITION_TYPES, PartitionConfig, PipelineConfig, RULE_AXES, TPConfig, TensorParallelConfig)
-from zerojax.config.schema.run import CheckpointConfig, DataConfig, ModelConfig, RunConfig
+from zerojax.config.schema.run import CheckpointConfig, DataConfig, LoraConfig, ModelConfig, RunConfig
 from zerojax.config.batch import BatchSize, resolve_batch
 from zerojax.config.files import read_config_file
 from zerojax.config.foreign import FOREIGN_KEYS, Foreign

@@ -64,8 +64,6 @@ FOREIGN_KEYS: dict[str, Foreign] = {
     "curriculum_learning": Foreign("legacy curriculum learning", "none while disabled",
                                    "order or filter the batches you pass to train_batch",
                                    _refuse_if_enabled("enabled: it changes which tokens each step trains on"), refused_when="enabled"),
-    "aio": Foreign("async I/O for NVMe offload", "none: NVMe offload is refused anyway",
-                   "zero_optimization.offload_*.device: cpu"),
     "seq_parallel_communication_data_type": Foreign("the dtype of sequence-parallel collectives",
                                                     "none: the all-to-alls move the compute dtype", "nothing to do"),
     "disable_allgather": Foreign("broadcasts instead of all-gathers in ZeRO-1/2", _NO_EFFECT,
@@ -174,8 +172,6 @@ FOREIGN_KEYS: dict[str, Foreign] = {
                                          "none while absent", "nothing to do",
                                          lambda v: "it applies updates late, which changes the result"
                                          if v else None, refused_when="given"),
-    "zero_optimization.offload_optimizer.pipeline_read": Foreign("NVMe read pipelining", "none", "nothing to do"),
-    "zero_optimization.offload_optimizer.pipeline_write": Foreign("NVMe write pipelining", "none", "nothing to do"),
     "zero_optimization.offload_optimizer.pipeline": Foreign("NVMe pipelining", "none", "nothing to do"),
     "zero_optimization.offload_optimizer.super_offload": Foreign("SuperOffload's CPU optimizer pipeline",
                                                                  _NO_EFFECT, "compute: host"),

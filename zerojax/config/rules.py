@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from zerojax.config.hf import TRAINING_KEYS, model_keys
+from zerojax.config.hf import TRAINING_KEYS, adapter_keys, model_keys
 from zerojax.config.schema.monitoring import OP_NAMES
 from zerojax.errors import ConfigError
 from zerojax.config.fields import warn, warn_ignored
@@ -83,7 +83,7 @@ def derive(config: Config, sources: dict[str, str]) -> Config:
         zero = dataclasses.replace(zero, offload_param=OffloadParamConfig())
     config = dataclasses.replace(config, zero_optimization=zero)
 
-    config = _derive_model(_derive_sequence(_derive_tensor(config, sources), sources), sources)
+    config = _derive_lora(_derive_model(_derive_sequence(_derive_tensor(config, sources), sources), sources), sources)
     if config.run.log_every is None:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run,
                                                                      log_every=config.steps_per_print))
@@ -132,10 +132,17 @@ def _derive_sequence(config: Config, sources: dict[str, str]) -> Config:
 
 
 def _derive_model(config: Config, sources: dict[str, str]) -> Config:
-    """Model keys not given: from `model.hf_checkpoint`'s config.json, then each family's defaults."""
+    """Model keys not given: from `model.hf_checkpoint`'s config.json (or `model.hf_config`'s, fresh
+    weights), then each family's defaults."""
     m = config.model
-    if m.hf_checkpoint is not None:
-        found, where = model_keys(m.hf_checkpoint, m.seq_len if "model.seq_len" in sources else None)
+    if m.hf_checkpoint is not None and m.hf_config is not None:
+        raise ConfigError(f"model.hf_config: {m.hf_config} given with model.hf_checkpoint {m.hf_checkpoint}, whose "
+                          f"config.json already describes the model; keep model.hf_checkpoint to start from its "
+                          f"weights, or model.hf_config alone for fresh ones")
+    given = "model.hf_checkpoint" if m.hf_checkpoint is not None else "model.hf_config"
+    if m.hf_checkpoint is not None or m.hf_config is not None:
+        found, where = model_keys(m.hf_checkpoint or m.hf_config, m.seq_len if "model.seq_len" in sources else None,
+                                  given)
         changes = {}
         for key, value in found.items():
             path = f"model.{key}"
@@ -144,14 +151,14 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
             if key in TRAINING_KEYS and path in sources:
                 continue  # a training choice (the aux loss's weight): the config's own value wins
             if path in sources and getattr(m, key) != value:
-                raise ConfigError(f"{path}: {getattr(m, key)} given, but the checkpoint model.hf_checkpoint "
+                raise ConfigError(f"{path}: {getattr(m, key)} given, but the checkpoint {given} "
                                   f"names has {value} ({where}); remove {path} from the config to take the "
                                   f"checkpoint's value, or choose a checkpoint of that size")
             if path not in sources:
                 changes[key] = value
-                sources[path] = f"derived (model.hf_checkpoint {where})"
+                sources[path] = f"derived ({given} {where})"
         if m.n_experts and "n_experts" not in found:
-            raise ConfigError(f"model.n_experts: {m.n_experts} given, but model.hf_checkpoint's {where} describes a "
+            raise ConfigError(f"model.n_experts: {m.n_experts} given, but {given}'s {where} describes a "
                               f"dense model (no num_local_experts); remove model.n_experts, or name a Mixtral "
                               f"checkpoint")
         m = dataclasses.replace(m, **changes)
@@ -171,6 +178,47 @@ def _derive_model(config: Config, sources: dict[str, str]) -> Config:
     return dataclasses.replace(config, model=m)
 
 
+def _derive_lora(config: Config, sources: dict[str, str]) -> Config:
+    """The `lora` section: keys not given from `lora.adapter`'s adapter_config.json (which also enables
+    it), refusals that need no model, and the resolved section handed to the model config."""
+    lora = config.lora
+    if lora.adapter is not None:
+        if config.model.hf_checkpoint is None:
+            raise ConfigError("lora.adapter: a PEFT adapter goes onto its base model; name the base with "
+                              "model.hf_checkpoint (the Hugging Face folder the adapter was trained on)")
+        found, where = adapter_keys(lora.adapter)
+        changes = {}
+        for key, value in found.items():
+            path = f"lora.{key}"
+            if _given(sources, path) and getattr(lora, key) != value:
+                raise ConfigError(f"{path}: {getattr(lora, key)} given, but lora.adapter's {where} has {value}; "
+                                  f"remove {path} to take the adapter's value")
+            changes[key] = value
+            sources.setdefault(path, f"derived (lora.adapter {where})")
+        if not lora.enabled:
+            changes["enabled"] = True
+            sources["lora.enabled"] = "derived (lora.adapter)"
+        lora = dataclasses.replace(lora, **changes)
+    if not lora.enabled:
+        defaults = type(lora)()
+        changed = [f.name for f in dataclasses.fields(lora) if f.name != "enabled"
+                   and getattr(lora, f.name) != getattr(defaults, f.name) and _given(sources, f"lora.{f.name}")]
+        if changed:  # a lora section without enabled would otherwise train the whole model, silently
+            raise ConfigError(f"lora.{changed[0]}: given while lora.enabled is false, so no adapter would be added "
+                              f"and every parameter trained; set lora.enabled: true, or remove the lora keys")
+        return dataclasses.replace(config, lora=lora)
+    if lora.lora_dropout:
+        raise ConfigError(f"lora.lora_dropout: {lora.lora_dropout} is not built (the shipped models' losses take "
+                          f"no random key to draw a dropout mask from); set lora.lora_dropout: 0")
+    if config.mesh.stage > 1:
+        raise ConfigError(f"lora.enabled: a pipeline (mesh.stage: {config.mesh.stage}) keeps its parameters as flat "
+                          f"stage rows and freezes none; set mesh.stage: 1 (ZeRO-3 shards the frozen base instead)")
+    if not lora.target_modules:
+        raise ConfigError("lora.target_modules: empty, so no projection gets an adapter; name some (e.g. "
+                          "[q_proj, v_proj]) or set lora.enabled: false")
+    return dataclasses.replace(config, lora=lora, model=dataclasses.replace(config.model, lora=lora))
+
+
 def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
     """`run.non_finite: skip_step` (the default) is bf16's skip-on-overflow, for bf16 and fp32 alike. A
     config that turns DeepSpeed's `bf16.check_grad_overflow` off itself asks for DeepSpeed's behaviour
@@ -188,23 +236,36 @@ def _derive_non_finite(config: Config, sources: dict[str, str]) -> Config:
     return dataclasses.replace(config, bf16=dataclasses.replace(config.bf16, check_grad_overflow=True))
 
 
+#: data.source implied by a data.path's suffix (a folder datasets wrote: datasets; anything else: file)
+_SOURCE_BY_SUFFIX = {".jsonl": "jsonl", ".bin": "tokens", ".npy": "tokens", ".parquet": "parquet", ".pq": "parquet",
+                     ".arrow": "arrow", ".feather": "arrow"}
+
+
 def _derive_data_source(config: Config, sources: dict[str, str]) -> Config:
-    """A `data.path` means "train on this file": it implies `data.source` (jsonl for *.jsonl, tokens for
-    *.bin and *.npy, else file) unless the source is written; a written `stdlib` next to a path would silently
-    ignore the file, so that is an error."""
+    """A `data.path` means "train on this file": it implies `data.source` (by its suffix, or a folder
+    `datasets` wrote) unless the source is written; a written `stdlib` next to a path would silently
+    ignore the file, so that is an error. Text that needs tokenizing takes `model.hf_checkpoint`'s own
+    tokenizer.json when `data.tokenizer` is not given."""
     data = config.data
     if data.path is None:
         return config
     if "data.source" not in sources:
-        suffix = Path(data.path).suffix.lower()
-        source = {".jsonl": "jsonl", ".bin": "tokens", ".npy": "tokens"}.get(suffix, "file")
-        sources["data.source"] = f"derived (data.path is given{f', {suffix}' if source != 'file' else ''})"
-        return dataclasses.replace(config, data=dataclasses.replace(data, source=source))
+        path = Path(data.path)
+        folder = path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+        source = "datasets" if folder else _SOURCE_BY_SUFFIX.get(path.suffix.lower(), "file")
+        why = "a datasets folder" if folder else path.suffix.lower()
+        sources["data.source"] = f"derived (data.path is given{f', {why}' if source != 'file' else ''})"
+        data = dataclasses.replace(data, source=source)
     if data.source == "stdlib":
         raise ConfigError(f"data.path: {data.path} is given but data.source is '{data.source}', which "
-                          f"ignores it; set data.source: file (or jsonl, tokens) to train on the file, or "
-                          f"remove data.path")
-    return config
+                          f"ignores it; set data.source: file (or jsonl, tokens, parquet, arrow, datasets) to train "
+                          f"on the file, or remove data.path")
+    hf = config.model.hf_checkpoint
+    needs_tokenizer = data.source in ("jsonl", "parquet", "arrow", "datasets") and data.tokens_key is None
+    if data.tokenizer is None and needs_tokenizer and hf and (Path(hf) / "tokenizer.json").is_file():
+        data = dataclasses.replace(data, tokenizer=str(Path(hf) / "tokenizer.json"))
+        sources["data.tokenizer"] = "derived (model.hf_checkpoint's tokenizer.json)"
+    return dataclasses.replace(config, data=data)
 
 
 def check_rules(config: Config, sources: Mapping[str, str] | None = None) -> None:
@@ -215,6 +276,7 @@ def check_rules(config: Config, sources: Mapping[str, str] | None = None) -> Non
     if config.optimizer is not None:
         _check_optimizer(config)
     _check_sections(config)
+    _check_data(config, sources or {})
     _check_engine_modes(config)
 
 
@@ -313,9 +375,14 @@ def _check_sections(config: Config) -> None:
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
                           "(stage is 0); set zero_optimization.stage or remove offload_optimizer")
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(zero, key).device == "nvme":
-            raise ConfigError(_NVME_REFUSED.format(key=key))
+    if zero.offload_param.device == "nvme":
+        raise ConfigError(_NVME_REFUSED)
+    if zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path:
+        raise ConfigError("zero_optimization.offload_optimizer.nvme_path: device nvme keeps the optimizer state "
+                          "in files; give a folder on a local disk (e.g. nvme_path: /local_nvme)")
+    if config.aio.use_gds:
+        raise ConfigError("aio.use_gds: GPUDirect Storage is not built (the swap files are read through host "
+                          "buffers); remove it or set it to false")
     pipe = config.pipeline
     if pipe.chunks > 1 and pipe.schedule != "interleaved":
         raise ConfigError(f"pipeline.chunks: {pipe.chunks} chunks per stage need pipeline.schedule: "
@@ -331,7 +398,10 @@ def _check_sections(config: Config) -> None:
     m = config.model
     if m.name == "gpt":
         for key, default in (("head_dim", None), ("qkv_bias", False), ("qk_norm", False), ("rope_scaling", None),
-                             ("sliding_window", None)):
+                             ("sliding_window", None), ("global_every", None), ("query_scale", None),
+                             ("attn_softcap", None), ("final_softcap", None), ("norm_offset", 0.0),
+                             ("embed_scale", False), ("post_norms", False), ("mlp_activation", "silu"),
+                             ("hf_family", None)):
             if getattr(m, key) != default:
                 raise ConfigError(f"model.{key}: {getattr(m, key)}, but the gpt model has learned positions and "
                                   f"GPT-2's fused attention; remove it, or set model.name: llama")
@@ -350,6 +420,9 @@ def _check_sections(config: Config) -> None:
     if m.name == "gpt" and m.n_kv_heads not in (None, m.n_heads):
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} differs from n_heads, but the gpt model has "
                           f"plain multi-head attention; remove it, or set model.name: llama")
+    if m.global_every is not None and m.n_experts:
+        raise ConfigError(f"model.global_every: {m.global_every}, but the MoE llama's layers all keep "
+                          f"model.sliding_window; remove model.global_every (Gemma 2's alternation is dense)")
     if m.n_experts:
         if m.name != "llama":
             raise ConfigError(f"model.n_experts: {m.n_experts} experts, but the {m.name} model has no "
@@ -373,16 +446,34 @@ def _check_sections(config: Config) -> None:
             raise ConfigError(f"tensor_parallel.partition_config.layer_specs[{i}].patterns: required (a spec without "
                               f"patterns matches no parameter); give a list of regular expressions such as "
                               f'[".*\\.o_proj\\.weight$"]')
-    data = config.data
+
+
+def _check_data(config: Config, sources: Mapping[str, str]) -> None:
+    """The data and loop keys that only make sense together."""
+    data, run = config.data, config.run
     if data.source != "stdlib" and not data.path:
-        kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file"}[data.source]
+        kind = {"file": "a text file", "jsonl": "a JSONL file", "tokens": "a token file", "parquet": "a Parquet file",
+                "arrow": "an Arrow file", "datasets": "a folder datasets' save_to_disk wrote"}[data.source]
         raise ConfigError(f"data.path: required when data.source is '{data.source}'; give {kind}")
-    if data.source == "jsonl" and not data.tokenizer:
-        raise ConfigError("data.tokenizer: data.source: jsonl needs a tokenizer; give the path of a "
-                          "tokenizer.json (Hugging Face `tokenizers` format)")
+    if data.source in ("jsonl", "parquet", "arrow", "datasets") and not data.tokenizer and data.tokens_key is None:
+        raise ConfigError(f"data.tokenizer: data.source: {data.source} needs a tokenizer for its text (data.text_key: "
+                          f"{data.text_key}); give data.tokenizer (a tokenizer.json, Hugging Face `tokenizers` "
+                          f"format), a model.hf_checkpoint folder holding its tokenizer.json, or data.tokens_key "
+                          f"naming a field of token ids")
     if data.source == "tokens" and data.tokenizer:
         raise ConfigError("data.tokenizer: a data.source: tokens file is already tokenized; remove "
                           "data.tokenizer (the model's vocab_size must cover its ids)")
+    if data.tokens_key is not None and data.source not in ("jsonl", "parquet", "arrow", "datasets"):
+        raise ConfigError(f"data.tokens_key: names a JSONL field or a table column of token ids, but data.source is "
+                          f"{data.source}; set data.source to jsonl, parquet, arrow or datasets, or remove "
+                          f"data.tokens_key")
+    if data.packing == "pad" and (data.source == "stdlib" or (data.source == "file" and not data.tokenizer)):
+        raise ConfigError(f"data.packing: pad gives each document its own row, but data.source {data.source} without "
+                          f"a tokenizer is one stream of bytes; give documents (jsonl, parquet, arrow, datasets) or "
+                          f"use data.packing: pack")
+    if run.eval_every is not None and run.eval_batches == 0:
+        raise ConfigError(f"run.eval_every: {run.eval_every}, but run.eval_batches is 0, so there is nothing to "
+                          f"validate on; set run.eval_batches to 1 or more, or remove run.eval_every")
 
 
 def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
@@ -400,8 +491,9 @@ def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
     raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu")
 
 
-_NVME_REFUSED = ("zero_optimization.{key}.device: nvme is not supported (DeepSpeed's ZeRO-Infinity NVMe "
-                 "swapping is not built in zerojax); use cpu (host memory, docs/offload.md) or none")
+_NVME_REFUSED = ("zero_optimization.offload_param.device: nvme is not supported (parameters are not swapped to "
+                 "files; the optimizer state is: offload_optimizer.device: nvme); use cpu (host memory, "
+                 "docs/offload.md) or none")
 
 
 def unsupported_features(config: Config) -> list[str]:
@@ -410,9 +502,8 @@ def unsupported_features(config: Config) -> list[str]:
     zero = config.zero_optimization
     if config.fp16.fp16_master_weights_and_grads:
         out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(zero, key).device == "nvme":
-            out.append(_NVME_REFUSED.format(key=key))
+    if zero.offload_param.device == "nvme":
+        out.append(_NVME_REFUSED)
     if zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.ratio < 1.0:
         out.append(f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
                    f"offload) is not supported; use 1.0")

@@ -12,7 +12,8 @@ REFUSED = "refused"
 KINDS = (HONOURED, NO_EFFECT, REFUSED)
 
 _BUCKETS = f"{NO_EFFECT}: XLA schedules, fuses and overlaps the collectives itself"
-_NVME = f"{NO_EFFECT}: NVMe offload is refused"
+_NVME = f"{NO_EFFECT}: parameter NVMe offload is refused (offload_param.device: nvme)"
+_AIO = f"{NO_EFFECT}: libaio's submission setting; the swap files are read and written with preadv/pwritev from aio.thread_count threads"
 _SECTION = HONOURED + " (see its keys)"
 _LOG = f"{HONOURED} (the run's metrics writer)"
 _GPT = f"{HONOURED} (the model that train.py and the CLI train: the embedded GPT or the Llama)"
@@ -41,6 +42,7 @@ KEY_STATUS: dict[str, str] = {
     "fp16": _SECTION,
     "bf16": _SECTION,
     "zero_optimization": _SECTION,
+    "aio": _SECTION,
     "zero_allow_untested_optimizer": HONOURED,
     "zero_force_ds_cpu_optimizer": f"{NO_EFFECT}: the offloaded update is always the configured optimizer",
     "activation_checkpointing": _SECTION,
@@ -71,6 +73,7 @@ KEY_STATUS: dict[str, str] = {
     "kernels": HONOURED,
     "mesh": _SECTION,
     "model": _SECTION,
+    "lora": _SECTION,
     "data": _SECTION,
     "run": _SECTION,
     "distributed": _SECTION,
@@ -129,7 +132,8 @@ KEY_STATUS: dict[str, str] = {
     "zero_optimization.cpu_offload": HONOURED + " (offload_optimizer.device: cpu)",
     "zero_optimization.cpu_offload_param": HONOURED + " (offload_param.device: cpu)",
     "zero_optimization.cpu_offload_use_pin_memory": f"{NO_EFFECT}: pin_memory defaults to true",
-    "zero_optimization.sub_group_size": _BUCKETS,
+    "zero_optimization.sub_group_size": HONOURED + " with offload_optimizer.device: nvme (elements per tile the "
+                                                   "optimizer streams from the files); otherwise " + _BUCKETS,
     "zero_optimization.stage3_param_persistence_threshold": HONOURED,
     "zero_optimization.stage3_prefetch_bucket_size": HONOURED + " (a layer is prefetched only if it fits; 0: off)",
     "zero_optimization.stage3_max_live_parameters": HONOURED + " (prefetch only when two layers fit)",
@@ -147,21 +151,33 @@ KEY_STATUS: dict[str, str] = {
                                                              "reduce-scatter)",
     "zero_optimization.mics_shard_size": f"{REFUSED} above 0 (MiCS)",
     "zero_optimization.save_muon_momentum_buffer_in_memory": f"{NO_EFFECT}: Muon's momentum always stays in memory "
-                                                             f"with the other optimizer state (NVMe offload is "
-                                                             f"refused)",
-    "zero_optimization.offload_optimizer.device": HONOURED + " (none, cpu); nvme refused",
-    "zero_optimization.offload_optimizer.nvme_path": _NVME,
+                                                             f"with the other optimizer state (Muon is not "
+                                                             f"elementwise, so NVMe offload refuses it)",
+    "zero_optimization.offload_optimizer.device": HONOURED + " (none, cpu, nvme: ZeRO-Infinity's NVMe tier, "
+                                                             "elementwise optimizers)",
+    "zero_optimization.offload_optimizer.nvme_path": HONOURED + " (a fresh zerojax-swap-* subfolder per run)",
+    "zero_optimization.offload_optimizer.pipeline_read": HONOURED + " (read the next tile while one updates)",
+    "zero_optimization.offload_optimizer.pipeline_write": HONOURED + " (write tiles back while the next update)",
     "zero_optimization.offload_optimizer.pin_memory": HONOURED,
-    "zero_optimization.offload_optimizer.buffer_count": _NVME,
-    "zero_optimization.offload_optimizer.fast_init": _NVME,
+    "zero_optimization.offload_optimizer.buffer_count": HONOURED + " with device nvme (host buffers of "
+                                                                   "sub_group_size elements)",
+    "zero_optimization.offload_optimizer.fast_init": f"{NO_EFFECT}: the initial state is written to the swap "
+                                                     f"files once, at start",
     "zero_optimization.offload_optimizer.ratio": HONOURED + " at 1.0; below it refused (partial offload)",
     "zero_optimization.offload_optimizer.compute": HONOURED,
-    "zero_optimization.offload_param.device": HONOURED + " (none, cpu); nvme refused",
+    "zero_optimization.offload_param.device": HONOURED + " (none, cpu); nvme refused (parameters are not "
+                                                         "swapped to files)",
     "zero_optimization.offload_param.nvme_path": _NVME,
     "zero_optimization.offload_param.pin_memory": HONOURED,
     "zero_optimization.offload_param.buffer_count": _NVME,
     "zero_optimization.offload_param.buffer_size": _NVME,
     "zero_optimization.offload_param.max_in_cpu": _NVME,
+    "aio.block_size": _AIO,
+    "aio.queue_depth": _AIO,
+    "aio.thread_count": HONOURED + " (threads reading and writing the NVMe swap files)",
+    "aio.single_submit": _AIO,
+    "aio.overlap_events": _AIO,
+    "aio.use_gds": f"{REFUSED} when true (GPUDirect Storage is not built)",
     # activation checkpointing
     "activation_checkpointing.partition_activations":
         HONOURED + " with a tensor axis (each rematerialized layer's kept input split over mesh.tensor, gathered "
@@ -189,9 +205,9 @@ KEY_STATUS: dict[str, str] = {
     "flops_profiler.enabled": HONOURED,
     "flops_profiler.profile_step": HONOURED,
     "flops_profiler.recompute_fwd_factor": f"{NO_EFFECT}: FLOPs come from the compiled step, recomputation included",
-    "flops_profiler.module_depth": f"{NO_EFFECT}: the profile is one total of the compiled step",
-    "flops_profiler.top_modules": f"{NO_EFFECT}: the profile is one total of the compiled step",
-    "flops_profiler.detailed": f"{NO_EFFECT}: the profile is one total of the compiled step",
+    "flops_profiler.module_depth": HONOURED,
+    "flops_profiler.top_modules": HONOURED,
+    "flops_profiler.detailed": HONOURED,
     "flops_profiler.output_file": HONOURED,
     "comms_logger.enabled": HONOURED + " (counts and bytes from the compiled step's HLO; no per-op latency)",
     "comms_logger.verbose": HONOURED,
@@ -269,25 +285,34 @@ KEY_STATUS: dict[str, str] = {
                                     "remat", "init_std", "norm_eps", "attention", "attention_block")},
     **{f"model.{k}": _LLAMA for k in ("n_kv_heads", "head_dim", "qkv_bias", "qk_norm", "sliding_window", "rope_scaling", "rope_factor",
                                       "rope_low_freq_factor", "rope_high_freq_factor",
-                                      "rope_original_max_positions")},
+                                      "rope_original_max_positions", "global_every", "query_scale",
+                                      "attn_softcap", "final_softcap", "norm_offset", "embed_scale", "post_norms",
+                                      "mlp_activation", "hf_family")},
     **{f"model.{k}": f"{HONOURED} (zerojax key: frozen parameters have no gradient, master or optimizer state; "
                      f"not with pipelines; see docs/lora.md)" for k in ("trainable", "frozen")},
     "model.tie_embeddings": f"{HONOURED} (gpt and llama: no head parameter, the logits use the token embedding)",
     "model.rope_theta": f"{HONOURED} (the Llama model's rotary embeddings; the GPT has learned positions)",
-    "model.hf_checkpoint": f"{HONOURED} (train.py and `zerojax train`: the run starts from the checkpoint's "
-                           f"weights, read into the plan's shards)",
+    "model.hf_config": f"{HONOURED} (the model keys it implies; fresh weights; `zerojax estimate` reads it too)",
+    "model.hf_checkpoint": f"{HONOURED} (train.py, `zerojax train` and `zerojax.from_hf`: the run starts from the "
+                           f"checkpoint's weights, read into the plan's shards)",
     **{f"model.{k}": f"{HONOURED} (the Llama's mixture-of-experts layers, zerojax.models.moe; the GPT refuses "
                      f"model.n_experts)"
        for k in ("n_experts", "experts_per_token", "gating", "moe_every", "capacity_factor",
                  "eval_capacity_factor", "min_capacity", "drop_tokens", "use_rts", "noisy_gate_policy",
                  "top2_2nd_expert_sampling", "use_residual", "moe_aux_loss_coef")},
+    **{f"lora.{k}": f"{HONOURED} (zerojax key: adapters on the shipped GPT and Llama and Hugging Face imports, "
+                    f"the base frozen; see docs/lora.md)" for k in ("enabled", "r", "lora_alpha", "target_modules")},
+    "lora.lora_dropout": f"{HONOURED} at 0; {REFUSED} above 0 (the shipped models' losses take no random key)",
+    "lora.adapter": f"{HONOURED} (a PEFT adapter folder read onto model.hf_checkpoint's base)",
+    "lora.base_weight_sharding": f"{NO_EFFECT}: ZeRO-3 shards the frozen base with every other weight",
     "model.expert_tensor_parallelism": f"{HONOURED} (the Llama's MoE layers and the tensor plan: false keeps "
                                        f"every leaf annotated `expert` whole over mesh.tensor)",
     **{f"data.{k}": _RUN for k in ("source", "path", "max_bytes", "val_fraction", "seed", "dtype", "tokenizer",
-                                   "text_key", "eos_id", "mask_boundaries")},
+                                   "text_key", "eos_id", "mask_boundaries", "tokens_key", "packing", "pad_id",
+                                   "split", "val_split", "val_path")},
     **{f"run.{k}": _RUN for k in ("steps", "output_dir", "seed", "eval_batches", "progress", "log_every",
                                   "checkpoint_dir", "save_every", "non_finite", "non_finite_limit", "signal_save_seconds",
-                                  "sample_tokens", "compile_cache")},
+                                  "sample_tokens", "compile_cache", "eval_every", "save_best", "epochs")},
     **{f"distributed.{k}": HONOURED for k in ("coordinator_address", "num_processes", "process_id", "join",
                                               "initialization_timeout", "check_consistency", "hang_timeout")},
 }

@@ -190,6 +190,8 @@ class MemoryReport(NamedTuple):
     expert_size: int = 1        # devices an expert weight's experts are split over (then ZeRO over data / expert)
     sequence_size: int = 1      # devices one row's tokens are split over (part of `data_size`)
     n_frozen: int = 0           # of `n_params`, the frozen ones: stored parameters only (no gradient, no master)
+    optimizer_nvme: int = 0     # of `optimizer`, the bytes in NVMe swap files (offload_optimizer.device: nvme)
+    nvme_buffers: int = 0       # host bytes the swapped state streams through (buffer_count x tile x 4)
 
     @property
     def total(self) -> int:
@@ -201,7 +203,7 @@ class MemoryReport(NamedTuple):
 
     @property
     def device(self) -> int:
-        return self.total - self.host
+        return self.total - self.host - self.optimizer_nvme
 
     @property
     def formula_total(self) -> float:
@@ -210,16 +212,22 @@ class MemoryReport(NamedTuple):
     def table(self) -> str:
         def mib(b: float) -> str:
             return f"{b / 2**20:10.2f}"
-        rows = [("parameters", self.params, self.params_host, self.formula_params),
-                ("gradients", self.grads, 0, self.formula_grads),
-                ("optimizer state", self.optimizer, self.optimizer_host, self.formula_optimizer),
-                ("total", self.total, self.host, self.formula_total)]
+        nvme = self.optimizer_nvme
+        rows = [("parameters", self.params, self.params_host, 0, self.formula_params),
+                ("gradients", self.grads, 0, 0, self.formula_grads),
+                ("optimizer state", self.optimizer, self.optimizer_host, nvme, self.formula_optimizer),
+                ("total", self.total, self.host, nvme, self.formula_total)]
         frozen = f" ({self.n_frozen:,} frozen)" if self.n_frozen else ""
         out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters{frozen} over {self.over()}; {self.memory}",
-               f"{'per device':<16} {'device MiB':>10} {'host MiB':>10} {'formula':>10} {'ratio':>7}"]
-        for name, got, host, want in rows:
+               f"{'per device':<16} {'device MiB':>10} {'host MiB':>10}{' ' + format('NVMe MiB', '>10') if nvme else ''}"
+               f" {'formula':>10} {'ratio':>7}"]
+        for name, got, host, disk, want in rows:
             ratio = got / want if want else float("nan")  # wherever the bytes live
-            out.append(f"{name:<16} {mib(got - host)} {mib(host)} {mib(want)} {ratio:7.3f}")
+            out.append(f"{name:<16} {mib(got - host - disk)} {mib(host)}{f' {mib(disk)}' if nvme else ''} "
+                       f"{mib(want)} {ratio:7.3f}")
+        if nvme:
+            out.append(f"NVMe: the master copy and moments in swap files, streamed through {self.nvme_buffers / 2**20:.2f} "
+                       f"MiB of host buffers per process (DeepSpeed's ZeRO-Infinity)")
         out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
         return "\n".join(out)
 
@@ -570,6 +578,13 @@ def memory_report(p: Plan) -> MemoryReport:
     # n / hpz hosts): hpz devices for an ordinary weight (data_inner x expert x sequence), hpz / expert
     # for an expert weight's 1/expert slice, so Ψ/hpz parameters per device either way.
     param_elements = share(PARAMETERS, hosts=n // p.hpz if p.hpz > 1 else 1)
+    optimizer_host = host_master + planned_bytes(opt_abstract, p.opt_state_storage, host_only=True)
+    nvme = nvme_buffers = 0
+    if p.memory.swap is not None:  # the offloaded part lives in files, streamed through the buffers
+        nvme, optimizer_host = optimizer_host, 0
+        largest = max((math.prod(s.shard_shape(x.shape)) for s, x in
+                       zip(jax.tree.leaves(p.update_shardings), jax.tree.leaves(p.abstract_trained))), default=1)
+        nvme_buffers = p.memory.swap.buffer_count * min(p.memory.swap.tile, largest) * 4
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
         formula_params=pol.param.itemsize * param_elements,
@@ -578,5 +593,5 @@ def memory_report(p: Plan) -> MemoryReport:
         sequence_size=sequence_size(p.mesh), n_frozen=psi - psi_t,
         replicated_fraction=kept / total if total else 0.0,
         params_host=planned_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
-        optimizer_host=host_master + planned_bytes(opt_abstract, p.opt_state_storage, host_only=True),
+        optimizer_host=optimizer_host, optimizer_nvme=nvme, nvme_buffers=nvme_buffers,
         memory=p.memory.describe())

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from zerojax.core.measure import HOST_KINDS
+from zerojax.core.swap import Swap
 
 
 
@@ -36,6 +37,8 @@ class Memory:
     params: str | None = None      # stored parameters
     optimizer: str | None = None   # fp32 master copy and optimizer state
     update: str = "device"         # "device" or "host"
+    swap: Swap | None = None       # NVMe (ZeRO-Infinity): master and optimizer state in files, `optimizer`
+                                   # the host memory a whole state passes through (init, checkpoints)
 
     @property
     def offloaded(self) -> bool:
@@ -45,7 +48,9 @@ class Memory:
         if not self.offloaded:
             return "no offload"
         parts = []
-        if self.optimizer is not None:
+        if self.swap is not None:
+            parts.append(f"master weights and optimizer state in {self.swap.describe()}")
+        elif self.optimizer is not None:
             parts.append(f"master weights and optimizer state in {self.optimizer}")
         if self.params is not None:
             parts.append(f"parameters in {self.params}")

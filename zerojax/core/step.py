@@ -43,6 +43,7 @@ from zerojax.core.fused_update import FusedUpdate
 from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
 from zerojax.core.mesh import DataAxis, data_axis, row_axes, row_size, sequence_size
 from zerojax.core.sequence import batch_specs, split_tokens
+from zerojax.core.nvme_step import NvmeStep
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
@@ -405,15 +406,24 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     the master, so a skipped step leaves them bit-identical too. `plan.kernels` picks the optax
     update (xla) or the fused Pallas kernels; both give the same state.
     """
-    pol, sc = plan.policy, plan.scaler
-    scale = state.scaler.scale
-    inv_scale = (1.0 / scale).astype(pol.master)
+    pol = plan.policy
+    inv_scale = (1.0 / state.scaler.scale).astype(pol.master)
     old_master = (state.master if pol.mixed else
                   _constrain(bring_in(plan.trained(state.params), plan.memory.params), plan.update_shardings))
     update = _optax_update if plan.kernels == XLA else _fused_update
     loss_ok = jnp.isfinite(loss)
-    grad_norm, finite, overflow, master, opt_state, shards = update(plan, state, grads, inv_scale, old_master,
-                                                                    loss_ok)
+    result = update(plan, state, grads, inv_scale, old_master, loss_ok)
+    return finish_update(plan, state, result, loss)
+
+
+def finish_update(plan: Plan, state: TrainState, result: UpdateResult, loss: jax.Array
+                  ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The step's end once the optimizer has run (here, or streamed from files by `core.nvme_step`):
+    the loss scaler reacts, the new shards are cast and gathered into the parameter placement, the
+    counters move and the metrics are collected."""
+    pol, sc = plan.policy, plan.scaler
+    grad_norm, finite, overflow, master, opt_state, shards = result
+    loss_ok = jnp.isfinite(loss)
     scaler = (update_loss_scale(sc, state.scaler, overflow, state.step, ~finite) if sc.check_finite
               else _note_non_finite(state.scaler, finite, state.step))
     position = state.step - state.skipped
@@ -423,7 +433,7 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
                      opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
                      scaler=scaler, rng=state.rng, model_state=state.model_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
-               "loss_scale": scale, "skipped": overflow, "non_finite": ~(jnp.all(finite) & loss_ok),
+               "loss_scale": state.scaler.scale, "skipped": overflow, "non_finite": ~(jnp.all(finite) & loss_ok),
                "skipped_streak": scaler.streak}
     return new, metrics
 
@@ -448,14 +458,20 @@ def _overflow(plan: Plan, state: TrainState, finite: jax.Array, loss_ok: jax.Arr
     return ~jnp.all(finite) | ~loss_ok | state.scaler.stuck
 
 
+def unscaled(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, loss_ok: jax.Array
+             ) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    """Gradients unscaled in the master dtype, their global norm, per-leaf finiteness and whether the
+    step is skipped: what the optimizer needs besides its state, wherever that state lives."""
+    grads = jax.tree.map(lambda g: g.astype(plan.policy.master) * inv_scale, grads)
+    grad_norm = optax.tree.norm(grads) if plan.rule.norm is None else plan.rule.norm(grads)
+    finite = leaf_finite(grads)
+    return grads, grad_norm, finite, _overflow(plan, state, finite, loss_ok)
+
+
 def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, old_master: Any,
                   loss_ok: jax.Array) -> UpdateResult:
     """The update with optax, under XLA's automatic partitioner."""
-    pol = plan.policy
-    grads = jax.tree.map(lambda g: g.astype(pol.master) * inv_scale, grads)
-    grad_norm = optax.tree.norm(grads) if plan.rule.norm is None else plan.rule.norm(grads)
-    finite = leaf_finite(grads)
-    overflow = _overflow(plan, state, finite, loss_ok)
+    grads, grad_norm, finite, overflow = unscaled(plan, state, grads, inv_scale, loss_ok)
 
     def optimize(master: Any, opt_state: Any, grads: Any, grad_norm: jax.Array, overflow: jax.Array
                  ) -> tuple[Any, Any]:
@@ -518,12 +534,16 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
     all-gathered where it is used; loss functions marked with `zerojax.gathers_params` receive
     `ParamShard`s and gather them themselves. `zerojax.make_train_step(plan, loss_fn)` prepares it.
     metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped, and micro_losses
-    (each micro-batch's mean loss, in DeepSpeed's order).
+    (each micro-batch's mean loss, in DeepSpeed's order). With `offload_optimizer.device: nvme` the
+    step is a `core.nvme_step.NvmeStep` (same call; the state it returns holds no master copy or
+    optimizer moments: those live in its files, `step.full(state)` reads them back).
     """
     prep = prepared(loss, "make_train_step")
     plan = checked_kernels(plan)
     grad_fn = micro_grad_fn(plan, prep)
     keeps = keeps_state(prep.user)
+    if plan.memory.swap is not None:  # optimizer state on NVMe: the update streams from files on the host
+        return NvmeStep(plan, *_around_the_update(plan, grad_fn, keeps))
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         losses, grads, *model_state = grad_fn(state.params, batch, state.scaler.scale, step_key(state),
@@ -536,6 +556,31 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
     shardings = state_shardings(plan)
     return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
                    donate_argnums=0)
+
+
+def _around_the_update(plan: Plan, grad_fn: GradFn, keeps: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The device parts of a step whose optimizer runs elsewhere (`core.nvme_step`): before it, the
+    gradients, unscaled, with their norm, finiteness, the skip decision and the clip coefficient (and
+    an fp32 run's parameters in the update placement, its master copy); after it, `finish_update`."""
+    pol = plan.policy
+
+    def front(state: TrainState, batch: Any) -> tuple[Any, ...]:
+        losses, grads, *model_state = grad_fn(state.params, batch, state.scaler.scale, step_key(state),
+                                              *((state.model_state,) if keeps else ()))
+        inv_scale = (1.0 / state.scaler.scale).astype(pol.master)
+        grads, norm, finite, overflow = unscaled(plan, state, grads, inv_scale, jnp.isfinite(jnp.mean(losses)))
+        master = (None if pol.mixed else
+                  _constrain(bring_in(plan.trained(state.params), plan.memory.params), plan.update_shardings))
+        return losses, grads, master, norm, finite, overflow, clip_coefficient(norm, plan.rule.clip), model_state
+
+    def back(state: TrainState, shards: Any, opt_state: Any, norm: jax.Array, finite: jax.Array,
+             overflow: jax.Array, losses: jax.Array, model_state: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        new, metrics = finish_update(plan, state, (norm, finite, overflow, None, opt_state, shards), jnp.mean(losses))
+        if keeps:
+            new = new._replace(model_state=_select(overflow, state.model_state, model_state[0]))
+        return new, {**metrics, "micro_losses": losses}
+
+    return front, back
 
 
 def make_eval_step(plan: Plan, loss: PreparedLoss) -> Callable[..., jax.Array]:

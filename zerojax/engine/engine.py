@@ -13,7 +13,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from zerojax.engine.deepspeed_api import DeepSpeedAPI
 from zerojax.runtime.agreement import agree_on_program
 from zerojax.runtime.distributed import InFlight, check_consistency, config_items, global_array, same_request
 from zerojax.errors import LossScaleError, NonFiniteError
-from zerojax.models.generate import Decoder, Generation, generate
+from zerojax.models.generate import Decoder, Generation, generate, pad_prompts
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
@@ -96,8 +96,8 @@ class Engine(DeepSpeedAPI):
         self.config, self.mesh, self.loss_fn, self.plan = config, mesh, loss_fn, plan
         if config.log_level is not None:
             set_log_level(config.log_level)
-        self.state: TrainState = init_state(plan, params)
         self._train_step, self._eval_step = train_step, eval_step
+        self.state: TrainState = self._stored(init_state(plan, params))
         self._pending: PendingSave | None = None
         self._in_flight = InFlight()  # multi-process: no process runs steps ahead of its devices
         self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
@@ -111,6 +111,18 @@ class Engine(DeepSpeedAPI):
         if config.model.hf_checkpoint:
             from zerojax.models.hf import source_record
             self._hf_source = source_record(config.model.hf_checkpoint)
+
+    def _stored(self, state: TrainState) -> TrainState:
+        """A whole state as the step carries it: with the optimizer state on NVMe, written to the step's
+        files and returned slim (`core.nvme_step`); otherwise unchanged."""
+        store = getattr(self._train_step, "store", None)
+        return state if store is None else store(state)
+
+    def whole_state(self) -> TrainState:
+        """The state with every field present: the master copy and optimizer moments read back from the
+        NVMe files when the optimizer state lives there (checkpoints save this), else `self.state`."""
+        full = getattr(self._train_step, "full", None)
+        return self.state if full is None else full(self.state)
 
     # -- training ---------------------------------------------------------------------------
     def place_batch(self, batch: Any, rows: int | None = None) -> Any:
@@ -233,15 +245,21 @@ class Engine(DeepSpeedAPI):
 
     def generate(self, prompts: Any, max_new_tokens: int, *, lengths: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 eos_id: int | None = None) -> Generation:
+                 eos_id: int | None = None, attention_mask: Any = None, stop_ids: Sequence[int] | None = None,
+                 pad_id: int | None = None) -> Generation:
         """New tokens after each prompt from the live training weights (`zerojax.models.generate`).
 
-        `prompts`: a list of token lists, or an int array [B, T] right-padded with `lengths` [B].
-        Greedy at temperature 0, else sampled (`top_k`, `top_p`, `seed`); a row stops at `eos_id`.
-        Returns tokens, log-probabilities (of the model at temperature 1) and lengths (`Generation`).
+        `prompts`: a list of token lists; an int array [B, T] right-padded with `lengths` [B]; or an
+        array with an `attention_mask` [B, T], left-padded as transformers' `generate` takes it (or
+        right-padded). Greedy at temperature 0, else sampled (`top_k`, `top_p`, `seed`); a row stops
+        at `eos_id` or any of `stop_ids`, and `pad_id` (default `eos_id`) fills the rest of it.
+        Returns tokens, log-probabilities (of the model at temperature 1) and lengths (`Generation`),
+        and `.sampled_logprobs` (of the distribution the tokens were drawn from).
         The parameters are read where the ZeRO stage keeps them (`state.params`, the compute dtype):
         at stage 3 they are gathered once per call inside the one compiled program, not per token,
         and the gathered copy is gone when the call returns; nothing of the state changes.
+        Prompt widths and new-token counts round up to powers of two (at least 8), so a loop whose
+        shapes vary compiles a few programs, not one per call.
         In a multi-process run every process passes the same prompts and settings (checked: a
         difference is an error on every process, not a hang) and every process gets every row.
         """
@@ -249,22 +267,26 @@ class Engine(DeepSpeedAPI):
             raise TypeError("generate: this engine has no decoder; pass decode= to zerojax.initialize(...) or "
                             "Engine(...): an object with init_cache / prefill / decode_step over these params "
                             "(zerojax.models.generate.Decoder), e.g. zerojax.models.decode.decoder(model_config) for "
-                            "the shipped GPT or Llama")
+                            "the shipped GPT or Llama; zerojax.from_hf(path, config) passes it for you")
+        prompts, lengths = pad_prompts(prompts, lengths, attention_mask)
         bound = self.config.hybrid_engine.max_out_tokens
-        widest = max((len(p) for p in prompts), default=0) if lengths is None else int(np.max(lengths))
+        widest = int(np.max(lengths, initial=0))
         if widest + max_new_tokens > bound:
             raise ValueError(f"generate: a prompt of {widest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                              f"hybrid_engine.max_out_tokens={bound}; raise it in the config or ask for fewer tokens")
         if jax.process_count() > 1:
-            same_request("generate", prompts, lengths, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+            same_request("generate", prompts, lengths, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
+                         stop_ids, pad_id)
         return generate(self.decoder, self.state.params, prompts, lengths, max_new_tokens, temperature=temperature,
-                        top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, plan=self.plan)
+                        top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, plan=self.plan, stop_ids=stop_ids,
+                        pad_id=pad_id)
 
     # -- state ------------------------------------------------------------------------------
     @property
     def params(self) -> Any:
-        """Logical (whole-shape) parameters: the fp32 master copy under mixed precision."""
-        return logical_params(self.state)
+        """Logical (whole-shape) parameters: the fp32 master copy under mixed precision (read back from
+        the NVMe files when it lives there)."""
+        return logical_params(self.whole_state() if self.plan.policy.mixed else self.state)
 
     @property
     def model_state(self) -> Any:
@@ -291,7 +313,7 @@ class Engine(DeepSpeedAPI):
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
                         extra: Mapping[str, Any] | None = None, async_save: bool | None = None,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        exclude_frozen_parameters: bool = False, best: bool = False) -> str:
         """Save everything needed to continue bit for bit; returns the tag (`global_step{N}` by default).
 
         As in DeepSpeed, the save is complete and verifiable when this returns. `async_save=True`
@@ -301,6 +323,8 @@ class Engine(DeepSpeedAPI):
         holds more JSON state (the trainer keeps its data position there). Relative paths are fine.
         `exclude_frozen_parameters` (DeepSpeed's): the frozen parameters are not written; the tag then
         loads into an engine that holds them (`load_checkpoint` takes them from this engine's state).
+        `best` (zerojax): the folder's `.best` pointer names this tag once it is complete (train.py's lowest
+        validation loss); retention never deletes that tag.
         """
         from zerojax import checkpoint  # orbax is imported only when checkpoints are used
         cfg = self.config.checkpoint
@@ -309,12 +333,12 @@ class Engine(DeepSpeedAPI):
             validate_tag(tag, broadcast_text(tag), cfg.tag_validation)
         self.wait_for_checkpoint()
         self._pending = checkpoint.save(
-            save_dir, tag, self.state, self.plan,
+            save_dir, tag, self.whole_state(), self.plan,
             extra={"client_state": client_state, "config": self.config.to_dict(),
                    **({"hf_source": self._hf_source} if getattr(self, "_hf_source", None) else {}), **(extra or {})},
             async_save=cfg.async_save if async_save is None else async_save,
             max_to_keep=cfg.max_to_keep, keep_every_n_steps=cfg.keep_every_n_steps,
-            exclude_frozen=exclude_frozen_parameters)
+            exclude_frozen=exclude_frozen_parameters, best=best)
         return self._pending.tag
 
     def wait_for_checkpoint(self) -> None:
@@ -345,8 +369,9 @@ class Engine(DeepSpeedAPI):
         from zerojax import checkpoint
         del load_lr_scheduler_states
         self.wait_for_checkpoint()
-        self.state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
-                                            load_module_only=load_module_only, frozen=self.state.params)
+        state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
+                                       load_module_only=load_module_only, frozen=self.state.params)
+        self.state = self._stored(state)
         self.loaded_extra = extra
         resolved = tag or checkpoint.latest_tag(load_dir)
         return str(Path(load_dir) / str(resolved)), extra.get("client_state")

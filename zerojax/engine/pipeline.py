@@ -51,11 +51,12 @@ class PipelineEngine(Engine):
         return self.pipeline.rows.unpack(tree)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None, *,
-                        extra: Mapping[str, Any] | None = None, async_save: bool | None = None) -> str:
+                        extra: Mapping[str, Any] | None = None, async_save: bool | None = None,
+                        best: bool = False) -> str:
         """As Engine.save_checkpoint, plus the row manifest `zerojax export` needs for logical names."""
         from zerojax.checkpoint import PIPELINE_ROWS  # orbax is imported only when checkpoints are used
         extra = {PIPELINE_ROWS: {"array": ROWS, "leaves": self.pipeline.rows.manifest()}, **(extra or {})}
-        return super().save_checkpoint(save_dir, tag, client_state, extra=extra, async_save=async_save)
+        return super().save_checkpoint(save_dir, tag, client_state, extra=extra, async_save=async_save, best=best)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,

@@ -180,7 +180,7 @@ def _split_computations(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+def _trip_count(line: str, comps: dict[str, list[str]], unknown: int | None = None) -> int:
     m = _TRIP.search(line)
     if m:
         return int(m.group(1))
@@ -191,10 +191,13 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
     cmp = _COMPARE.search(root[0]) if root else None
     if cmp and cmp.group(3) == "LT" and cmp.group(2) in consts:
         return consts[cmp.group(2)]  # counter from 0 (lax.scan / fori_loop(0, n))
+    if unknown is not None:  # a loop bounded by a runtime value: the caller says how often it runs
+        return unknown
     raise ValueError(f"cannot find the trip count of while loop: {line[:200]}")
 
 
-def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int], set[str]]:
+def _executions(comps: dict[str, list[str]], entry: str,
+                unknown_trips: int | None = None) -> tuple[dict[str, int], set[str]]:
     """Executions of every computation per run of the module (while bodies trip-count times,
     nested loops multiplied), and the computations that run inside one kernel (fusion bodies,
     reducers: called through `calls=` of a fusion or `to_apply=`)."""
@@ -202,7 +205,7 @@ def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int]
     inner: set[str] = set()
     for name, lines in comps.items():
         for line in lines:
-            factor = _trip_count(line, comps) if _WHILE.search(line) else 1
+            factor = _trip_count(line, comps, unknown_trips) if _WHILE.search(line) else 1
             for role, callee in _CALLEE.findall(line):
                 edges[name].append((callee, factor if role in ("body", "condition") else 1))
                 if role == "to_apply" or (role == "calls" and " fusion(" in line):
@@ -230,12 +233,14 @@ def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int]
     return runs, inner
 
 
-def collectives(text: str) -> list[Collective]:
-    """Every collective in an HLO module's text, with its executions per run of the module."""
+def collectives(text: str, unknown_trips: int | None = None) -> list[Collective]:
+    """Every collective in an HLO module's text, with its executions per run of the module. A loop
+    whose trip count is a runtime value (a decode loop that stops at a traced count) is counted
+    `unknown_trips` times; None: such a loop is an error."""
     comps, entry = _split_computations(text)
     m = _NUM_PARTITIONS.search(text)
     num_partitions = int(m.group(1)) if m else 1
-    runs, _ = _executions(comps, entry)
+    runs, _ = _executions(comps, entry, unknown_trips)
     found = []
     for name, lines in comps.items():
         if not runs.get(name):
@@ -394,16 +399,11 @@ def _type_bytes(type_str: str) -> float:
     return sum(DTYPE_BYTES[d] * n for d, n in _shapes(type_str))
 
 
-def work(text: str) -> Work:
-    """FLOPs and memory bytes per run of an HLO module (compiled text, one device's program).
-
-    XLA's `cost_analysis()` counts a while body once whatever its trip count, so a scanned layer
-    stack reads as one layer; this walks the same call graph as `collectives` instead.
-    """
+def _instructions(text: str) -> Iterable[tuple[int, bool, re.Match, list[str]]]:
+    """(runs per execution, in a fusion body, the instruction, its operands' types) for every
+    instruction of every computation that runs, loops counted trip-count times."""
     comps, entry = _split_computations(text)
     runs, inner = _executions(comps, entry)
-    flops = nbytes = 0.0
-    dots = 0
     for name, lines in comps.items():
         n = runs.get(name, 0)
         if not n:
@@ -416,24 +416,133 @@ def work(text: str) -> Work:
                 types[m.group(1)] = m.group(2)
                 parsed.append(m)
         for m in parsed:
-            result, op, args, rest = m.group(2), m.group(3), m.group(4), m.group(5)
-            operands = [types.get(a, "") for a in re.findall(r"%([\w.\-]+)", args)]
-            contract = None
-            if op == "dot":
-                c = _LHS_CONTRACT.search(rest)
-                contract = [int(x) for x in c.group(1).split(",") if x] if c else []
-            elif op == "custom-call" and re.search(r'custom_call_target="__cublas\$(lt\$matmul|gemm)', rest):
-                c = _GEMM_CONTRACT.search(rest)
-                contract = [int(x.strip().strip('"')) for x in c.group(1).split(",") if x.strip()] if c else []
-                result = result.split(",")[0]  # (out, workspace)
-            if contract is not None and operands and operands[0]:
-                lhs = _dims(operands[0])
-                k = math.prod(lhs[d] for d in contract if d < len(lhs))
-                flops += n * 2 * math.prod(_dims(result)) * k
-                dots += 1
-            if name not in inner and op not in _NO_TRAFFIC and not op.endswith("-done"):
-                nbytes += n * (_type_bytes(result) + sum(_type_bytes(t) for t in operands))
+            yield n, name in inner, m, [types.get(a, "") for a in re.findall(r"%([\w.\-]+)", m.group(4))]
+
+
+def _matmul_flops(m: re.Match, operands: list[str]) -> float | None:
+    """2 x multiply-adds of a dot (or a cuBLAS gemm custom call); None for any other instruction."""
+    result, op, rest = m.group(2), m.group(3), m.group(5)
+    if op == "dot":
+        c = _LHS_CONTRACT.search(rest)
+        contract = [int(x) for x in c.group(1).split(",") if x] if c else []
+    elif op == "custom-call" and re.search(r'custom_call_target="__cublas\$(lt\$matmul|gemm)', rest):
+        c = _GEMM_CONTRACT.search(rest)
+        contract = [int(x.strip().strip('"')) for x in c.group(1).split(",") if x.strip()] if c else []
+        result = result.split(",")[0]  # (out, workspace)
+    else:
+        return None
+    if not operands or not operands[0]:
+        return None
+    lhs = _dims(operands[0])
+    return 2.0 * math.prod(_dims(result)) * math.prod(lhs[d] for d in contract if d < len(lhs))
+
+
+def work(text: str) -> Work:
+    """FLOPs and memory bytes per run of an HLO module (compiled text, one device's program).
+
+    XLA's `cost_analysis()` counts a while body once whatever its trip count, so a scanned layer
+    stack reads as one layer; this walks the same call graph as `collectives` instead.
+    """
+    flops = nbytes = 0.0
+    dots = 0
+    for n, fused, m, operands in _instructions(text):
+        f = _matmul_flops(m, operands)
+        if f is not None:
+            flops += n * f
+            dots += 1
+        op = m.group(3)
+        if not fused and op not in _NO_TRAFFIC and not op.endswith("-done"):
+            nbytes += n * (_type_bytes(m.group(2)) + sum(_type_bytes(t) for t in operands))
     return Work(flops, nbytes, dots)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the matmuls come from: the Python call stack XLA keeps with every instruction.
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One Python frame of an instruction's call stack (the module's StackFrames table)."""
+    file: str
+    function: str
+    line: int
+    column: int = 0
+    end_line: int = 0
+    end_column: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One dot of a module: FLOPs per execution (runs counted), whether it is the backward pass
+    (a transpose of the forward), and the Python call stack that made it, outermost first."""
+    flops: float
+    backward: bool
+    stack: tuple[Frame, ...]
+
+
+_TABLE = re.compile(r"^(\d+)\s+(.*)$")
+_FIELDS = re.compile(r"(\w+)=(-?\d+)")
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _tables(text: str) -> dict[str, dict[int, str]]:
+    """The module's FileNames / FunctionNames / FileLocations / StackFrames tables (id -> text)."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None:
+            m = _TABLE.match(line)
+            if m is None:
+                current = None
+            else:
+                current[int(m.group(1))] = m.group(2).strip().strip('"')
+    return tables
+
+
+def stack_frames(text: str) -> dict[int, tuple[Frame, ...]]:
+    """Every stack frame id of a module as its call stack, outermost first. A frame's parent is the
+    entry before `parent_frame_id` (0: none), as XLA prints the table."""
+    t = _tables(text)
+    files, functions = t.get("FileNames", {}), t.get("FunctionNames", {})
+    locations = {}
+    for i, body in t.get("FileLocations", {}).items():
+        f = {k: int(v) for k, v in _FIELDS.findall(body)}
+        locations[i] = Frame(files.get(f.get("file_name_id", 0), "?"), functions.get(f.get("function_name_id", 0), "?"),
+                             f.get("line", 0), f.get("column", 0), f.get("end_line", 0), f.get("end_column", 0))
+    links = {i: {k: int(v) for k, v in _FIELDS.findall(body)} for i, body in t.get("StackFrames", {}).items()}
+    chains: dict[int, tuple[Frame, ...]] = {}
+
+    def chain(i: int) -> tuple[Frame, ...]:
+        if i not in chains:
+            link = links.get(i)
+            if link is None:
+                return ()
+            parent = link.get("parent_frame_id", 0) - 1
+            here = (locations[link["file_location_id"]],) if link.get("file_location_id") in locations else ()
+            chains[i] = (chain(parent) if 0 < parent < i else ()) + here
+        return chains[i]
+    for i in sorted(links):
+        chain(i)
+    return chains
+
+
+def matmuls(text: str) -> list[Matmul]:
+    """Every dot of a compiled module with its FLOPs per execution and the call stack that made it
+    (empty where XLA kept none): what a per-module FLOPs profile groups."""
+    frames = stack_frames(text)
+    out = []
+    for n, _, m, operands in _instructions(text):
+        f = _matmul_flops(m, operands)
+        if f is None:
+            continue
+        rest = m.group(5)
+        frame = _FRAME_ID.search(rest)
+        name = _OP_NAME.search(rest)
+        out.append(Matmul(n * f, bool(name and "transpose(" in name.group(1)),
+                          frames.get(int(frame.group(1)), ()) if frame else ()))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

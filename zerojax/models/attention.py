@@ -20,6 +20,11 @@ out, so it does the dense form's arithmetic; it trades no flops for its memory.
 
 `window` (Mistral's sliding window, `model.sliding_window`): a query at position i sees only the keys
 at i - window + 1 .. i, as transformers' sliding-window mask has it (key j visible when i - j < window).
+It may be a traced scalar: Gemma's layers alternate a window and the whole context inside one scan.
+
+`scale` (Gemma's query_pre_attn_scalar ** -0.5; default 1 / sqrt(head width)) multiplies the scores and
+`softcap` (Gemma 2's attn_logit_softcapping) bends them to softcap * tanh(score / softcap), before the
+mask, as transformers' eager attention does.
 """
 from __future__ import annotations
 
@@ -39,13 +44,22 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array
     return seen if window is None else seen & (q_pos[:, None] - k_pos[None, :] < window)
 
 
-def dense(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None) -> jax.Array:
+def scaled(scores: jax.Array, head_dim: int, scale: float | None = None, softcap: float | None = None) -> jax.Array:
+    """Float32 scores q.k scaled (by `scale`, else 1 / sqrt(head_dim)) and soft-capped where asked."""
+    scores = scores / jnp.sqrt(jnp.float32(head_dim)) if scale is None else scores * jnp.float32(scale)
+    if softcap is not None:
+        scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
+    return scores
+
+
+def dense(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None, scale: float | None = None,
+          softcap: float | None = None) -> jax.Array:
     """Causal grouped-query attention: q [b, t, h, d], k and v [b, t, kv, d] -> [b, t, h, d]."""
     b, t, h, hd = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped under the key/value head they share
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(hd))
+    scores = scaled(scores, hd, scale, softcap)
     mask = visible(jnp.arange(t), jnp.arange(t), window)
     probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1).astype(q.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h, hd)
@@ -66,7 +80,8 @@ def _combine(a: _Softmax, b: _Softmax) -> _Softmax:
     return _Softmax(m, a.l * ca + b.l * cb, a.acc * ca[..., None] + b.acc * cb[..., None])
 
 
-def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int | None = None) -> jax.Array:
+def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int | None = None,
+              scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """`dense`'s result, computed a [block, block] tile of scores at a time (see the module docstring).
 
     A length that `block` does not divide is padded at the end: the padded keys come after every real
@@ -79,7 +94,6 @@ def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int 
     if n * block != t:
         pad = [(0, 0), (0, n * block - t), (0, 0), (0, 0)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
     # [n, b, block, heads..., d]: the blocks on a leading axis, for the scans to walk
     qb = jnp.moveaxis(q.reshape(b, n, block, kv, g, hd), 1, 0)
     kb = jnp.moveaxis(k.reshape(b, n, block, kv, hd), 1, 0)
@@ -91,7 +105,7 @@ def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int 
         qi, q0 = xs
 
         def tile(k0: jax.Array, kj: jax.Array, vj: jax.Array) -> _Softmax:
-            s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
+            s = scaled(jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32), hd, scale, softcap)
             s = jnp.where(visible(q0 + offsets, k0 + offsets, window), s, _MASKED)
             m = jnp.max(s, axis=-1)
             p = jnp.exp(s - m[..., None])
@@ -125,13 +139,14 @@ def uses_blockwise(mode: str, block: int, t: int) -> bool:
 
 
 def causal(q: jax.Array, k: jax.Array, v: jax.Array, mode: str = "auto", block: int = 512,
-           window: int | None = None) -> jax.Array:
+           window: int | None = None, scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Causal grouped-query attention in the form `mode` picks for this length (q's whole sequence)."""
     if uses_blockwise(mode, block, q.shape[1]):
-        return blockwise(q, k, v, block, window)
-    return dense(q, k, v, window)
+        return blockwise(q, k, v, block, window, scale, softcap)
+    return dense(q, k, v, window, scale, softcap)
 
 
-def attend(mode: str, block: int, window: int | None = None) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+def attend(mode: str, block: int, window: int | None = None, scale: float | None = None,
+           softcap: float | None = None) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """`causal` with the model's choice bound: the `attend(q, k, v)` that Ulysses wraps."""
-    return functools.partial(causal, mode=mode, block=block, window=window)
+    return functools.partial(causal, mode=mode, block=block, window=window, scale=scale, softcap=softcap)

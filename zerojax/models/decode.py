@@ -28,6 +28,7 @@ from flax import nnx
 
 from zerojax.config import ModelConfig
 from zerojax.models import gpt, llama
+from zerojax.models.attention import scaled
 
 Cache = dict[str, jax.Array]
 
@@ -39,16 +40,18 @@ def _rebuild(make: Callable[[], nnx.Module], layer: dict[str, Any]) -> Any:
     return nnx.merge(graphdef, state)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: int | None = None) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: Any = None,
+           scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Causal attention of queries q [B, T, heads, hd] at `positions` [B, T] over a whole cache
     k, v [B, S, kv_heads, hd]: a query sees the cache slots at or before its position (and, with a
     sliding `window`, after position - window, as training's mask). Query heads are grouped under the
-    key/value head they share (GPT: one each). Returns [B, T, heads * hd]."""
+    key/value head they share (GPT: one each). `scale` and `softcap` as training's
+    (zerojax.models.attention.scaled). Returns [B, T, heads * hd]."""
     b, t, h, hd = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(hd))
+    scores = scaled(scores, hd, scale, softcap)
     slots = jnp.arange(k.shape[1])[None, None, :]
     mask = slots <= positions[:, :, None]  # [B, T, S]
     if window is not None:
@@ -113,18 +116,23 @@ class _Decoder:
         x = self._embed(params, tokens, positions)
         extra = self._extra(positions)
 
-        def body(x: jax.Array, xs: tuple[Any, jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            layer, k_cache, v_cache = xs
-            x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, extra)
+        def body(x: jax.Array, xs: tuple[Any, jax.Array, jax.Array, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            layer, k_cache, v_cache, window = xs
+            x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, (extra, window))
             return x, (k_cache, v_cache)
 
         # One token per row is launch-bound on an accelerator: the layers unrolled run as one straight
         # program, not a loop whose every iteration the host steps (the prompt's prefill keeps the loop).
         unroll = tokens.shape[1] == 1
-        x, (k, v) = jax.lax.scan(body, x, (self.layers(params), cache["k"], cache["v"]), unroll=unroll)
+        xs = (self.layers(params), cache["k"], cache["v"], self._windows())
+        x, (k, v) = jax.lax.scan(body, x, xs, unroll=unroll)
         return x, {"k": k, "v": v}
 
     def _extra(self, positions: jax.Array) -> Any:
+        return None
+
+    def _windows(self) -> Any:
+        """Each layer's attention window where the layers differ (Gemma's), else None."""
         return None
 
     # per model: embedding(params), layers(params), _embed, _layer, _logits
@@ -155,6 +163,7 @@ class GPTDecoder(_Decoder):
         b, t, d = x.shape
         h = self.cfg.n_heads
         q, k, v = (y.reshape(b, t, h, d // h) for y in jnp.split(blk.qkv(blk.ln1(x)), 3, axis=-1))
+        del extra  # learned positions; no per-layer window
         k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
         x = x + blk.proj(attend(q, k_cache, v_cache, positions))
         return x + blk.out(jax.nn.gelu(blk.fc(blk.ln2(x)))), k_cache, v_cache
@@ -180,7 +189,10 @@ class LlamaDecoder(_Decoder):
         return params["layers"]
 
     def _embed(self, params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        return jnp.take(params["embed"]["embedding"], tokens, axis=0)
+        return llama.embed_tokens(self.cfg, params["embed"]["embedding"], tokens)
+
+    def _windows(self) -> Any:
+        return llama.layer_windows(self.cfg)
 
     def _extra(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos and sin [B, T, head_dim] at each token's position (llama.rotary's maths, its scaled frequencies)."""
@@ -193,30 +205,26 @@ class LlamaDecoder(_Decoder):
                extra: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         lay = _rebuild(self._make, layer)
         x, k_cache, v_cache = self._attention(lay, x, k_cache, v_cache, positions, extra)
-        y = lay.mlp_norm(x)
-        return x + lay.down(jax.nn.silu(lay.gate(y)) * lay.up(y)), k_cache, v_cache
+        return x + lay.mlp(x), k_cache, v_cache
 
     def _attention(self, lay: llama.Layer, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    positions: jax.Array, extra: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The layer's residual attention block over the cache, which it first writes x's keys and values to."""
-        cos, sin = extra
+        """The layer's residual attention block over the cache, which it first writes x's keys and values to.
+        `extra`: (cos and sin at the positions, this layer's window or None)."""
+        (cos, sin), window = extra
         b, t, _ = x.shape
         q, k, v = lay.qkv(lay.attn_norm(x))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
-        att = attend(q, k_cache, v_cache, positions, self.cfg.sliding_window)
-        return x + lay.o(att.reshape(b, t, -1)), k_cache, v_cache
+        att = attend(q, k_cache, v_cache, positions, self.cfg.sliding_window if window is None else window,
+                     lay.scale, lay.softcap)
+        return x + lay.attn_out(att.reshape(b, t, -1)), k_cache, v_cache
 
     def _logits(self, params: Any, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        eps = llama._eps(self.cfg)
-        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-        x = params["norm"]["scale"] * y.astype(x.dtype)
-        if self.cfg.tie_embeddings:
-            w = params["embed"]["embedding"]
-            return jnp.einsum("btd,vd->btv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", x, params["head"]["kernel"].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+        cfg = self.cfg
+        x = llama.rms_norm(x, params["norm"]["scale"], llama._eps(cfg), cfg.norm_offset)
+        head = None if cfg.tie_embeddings else params["head"]["kernel"]
+        return llama.head_logits(cfg, x, params["embed"]["embedding"], head)
 
 
 class MoELlamaDecoder(LlamaDecoder):
@@ -238,9 +246,8 @@ class MoELlamaDecoder(LlamaDecoder):
     gates with `min_capacity` lowered to its token count, which still leaves room for every token, so
     the routing and the outputs are those of the configured gate.
 
-    With an expert mesh axis the generation program gathers every weight replicated before the
-    prefill (`zerojax.models.generate`), so each device holds every expert and the layer runs without
-    all-to-alls.
+    With an expert mesh axis the generation program runs the layer on the experts where the plan
+    stores them (`zerojax.models.decode_layout`); the layer's maths is the same either way.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -258,7 +265,7 @@ class MoELlamaDecoder(LlamaDecoder):
 
         def dense(x: jax.Array, xs: tuple[Any, jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             layer, k_cache, v_cache = xs
-            x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, extra)
+            x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, (extra, None))
             return x, (k_cache, v_cache)
 
         def group(x: jax.Array, xs: tuple[Any, Any, jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -267,8 +274,9 @@ class MoELlamaDecoder(LlamaDecoder):
                 x, (k_dense, v_dense) = jax.lax.scan(dense, x, (dense_run, k_cache[:-1], v_cache[:-1]), unroll=unroll)
             lay = _rebuild(make_moe, moe_layer)
             lay.moe.eval()  # no gate noise, eval_capacity_factor
-            x, k_moe, v_moe = self._attention(lay, x, k_cache[-1], v_cache[-1], positions, extra)
+            x, k_moe, v_moe = self._attention(lay, x, k_cache[-1], v_cache[-1], positions, (extra, None))
             y, _, _ = lay.moe(lay.mlp_norm(x))
+            y = lay.mlp_out(y)
             if dense_run is None:
                 return x + y, (k_moe[None], v_moe[None])
             return x + y, (jnp.concatenate([k_dense, k_moe[None]]), jnp.concatenate([v_dense, v_moe[None]]))

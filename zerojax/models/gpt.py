@@ -21,6 +21,7 @@ from flax import nnx
 from zerojax.core.collectives import gather, gathers_params
 from zerojax.config import ActivationCheckpointingConfig, ModelConfig
 from zerojax.models import attention as causal_attention
+from zerojax.models import lora
 from zerojax.models.loss import next_token_loss
 from zerojax.planner.settings import remat_policy
 
@@ -41,11 +42,11 @@ class Block(nnx.Module):
         self.attention_mode, self.attention_block = cfg.attention, cfg.attention_block
         eps = norm_eps(cfg)
         self.ln1 = nnx.LayerNorm(d, epsilon=eps, rngs=rngs)
-        self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, rngs=rngs)
-        self.proj = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
+        self.qkv = lora.linear(cfg, "qkv", d, 3 * d, kernel_init=init, rngs=rngs)
+        self.proj = lora.linear(cfg, "proj", d, d, kernel_init=out_init, rngs=rngs)
         self.ln2 = nnx.LayerNorm(d, epsilon=eps, rngs=rngs)
-        self.fc = nnx.Linear(d, f, kernel_init=init, rngs=rngs)
-        self.out = nnx.Linear(f, d, kernel_init=out_init, rngs=rngs)
+        self.fc = lora.linear(cfg, "fc", d, f, kernel_init=init, rngs=rngs)
+        self.out = lora.linear(cfg, "out", f, d, kernel_init=out_init, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape

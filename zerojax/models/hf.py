@@ -52,9 +52,9 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
-from zerojax.config.hf import HFError, model_keys
+from zerojax.config.hf import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HFError, model_keys
 from zerojax.errors import ConfigError
-from zerojax.models import abstract_params
+from zerojax.models import abstract_params, lora
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -68,11 +68,14 @@ class Source(NamedTuple):
     stored transposed ([out, in], torch's Linear) or not. `prefix_rows`: the tensor may have more
     rows than the leaf, which takes the first ones (GPT-2's position table, n_positions >= seq_len).
     `per_expert`: the leaf's next dimension (after the layer's) is the expert, `{j}` in the name:
-    one transformers tensor per layer and expert."""
+    one transformers tensor per layer and expert. `part`: (start, stop, rows) - the leaf is rows
+    start:stop of a fused tensor of `rows` rows (Phi-3's qkv_proj and gate_up_proj, torch's [out, in]):
+    split on import, the parts written back side by side on export."""
     name: str
     transpose: bool = False
     prefix_rows: bool = False
     per_expert: bool = False
+    part: tuple[int, int, int] | None = None
 
 
 def _layer_linears(pairs: tuple[tuple[str, str], ...]) -> dict[tuple[str, ...], Source]:
@@ -102,38 +105,113 @@ QWEN3_TENSORS: dict[tuple[str, ...], Source] = {  # Llama's, and each head's que
     ("layers", "q_norm", "scale"): Source("model.layers.{i}.self_attn.q_norm.weight"),
     ("layers", "k_norm", "scale"): Source("model.layers.{i}.self_attn.k_norm.weight"),
 }
-FAMILY_TENSORS = {"llama": LLAMA_TENSORS, "mistral": LLAMA_TENSORS, "qwen2": QWEN2_TENSORS, "qwen3": QWEN3_TENSORS}
+GEMMA2_TENSORS: dict[tuple[str, ...], Source] = {  # Llama's projections; four norms a layer, named Gemma's way
+    **{path: source for path, source in LLAMA_TENSORS.items() if path[-2] != "mlp_norm"},
+    ("layers", "post_attn_norm", "scale"): Source("model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers", "mlp_norm", "scale"): Source("model.layers.{i}.pre_feedforward_layernorm.weight"),
+    ("layers", "post_mlp_norm", "scale"): Source("model.layers.{i}.post_feedforward_layernorm.weight"),
+}
+# Phi-3's fused tensors: each zerojax leaf and its share of the fused rows, by the parts' widths
+# (`_fused`): [q | k | v] rows of qkv_proj, [gate | up] rows of gate_up_proj.
+PHI3_FUSED: dict[str, tuple[tuple[str, ...], ...]] = {
+    "model.layers.{i}.self_attn.qkv_proj.weight": (("layers", "q", "kernel"), ("layers", "k", "kernel"),
+                                                   ("layers", "v", "kernel")),
+    "model.layers.{i}.mlp.gate_up_proj.weight": (("layers", "gate", "kernel"), ("layers", "up", "kernel")),
+}
+FAMILY_TENSORS = {"llama": LLAMA_TENSORS, "mistral": LLAMA_TENSORS, "qwen2": QWEN2_TENSORS, "qwen3": QWEN3_TENSORS,
+                  "gemma2": GEMMA2_TENSORS, "phi3": LLAMA_TENSORS}
+FUSED = {"phi3": PHI3_FUSED}
+
+# The options that name a family when model.hf_family is not set, and the one each names.
+_NAMED_BY = {"qk_norm": "qwen3", "qkv_bias": "qwen2", "post_norms": "gemma2", "sliding_window": "mistral"}
 
 
 def family(cfg: Any) -> str:
-    """The transformers model type of a dense llama-model config: its options name it (Qwen3's per-head
-    q/k norms, Qwen2's q/k/v biases, Mistral's sliding window), else Llama. Options no one transformers
-    family has together are refused."""
-    chosen = [key for key in ("qk_norm", "qkv_bias", "sliding_window") if getattr(cfg, key)]
+    """The transformers model type of a dense llama-model config: `model.hf_family` (set by an import),
+    else the one its options name (Qwen3's per-head q/k norms, Qwen2's q/k/v biases, Gemma 2's post
+    norms, Mistral's sliding window), else Llama. Options no one transformers family has together are
+    refused."""
+    if cfg.hf_family in FAMILY_TENSORS:
+        return cfg.hf_family
+    chosen = [key for key in _NAMED_BY if getattr(cfg, key)]
+    if chosen == ["post_norms", "sliding_window"]:
+        chosen = ["post_norms"]  # Gemma 2's local layers
     if len(chosen) > 1:
         raise HFError(f"model.{chosen[0]} and model.{chosen[1]} together match no Hugging Face family (Qwen3 has "
-                      f"the q/k norms, Qwen2 the q/k/v biases, Mistral the sliding window); export this model with "
-                      f"--format safetensors instead")
-    return {"qk_norm": "qwen3", "qkv_bias": "qwen2", "sliding_window": "mistral"}[chosen[0]] if chosen else "llama"
+                      f"the q/k norms, Qwen2 the q/k/v biases, Gemma 2 the post norms, Mistral the sliding window); "
+                      f"export this model with --format safetensors instead")
+    kind = _NAMED_BY[chosen[0]] if chosen else "llama"
+    _check_family(cfg, kind)
+    return kind
+
+
+# What each family computes, beyond the options that name it: a model whose switches differ is no
+# checkpoint of that family, and an export under its name would load as another model.
+_GEMMA2_SWITCHES = {"norm_offset": 1.0, "embed_scale": True, "post_norms": True, "mlp_activation": "gelu_tanh"}
+_PLAIN_SWITCHES = {"norm_offset": 0.0, "embed_scale": False, "post_norms": False, "mlp_activation": "silu",
+                   "attn_softcap": None, "final_softcap": None, "query_scale": None, "global_every": None}
+
+
+def _check_family(cfg: Any, kind: str) -> None:
+    want = _GEMMA2_SWITCHES if kind == "gemma2" else _PLAIN_SWITCHES
+    for key, value in want.items():
+        if getattr(cfg, key) != value:
+            raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face {kind} checkpoint has "
+                          f"{json.dumps(value)}; export this model with --format safetensors instead")
+    if kind == "gemma2" and cfg.sliding_window is not None and cfg.global_every != 2:
+        raise HFError(f"model.global_every: {cfg.global_every}, but Gemma 2 alternates local and global layers "
+                      f"(2); export this model with --format safetensors instead")
+
+
+def _fused(cfg: Any, kind: str) -> dict[tuple[str, ...], Source]:
+    """The leaves of `kind`'s fused tensors, each with its rows (the parts' widths from the config)."""
+    widths = {"q": cfg.n_heads * _head_dim(cfg), "k": (cfg.n_kv_heads or cfg.n_heads) * _head_dim(cfg),
+              "v": (cfg.n_kv_heads or cfg.n_heads) * _head_dim(cfg), "gate": cfg.d_ff, "up": cfg.d_ff}
+    out = {}
+    for name, parts in FUSED.get(kind, {}).items():
+        total, start = sum(widths[p[1]] for p in parts), 0
+        for path in parts:
+            out[path] = Source(name, transpose=True, part=(start, start + widths[path[1]], total))
+            start += widths[path[1]]
+    return out
+
+
+def _head_dim(cfg: Any) -> int:
+    return cfg.head_dim or cfg.d_model // cfg.n_heads
 
 
 def _llama_names(cfg: Any) -> dict[tuple[str, ...], Source]:
-    names = dict(FAMILY_TENSORS[family(cfg)])
+    kind = family(cfg)
+    _check_family(cfg, kind)
+    names = {**FAMILY_TENSORS[kind], **_fused(cfg, kind)}
     if not cfg.tie_embeddings:
         names[("head", "kernel")] = Source("lm_head.weight", transpose=True)
     return names
 
 
+def moe_family(cfg: Any) -> str:
+    """The transformers MoE model type of a MoE llama: Qwen3-MoE with Qwen3's q/k norms, else Mixtral."""
+    if cfg.hf_family in ("mixtral", "qwen3_moe"):
+        return cfg.hf_family
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
+
+
 def _check_mixtral(cfg: Any) -> None:
-    """The MoE Llama is a transformers Mixtral only in Mixtral's shape and with a gate that renormalizes
-    its top-k weights (every gate but DeepSpeed's top-1); else one error naming the key."""
-    for key, want, why in (("moe_every", 1, "every Mixtral layer's MLP is a mixture of experts"),
-                           ("use_residual", False, "Mixtral has no residual MLP beside its experts (PR-MoE)"),
-                           ("qkv_bias", False, "Mixtral's attention has no biases"),
-                           ("qk_norm", False, "Mixtral's attention has no query/key norms")):
+    """The MoE Llama is a transformers Mixtral (or Qwen3-MoE) only in its shape and with a gate that
+    renormalizes its top-k weights (every gate but DeepSpeed's top-1); else one error naming the key."""
+    kind = moe_family(cfg)
+    name = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}[kind]
+    for key, want, why in (("moe_every", 1, f"every {name} layer's MLP is a mixture of experts"),
+                           ("use_residual", False, f"{name} has no residual MLP beside its experts (PR-MoE)"),
+                           ("qkv_bias", False, f"{name}'s attention has no biases"),
+                           ("qk_norm", kind == "qwen3_moe", f"{name}'s attention has {'' if kind == 'qwen3_moe' else 'no '}"
+                                                            f"query/key norms"),
+                           ("sliding_window", None if kind == "qwen3_moe" else cfg.sliding_window,
+                            "Qwen3-MoE's published checkpoints attend to the whole context")):
         if getattr(cfg, key) != want:
-            raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face MoE checkpoint (Mixtral) needs "
+            raise HFError(f"model.{key}: {getattr(cfg, key)}, but a Hugging Face MoE checkpoint ({name}) needs "
                           f"{json.dumps(want)}: {why}; export this model with --format safetensors instead")
+    _check_family(cfg, "mixtral")
     if cfg.experts_per_token == 1 and cfg.gating != "topk":
         raise HFError(f"model.gating: {cfg.gating} with model.experts_per_token 1 is DeepSpeed's top-1 gate, which "
                       f"weights a token's expert by its softmax probability where a Hugging Face Mixtral "
@@ -141,16 +219,23 @@ def _check_mixtral(cfg: Any) -> None:
                       f"instead")
 
 
+# Each MoE family's router and experts: its layer's MoE prefix, and the names of the SwiGLU gate, up
+# and down projections of expert {j}.
+MOE_TENSORS = {"mixtral": ("model.layers.{i}.block_sparse_moe.", (("gate", "w1"), ("up", "w3"), ("down", "w2"))),
+               "qwen3_moe": ("model.layers.{i}.mlp.", (("gate", "gate_proj"), ("up", "up_proj"),
+                                                       ("down", "down_proj")))}
+
+
 def _mixtral_names(cfg: Any) -> dict[tuple[str, ...], Source]:
-    """The MoE Llama as transformers' MixtralForCausalLM: the Llama's attention and norms, and in every
-    layer a `block_sparse_moe` of a router (`gate`, [experts, hidden]) and experts whose w1, w3, w2 are
-    the SwiGLU gate, up and down projections."""
+    """The MoE Llama as transformers' MixtralForCausalLM (or Qwen3MoeForCausalLM): the Llama's (Qwen3's)
+    attention and norms, and in every layer a router (`gate`, [experts, hidden]) and experts whose
+    projections are the SwiGLU gate, up and down (Mixtral's w1, w3, w2)."""
     _check_mixtral(cfg)
     names = {path: source for path, source in _llama_names(cfg).items()
              if not (path[0] == "layers" and path[1] in ("gate", "up", "down"))}
-    moe = "model.layers.{i}.block_sparse_moe."
+    moe, projections = MOE_TENSORS[moe_family(cfg)]
     names[("layers", "moe", "router", "kernel")] = Source(moe + "gate.weight", transpose=True)
-    for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+    for ours, theirs in projections:
         names[("layers", "moe", "experts", ours)] = Source(moe + "experts.{j}." + theirs + ".weight",
                                                            transpose=True, per_expert=True)
     return names
@@ -220,12 +305,12 @@ def _shard_name(index: Path, file: Any) -> str:
 class Checkpoint:
     """The tensors of a transformers folder, read lazily by slices (safetensors' `get_slice`)."""
 
-    def __init__(self, directory: str | os.PathLike[str]):
+    def __init__(self, directory: str | os.PathLike[str], single: str = SINGLE_FILE):
         from safetensors import safe_open
 
         self.root = Path(directory).expanduser()
         index = self.root / INDEX_FILE
-        if index.is_file():
+        if single == SINGLE_FILE and index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 if not isinstance(weight_map, dict):
@@ -233,7 +318,7 @@ class Checkpoint:
             except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
                 raise HFError(f"model.hf_checkpoint: {index} is not a safetensors index ({e!r})") from None
             self.where = {name: self.root / _shard_name(index, file) for name, file in weight_map.items()}
-        elif (self.root / SINGLE_FILE).is_file():
+        elif (self.root / single).is_file():
             self.where = {}
         else:
             found = sorted(p.name for p in self.root.iterdir() if p.suffix in (".bin", ".safetensors", ".pt"))
@@ -242,7 +327,7 @@ class Checkpoint:
                           + "; zerojax reads safetensors: save with save_pretrained(..., safe_serialization=True)")
         self._stack = contextlib.ExitStack()
         self._files: dict[Path, Any] = {}
-        files = sorted(set(self.where.values())) or [self.root / SINGLE_FILE]
+        files = sorted(set(self.where.values())) or [self.root / single]
         try:
             for path in files:
                 if not path.is_file():
@@ -302,6 +387,14 @@ def _names_for(cfg: Any, ckpt: Checkpoint) -> dict[tuple[str, ...], Source]:
     return _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in ckpt else None, cfg.tie_embeddings)
 
 
+def _refuse_fused(table: Mapping[tuple[str, ...], Source], what: str) -> None:
+    fused = next((source.name for source in table.values() if source.part is not None), None)
+    if fused is not None:
+        raise HFError(f"{what}: this model's Hugging Face names fuse several parameters into one tensor ({fused}, "
+                      f"Phi-3's), which a DeepSpeed checkpoint of it holds whole; use model.hf_checkpoint and "
+                      f"export --format hf for Phi-3")
+
+
 def deepspeed_sources(cfg: Any, names: Any) -> dict[str, Source]:
     """The name table for a DeepSpeed checkpoint of this model written by the Hugging Face Trainer:
     zerojax leaf (dotted) -> the DeepSpeed parameter name it comes from (`names`: the checkpoint's
@@ -311,6 +404,7 @@ def deepspeed_sources(cfg: Any, names: Any) -> dict[str, Source]:
     present = set(names)
     if cfg.name == "llama":
         table = _llama_names(cfg)
+        _refuse_fused(table, "import-deepspeed")
     else:
         prefix = "transformer." if "transformer.wte.weight" in present else ""
         table = _gpt2_names(prefix, "lm_head.weight" if "lm_head.weight" in present else None, cfg.tie_embeddings)
@@ -321,6 +415,7 @@ def named_tensors(cfg: Any, path: tuple[str, ...], array: np.ndarray) -> Iterato
     """(transformers / HF Trainer name, tensor) of one zerojax leaf of the embedded GPT or Llama: one
     per layer (and expert) for a stacked leaf, transposed to torch's [out, in] where the table says so."""
     source = _export_names(cfg)[path]
+    _refuse_fused({path: source}, "export --format deepspeed")
     for ix, name in _tensors_of(path, source, np.shape(array)):
         part = array[ix] if ix else array
         yield name, (part.T if source.transpose else part)
@@ -336,8 +431,16 @@ def _check_shapes(cfg: Any, ckpt: Checkpoint, abstract: Mapping[str, Any],
                   names: Mapping[tuple[str, ...], Source]) -> None:
     """Every tensor the model needs is there with the shape the config implies (before any read)."""
     for path, leaf in _paths(abstract):
+        if path not in names and lora.is_adapter(path):
+            continue  # a new adapter, not read from the checkpoint
         source = names[path]
         want = _expected(path, tuple(leaf.shape), source)
+        if source.part is not None:
+            start, stop, rows = source.part
+            if want[0] != stop - start:
+                raise HFError(f"model.hf_checkpoint: the model's {'.'.join(path)} has {want[0]} rows of the fused "
+                              f"{source.name}, the config's sizes give it {stop - start}")
+            want = (rows,) + want[1:]
         for _, name in _tensors_of(path, source, tuple(leaf.shape)):
             got = ckpt.shape(name)
             ok = got == want or (source.prefix_rows and len(got) == 2 and got[1] == want[1] and got[0] >= want[0])
@@ -371,7 +474,10 @@ def _block(ckpt: Checkpoint, path: tuple[str, ...], source: Source, index: tuple
 
     def one(name: str, idx: tuple[slice, ...]) -> np.ndarray:
         if source.transpose:
-            return ckpt.read(name, tuple(reversed(idx))).T
+            idx = tuple(reversed(idx))
+            if source.part is not None:  # this leaf's rows of the fused tensor
+                idx = (slice(idx[0].start + source.part[0], idx[0].stop + source.part[0]),) + idx[1:]
+            return ckpt.read(name, idx).T
         return ckpt.read(name, idx)
 
     lead = _lead(path, source)
@@ -384,22 +490,86 @@ def _block(ckpt: Checkpoint, path: tuple[str, ...], source: Source, index: tuple
     return np.ascontiguousarray(out.astype(dtype))
 
 
-def load_params(directory: str | os.PathLike[str], cfg: Any, shardings: Any) -> dict[str, Any]:
+ADAPTER_PREFIX = "base_model.model."  # PEFT's names: the base model's module path under its wrapper
+
+
+def adapter_names(cfg: Any, base: Mapping[tuple[str, ...], Source]) -> dict[tuple[str, ...], Source]:
+    """PEFT's tensor of each adapter leaf: `base_model.model.<module>.lora_A.weight` [r, in] and
+    `lora_B.weight` [out, r] beside the projection's own tensor, stored as torch's Linear stores
+    them (transposed from our A [in, r] and B [r, out]) whatever the base's own layout."""
+    picked = lora.targets(cfg)
+    out = {}
+    for path, source in base.items():
+        if path[-1] == "kernel" and len(path) >= 2 and path[-2] in picked:
+            stem = ADAPTER_PREFIX + source.name.removesuffix(".weight")
+            out[path[:-1] + ("lora_a",)] = Source(f"{stem}.lora_A.weight", transpose=True)
+            out[path[:-1] + ("lora_b",)] = Source(f"{stem}.lora_B.weight", transpose=True)
+    return out
+
+
+@contextlib.contextmanager
+def _sources(directory: str | os.PathLike[str], cfg: Any, seed: int) -> Iterator[Callable[..., np.ndarray]]:
+    """`block(path, index, shape, dtype)` of every leaf of `cfg`'s model: the base from the checkpoint
+    folder; the adapters (with `cfg.lora`) from `lora.adapter`'s PEFT file, or new (`lora.initial`)."""
+    abstract = abstract_params(cfg)
+    adapter_dir = getattr(getattr(cfg, "lora", None), "adapter", None)
+    with Checkpoint(directory) as ckpt, contextlib.ExitStack() as stack:
+        names = _names_for(cfg, ckpt)
+        _check_shapes(cfg, ckpt, abstract, names)
+        adapters = adapter_names(cfg, names) if getattr(cfg, "lora", None) is not None else {}
+        peft = None
+        if adapter_dir is not None:
+            peft = stack.enter_context(Checkpoint(adapter_dir, single=ADAPTER_WEIGHTS))
+            _check_adapter(cfg, peft, abstract, adapters)
+
+        def block(path: tuple[str, ...], index: tuple[Any, ...], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            if path in adapters and peft is not None:
+                return _block(peft, path, adapters[path], index, shape, dtype)
+            if path in adapters:
+                return np.ascontiguousarray(lora.initial(path, shape, dtype, seed)[tuple(index)])
+            return _block(ckpt, path, names[path], index, shape, dtype)
+
+        yield block
+
+
+def _check_adapter(cfg: Any, peft: Checkpoint, abstract: Mapping[str, Any],
+                   adapters: Mapping[tuple[str, ...], Source]) -> None:
+    """The PEFT file holds exactly the adapters the lora section describes, each of the right shape."""
+    where = f"lora.adapter: {peft.root / ADAPTER_WEIGHTS}"
+    for path, leaf in _paths(abstract):
+        if path in adapters:
+            want = _expected(path, tuple(leaf.shape), adapters[path])
+            for _, name in _tensors_of(path, adapters[path], tuple(leaf.shape)):
+                if name not in peft:
+                    raise HFError(f"{where} has no {name}; its adapter_config.json's target_modules and the "
+                                  f"lora section disagree (remove lora.target_modules to take the adapter's)")
+                if peft.shape(name) != want:
+                    raise HFError(f"{where}: {name} has shape {list(peft.shape(name))}, but lora.r {cfg.lora.r} on "
+                                  f"this base needs {list(want)}; remove lora.r to take the adapter's")
+    expected = {name for path, leaf in _paths(abstract) if path in adapters
+                for _, name in _tensors_of(path, adapters[path], tuple(leaf.shape))}
+    extra = sorted(set(peft.where) - expected)
+    if extra:
+        raise HFError(f"{where} holds tensors no adapter of this model takes ({', '.join(extra[:4])}"
+                      f"{' ...' if len(extra) > 4 else ''}); only LoRA on the projections lora.target_modules "
+                      f"names is read")
+
+
+def load_params(directory: str | os.PathLike[str], cfg: Any, shardings: Any, seed: int = 0) -> dict[str, Any]:
     """The checkpoint's parameters as the zerojax model's params tree, each leaf created under its
-    sharding in `shardings` (the plan's `update_shardings`), each device reading only its block."""
+    sharding in `shardings` (the plan's `update_shardings`), each device reading only its block. With
+    `cfg.lora`, the adapters come from `lora.adapter` or are new (drawn from `seed`)."""
     import jax
 
     abstract = abstract_params(cfg)
-    with Checkpoint(directory) as ckpt:
-        names = _names_for(cfg, ckpt)
-        _check_shapes(cfg, ckpt, abstract, names)
+    with _sources(directory, cfg, seed) as block:
         flat_shardings = dict(_paths(shardings))
         out: dict[str, Any] = {}
         for path, leaf in _paths(abstract):
             shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
             array = jax.make_array_from_callback(
                 shape, flat_shardings[path],
-                lambda idx, path=path, shape=shape, dtype=dtype: _block(ckpt, path, names[path], idx, shape, dtype))
+                lambda idx, path=path, shape=shape, dtype=dtype: block(path, idx, shape, dtype))
             node = out
             for key in path[:-1]:
                 node = node.setdefault(key, {})
@@ -407,18 +577,16 @@ def load_params(directory: str | os.PathLike[str], cfg: Any, shardings: Any) -> 
     return out
 
 
-def read_params(directory: str | os.PathLike[str], cfg: Any) -> dict[str, Any]:
+def read_params(directory: str | os.PathLike[str], cfg: Any, seed: int = 0) -> dict[str, Any]:
     """The checkpoint's parameters as numpy arrays (whole, on the host): for tests and small models."""
     abstract = abstract_params(cfg)
-    with Checkpoint(directory) as ckpt:
-        names = _names_for(cfg, ckpt)
-        _check_shapes(cfg, ckpt, abstract, names)
+    with _sources(directory, cfg, seed) as block:
         out: dict[str, Any] = {}
         for path, leaf in _paths(abstract):
             node = out
             for key in path[:-1]:
                 node = node.setdefault(key, {})
-            node[path[-1]] = _block(ckpt, path, names[path], (), tuple(leaf.shape), np.dtype(leaf.dtype))
+            node[path[-1]] = block(path, (), tuple(leaf.shape), np.dtype(leaf.dtype))
     return out
 
 
@@ -537,7 +705,7 @@ def _write_tensor(f: Any, t: Tensor) -> None:
 
 
 def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                      metadata: Mapping[str, str] | None = None) -> list[str]:
+                      metadata: Mapping[str, str] | None = None, single: str = SINGLE_FILE) -> list[str]:
     """Write `tensors` in their order as model.safetensors, or as shards of at most `max_shard_size`
     bytes (a tensor larger than that alone in its shard) with model.safetensors.index.json, as
     transformers' `save_pretrained` does. Each file is written as its tensors are made, one tensor at a
@@ -554,7 +722,7 @@ def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | st
         shards[-1].append(t)
         used += _nbytes(t)
     n = len(shards)
-    files = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    files = [single] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     out.mkdir(parents=True, exist_ok=True)
     temps = [out / f".{file}.tmp-{os.getpid()}" for file in files]
     try:
@@ -590,17 +758,23 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
     source checkpoint: a model trained from scratch)."""
     if cfg.name == "llama" and cfg.n_experts:
         _check_mixtral(cfg)
-        llama = hf_config(dataclasses.replace(cfg, n_experts=None, sliding_window=None), dtype)
-        dense_only = ("architectures", "model_type", "attention_bias", "mlp_bias")
-        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                **{k: v for k, v in llama.items() if k not in dense_only},
-                "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
-                "router_aux_loss_coef": cfg.moe_aux_loss_coef, "router_jitter_noise": 0.0,
-                "output_router_logits": False, "sliding_window": cfg.sliding_window}
+        llama = hf_config(dataclasses.replace(cfg, n_experts=None, sliding_window=None, hf_family=None), dtype)
+        dense_only = ("architectures", "model_type", "attention_bias", "mlp_bias", "use_sliding_window")
+        moe = {k: v for k, v in llama.items() if k not in dense_only}
+        routing = {"num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.moe_aux_loss_coef,
+                   "output_router_logits": False}
+        if moe_family(cfg) == "qwen3_moe":
+            return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **moe,
+                    "num_experts": cfg.n_experts, **routing, "moe_intermediate_size": cfg.d_ff,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **moe,
+                "num_local_experts": cfg.n_experts, **routing, "router_jitter_noise": 0.0,
+                "sliding_window": cfg.sliding_window}
     if cfg.name == "llama":
         kind = family(cfg)
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "mistral": "MistralForCausalLM"}[kind]
+                "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}[kind]
         out = {"architectures": [arch], "model_type": kind, "vocab_size": cfg.vocab_size,
                "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
@@ -615,6 +789,15 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
             out.update(attention_bias=False, use_sliding_window=False)
         elif kind == "mistral":
             out.update(sliding_window=cfg.sliding_window)
+        elif kind == "phi3":  # Phi3Config's pad_token_id (32000) is a row of Phi-3's own vocabulary only
+            out.update(sliding_window=cfg.sliding_window, pad_token_id=None)
+        elif kind == "gemma2":
+            del out["hidden_act"]
+            n = cfg.n_layers
+            out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, sliding_window=cfg.sliding_window,
+                       query_pre_attn_scalar=_whole(cfg.query_scale or out["head_dim"]),
+                       attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                       layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
         else:
             out.update(use_sliding_window=False)
         return out
@@ -624,6 +807,11 @@ def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
             "layer_norm_epsilon": cfg.norm_eps if cfg.norm_eps is not None else 1e-6,
             "activation_function": "gelu_new", "tie_word_embeddings": bool(cfg.tie_embeddings),
             "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "torch_dtype": dtype}
+
+
+def _whole(x: float) -> int | float:
+    """An integral value as an int: Gemma2Config's query_pre_attn_scalar is typed int."""
+    return int(x) if float(x).is_integer() else x
 
 
 def _rope_scaling(cfg: Any) -> dict[str, Any] | None:
@@ -655,10 +843,39 @@ def _rows(read: Reader, path: tuple[str, ...], ix: tuple[int, ...], transpose: b
     return read(path, lead + ((rows,) if rows != () else ()))
 
 
+def _fuse(tensors: list[tuple[Tensor, Source]]) -> list[Tensor]:
+    """The tensors to write: each fused tensor's parts (`Source.part`, each a Tensor of its own rows)
+    joined into one at the place of its first part, its rows made from the parts they fall in."""
+    groups: dict[str, list[tuple[Tensor, Source]]] = {}
+    for t, source in tensors:
+        if source.part is not None:
+            groups.setdefault(t.name, []).append((t, source))
+    out: list[Tensor] = []
+    for t, source in tensors:
+        if source.part is None:
+            out.append(t)
+            continue
+        parts = groups.pop(t.name, None)
+        if parts is None:
+            continue  # joined already
+        parts.sort(key=lambda part: part[1].part[0])  # the leaves come by name (k before q), the rows by start
+
+        def make(rows: Any, parts=parts) -> np.ndarray:
+            pieces = []
+            for part, src in parts:
+                start, stop, _ = src.part
+                lo, hi = max(rows.start, start), min(rows.stop, stop)
+                if lo < hi:
+                    pieces.append(np.asarray(part.make(slice(lo - start, hi - start))))
+            return np.concatenate(pieces)
+        out.append(Tensor(t.name, t.dtype, (source.part[2],) + tuple(t.shape[1:]), make))
+    return out
+
+
 def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
-                   dtype: str) -> list[Tensor]:
-    """Every zerojax leaf under its transformers name(s), no source checkpoint."""
-    names = _export_names(cfg)
+                   dtype: str, names: Mapping[tuple[str, ...], Source] | None = None) -> list[Tensor]:
+    """Every zerojax leaf under its transformers name(s) (`names`: default the model's), no source checkpoint."""
+    names = _export_names(cfg) if names is None else names
     out = []
     for path, shape in shapes.items():
         source = names[path]
@@ -666,13 +883,17 @@ def _model_tensors(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tupl
         for ix, name in _tensors_of(path, source, tuple(shape)):
             def make(rows: Any, path=path, ix=ix, source=source) -> np.ndarray:
                 return _rows(read, path, ix, source.transpose, rows)
-            out.append(Tensor(name, _ST_DTYPES[dtype], one, make))
-    return out
+            out.append((Tensor(name, _ST_DTYPES[dtype], one, make), source))
+    return _fuse(out)
 
 
 def save_params(out_dir: str | os.PathLike[str], cfg: Any, params: Mapping[str, Any], dtype: str = "float32",
                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Write an in-memory params tree (numpy or jax arrays) as a transformers folder."""
+    """Write an in-memory params tree (numpy or jax arrays) as a transformers folder. A model with LoRA
+    adapters (`cfg.lora`) is written merged (W + alpha / r A B): the plain model, which transformers
+    loads without peft; `save_adapter` writes the adapters alone."""
+    if getattr(cfg, "lora", None) is not None:
+        params, cfg = lora.merged(cfg, params), lora.without(cfg)
     flat = dict(_paths(params))
     shapes = {path: tuple(np.shape(x)) for path, x in flat.items()}
     out = Path(out_dir)
@@ -723,6 +944,7 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tupl
     names = _names_for(cfg, src)
     _check_shapes(cfg, src, abstract, names)
     trained: list[Tensor] = []
+    fused: list[tuple[Tensor, Source]] = []
     taken: set[str] = set()
     untied = False
     for path, leaf in _paths(abstract):
@@ -739,6 +961,12 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tupl
             continue
         for ix, name in _tensors_of(path, source, tuple(leaf.shape)):
             full = src.shape(name)
+            if source.part is not None:  # a fused tensor's rows (Phi-3's): joined by `_fuse`
+                def part(rows: Any, path=path, ix=ix, source=source) -> np.ndarray:
+                    return _rows(read, path, ix, source.transpose, rows)
+                fused.append((Tensor(name, st_dtype, _expected(path, tuple(leaf.shape), source), part), source))
+                taken.add(name)
+                continue
 
             held = _expected(path, tuple(leaf.shape), source)[0]  # rows the model has (GPT-2: seq_len positions)
 
@@ -762,7 +990,7 @@ def _source_tensors(cfg: Any, src: Checkpoint, read: Reader, dtype: str) -> tupl
                           f"which the export cannot copy; export with --hf-source none (only the model's tensors)")
         copied.append(Tensor(name, st_dtype if kind in _ST_FLOATS else kind, src.shape(name),
                              lambda rows, name=name: src.read(name, (rows,) if rows != () else ())))
-    return trained + copied, untied
+    return trained + _fuse(fused) + copied, untied
 
 
 def _config_from_source(src: Path, dtype: str, untied: bool) -> str:
@@ -791,9 +1019,6 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
     one layer of a stacked leaf is read from the checkpoint when it is written, so host memory stays
     near one tensor whatever the model size."""
     from zerojax import checkpoint as ck
-    from zerojax.checkpoint.export import LeafReader
-    from zerojax.core.names import join
-    from zerojax.config import ModelConfig
 
     hf_dtype = EXPORT_DTYPES.get(dtype)
     if hf_dtype is None:
@@ -805,24 +1030,12 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"export --format hf: {out} is not empty and is never overwritten silently; pass "
                               f"--force to replace its config.json and weights, or choose another --out")
-    tag_dir, meta = ck.unpipelined_tag(directory, tag, "export --format hf")
+    tag_dir, meta, cfg, shapes, read = _open_tag(directory, tag, "export --format hf")
     extra = meta.get("extra", {})
-    model = extra.get("config", {}).get("model")
-    if not model:
-        raise ConfigError(f"export --format hf: {tag_dir} does not record the run's config (model.*), so the "
-                          f"transformers architecture is unknown; export it with --format safetensors")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in model.items() if k in fields})
-    expected = {".".join(p): tuple(x.shape) for p, x in _paths(abstract_params(cfg))}
-    saved = {name: tuple(entry["shape"]) for name, entry in meta["params"].items()}
-    if saved != expected:
-        raise ConfigError(f"export --format hf: the parameters in {tag_dir} are not those of the {cfg.name} model "
-                          f"its config names (a custom model?); export it with --format safetensors")
-    shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
-    reader = LeafReader(tag_dir / ck.STATE_DIR)
-
-    def read(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
-        return reader.read(join(meta["truth"], ".".join(path)), index)
+    if cfg.lora is not None:  # the adapters folded into their kernels as each is written: the plain model
+        read = _merged_reader(cfg, read, shapes)
+        shapes = {path: shape for path, shape in shapes.items() if not lora.is_adapter(path)}
+        cfg = lora.without(cfg)
 
     record = extra.get("hf_source")
     if source is not None and str(source).lower() == "none":
@@ -862,4 +1075,125 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
         if (extra_file.is_file() and extra_file.suffix in _CARRIED_SUFFIXES and extra_file.suffix not in _WEIGHT_SUFFIXES
                 and extra_file.name not in ("config.json", INDEX_FILE)):
             shutil.copyfile(extra_file, out / extra_file.name)
+    return out
+
+
+def _open_tag(directory: str | os.PathLike[str], tag: str | None, what: str) -> tuple[Path, dict[str, Any], Any,
+                                                                                  dict[tuple[str, ...], tuple[int, ...]],
+                                                                                  Reader]:
+    """A zerojax checkpoint tag of a shipped model: its folder, meta.json, the model config it records
+    (with its `lora` section when enabled), every leaf's shape, and a reader of any block of a leaf."""
+    from zerojax import checkpoint as ck
+    from zerojax.checkpoint.export import LeafReader
+    from zerojax.config import LoraConfig, ModelConfig
+    from zerojax.core.names import join
+
+    tag_dir, meta = ck.unpipelined_tag(directory, tag, what)
+    config = meta.get("extra", {}).get("config", {})
+    model = config.get("model")
+    if not model:
+        raise ConfigError(f"{what}: {tag_dir} does not record the run's config (model.*), so the "
+                          f"transformers architecture is unknown; export it with --format safetensors")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in model.items() if k in fields and k != "lora"})
+    section = config.get("lora") or {}
+    if section.get("enabled"):
+        keys = {f.name for f in dataclasses.fields(LoraConfig)}
+        cfg = dataclasses.replace(cfg, lora=LoraConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                                          for k, v in section.items() if k in keys}))
+    expected = {".".join(p): tuple(x.shape) for p, x in _paths(abstract_params(cfg))}
+    saved = {name: tuple(entry["shape"]) for name, entry in meta["params"].items()}
+    if saved != expected:
+        raise ConfigError(f"{what}: the parameters in {tag_dir} are not those of the {cfg.name} model "
+                          f"its config names (a custom model?); export it with --format safetensors")
+    shapes = {tuple(name.split(".")): shape for name, shape in saved.items()}
+    reader = LeafReader(tag_dir / ck.STATE_DIR)
+
+    frozen, excluded = set(meta.get("frozen", ())), set(meta.get("excluded", ()))
+
+    def read(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
+        name = ".".join(path)
+        if name in excluded:
+            raise ConfigError(f"{what}: {tag_dir} was saved with exclude_frozen_parameters, so it does not hold "
+                              f"{name}; export a tag saved with them, or only the adapters (--format peft)")
+        return reader.read(join("params" if name in frozen else meta["truth"], name), index)  # frozen: no master
+
+    return tag_dir, meta, cfg, shapes, read
+
+
+def _merged_reader(cfg: Any, read: Reader, shapes: Mapping[tuple[str, ...], tuple[int, ...]]) -> Reader:
+    """`read` with each adapted kernel's block W + alpha / r * A B (A's rows and B's columns of the block
+    only): the merged model, one block at a time, never a merged copy of the whole model."""
+    s, picked = lora.scale(cfg), lora.targets(cfg)
+
+    def merged(path: tuple[str, ...], index: tuple[Any, ...]) -> np.ndarray:
+        w = read(path, index)
+        if path[-1] != "kernel" or len(path) < 2 or path[-2] not in picked:
+            return w
+        index = tuple(index) + (slice(None),) * (len(shapes[path]) - len(tuple(index)))
+        lead, rows, cols = index[:-2], index[-2], index[-1]
+        a = np.asarray(read(path[:-1] + ("lora_a",), lead + (rows, slice(None))), np.float32)
+        b = np.asarray(read(path[:-1] + ("lora_b",), lead + (slice(None), cols)), np.float32)
+        return (np.asarray(w, np.float32) + s * (a @ b)).astype(np.asarray(w).dtype)
+
+    return merged
+
+
+def export_adapter(directory: str | os.PathLike[str], tag: str | None, out_dir: str | os.PathLike[str], *,
+                   overwrite: bool = False, base: str | None = None) -> Path:
+    """`zerojax export --format peft`: a LoRA run's checkpoint's adapters as a PEFT folder
+    (`save_adapter`); the base named in it is `base`, else the run's model.hf_checkpoint."""
+    from zerojax import checkpoint as ck
+    out = ck.absolute(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise FileExistsError(f"export --format peft: {out} exists and is never overwritten silently; pass --force "
+                              f"to replace its adapter files, or choose another --out")
+    _, _, cfg, shapes, read = _open_tag(directory, tag, "export --format peft")
+    if cfg.lora is None:
+        raise ConfigError("export --format peft: the run trained no LoRA adapters (its lora.enabled is false); "
+                          "export the model with --format hf")
+    params: dict[str, Any] = {}
+    for path in shapes:
+        if lora.is_adapter(path):
+            node = params
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = read(path, ())
+    return save_adapter(out, cfg, params, base=base or cfg.hf_checkpoint)
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT adapters out.
+
+def _peft_targets(cfg: Any, names: Mapping[tuple[str, ...], Source]) -> list[str]:
+    """adapter_config.json's target_modules: each adapted module's last name (q_proj), or its last two
+    where the last is shared with a module left without an adapter (GPT-2's attn.c_proj / mlp.c_proj)."""
+    picked = lora.targets(cfg)
+    stems = {path[-2]: source.name.removesuffix(".weight").split(".") for path, source in names.items()
+             if path[-1] == "kernel" and len(path) >= 2}
+    unadapted = {parts[-1] for layer, parts in stems.items() if layer not in picked}
+    return sorted({".".join(parts[-2:]) if parts[-1] in unadapted else parts[-1]
+                   for layer, parts in stems.items() if layer in picked})
+
+
+def save_adapter(out_dir: str | os.PathLike[str], cfg: Any, params: Mapping[str, Any],
+                 base: str | None = None) -> Path:
+    """Write the adapters of a params tree as a PEFT LoRA folder (adapter_config.json +
+    adapter_model.safetensors, fp32) that `peft.PeftModel.from_pretrained(base_model, out_dir)` loads
+    onto the base (`base`: its folder, recorded as base_model_name_or_path)."""
+    if getattr(cfg, "lora", None) is None:
+        raise ConfigError("export --adapter: the model has no LoRA adapters (lora.enabled is false)")
+    names = adapter_names(cfg, _export_names(cfg))
+    flat = {path: x for path, x in _paths(params) if path in names}
+    shapes = {path: tuple(np.shape(x)) for path, x in flat.items()}
+    out = Path(out_dir)
+    tensors = _model_tensors(cfg, lambda path, index: np.asarray(flat[path][index]), shapes, "float32", names)
+    write_safetensors(out, tensors, metadata={"format": "pt"}, single=ADAPTER_WEIGHTS)
+    fan_in_fan_out = cfg.name != "llama"  # GPT-2's Conv1D stores its weight [in, out]
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+              "r": cfg.lora.r, "lora_alpha": cfg.lora.lora_alpha, "lora_dropout": cfg.lora.lora_dropout,
+              "target_modules": _peft_targets(cfg, _export_names(cfg)), "bias": "none",
+              "fan_in_fan_out": fan_in_fan_out, "inference_mode": True, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "modules_to_save": None}
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -31,6 +31,7 @@ from flax import nnx
 from zerojax.config import ModelConfig
 from zerojax.core.mesh import sequence_axis
 from zerojax.models import attention as causal_attention
+from zerojax.models import lora
 from zerojax.models import ulysses
 from zerojax.models.loss import inputs, next_token_loss
 from zerojax.models.moe import MoE
@@ -76,24 +77,66 @@ def frequencies(cfg: ModelConfig) -> jax.Array:
     return inv
 
 
-class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, the statistics in float32."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x / rms(x) * (offset + scale), the statistics in float32. Gemma stores its scales around 0 and
+    multiplies by 1 + scale (`model.norm_offset: 1`): kept as stored, a checkpoint exports bit for bit."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    if offset:  # Gemma's order: (1 + w) in float32 times the float32 normalized x, then cast
+        return (y * (offset + scale.astype(jnp.float32))).astype(x.dtype)
+    return scale * y.astype(x.dtype)
 
-    def __init__(self, d: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
-        self.eps = eps
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * (offset + scale), the statistics in float32 (`rms_norm`)."""
+
+    def __init__(self, d: int, eps: float, offset: float = 0.0):
+        self.scale = nnx.Param(jnp.full((d,), 1.0 - offset, jnp.float32))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return self.scale[...] * y.astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
-def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
-    """The embedding rows of `tokens` in the table's own dtype. `nnx.Embed` fixes its compute dtype when
-    the model is built (float32), so under bf16 it would cast the bf16 table back and every layer after
-    it would compute in float32."""
-    return jnp.take(embed.embedding[...], tokens, axis=0)
+def norm(cfg: ModelConfig, d: int) -> RMSNorm:
+    """The model's RMSNorm of width `d` (its eps and Gemma's offset)."""
+    return RMSNorm(d, _eps(cfg), cfg.norm_offset)
+
+
+def embed_tokens(cfg: ModelConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The embedding rows of `tokens` in the table's own dtype (`nnx.Embed` fixes its compute dtype when
+    the model is built, float32, so under bf16 it would cast the table back and every layer after it would
+    compute in float32), times sqrt(d_model) with `model.embed_scale` (Gemma's, the factor rounded to the
+    table's dtype as transformers' Gemma does)."""
+    x = jnp.take(table, tokens, axis=0)
+    return x * jnp.asarray(cfg.d_model ** 0.5, x.dtype) if cfg.embed_scale else x
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping), or the logits unchanged."""
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+def attn_scale(cfg: ModelConfig) -> float | None:
+    """The scores' scale: `model.query_scale` ** -0.5 (Gemma's query_pre_attn_scalar), else None (1/sqrt(hd))."""
+    return None if cfg.query_scale is None else float(cfg.query_scale) ** -0.5
+
+
+_WHOLE = 2 ** 30  # a window no sequence reaches: the layer attends to the whole causal context
+
+
+def layer_windows(cfg: ModelConfig) -> jax.Array | None:
+    """Each layer's window [n_layers] int32 where the layers differ (`model.global_every`: Gemma's local
+    and global layers alternate inside one scan), else None (every layer `model.sliding_window`)."""
+    if cfg.sliding_window is None or cfg.global_every is None:
+        return None
+    return jnp.asarray([_WHOLE if (i + 1) % cfg.global_every == 0 else cfg.sliding_window
+                        for i in range(cfg.n_layers)], jnp.int32)
+
+
+def activation(cfg: ModelConfig) -> Callable[[jax.Array], jax.Array]:
+    """The gated MLP's activation: SiLU (SwiGLU) or the tanh-approximated GELU (Gemma's GeGLU)."""
+    return functools.partial(jax.nn.gelu, approximate=True) if cfg.mlp_activation == "gelu_tanh" else jax.nn.silu
 
 
 def rotary(t: int, head_dim: int, theta: float, offset: Any = 0,
@@ -153,38 +196,59 @@ class Layer(nnx.Module):
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
-        def linear(n_in: int, n_out: int, kernel_init: Callable = init, bias: bool = False) -> nnx.Linear:
-            return nnx.Linear(n_in, n_out, use_bias=bias, kernel_init=kernel_init, rngs=rngs)
+        def linear(name: str, n_in: int, n_out: int, kernel_init: Callable = init, bias: bool = False) -> nnx.Linear:
+            return lora.linear(cfg, name, n_in, n_out, use_bias=bias, kernel_init=kernel_init, rngs=rngs)
 
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
         self.attention_mode, self.attention_block = cfg.attention, cfg.attention_block
         self.sliding_window = cfg.sliding_window
-        self.attn_norm = RMSNorm(d, _eps(cfg))
-        self.q = linear(d, h * hd, bias=cfg.qkv_bias)
-        self.k = linear(d, kv * hd, bias=cfg.qkv_bias)
-        self.v = linear(d, kv * hd, bias=cfg.qkv_bias)
-        self.o = linear(h * hd, d, out_init)
+        self.scale, self.softcap = attn_scale(cfg), cfg.attn_softcap
+        self.act = activation(cfg)
+        self.attn_norm = norm(cfg, d)
+        self.q = linear("q", d, h * hd, bias=cfg.qkv_bias)
+        self.k = linear("k", d, kv * hd, bias=cfg.qkv_bias)
+        self.v = linear("v", d, kv * hd, bias=cfg.qkv_bias)
+        self.o = linear("o", h * hd, d, out_init)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, _eps(cfg))
-            self.k_norm = RMSNorm(hd, _eps(cfg))
-        self.mlp_norm = RMSNorm(d, _eps(cfg))
+            self.q_norm = norm(cfg, hd)
+            self.k_norm = norm(cfg, hd)
+        self.mlp_norm = norm(cfg, d)
+        if cfg.post_norms:  # Gemma 2/3: the attention's and the MLP's outputs normed before the residual add
+            self.post_attn_norm = norm(cfg, d)
+            self.post_mlp_norm = norm(cfg, d)
         if moe:
             self.moe = moe_layer(cfg, rngs)
         else:
-            self.gate = linear(d, _d_ff(cfg))
-            self.up = linear(d, _d_ff(cfg))
-            self.down = linear(_d_ff(cfg), d, out_init)
+            self.gate = linear("gate", d, _d_ff(cfg))
+            self.up = linear("up", d, _d_ff(cfg))
+            self.down = linear("down", _d_ff(cfg), d, out_init)
 
-    def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, window: Any = None) -> jax.Array:
         """Causal attention of `x` [b, t, d]; under a `sequence` axis `x` is a chunk of each row and the
-        heads meet the whole sequence through Ulysses' all-to-alls (zerojax.models.ulysses)."""
+        heads meet the whole sequence through Ulysses' all-to-alls (zerojax.models.ulysses). `window`:
+        this layer's (a traced scalar, `layer_windows`), else `model.sliding_window`."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         axis = sequence_axis()
-        attend = causal_attention.attend(self.attention_mode, self.attention_block, self.sliding_window)
+        attend = causal_attention.attend(self.attention_mode, self.attention_block,
+                                         self.sliding_window if window is None else window, self.scale, self.softcap)
         att = attend(q, k, v) if axis is None else ulysses.attention(attend, q, k, v, axis)
-        return self.o(att.reshape(b, t, self.n_heads * self.head_dim))
+        return self.attn_out(att.reshape(b, t, self.n_heads * self.head_dim))
+
+    def attn_out(self, att: jax.Array) -> jax.Array:
+        """The output projection of the heads' attention [b, t, heads * hd] (Gemma's post-norm after it)."""
+        out = self.o(att)
+        return self.post_attn_norm(out) if hasattr(self, "post_attn_norm") else out
+
+    def mlp_out(self, y: jax.Array) -> jax.Array:
+        """The MLP block's output for the residual stream (Gemma's post-norm after it)."""
+        return self.post_mlp_norm(y) if hasattr(self, "post_mlp_norm") else y
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        """The gated MLP of the residual stream `x`, normed in and (Gemma) out."""
+        y = self.mlp_norm(x)
+        return self.mlp_out(self.down(self.act(self.gate(y)) * self.up(y)))
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [b, t, heads, hd], keys and values [b, t, kv_heads, hd] of the normed `x` [b, t, d],
@@ -197,10 +261,9 @@ class Layer(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, self.v(x).reshape(b, t, kv, hd)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        x = x + self.attention(self.attn_norm(x), cos, sin)
-        y = self.mlp_norm(x)
-        return x + self.down(jax.nn.silu(self.gate(y)) * self.up(y))
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, window: Any = None) -> jax.Array:
+        x = x + self.attention(self.attn_norm(x), cos, sin, window)
+        return x + self.mlp(x)
 
 
 class MoELayer(Layer):
@@ -213,7 +276,7 @@ class MoELayer(Layer):
                  key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         x = x + self.attention(self.attn_norm(x), cos, sin)
         y, l_aux, _ = self.moe(self.mlp_norm(x), key)
-        return x + y, l_aux
+        return x + self.mlp_out(y), l_aux
 
 
 def _stack(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, **vmap: Any) -> Any:
@@ -250,7 +313,7 @@ class Llama(nnx.Module):
             self.layers = _stack(lambda r: MoELayer(cfg, rngs=r), groups, rngs,
                                  transform_metadata={nnx.PARTITION_NAME: "layers"})
             self.deterministic = False  # module.eval() sets it: no gate noise, no auxiliary loss
-        self.norm = RMSNorm(cfg.d_model, _eps(cfg))
+        self.norm = norm(cfg, cfg.d_model)
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, kernel_init=init, rngs=rngs)
 
@@ -267,17 +330,19 @@ class Llama(nnx.Module):
             ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_group_size())
         cos, sin = rotary(tokens.shape[1], head_width(cfg), cfg.rope_theta, chunk_offset(tokens.shape[1]),
                           frequencies(cfg))
-        x = lookup(self.embed, tokens)
+        x = embed_tokens(cfg, self.embed.embedding[...], tokens)
         if is_moe(cfg):
             x, l_aux = self._moe_stack(x, cos, sin, key)
             return self._logits(x), l_aux
+        windows = layer_windows(cfg)
 
-        def body(layer: Layer, x: jax.Array) -> jax.Array:
-            return layer(x, cos, sin)
+        def body(layer: Layer, x: jax.Array, window: Any) -> jax.Array:
+            return layer(x, cos, sin, window)
 
         if cfg.remat:
             body = nnx.remat(body)
-        x = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.layers, x)
+        scan = nnx.scan(body, in_axes=(0, nnx.Carry, None if windows is None else 0), out_axes=nnx.Carry)
+        x = scan(self.layers, x, windows)
         return self._logits(x), jnp.zeros((), jnp.float32)
 
     def _moe_stack(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -304,13 +369,17 @@ class Llama(nnx.Module):
         return x, jnp.sum(l_aux)
 
     def _logits(self, x: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        x = self.norm(x)
-        if cfg.tie_embeddings:
-            w = self.embed.embedding[...]
-            return jnp.einsum("btd,vd->btv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", x, self.head.kernel[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+        return head_logits(self.cfg, self.norm(x), self.embed.embedding[...],
+                           None if self.cfg.tie_embeddings else self.head.kernel[...])
+
+
+def head_logits(cfg: ModelConfig, x: jax.Array, embedding: jax.Array, head: jax.Array | None) -> jax.Array:
+    """Float32 logits of the normed `x`: the head's, or the tied embedding's, soft-capped where asked."""
+    if head is None:
+        logits = jnp.einsum("btd,vd->btv", x, embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return softcap(logits, cfg.final_softcap)
 
 
 def loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
@@ -331,9 +400,11 @@ class Embedding(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nnx.initializers.normal(cfg.init_std),
                                rngs=rngs)
         self.carries_aux = is_moe(cfg)
+        self.cfg = cfg
 
     def __call__(self, batch: dict[str, jax.Array]) -> Any:
-        x = lookup(self.embed, inputs(batch))  # under a sequence axis, this device's chunk of each row
+        # under a sequence axis, this device's chunk of each row
+        x = embed_tokens(self.cfg, self.embed.embedding[...], inputs(batch))
         return (x, jnp.zeros((), jnp.float32)) if self.carries_aux else x
 
 
@@ -370,7 +441,7 @@ class MoEPipelineLayer(PipelineLayer):
         h, aux = x
         h = h + self.attention(self.attn_norm(h), *self.rotary(h))
         y, l_aux, _ = self.moe(self.mlp_norm(h), rng)
-        return h + y, aux if self.moe.deterministic else aux + l_aux
+        return h + self.mlp_out(y), aux if self.moe.deterministic else aux + l_aux
 
 
 class Head(nnx.Module):
@@ -378,16 +449,16 @@ class Head(nnx.Module):
     summed load-balancing loss it received)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.norm = RMSNorm(cfg.d_model, _eps(cfg))
+        self.norm = norm(cfg, cfg.d_model)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
                                kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+        self.cfg = cfg
 
     def __call__(self, x: Any) -> Any:
         if isinstance(x, tuple):
             h, aux = x
             return self(h), aux
-        x = self.norm(x)
-        return jnp.einsum("btd,dv->btv", x, self.head.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return head_logits(self.cfg, self.norm(x), self.head.kernel[...], self.head.kernel[...])
 
 
 def _is_moe_layer(cfg: ModelConfig, i: int) -> bool:
@@ -401,6 +472,9 @@ def pipeline_module(cfg: ModelConfig, partition_method: str = "parameters", num_
     from zerojax.pipeline import LayerSpec, PipelineModule
     if cfg.tie_embeddings:
         raise ValueError("llama.pipeline_module: tied embeddings are not pipelined; set model.tie_embeddings: false")
+    if cfg.global_every is not None and cfg.sliding_window is not None:
+        raise ValueError("llama.pipeline_module: alternating local and global layers (model.global_every, Gemma's) "
+                         "are not pipelined; remove model.global_every or mesh.stage")
     method = "parameters" if partition_method == "best" else partition_method
     decoder = [LayerSpec(MoEPipelineLayer if _is_moe_layer(cfg, i) else PipelineLayer, cfg) for i in range(cfg.n_layers)]
     layers = [LayerSpec(Embedding, cfg), *decoder, LayerSpec(Head, cfg)]

@@ -1,5 +1,5 @@
 """GRPO for the shipped models: rollouts as a train batch, group advantages, the policy loss, and
-reference log-probabilities from a host copy.
+reference log-probabilities from a host copy - or, for a LoRA policy, from its own frozen base.
 
 The loop these serve (examples/rlhf.py) trains and generates with one engine: `engine.generate`
 samples G completions per prompt from the live (sharded) weights, a reward scores them, and
@@ -26,7 +26,7 @@ import numpy as np
 
 from zerojax.config import ModelConfig
 from zerojax.core.collectives import gathers_params
-from zerojax.models import gpt, llama
+from zerojax.models import gpt, llama, lora
 
 
 def rollout_batch(prompts: np.ndarray, prompt_lengths: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
@@ -113,3 +113,30 @@ class Reference:
         finally:
             for x in jax.tree.leaves(placed):
                 x.delete()
+
+
+class BaseReference:
+    """The reference of a LoRA policy (`lora` section): its own frozen base, i.e. the policy's live
+    parameters with every adapter's B taken as zero (`lora.disabled`: only the small B matrices are made
+    anew), run where they are, in their ZeRO shards. No second copy of the weights exists, on the host
+    or the devices; since the base never trains, this is the starting policy whatever the step."""
+
+    def __init__(self, cfg: ModelConfig, params: Callable[[], Any]):
+        if getattr(cfg, "lora", None) is None:
+            raise ValueError("rl.BaseReference: the model has no LoRA adapters (lora.enabled is false), so its "
+                             "base is the trained policy itself; use rl.Reference, a frozen host copy")
+        self.live = params
+        apply = model_apply(cfg)
+        self._forward = jax.jit(lambda p, t: token_logprobs(apply(lora.disabled(p), t[:, :-1]), t))
+
+    def logprobs(self, tokens: np.ndarray) -> np.ndarray:
+        """log p_base of tokens[:, 1:] given what precedes them, [B, T-1], on the host."""
+        return np.asarray(self._forward(self.live(), tokens))
+
+
+def reference(cfg: ModelConfig, engine: Any) -> "Reference | BaseReference":
+    """The reference policy of a GRPO run on `engine`: the frozen base of a LoRA policy (nothing copied),
+    else a host copy of the starting weights."""
+    if getattr(cfg, "lora", None) is not None:
+        return BaseReference(cfg, lambda: engine.params)
+    return Reference(cfg, engine.params, jax.tree.map(lambda x: x.sharding, engine.state.params))

@@ -28,7 +28,7 @@ from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, 
 from zerojax.optim.groups import name_matches
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.planner.settings import memory_plan, policy, remat_policy, scaler_config
-from zerojax.planner.tensor import LayerSpec, TensorPlan, tensor_plan
+from zerojax.planner.tensor import ADAPTER_LEAVES, LayerSpec, TensorPlan, tensor_plan
 
 __all__ = ["make_plan", "plan", "step_rule"]
 
@@ -179,9 +179,9 @@ def trainable_mask(config: Config, abstract: Any, trainable: Any = None, variabl
     names = [dotted(path) for path, _ in jax.tree_util.tree_leaves_with_path(abstract)]
     model = config.model
     if trainable is not None:
-        if model.trainable or model.frozen:
-            raise ConfigError("plan: trainable= was given and the config sets model.trainable / model.frozen; "
-                              "choose one (remove the config keys, or leave trainable= out)")
+        if model.trainable or model.frozen or config.lora.enabled:
+            raise ConfigError("plan: trainable= was given and the config sets model.trainable / model.frozen / "
+                              "lora.enabled; choose one (remove the config keys, or leave trainable= out)")
         if isinstance(trainable, type) or (isinstance(trainable, tuple) and trainable
                                            and all(isinstance(t, type) for t in trainable)):
             if variable_types is None:
@@ -207,9 +207,17 @@ def trainable_mask(config: Config, abstract: Any, trainable: Any = None, variabl
                 if not any(name_matches(pattern, n) for n in names):
                     raise ConfigError(f"model.{key}: '{pattern}' matches no parameter of the model; its "
                                       f"parameters are {shown}")
-        mask = [(not model.trainable or any(name_matches(p, n) for p in model.trainable))
-                and not any(name_matches(p, n) for p in model.frozen) for n in names]
-        where = "model.trainable / model.frozen"
+        adapters = [n.rsplit(".", 1)[-1] in ADAPTER_LEAVES for n in names]
+        if config.lora.enabled and not any(adapters):
+            raise ConfigError(f"lora.enabled: the model has no adapter parameters (leaves named "
+                              f"{' / '.join(ADAPTER_LEAVES)}); the shipped GPT and Llama and Hugging Face imports "
+                              f"add them from the lora section; a model of your own adds its own (nnx.LoRA) and "
+                              f"picks them with trainable=nnx.LoRAParam instead. Its parameters are {shown}")
+        # with LoRA the base is frozen: the adapters are trained, and what model.trainable adds to them
+        picked = [any(name_matches(p, n) for p in model.trainable) for n in names]
+        mask = [((a or p) if config.lora.enabled else (not model.trainable or p))
+                and not any(name_matches(f, n) for f in model.frozen) for n, a, p in zip(names, adapters, picked)]
+        where = "lora / model.trainable / model.frozen" if config.lora.enabled else "model.trainable / model.frozen"
     if not any(mask):
         raise ConfigError(f"{where}: every parameter is frozen, so nothing would be trained; leave at least "
                           f"one trainable")

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from zerojax.config import OPTIMIZER_PARAMS, ActivationCheckpointingConfig, Config
 from zerojax.core.offload import Memory, host_update_supported
+from zerojax.core.swap import Swap
 from zerojax.core.precision import DTYPES, Policy, ScalerConfig
 from zerojax.core.remat import Remat
 from zerojax.errors import ConfigError
@@ -82,6 +83,8 @@ def memory_plan(config: Config, mesh: Mesh, kernels: str = "xla") -> Memory:
     """
     zero = config.zero_optimization
     opt_cfg, param_cfg = zero.offload_optimizer, zero.offload_param
+    if opt_cfg.device == "nvme":
+        return _nvme_plan(config, mesh)
     optimizer = _kind(opt_cfg.pin_memory) if opt_cfg.device == "cpu" else None
     params = _kind(param_cfg.pin_memory) if param_cfg.device == "cpu" else None
     if optimizer is None and params is None:
@@ -118,6 +121,31 @@ def memory_plan(config: Config, mesh: Mesh, kernels: str = "xla") -> Memory:
               and host_update_supported(platform, optimizer)):
             update = "host"
     return Memory(params=params, optimizer=optimizer, update=update)
+
+
+def _nvme_plan(config: Config, mesh: Mesh) -> Memory:
+    """`offload_optimizer.device: nvme` (ZeRO-Infinity): the master copy and optimizer moments in files,
+    updated on the host tile by tile (`core.swap`, `core.nvme_step`). A whole state (at start, in a
+    checkpoint) passes through host memory when the backend has it. Parameters stay where
+    `offload_param` puts them (nvme there is refused by the config's rules)."""
+    zero = config.zero_optimization
+    opt_cfg, param_cfg = zero.offload_optimizer, zero.offload_param
+    if config.optimizer is not None and not is_elementwise(config.optimizer.type):
+        others = sorted(set(OPTIMIZER_PARAMS) - PER_TENSOR_OPTIMIZERS)
+        raise ConfigError(f"zero_optimization.offload_optimizer.device: nvme updates the state tile by tile on "
+                          f"the host, which needs an elementwise optimizer ({', '.join(others)}); "
+                          f"{config.optimizer.type} needs whole tensors: use device: cpu")
+    swap = Swap(path=str(opt_cfg.nvme_path), buffer_count=opt_cfg.buffer_count, tile=zero.sub_group_size,
+                read_ahead=opt_cfg.pipeline_read, write_behind=opt_cfg.pipeline_write,
+                threads=config.aio.thread_count)
+    kinds = set() if isinstance(mesh, jax.sharding.AbstractMesh) else _available_kinds(mesh)
+    staging = _kind(opt_cfg.pin_memory)
+    optimizer = staging if staging in kinds or isinstance(mesh, jax.sharding.AbstractMesh) else None
+    params = _kind(param_cfg.pin_memory) if param_cfg.device == "cpu" else None
+    if params is not None and not isinstance(mesh, jax.sharding.AbstractMesh) and params not in kinds:
+        raise ConfigError(f"zero_optimization.offload_param.device: cpu needs the '{params}' memory kind, which "
+                          f"this backend lacks; set zero_optimization.offload_param.device: none")
+    return Memory(params=params, optimizer=optimizer, update="host", swap=swap)
 
 
 def _section(config: Config | ActivationCheckpointingConfig) -> ActivationCheckpointingConfig:

@@ -1,6 +1,7 @@
 """Which dimension of which weight the tensor axis splits: the tensor-parallel plan.
 
-Sources, the first that applies to a leaf wins (each leaf's row in `TensorPlan.table` names it):
+Sources, the first that applies to a leaf wins (each leaf's row in `TensorPlan.table` names it; a LoRA
+adapter's A is split like its projection's input side and B like its output side, `_role_dim`):
 
 1. the model's own annotations (`nnx.with_partitioning` logical axis names) through
    `mesh.logical_axis_rules`, or a name that is the tensor axis itself;
@@ -35,6 +36,9 @@ from zerojax.core.names import dotted, key_name
 from zerojax.errors import ConfigError
 
 COLUMN, ROW, SKIP = "column", "row", "skip"
+# A LoRA adapter's two matrices beside its projection's kernel (zerojax.models.lora): A [..., in, r] is
+# split like the kernel's input side, B [..., r, out] like its output side, so x A B needs no gather.
+ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +95,8 @@ def _role_dim(role: str, names: list[str], ndim: int) -> int | None:
         return None
     if leaf == "embedding":
         return ndim - 2 if role == COLUMN else ndim - 1
+    if leaf in ADAPTER_LEAVES:  # A takes the input side's split (row), B the output side's (column)
+        return (ndim - 2 if role == ROW else None) if leaf == "lora_a" else (ndim - 1 if role == COLUMN else None)
     if ndim >= 2 and leaf != "bias":
         return ndim - 1 if role == COLUMN else ndim - 2
     return ndim - 1 if role == COLUMN else None  # a row layer's bias is added after the sum
@@ -119,7 +125,8 @@ def _megatron(names: list[str], shape: tuple[int, ...], size: int, heads: tuple[
                 return None, f"whole: {count} heads not divisible by {size}"
         dim = _role_dim(role, names, len(shape))
         if dim is None:
-            return None, "whole: bias of a row-parallel layer"
+            return None, ("whole: LoRA adapter on the unsplit side of its projection" if leaf in ADAPTER_LEAVES
+                          else "whole: bias of a row-parallel layer")
         if shape[dim] % size:
             return None, f"whole: dimension {dim} ({shape[dim]}) not divisible by {size}"
         return dim, f"{role}-parallel ({'output' if role == COLUMN else 'input'} features)"

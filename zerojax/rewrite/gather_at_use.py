@@ -234,6 +234,15 @@ def _consume(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
     return consume([l.shard for l in leaves], [ins[i] for i in traced_pos])
 
 
+def _in_space_of(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` in `like`'s memory space: a custom VJP must return each cotangent typed as its primal, and
+    the gradient of an offloaded (host-typed) shard is computed on the device."""
+    want = getattr(jax.typeof(like), "memory_space", None)
+    if want is None or getattr(jax.typeof(x), "memory_space", None) == want:
+        return x
+    return jax.device_put(x, want)
+
+
 def _after(shards: list[Any], values: Any) -> list[Any]:
     """`shards`, made data-dependent on `values` (activations, cotangents) without changing a
     finite value (a NaN still propagates)."""
@@ -241,7 +250,10 @@ def _after(shards: list[Any], values: Any) -> list[Any]:
     if not floats:
         return shards
     probe = floats[0].reshape(-1)[0]
-    bump = jax.numpy.where(jax.numpy.isnan(probe), probe, jax.numpy.zeros_like(probe))
+    # No gradient flows through the bump (it is zero): an offloaded shard is typed as host memory, and
+    # the transpose of adding a device scalar to it would hand that scalar a host-typed cotangent,
+    # which `vjp` refuses ("Expected cotangent type float32[] but got float32<host>[]").
+    bump = jax.lax.stop_gradient(jax.numpy.where(jax.numpy.isnan(probe), probe, jax.numpy.zeros_like(probe)))
     return [s + bump.astype(s.dtype) for s in shards]
 
 
@@ -458,6 +470,7 @@ def _prefetch_backward(layer: _Layer, length: int, unroll: Any, res: Any, ct: An
                                                 _at(ct_ys, 0))
     d_stacks = [jax.lax.dynamic_update_index_in_dim(d, s.astype(d.dtype), 0, 0) for d, s in zip(d_stacks, shards)]
     join = lambda a, b: jnp.concatenate([a[None], b])  # noqa: E731
+    d_stacks = [_in_space_of(d, s) for d, s in zip(d_stacks, stacks)]  # offloaded shards: host-typed
     return (jax.tree.map(jnp.add, d_cs, g_cs), d_carry0, d_stacks, jax.tree.map(join, g_other, d_other))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from jax._src import source_info_util
 from jax.extend import core as jcore
 
 Step = Callable[[Any, list[Any]], list[Any]]  # (equation, its input values) -> its output values
@@ -37,6 +38,13 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], step: Step
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
     for eqn in jaxpr.eqns:
-        for v, x in zip(eqn.outvars, step(eqn, [read(v) for v in eqn.invars])):
+        # as jax's own eval_jaxpr does: what the equation emits keeps the user's call stack and name
+        # stack, so compiled instructions name the model code they come from (flops profile, HLO dumps)
+        where = source_info_util.user_context(
+            eqn.source_info.traceback,
+            name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack)
+        with where:
+            out = step(eqn, [read(v) for v in eqn.invars])
+        for v, x in zip(eqn.outvars, out):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]

@@ -53,3 +53,26 @@ def enable(setting: str | None, environ: Mapping[str, str] | None = None) -> Pat
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in env:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return where
+
+
+class Compilations:
+    """Counts the programs XLA compiles while open (`with Compilations() as c: ...; c.count`), from
+    jax.monitoring's backend-compile event: what a loop that should reuse its programs (generate and
+    train steps across calls) can print or assert. A program read from the persistent cache is not
+    compiled and not counted."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listen(self, event: str, duration: float, **kwargs: object) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "Compilations":
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)

@@ -5,11 +5,13 @@ machine has the same bytes with nothing downloaded. Batch `k` depends only on (s
 resumes at any position by index alone.
 
 Your own data comes as a flat token file (the nanoGPT/Megatron `.bin`: uint16 or uint32 ids end to
-end, memory-mapped, never read whole), or as text/JSONL tokenized at start-up with a `tokenizers`
-tokenizer.json. Documents are packed: concatenated with an end-of-document id and cut into windows
-of seq_len + 1 tokens, visited in an order that grain shuffles afresh each epoch; the loss skips the
-prediction across a document boundary (`loss_mask`). Attention still sees the previous document
-inside a window, as in GPT-2/nanoGPT packing.
+end, memory-mapped, never read whole), as text/JSONL, or as a text or token-id column of a Parquet
+file, an Arrow file or a Hugging Face `datasets` folder (`tables`, with pyarrow), text tokenized at
+start-up with a `tokenizers` tokenizer.json (the model's own by default). Documents are packed:
+concatenated with an end-of-document id and cut into windows of seq_len + 1 tokens, visited in an
+order that grain shuffles afresh each epoch; the loss skips the prediction across a document
+boundary (`loss_mask`). Attention still sees the previous document inside a window, as in
+GPT-2/nanoGPT packing. Or padded (`data.packing: pad`): a document a row, the padding out of the loss.
 
 `Loader` runs any of these through grain: a MapDataset of batch indices whose iterator builds the
 batches in a background thread and whose state (`{"next_index": k}`) is what a checkpoint saves.
@@ -19,6 +21,7 @@ all processes of a run.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import os
 import queue
@@ -32,6 +35,7 @@ import numpy as np
 
 from zerojax.config import DataConfig
 from zerojax.errors import ConfigError
+from zerojax.runtime import tables
 
 T = TypeVar("T")
 
@@ -45,14 +49,17 @@ def stdlib_root() -> Path:
 # text or JSONL path is checked by its first (and last) bytes and by its name before it is read.
 
 #: What zerojax reads, said in every refusal.
-READS = ("zerojax reads UTF-8 text and JSONL (data.source: file | jsonl) and token ids (a flat .bin or a 1-D "
-         "integer .npy, data.source: tokens)")
+READS = ("zerojax reads UTF-8 text and JSONL (data.source: file | jsonl), token ids (a flat .bin or a 1-D "
+         "integer .npy, data.source: tokens), and a text or token-id column of a Parquet file, an Arrow file or a "
+         "Hugging Face datasets folder (data.source: parquet | arrow | datasets)")
 _TABLE = ("write its text column as JSONL (one {\"text\": ...} object a line) and give that with data.tokenizer, "
           "or tokenize that JSONL once to a .bin with `zerojax tokenize`")
 #: format -> (how it is named in a sentence, what to give instead)
 _FORMATS = {
-    "Parquet": ("a Parquet file", "Parquet is not read yet: " + _TABLE),
-    "Arrow": ("an Arrow file", "Arrow IPC/Feather is not read yet: " + _TABLE),
+    "Parquet": ("a Parquet file", "read it as a table with data.source: parquet (its text column named by "
+                                  "data.text_key, or token ids by data.tokens_key), or " + _TABLE),
+    "Arrow": ("an Arrow file", "read it as a table with data.source: arrow (its text column named by "
+                               "data.text_key, or token ids by data.tokens_key), or " + _TABLE),
     "NumPy": ("a NumPy file", "a 1-D integer .npy of token ids is read as one with data.source: tokens "
                               "(the default for a *.npy data.path)"),
     "zip": ("a zip file", "extract the text, JSONL or token file it holds and give that"),
@@ -249,6 +256,7 @@ class Batches(_BatchStream):
         self.tokens, self.rows, self.seq_len, self.seed = tokens, rows, seq_len, seed
         self.position = position
         self.local = local  # the rows this process builds when iterating (None: all)
+        self.windows = max((len(tokens) - 1) // seq_len, 1)  # an epoch: as many rows as windows cut end to end
 
     def batch(self, index: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Global batch `index`, or only its `rows` (ascending row indices: one process's share).
@@ -357,6 +365,9 @@ class Prefetch(Generic[T]):
 # ---------------------------------------------------------------------------------------------
 # Tokenized sources: token files, and text/JSONL through a tokenizer.json.
 
+#: data.source values whose documents are a table's column (zerojax.runtime.tables)
+TABLE_SOURCES = tables.SOURCES
+
 #: End-of-document tokens looked up in a tokenizer when `data.eos_id` is not given, in this order.
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "[SEP]")
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -364,10 +375,13 @@ _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 class Corpus(NamedTuple):
     """A token stream and how to cut it: `packed` streams are tokenized documents (windows end to
-    end, shuffled per epoch, boundary-masked at `eos_id`); byte streams take random windows."""
+    end, shuffled per epoch, boundary-masked at `eos_id`); byte streams take random windows.
+    `offsets` (documents read one by one): where each document starts in `tokens`, and its end
+    last, so `data.packing: pad` can give each its own row."""
     tokens: np.ndarray
     eos_id: int | None
     packed: bool
+    offsets: np.ndarray | None = None
 
 
 def _need_file(path: str | None, key: str, what: str) -> Path:
@@ -411,15 +425,37 @@ def _eos(cfg: DataConfig, tok: Any, vocab_size: int) -> int:
     return eos
 
 
-def _documents(cfg: DataConfig, path: Path) -> Iterator[str]:
-    """The texts of a JSONL file (`data.text_key` of each line) or of a text file (one document),
-    up to `data.max_bytes` bytes of text."""
+def _documents(cfg: DataConfig, path: Path, split: str | None = None) -> Iterator[str | np.ndarray]:
+    """The documents of `path`: a str each (the text of a text file, of each JSONL line's `data.text_key`,
+    of a table's `data.text_key` column) up to `data.max_bytes` bytes of text, or, with
+    `data.tokens_key`, each JSONL line's or table row's token ids (int64). `split`: a datasets
+    folder's split (default `data.split`)."""
     if cfg.source == "file":
         data, final = _read_text_bytes(path, cfg.max_bytes)
         yield check_utf8(data, path, final)
         return
+    tokens = cfg.tokens_key is not None
+    if cfg.source in TABLE_SOURCES:
+        from zerojax.runtime.tables import column_documents
+        column = cfg.tokens_key if tokens else cfg.text_key
+        docs = column_documents(cfg.source, path, column, tokens, split=split or cfg.split,
+                                column_key="data.tokens_key" if tokens else "data.text_key")
+    else:
+        docs = _jsonl_documents(cfg, path)
+    total = 0
+    for doc in docs:
+        yield doc
+        if not tokens:
+            total += len(doc.encode("utf-8"))
+            if total >= cfg.max_bytes:
+                return
+
+
+def _jsonl_documents(cfg: DataConfig, path: Path) -> Iterator[str | np.ndarray]:
+    """Each JSONL line's `data.text_key` text, or its `data.tokens_key` list of token ids."""
     check_text_file(path)
-    total = offset = 0
+    key = cfg.tokens_key or cfg.text_key
+    offset = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             line = check_utf8(raw, path, where=f" line {n}", offset=offset)
@@ -431,27 +467,43 @@ def _documents(cfg: DataConfig, path: Path) -> Iterator[str]:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"data.path: {path} line {n} is not JSON ({e.msg}); give one JSON object "
                                   f"a line") from None
-            text = doc.get(cfg.text_key) if isinstance(doc, dict) else None
-            if not isinstance(text, str):
+            value = doc.get(key) if isinstance(doc, dict) else None
+            if cfg.tokens_key is not None:
+                if not (isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+                    keys = ", ".join(doc) if isinstance(doc, dict) else type(doc).__name__
+                    raise ConfigError(f"data.tokens_key: line {n} of {path} has no list of token ids under "
+                                      f"'{key}' (it has: {keys}); set data.tokens_key to the field that holds "
+                                      f"them, or unset it and name the text field with data.text_key")
+                yield np.asarray(value, dtype=np.int64)
+                continue
+            if not isinstance(value, str):
                 keys = ", ".join(doc) if isinstance(doc, dict) else type(doc).__name__
-                raise ConfigError(f"data.text_key: line {n} of {path} has no text field '{cfg.text_key}' "
+                raise ConfigError(f"data.text_key: line {n} of {path} has no text field '{key}' "
                                   f"(it has: {keys}); set data.text_key to the field that holds the text")
-            yield text
-            total += len(text.encode("utf-8"))
-            if total >= cfg.max_bytes:
-                return
+            yield value
 
 
-def _encoded(texts: Iterator[str], tok: Any, eos_id: int, batch: int = 1024) -> Iterator[np.ndarray]:
-    """Each document's ids followed by `eos_id` (int64), encoded `batch` documents at a time."""
+def _encoded(docs: Iterator[str | np.ndarray], tok: Any, eos_id: int | None, batch: int = 1024) -> Iterator[np.ndarray]:
+    """Each document's ids followed by `eos_id` (int64; None: nothing appended), texts encoded `batch`
+    documents at a time, token-id documents as they are."""
+    end = [] if eos_id is None else [eos_id]
     chunk: list[str] = []
-    for text in texts:
-        chunk.append(text)
-        if len(chunk) >= batch:
-            yield from (np.asarray(enc.ids + [eos_id], np.int64) for enc in tok.encode_batch(chunk, add_special_tokens=False))
-            chunk = []
+
+    def flush() -> Iterator[np.ndarray]:
+        yield from (np.asarray(enc.ids + end, np.int64) for enc in tok.encode_batch(chunk, add_special_tokens=False))
+        chunk.clear()
+
+    for doc in docs:
+        if isinstance(doc, str):
+            chunk.append(doc)
+            if len(chunk) >= batch:
+                yield from flush()
+            continue
+        if chunk:
+            yield from flush()
+        yield np.concatenate([doc, np.asarray(end, np.int64)])
     if chunk:
-        yield from (np.asarray(enc.ids + [eos_id], np.int64) for enc in tok.encode_batch(chunk, add_special_tokens=False))
+        yield from flush()
 
 
 def tokenize_documents(texts: Iterator[str], tok: Any, eos_id: int, batch: int = 1024) -> np.ndarray:
@@ -556,24 +608,48 @@ def _npy_ids(path: Path) -> np.ndarray:
     return tokens
 
 
-def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
-    """The token stream `cfg` names, with every check that needs only the files (before compiling)."""
+def load_corpus(cfg: DataConfig, vocab_size: int, path: str | None = None, split: str | None = None,
+                key: str = "data.path") -> Corpus:
+    """The token stream `cfg` names, with every check that needs only the files (before compiling).
+    `path` and `split` read another file or split the same way (the validation set); `key` is the key
+    that named it, for the errors."""
+    if path is not None:
+        cfg = dataclasses.replace(cfg, path=path)
     if cfg.source == "tokens":
         return Corpus(read_token_file(cfg, vocab_size), cfg.eos_id, True)
-    if cfg.tokenizer is None:  # bytes: a vocabulary below 256 is fine for text whose bytes it covers
-        data = read_corpus(cfg)
-        top = int(data.max(initial=0))
-        if top >= vocab_size:  # an embedding lookup past the table gives NaN, not an error
-            raise ConfigError(f"model.vocab_size: {vocab_size}, but the corpus holds byte value {top} "
-                              f"(without data.tokenizer the tokens are bytes); use a vocabulary of at least "
-                              f"{top + 1}, text whose bytes are below {vocab_size} (data.path), or give "
-                              f"data.tokenizer")
-        return Corpus(data, None, False)
-    path = _need_file(cfg.path, "data.path", "a JSONL file" if cfg.source == "jsonl" else "a text file")
-    tok = load_tokenizer(cfg.tokenizer, vocab_size)
-    eos = _eos(cfg, tok, vocab_size)
-    tokens = tokenize_documents(_documents(cfg, path), tok, eos)
-    return Corpus(tokens, eos, True)
+    if cfg.tokenizer is None and cfg.tokens_key is None:
+        if cfg.source in ("file", "stdlib"):  # bytes: a vocabulary below 256 is fine for text whose bytes it covers
+            data = read_corpus(cfg)
+            top = int(data.max(initial=0))
+            if top >= vocab_size:  # an embedding lookup past the table gives NaN, not an error
+                raise ConfigError(f"model.vocab_size: {vocab_size}, but the corpus holds byte value {top} "
+                                  f"(without data.tokenizer the tokens are bytes); use a vocabulary of at least "
+                                  f"{top + 1}, text whose bytes are below {vocab_size} (data.path), or give "
+                                  f"data.tokenizer")
+            return Corpus(data, None, False)
+        raise ConfigError(f"data.tokenizer: the text of {cfg.path} (data.text_key: {cfg.text_key}) needs a tokenizer; "
+                          f"give data.tokenizer (a tokenizer.json), a model.hf_checkpoint folder that holds its "
+                          f"tokenizer.json, or data.tokens_key naming a field of token ids")
+    where = Path(cfg.path or "")
+    if cfg.source != "datasets":
+        where = _need_file(cfg.path, key, {"jsonl": "a JSONL file", "parquet": "a Parquet file", "arrow":
+                                            "an Arrow file"}.get(cfg.source, "a text file"))
+    tok = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer else None
+    eos = _eos(cfg, tok, vocab_size) if tok is not None or cfg.eos_id is not None else None
+    if eos is not None and eos >= vocab_size:
+        raise ConfigError(f"data.eos_id: {eos} is not below model.vocab_size {vocab_size}")
+    docs = [ids for ids in _encoded(_documents(cfg, where, split), tok, eos) if len(ids)]
+    if not docs:
+        raise ConfigError(f"{key}: {where} holds no documents")
+    lengths = np.fromiter((len(d) for d in docs), np.int64, len(docs))
+    tokens = np.concatenate(docs)
+    top, low = int(tokens.max()), int(tokens.min())
+    if low < 0:
+        raise ConfigError(f"data.tokens_key: {where} holds token id {low}; token ids are 0 or more")
+    if top >= vocab_size:
+        raise ConfigError(f"model.vocab_size: {where} holds token id {top}, which the model's {vocab_size} "
+                          f"embeddings do not cover; set model.vocab_size: {top + 1} (or the tokenizer's size)")
+    return Corpus(tokens.astype(np.int32), eos, True, np.concatenate([[0], np.cumsum(lengths)]))
 
 
 class PackedBatches(_BatchStream):
@@ -610,35 +686,129 @@ class PackedBatches(_BatchStream):
         return out
 
 
-BatchSource = Batches | PackedBatches
+class PaddedBatches(_BatchStream):
+    """Global batches of `rows` documents, one a row: each document's first `seq_len + 1` tokens (a
+    longer one is cut there), then `pad_id` up to the row's end (`data.packing: pad`).
+
+    The documents are visited in an order grain's MapDataset shuffles afresh every epoch, so batch `k`
+    depends only on (seed, k), as with `PackedBatches`. `loss_mask` keeps exactly the predictions of
+    a document's own next tokens: none from its last token, none in the padding.
+    """
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, rows: int, seq_len: int, seed: int, pad_id: int,
+                 position: int = 0, local: np.ndarray | None = None):
+        import grain
+        self.tokens, self.offsets, self.rows, self.seq_len, self.seed = tokens, offsets, rows, seq_len, seed
+        self.pad_id, self.position, self.local = pad_id, position, local
+        self.windows = len(offsets) - 1  # rows an epoch: one a document
+        if self.windows < 1:
+            raise ValueError("PaddedBatches: no documents")
+        self.order = grain.MapDataset.range(self.windows).shuffle(seed=seed).repeat(None).batch(rows)
+
+    def batch(self, index: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Global batch `index`, or only its `rows` (one process's share)."""
+        picked = np.asarray(self.order[index], dtype=np.int64)
+        if rows is not None:
+            picked = picked[rows]
+        out = np.full((len(picked), self.seq_len + 1), self.pad_id, np.int32)
+        mask = np.zeros((len(picked), self.seq_len), np.float32)
+        for r, d in enumerate(picked):
+            doc = self.tokens[self.offsets[d]:min(self.offsets[d + 1], self.offsets[d] + self.seq_len + 1)]
+            out[r, :len(doc)] = doc
+            mask[r, :len(doc) - 1] = 1.0
+        return {"tokens": out, "loss_mask": mask}
+
+
+BatchSource = Batches | PackedBatches | PaddedBatches
+
+
+def _validation_corpus(cfg: DataConfig, vocab_size: int) -> Corpus | None:
+    """The validation set named apart from the training data (`data.val_path`, `data.val_split`, or a
+    DatasetDict's `validation` split), or None: the end of the training data."""
+    if cfg.val_path is not None:
+        if cfg.source == "stdlib" or (cfg.source == "file" and cfg.tokenizer is None):
+            raise ConfigError("data.val_path: a separate validation file is read as documents (jsonl, parquet, arrow, "
+                              "datasets, tokens, or a text file with data.tokenizer); unset it to validate on the "
+                              "last data.val_fraction of the corpus")
+        return load_corpus(cfg, vocab_size, path=cfg.val_path, split=cfg.val_split, key="data.val_path")
+    if cfg.source != "datasets":
+        if cfg.val_split is not None:
+            raise ConfigError(f"data.val_split: {cfg.val_split!r} names a split of a datasets folder, but data.source is "
+                              f"{cfg.source}; give the validation file as data.val_path, or unset data.val_split")
+        return None
+    splits = tables.dataset_splits(Path(cfg.path or ""))
+    split = cfg.val_split or ("validation" if splits and "validation" in splits and cfg.split != "validation" else None)
+    if split is None:
+        return None
+    if splits is None or split not in splits:
+        raise ConfigError(f"data.val_split: {cfg.path} holds {'the splits ' + ', '.join(splits) if splits else 'one Dataset, no splits'}, "
+                          f"not {split!r}; set data.val_split to one of them, or unset it to validate on the last "
+                          f"data.val_fraction of data.split")
+    return load_corpus(cfg, vocab_size, split=split)
+
+
+def _cut(corpus: Corpus, fraction: float, by_document: bool) -> tuple[Corpus, Corpus]:
+    """The corpus less its last `fraction` (of documents, or of tokens), and that last part."""
+    if not by_document:
+        cut = int(len(corpus.tokens) * (1 - fraction))
+        return corpus._replace(tokens=corpus.tokens[:cut]), corpus._replace(tokens=corpus.tokens[cut:])
+    offsets = corpus.offsets
+    docs = len(offsets) - 1
+    keep = min(max(int(round(docs * (1 - fraction))), 1), docs - 1) if docs > 1 else docs
+    at = int(offsets[keep])
+    return (corpus._replace(tokens=corpus.tokens[:at], offsets=offsets[:keep + 1]),
+            corpus._replace(tokens=corpus.tokens[at:], offsets=offsets[keep:] - at))
 
 
 def make_batches(cfg: DataConfig, rows: int, seq_len: int, vocab_size: int,
                  local: np.ndarray | None = None) -> tuple[BatchSource, BatchSource]:
     """Train and validation batch sources for a run (this process building its `local` rows).
 
-    Raises ConfigError, before anything is compiled, for a missing file, a tokenizer or token ids
-    beyond the model's vocabulary, or a corpus that does not hold one training batch.
+    Raises ConfigError, before anything is compiled, for a missing file or column, a tokenizer or token
+    ids beyond the model's vocabulary, or a corpus that does not hold one training batch.
     """
     corpus = load_corpus(cfg, vocab_size)
     if not corpus.packed:
         split = split_corpus(corpus.tokens, cfg.val_fraction, seq_len, cfg.max_bytes)
         return (Batches(split.train, rows, seq_len, cfg.seed, local=local),
                 Batches(split.val, rows, seq_len, cfg.seed + 1, local=local))
-    tokens = corpus.tokens
-    cut = int(len(tokens) * (1 - cfg.val_fraction))
-    train, val = tokens[:cut], tokens[cut:]
-    have = (len(train) - 1) // seq_len
+    pad = cfg.packing == "pad"
+    if pad and corpus.offsets is None:
+        raise ConfigError(f"data.packing: pad gives each document its own row, but a data.source: tokens file is one "
+                          f"stream of ids with no document starts; use data.packing: pack, or give the documents as "
+                          f"JSONL, Parquet, Arrow or a datasets folder")
+    val = _validation_corpus(cfg, vocab_size)
+    named = "data.val_path" if cfg.val_path else "data.val_split"
+    train, val = _cut(corpus, cfg.val_fraction, pad) if val is None else (corpus, val)
+    if pad:
+        if train.offsets is None or len(train.offsets) - 1 < rows:
+            have = 0 if train.offsets is None else len(train.offsets) - 1
+            raise ConfigError(f"data.path: {cfg.path} gives {have} training document(s), fewer than one batch of "
+                              f"{rows} rows (data.packing: pad puts one document in a row); use more data or a "
+                              f"smaller batch")
+        if len(val.offsets) - 1 < 1:
+            raise ConfigError("data.val_fraction: no document is left for validation; raise data.val_fraction, "
+                              "use more data, or name a validation set (data.val_path)")
+        pad_id = cfg.pad_id if cfg.pad_id is not None else (corpus.eos_id if corpus.eos_id is not None else 0)
+        if pad_id >= vocab_size:
+            raise ConfigError(f"data.pad_id: {pad_id} is not below model.vocab_size {vocab_size}")
+        return (PaddedBatches(train.tokens, train.offsets, rows, seq_len, cfg.seed, pad_id, local=local),
+                PaddedBatches(val.tokens, val.offsets, rows, seq_len, cfg.seed + 1, pad_id, local=local))
+    have = (len(train.tokens) - 1) // seq_len
     if have < rows:
-        raise ConfigError(f"data.path: {cfg.path} gives {len(tokens)} tokens, {len(train)} for training: "
+        raise ConfigError(f"data.path: {cfg.path} gives {len(corpus.tokens)} tokens, {len(train.tokens)} for training: "
                           f"{max(have, 0)} window(s) of model.seq_len + 1 = {seq_len + 1}, fewer than one batch "
-                          f"of {rows} rows; use more data, lower model.seq_len or the batch size")
-    if (len(val) - 1) // seq_len < 1:
-        raise ConfigError(f"data.val_fraction: the validation part of {cfg.path} has {len(val)} tokens, "
+                          f"of {rows} rows; use more data, lower model.seq_len or the batch size, or "
+                          f"data.packing: pad (one document a row)")
+    if (len(val.tokens) - 1) // seq_len < 1:
+        if train is corpus:  # a validation set named apart
+            raise ConfigError(f"{named}: the validation set has {len(val.tokens)} tokens, fewer than one window of "
+                              f"model.seq_len + 1 = {seq_len + 1}; use a longer validation set or lower model.seq_len")
+        raise ConfigError(f"data.val_fraction: the validation part of {cfg.path} has {len(val.tokens)} tokens, "
                           f"fewer than one window of {seq_len + 1}; raise data.val_fraction or use more data")
     kw = dict(eos_id=corpus.eos_id, local=local, mask_boundaries=cfg.mask_boundaries)
-    return (PackedBatches(train, rows, seq_len, cfg.seed, **kw),
-            PackedBatches(val, rows, seq_len, cfg.seed + 1, **kw))
+    return (PackedBatches(train.tokens, rows, seq_len, cfg.seed, **kw),
+            PackedBatches(val.tokens, rows, seq_len, cfg.seed + 1, **kw))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -173,7 +173,8 @@ result here:
 {accepted_rows}
 
 **Refused.** The same keys are refused, with the reason, when their value would change the result,
-as are NVMe offload (`offload_*.device: nvme`, refused by `load_config`), 1-bit optimizers,
+as are parameter NVMe offload (`offload_param.device: nvme`, refused by `load_config`; the optimizer's
+NVMe tier is built: docs/offload.md), 1-bit optimizers,
 `fp16.fp16_master_weights_and_grads`, partial offload (`offload_optimizer.ratio` < 1) and MiCS
 (`mics_shard_size` > 0):
 

@@ -19,7 +19,7 @@ PANELS = (("loss", "training loss", False), ("lr", "learning rate", False),
 #: metrics.jsonl keys that get no panel of their own
 NOT_DRAWN = ("step", "loss_scale", "skipped")
 #: titles of known extra series (others are titled by their key)
-TITLES = {"reward": "reward", "kl": "KL to the reference policy"}
+TITLES = {"reward": "reward", "kl": "KL to the reference policy", "val_loss": "validation loss (run.eval_every)"}
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

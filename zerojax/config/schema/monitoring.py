@@ -47,13 +47,15 @@ class WandbConfig:
 
 @dataclass(frozen=True)
 class FlopsProfilerConfig:
-    """FLOPs profiler: FLOPs from the compiled step, latency and TFLOPS."""
+    """FLOPs profiler: the compiled step's FLOPs by module of the model (from the call stacks XLA keeps
+    with each instruction), its latency and TFLOPS."""
     enabled: bool = option(False, "Print the profile once at profile_step.")
     recompute_fwd_factor: float = option(0.0, "Accepted, unused.")
     profile_step: int = option(1, "Step at which to profile.", ge=1)
-    module_depth: int = option(-1, "Accepted, unused.")
-    top_modules: int = option(1, "Accepted, unused.")
-    detailed: bool = option(True, "Accepted, unused.")
+    module_depth: int = option(-1, "Deepest call level shown, in the module tree and in the parameter counts "
+                                   "by path (-1: all).", ge=-1)
+    top_modules: int = option(1, "Modules with the most FLOPs listed at each depth.", ge=1)
+    detailed: bool = option(True, "Also print the whole module tree with each module's FLOPs.")
     output_file: Optional[str] = option(None, "Write the profile here instead of stdout.")
 
 

@@ -14,9 +14,9 @@ from zerojax.config.schema.optimizer import OptimizerConfig
 from zerojax.config.schema.parallel import (DistributedConfig, HybridEngineConfig, MeshConfig, PipelineConfig,
                                             TensorParallelConfig)
 from zerojax.config.schema.precision import BF16Config, DataTypesConfig, FP16Config
-from zerojax.config.schema.run import CheckpointConfig, DataConfig, ModelConfig, RunConfig
+from zerojax.config.schema.run import CheckpointConfig, DataConfig, LoraConfig, ModelConfig, RunConfig
 from zerojax.config.schema.scheduler import SchedulerConfig
-from zerojax.config.schema.zero import ActivationCheckpointingConfig, ZeroConfig
+from zerojax.config.schema.zero import ActivationCheckpointingConfig, AioConfig, ZeroConfig
 
 if TYPE_CHECKING:
     from zerojax.config.batch import BatchSize
@@ -46,6 +46,7 @@ class Config:
     fp16: FP16Config = section(FP16Config)
     bf16: BF16Config = option(factory=BF16Config, doc="bf16 mixed precision.", aliases=("bfloat16",))
     zero_optimization: ZeroConfig = section(ZeroConfig)
+    aio: AioConfig = section(AioConfig)
     zero_allow_untested_optimizer: bool = option(False, "Allow optimizers outside DeepSpeed's ZeRO list.")
     zero_force_ds_cpu_optimizer: bool = option(True, "Accepted; the offload path has one optimizer.")
     activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
@@ -90,6 +91,7 @@ class Config:
                           choices=("auto", "pallas", "xla"))
     mesh: MeshConfig = section(MeshConfig)
     model: ModelConfig = section(ModelConfig)
+    lora: LoraConfig = section(LoraConfig)
     data: DataConfig = section(DataConfig)
     run: RunConfig = section(RunConfig)
     distributed: DistributedConfig = section(DistributedConfig)

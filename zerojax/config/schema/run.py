@@ -2,8 +2,8 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from zerojax.config.fields import option
 from zerojax.config.paths import show
@@ -90,6 +90,32 @@ class ModelConfig:
     rope_original_max_positions: Optional[int] = option(None, "llama, rope_scaling llama3: the context length "
                                                               "the model was pretrained at (original_max_position_"
                                                               "embeddings).", gt=0)
+    global_every: Optional[int] = option(None, "llama, with model.sliding_window: every global_every-th layer "
+                                               "(counted from 1) attends to the whole causal context, the others "
+                                               "to the window (Gemma 2's alternation: 2; Gemma 3's: 6). Unset: "
+                                               "every layer keeps the window.", gt=0)
+    query_scale: Optional[float] = option(None, "llama: attention scores are scaled by query_scale ** -0.5 "
+                                                "(Gemma's query_pre_attn_scalar). Unset: the head width's.", gt=0)
+    attn_softcap: Optional[float] = option(None, "llama: attention scores soft-capped to (-c, c) as c * "
+                                                 "tanh(score / c) before the mask and softmax (Gemma 2's "
+                                                 "attn_logit_softcapping). Unset: none.", gt=0)
+    final_softcap: Optional[float] = option(None, "llama: logits soft-capped as c * tanh(logit / c) (Gemma 2's "
+                                                  "final_logit_softcapping). Unset: none.", gt=0)
+    norm_offset: float = option(0.0, "llama: every RMSNorm multiplies by (norm_offset + scale): Gemma's 1, its "
+                                     "scales stored around 0 (and initialized to 0).", ge=0)
+    embed_scale: bool = option(False, "llama: the token embeddings are multiplied by sqrt(d_model) before the "
+                                      "first layer (Gemma's).")
+    post_norms: bool = option(False, "llama: an RMSNorm on the attention's and the MLP's outputs before each "
+                                     "residual add, besides the ones on their inputs (Gemma 2/3's).")
+    mlp_activation: str = option("silu", "llama: the gated MLP's activation. silu: SwiGLU (Llama's). gelu_tanh: "
+                                         "GeGLU with the tanh-approximated GELU (Gemma's gelu_pytorch_tanh).",
+                                 choices=("silu", "gelu_tanh"))
+    hf_family: Optional[str] = option(None, "llama: the Hugging Face model_type the model is read and written "
+                                            "as (model.hf_checkpoint sets it; export --format hf writes it). Unset: "
+                                            "the one its options name (docs/models.md). phi3 stores q/k/v and "
+                                            "gate/up as fused tensors.",
+                                      choices=("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral",
+                                               "qwen3_moe"))
     norm_eps: Optional[float] = option(None, "Epsilon of the norms (default: 1e-6 for gpt, 1e-5 for llama; "
                                              "GPT-2 uses 1e-5).", gt=0)
     tie_embeddings: bool = option(False, "The LM head is the transposed token embedding (no head parameter), "
@@ -99,6 +125,11 @@ class ModelConfig:
         None, "A local Hugging Face transformers checkpoint folder (config.json + safetensors, sharded or "
               "not; Llama-family, Qwen2, Qwen3, Mistral, Mixtral or GPT-2: docs/models.md) to start from: its weights are read straight into the plan's "
               "shards, and model keys not given are taken from its config.json.")
+    hf_config: Optional[str] = option(
+        None, "A Hugging Face config.json (or the folder holding one) whose model the run builds with fresh "
+              "weights - pre-training, or a test with no checkpoint: the model keys not given are taken from it "
+              "as model.hf_checkpoint takes them, and no weight is read; `zerojax estimate` reads the same file. "
+              "Not with model.hf_checkpoint (whose config.json is the model already).")
     n_experts: Optional[int] = option(
         None, "llama: experts per mixture-of-experts layer (DeepSpeed's MoE num_experts); unset or 0: the dense "
               "model. The MLP of every model.moe_every-th layer becomes a MoE layer; see docs/moe.md.", ge=0)
@@ -152,6 +183,40 @@ class ModelConfig:
     moe_aux_loss_coef: float = option(0.01, "llama MoE: the training loss adds this times the MoE layers' summed "
                                             "load-balancing loss (l_aux); model.hf_checkpoint of a Mixtral "
                                             "fills it from router_aux_loss_coef unless given.", ge=0)
+    # The resolved `lora` section when it is enabled (set by the loader, not a key): the models read
+    # their adapters' rank, scale and targets from the model config they are built from.
+    lora: Any = field(default=None, metadata=dict(internal=True))
+
+
+# DeepSpeed's LoRAConfig.target_mods default (deepspeed/linear/config.py): Llama 3.1's projections.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the model's projections, the base frozen; see docs/lora.md."""
+    enabled: bool = option(False, "Add a trainable low-rank adapter (A [in, r], B [r, out], B starting at zero) "
+                                  "beside each projection lora.target_modules names; every other parameter is "
+                                  "frozen (model.trainable adds parameters to train with the adapters).")
+    r: int = option(8, "The adapters' rank (PEFT's r; DeepSpeed's LoRAConfig.lora_r).", gt=0,
+                    aliases=("lora_r",))
+    lora_alpha: float = option(16.0, "The adapter's output is scaled by lora_alpha / r (PEFT's and DeepSpeed's "
+                                     "lora_alpha).", gt=0, aliases=("alpha",))
+    lora_dropout: float = option(0.0, "Dropout on the adapter's input (PEFT's lora_dropout); only 0 is built: the "
+                                      "shipped models' losses take no random key, so a non-zero value is refused "
+                                      "rather than ignored.", ge=0, le=1, aliases=("dropout",))
+    target_modules: tuple[str, ...] = option(
+        LORA_DEFAULT_TARGETS, "The projections given adapters, by module name: the models' own (llama: q k v o "
+                              "gate up down; gpt: qkv proj fc out), Hugging Face's (q_proj ... down_proj; GPT-2's "
+                              "c_attn c_fc attn.c_proj mlp.c_proj) or all-linear. Default: DeepSpeed's "
+                              "LoRAConfig.target_mods. A name that matches no projection is an error.",
+        aliases=("target_mods",))
+    adapter: Optional[str] = option(None, "A PEFT LoRA adapter folder (adapter_config.json + "
+                                          "adapter_model.safetensors) to start the adapters from, onto "
+                                          "model.hf_checkpoint's base; its r, lora_alpha and target_modules "
+                                          "fill the keys not given.")
+    base_weight_sharding: int = option(1, "DeepSpeed's LoRAConfig.base_weight_sharding; no effect: the frozen base "
+                                          "is ZeRO-3-sharded with every other weight at stage 3.", gt=0)
 
 
 @dataclass(frozen=True)
@@ -160,11 +225,18 @@ class DataConfig:
     source: str = option("stdlib", "stdlib: the embedded corpus, as bytes. file: a text file (bytes, or tokens "
                                    "with data.tokenizer). jsonl: one JSON document a line, tokenized with "
                                    "data.tokenizer. tokens: a flat array of token ids (nanoGPT/Megatron .bin), "
-                                   "memory-mapped, or a 1-D integer .npy. Default with data.path: jsonl for *.jsonl, "
-                                   "tokens for *.bin and *.npy, else file. A binary file (Parquet, Arrow, zip, "
-                                   "gzip, ...; by its first bytes or its name) or text that is not UTF-8 is "
-                                   "refused as a text or JSONL file.", choices=("stdlib", "file", "jsonl", "tokens"))
-    path: Optional[str] = option(None, "The file to train on (implies data.source, see there).")
+                                   "memory-mapped, or a 1-D integer .npy. parquet, arrow: a Parquet file, an Arrow "
+                                   "IPC file or stream, a document a row (data.text_key or data.tokens_key names "
+                                   "the column). datasets: a folder Hugging Face datasets' save_to_disk wrote "
+                                   "(a Dataset, or a DatasetDict and data.split), read with pyarrow (the datasets "
+                                   "package is not needed). Default with data.path: jsonl for *.jsonl, tokens for "
+                                   "*.bin and *.npy, parquet for *.parquet, arrow for *.arrow and *.feather, "
+                                   "datasets for a folder holding state.json or dataset_dict.json, else file. A "
+                                   "binary file (Parquet, Arrow, zip, gzip, ...; by its first bytes or its name) or "
+                                   "text that is not UTF-8 is refused as a text or JSONL file.",
+                         choices=("stdlib", "file", "jsonl", "tokens", "parquet", "arrow", "datasets"))
+    path: Optional[str] = option(None, "The file (or datasets folder) to train on (implies data.source, see "
+                                       "there).")
     max_bytes: int = option(4_000_000, "Read at most this many bytes of a text corpus (stdlib, file, jsonl).",
                             gt=0)
     val_fraction: float = option(0.05, "Fraction held out for validation (the end of the token stream).",
@@ -172,9 +244,31 @@ class DataConfig:
     seed: int = option(0, "Seed of the batch order.")
     dtype: str = option("uint16", "Element type of a data.source: tokens file (uint16 for vocabularies up to "
                                   "65536, else uint32).", choices=("uint16", "uint32"))
-    tokenizer: Optional[str] = option(None, "A Hugging Face `tokenizers` tokenizer.json that tokenizes text "
-                                            "and JSONL files (needs `pip install zerojax[tokenizers]`).")
-    text_key: str = option("text", "The field of each JSONL line that holds the document's text.")
+    tokenizer: Optional[str] = option(None, "A Hugging Face `tokenizers` tokenizer.json that tokenizes the text "
+                                            "of text, JSONL, Parquet, Arrow and datasets sources (default: the "
+                                            "tokenizer.json of model.hf_checkpoint, when that folder has one "
+                                            "and the text needs tokenizing).")
+    text_key: str = option("text", "The field of each JSONL line, or the column of a Parquet, Arrow or datasets "
+                                   "source, that holds the document's text.")
+    tokens_key: Optional[str] = option(None, "The field of each JSONL line, or the column of a Parquet, Arrow or "
+                                             "datasets source, that holds the document's token ids (a list of "
+                                             "integers), used as they are: no tokenizer (data.eos_id, when given, "
+                                             "is appended to each). Unset: the text of data.text_key is "
+                                             "tokenized.")
+    packing: str = option("pack", "How documents become rows. pack: end to end with data.eos_id between them, "
+                                  "cut into windows of model.seq_len + 1 (no loss across a boundary, "
+                                  "data.mask_boundaries). pad: one document a row, cut at model.seq_len + 1 "
+                                  "tokens and padded with data.pad_id, the padding left out of the loss (a "
+                                  "fine-tuning set of separate examples).", choices=("pack", "pad"))
+    pad_id: Optional[int] = option(None, "data.packing: pad: the id that fills a row after its document (default: "
+                                         "the end-of-document id, else 0); never in the loss.", ge=0)
+    split: str = option("train", "data.source: datasets: the split of a DatasetDict folder to train on.")
+    val_split: Optional[str] = option(None, "data.source: datasets: the split of a DatasetDict folder to validate on "
+                                            "(default: its validation split when it has one, else the last "
+                                            "data.val_fraction of data.split).")
+    val_path: Optional[str] = option(None, "A validation file (or datasets folder) read as data.path is (same "
+                                           "data.source, keys and tokenizer); default: the last data.val_fraction "
+                                           "of data.path.")
     eos_id: Optional[int] = option(None, "Token id that ends each document: appended after every tokenized "
                                          "document, and where the loss stops (default: the tokenizer's "
                                          "end-of-text token; none for a tokens file: give it to mask its "
@@ -189,7 +283,19 @@ class RunConfig:
     steps: int = option(200, "Optimizer steps to run.", gt=0)
     output_dir: str = option("runs/zerojax", "Where metrics.jsonl and config.json are written.")
     seed: int = option(0, "Seed of the parameter initialization.")
-    eval_batches: int = option(4, "Validation batches evaluated at the end.", ge=0)
+    eval_batches: int = option(4, "Validation batches evaluated at the end (and every run.eval_every steps): "
+                                  "the first ones of the validation set, the same each time.", ge=0)
+    eval_every: Optional[int] = option(None, "Steps between validations during the run (run.eval_batches batches "
+                                             "each; a val_loss row in metrics.jsonl and a Train/Samples/val_loss "
+                                             "event); null: only at the end.", gt=0)
+    save_best: bool = option(True, "With run.eval_every: a validation loss lower than every earlier one saves a "
+                                   "checkpoint of that step (if none is saved there) and points the checkpoint "
+                                   "folder's .best file at it; retention (checkpoint.max_to_keep) never deletes the "
+                                   "tag it names. `--tag best` exports or samples it.")
+    epochs: Optional[float] = option(None, "Passes over the training data: run.steps becomes epochs x rows an epoch "
+                                           "/ train_batch_size, rounded up (rows an epoch: the windows of a packed "
+                                           "corpus, the documents of a padded one), and run.steps is not used. "
+                                           "Batches run on across an epoch's end (each epoch reshuffled).", gt=0)
     progress: bool = option(True, "Show a progress bar.")
     log_every: Optional[int] = option(None, "Steps between metrics lines (default: steps_per_print).", gt=0)
     checkpoint_dir: Optional[str] = option(

@@ -15,30 +15,49 @@ POLICY_CHOICES = ("nothing", "dots_no_batch", "dots", "everything")
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
     """Where the fp32 master weights and optimizer state live between steps (docs/offload.md)."""
-    device: str = option("none", "none | cpu (host memory; ZeRO stages 1-3) | nvme (not supported; use cpu).",
-                         choices=("none", "cpu", "nvme"))
-    nvme_path: Optional[str] = option(None, "For device nvme (not supported).")
+    device: str = option("none", "none | cpu (host memory; ZeRO stages 1-3) | nvme (files under nvme_path, "
+                                 "streamed through buffer_count host buffers: ZeRO-Infinity; stages 1-3, "
+                                 "elementwise optimizers).", choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = option(None, "device nvme: a folder on a local disk; each run works in a fresh "
+                                            "zerojax-swap-* subfolder, removed when it ends.")
     pin_memory: bool = option(True, "Pinned host memory (memory kind pinned_host; false: unpinned_host).")
-    buffer_count: int = option(4, "NVMe buffers (accepted, unused).", gt=0)
-    fast_init: bool = option(False, "Accepted, unused.")
+    buffer_count: int = option(4, "device nvme: host buffers of sub_group_size fp32 elements the state streams "
+                                  "through; at least the arrays of one tile (parameter, gradient and the "
+                                  "optimizer's moments: 4 for Adam).", gt=0)
+    pipeline_read: bool = option(False, "device nvme: read the next tile while this one updates (needs "
+                                        "buffer_count for two tiles).")
+    pipeline_write: bool = option(False, "device nvme: write a tile back while the next ones update.")
+    fast_init: bool = option(False, "Accepted, no effect: the state is written to the files once at start.")
     ratio: float = option(1.0, "Fraction of the optimizer step run on the host (only 1.0 is supported).",
                           ge=0, le=1)
     compute: str = option("auto", "Where the update runs with device: cpu. host: on the host, next to the "
                                   "state (DeepSpeed's ZeRO-Offload; elementwise optimizers); device: the "
                                   "state is brought to the device for the update; auto: host where the "
-                                  "backend supports it, else device.", choices=("auto", "host", "device"))
+                                  "backend supports it, else device. device nvme always updates on the host.",
+                          choices=("auto", "host", "device"))
 
 
 @dataclass(frozen=True)
 class OffloadParamConfig:
     """Where stage-3 parameters live between uses (docs/offload.md)."""
     device: str = option("none", "none | cpu (host memory, each layer brought in where it is gathered; "
-                                 "stage 3) | nvme (not supported; use cpu).", choices=("none", "cpu", "nvme"))
-    nvme_path: Optional[str] = option(None, "For device nvme (not supported).")
+                                 "stage 3) | nvme (refused: use cpu).", choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = option(None, "For device nvme (refused).")
     pin_memory: bool = option(True, "Pinned host memory (memory kind pinned_host; false: unpinned_host).")
-    buffer_count: int = option(5, "NVMe buffers (accepted, unused).", gt=0)
-    buffer_size: int = option(100_000_000, "NVMe buffer size (accepted, unused).", gt=0)
-    max_in_cpu: int = option(1_000_000_000, "Accepted, unused.", ge=0)
+    buffer_count: int = option(5, "For device nvme (refused).", gt=0)
+    buffer_size: int = option(100_000_000, "For device nvme (refused).", gt=0)
+    max_in_cpu: int = option(1_000_000_000, "For device nvme (refused).", ge=0)
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """DeepSpeed's asynchronous I/O settings for the NVMe tier (docs/offload.md)."""
+    block_size: int = option(1_048_576, "libaio's request size; no effect: a tile is one read per array.", gt=0)
+    queue_depth: int = option(8, "libaio's queue depth; no effect: thread_count reads are in flight.", gt=0)
+    thread_count: int = option(1, "Threads reading and writing the swap files in parallel.", gt=0)
+    single_submit: bool = option(False, "libaio's submission mode; no effect.")
+    overlap_events: bool = option(True, "libaio's overlapped submission; no effect (the threads overlap).")
+    use_gds: bool = option(False, "GPUDirect Storage; refused when true (reads go through host buffers).")
 
 
 _BUCKET_DOC = "Accepted for compatibility; XLA schedules collectives itself, so buckets have no effect."

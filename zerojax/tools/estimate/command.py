@@ -13,7 +13,7 @@ from zerojax.errors import ConfigError
 from zerojax.tools.estimate.axes import expert_lines, expert_params, sequence_lines
 from zerojax.tools.estimate.memory import (CHOICES, GIB, MemoryEstimate, deepspeed_estimate, plan_exact,
                                            recommend, size_unit, variant)
-from zerojax.tools.estimate.shapes import ModelShape, counts_model, embedded_model, hf_model
+from zerojax.tools.estimate.shapes import ModelShape, counts_model, embedded_model, hf_model, with_adapters
 from zerojax.tools.estimate.timing import PRESETS, DeviceSpec, step_time_lines
 from zerojax.tools.estimate.tensor import tensor_lines
 
@@ -74,7 +74,7 @@ def choose_model(config: Config, model: str | None = None, hf_config: str | None
         raise ConfigError("estimate: --params and --largest-layer go together (DeepSpeed's total_params and "
                           "largest_layer_params)")
     if hf_config:
-        return hf_model(hf_config)
+        return with_adapters(hf_model(hf_config), config)
     if params is not None:
         return counts_model(int(params), int(largest_layer))
     if model not in (None, config.model.name):
@@ -132,10 +132,16 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
               f"DeepSpeed: estimate_zero2_model_states_mem_needs (stages 1, 2) and "
               f"estimate_zero3_model_states_mem_needs "
               f"(stage 3, zero_init={int(req.zero_init)}), additional_buffer_factor={req.additional_buffer_factor}; "
-              f"no estimator for stage 0."]
+              f"no estimator for stage 0, and none takes NVMe (their offload_optimizer=cpu rows count the same "
+              f"bytes in CPU memory)."]
+    for e in exact:
+        if e.nvme_bytes:
+            lines.append(f"{e.choice.label}: {num(e.nvme_bytes).strip()} {unit} per host in NVMe swap files (the fp32 "
+                         f"master and moments); its per-host figure above is host memory: the parameters' and "
+                         f"buffers' share (buffer_count x sub_group_size x 4 bytes per device)")
     frozen = exact[0].report.n_frozen
     if frozen:
-        lines += ["", f"frozen: {frozen:,} of {model.total_params:,} parameters (model.trainable / model.frozen): "
+        lines += ["", f"frozen: {frozen:,} of {model.total_params:,} parameters ({'lora' if config.lora.enabled else 'model.trainable / model.frozen'}): "
                       f"plan-exact counts them as stored parameters only, in the compute dtype (P x frozen / N at "
                       f"stage 3, P x frozen on every device at stages 0-2), with no gradient, master or optimizer "
                       f"state; DeepSpeed's estimators count every parameter as trained"]

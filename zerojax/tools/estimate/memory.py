@@ -21,7 +21,8 @@ from zerojax.tools.estimate.shapes import ModelShape
 GIB = 2 ** 30
 
 
-OFFLOADS = ("none", "cpu optimizer", "cpu params")
+OFFLOADS = ("none", "cpu optimizer", "nvme optimizer", "cpu params")
+NVME_PATH = "/local_nvme"  # what a recommendation names for nvme_path when the config gives none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +32,12 @@ class Choice:
     stage: int
     offload: str = "none"
 
-    def overrides(self) -> list[str]:
-        opt = "cpu" if self.offload != "none" else "none"
+    def overrides(self, nvme_path: str | None = None) -> list[str]:
+        opt = "nvme" if self.offload.startswith("nvme") else "cpu" if self.offload != "none" else "none"
         par = "cpu" if self.offload == "cpu params" else "none"
+        path = [f"zero_optimization.offload_optimizer.nvme_path={nvme_path or NVME_PATH}"] if opt == "nvme" else []
         return [f"zero_optimization.stage={self.stage}", f"zero_optimization.offload_optimizer.device={opt}",
-                f"zero_optimization.offload_param.device={par}"]
+                *path, f"zero_optimization.offload_param.device={par}"]
 
     @property
     def label(self) -> str:
@@ -46,7 +48,8 @@ class Choice:
 # offload costs host transfers and a host-side update on top, parameter offload most.
 CHOICES: tuple[Choice, ...] = (
     Choice(0), Choice(1), Choice(2), Choice(3),
-    Choice(1, "cpu optimizer"), Choice(2, "cpu optimizer"), Choice(3, "cpu optimizer"), Choice(3, "cpu params"))
+    Choice(1, "cpu optimizer"), Choice(2, "cpu optimizer"), Choice(3, "cpu optimizer"), Choice(3, "nvme optimizer"),
+    Choice(3, "cpu params"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ class MemoryEstimate:
     host_bytes: int           # per host (DeepSpeed: per node)
     note: str = ""
     report: Any = None        # the plan's MemoryReport (plan-exact)
+    nvme_bytes: int = 0       # per host, in NVMe swap files (offload_optimizer.device: nvme)
 
 
 def variant(config: Config, choice: Choice) -> Config:
@@ -70,7 +74,7 @@ def variant(config: Config, choice: Choice) -> Config:
         # other choices are estimated without it, and a stage-3 row shows hpZ's secondary copy.
         free += ["zero_optimization.zero_hpz_partition_size=1", "zero_optimization.zero_quantized_weights=false",
                  "zero_optimization.zero_quantized_gradients=false"]
-    return load_config(config, choice.overrides() + free)
+    return load_config(config, choice.overrides(config.zero_optimization.offload_optimizer.nvme_path) + free)
 
 
 def abstract_mesh(devices: int, devices_per_host: int | None = None) -> jax.sharding.AbstractMesh:
@@ -90,8 +94,9 @@ def plan_exact(config: Config, model: ModelShape, devices: int, devices_per_host
     p = make_plan(variant(config, choice), abstract_mesh(devices, devices_per_host), model.abstract_params,
              layer_axes=model.layer_axes)
     rep = p.report()
-    return MemoryEstimate(choice, "plan-exact", rep.device, rep.host * min(devices_per_host, devices),
-                          report=rep)
+    per_host = min(devices_per_host, devices)  # one process per device: each streams through its own buffers
+    return MemoryEstimate(choice, "plan-exact", rep.device, (rep.host + rep.nvme_buffers) * per_host,
+                          report=rep, nvme_bytes=rep.optimizer_nvme * per_host)
 
 
 def deepspeed_estimate(model: ModelShape, devices: int, devices_per_host: int, choice: Choice,
@@ -100,7 +105,7 @@ def deepspeed_estimate(model: ModelShape, devices: int, devices_per_host: int, c
     both), the ZeRO-3 one for stage 3; None for stage 0, which DeepSpeed does not estimate."""
     per_node = min(devices_per_host, devices)
     nodes = math.ceil(devices / per_node)
-    if choice.stage == 0:
+    if choice.stage == 0 or choice.offload.startswith("nvme"):  # DeepSpeed's estimators take no NVMe argument
         return None
     if choice.stage in (1, 2):
         cpu, gpu = deepspeed_zero2(model.total_params, per_node, nodes, choice.offload != "none",

@@ -82,15 +82,23 @@ def _sds(*shape: int) -> jax.ShapeDtypeStruct:
 
 def embedded_model(config: Config) -> ModelShape:
     """The embedded model of `config.model` (GPT or Llama), shapes from `jax.eval_shape` of its
-    initializer (nothing allocated)."""
+    initializer (nothing allocated); a model from `model.hf_config` is named by its family and file."""
     m = config.model
+    source = m.hf_config or m.hf_checkpoint
+    if source and m.name == "llama":
+        return model_shape(m, f"Hugging Face {m.hf_family or 'llama'} ({source}, {m.n_layers} layers, hidden {m.d_model})")
+    return model_shape(m)
+
+
+def model_shape(m: Any, what: str | None = None) -> ModelShape:
+    """`embedded_model` of a ModelConfig; `what` names it in the report (default: the embedded model)."""
     llama = m.name == "llama"
     arch = Arch(m.n_layers, m.d_model, m.n_heads, (m.n_kv_heads or m.n_heads) if llama else m.n_heads,
                 (m.head_dim or m.d_model // m.n_heads) if llama else m.d_model // m.n_heads,  # Qwen3: head_dim
                 m.d_ff or 4 * m.d_model, m.vocab_size, gated=llama)
     if llama:
         from zerojax.models import abstract_params
-        return ModelShape(f"embedded Llama (d_model {m.d_model}, {m.n_layers} layers)", abstract_params(m),
+        return ModelShape(what or f"embedded Llama (d_model {m.d_model}, {m.n_layers} layers)", abstract_params(m),
                           arch=arch)
     from zerojax.models import gpt
     return ModelShape(f"embedded GPT (d_model {m.d_model}, {m.n_layers} layers)", gpt.abstract_params(m),
@@ -104,6 +112,21 @@ def _get(cfg: Mapping[str, Any], path: str, *names: str, default: Any = None) ->
     if default is not None:
         return default
     raise ConfigError(f"--hf-config {path}: needs one of {', '.join(names)}")
+
+
+# The families whose tensors the generic Llama tree below does not have (biases, q/k norms, Gemma's four
+# norms, experts): their config.json is read as `model.hf_config` reads it, into the very model trained.
+_READ_EXACTLY = ("qwen2", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe")
+
+
+def _as_trained(path: str, kind: str) -> ModelShape:
+    """The llama model `model.hf_config: path` builds (its refusals too), as abstract parameters."""
+    from zerojax.config import ModelConfig
+    from zerojax.config.hf import model_keys
+    keys, _ = model_keys(path, key="--hf-config")
+    m = dataclasses.replace(ModelConfig(), **keys)
+    m = dataclasses.replace(m, n_kv_heads=m.n_kv_heads or m.n_heads)
+    return model_shape(m, f"Hugging Face {kind} ({Path(path).parent.name}, {m.n_layers} layers, hidden {m.d_model})")
 
 
 def hf_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> ModelShape:
@@ -127,6 +150,8 @@ def hf_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> ModelShape:
         except json.JSONDecodeError as e:
             raise ConfigError(f"--hf-config {path}: not JSON ({e})") from None
     kind = str(cfg.get("model_type", "llama"))
+    if kind in _READ_EXACTLY and path != "<dict>":
+        return _as_trained(path, kind)
     vocab = _get(cfg, path, "vocab_size")
     if kind == "gpt2":
         h = _get(cfg, path, "n_embd", "hidden_size")
@@ -171,6 +196,35 @@ def hf_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> ModelShape:
     axes = {k: (1 if k == "layers" else 0) for k in params}
     name = Path(path).parent.name if path != "<dict>" else kind
     return ModelShape(f"Hugging Face {kind} ({name}, {layers} layers, hidden {h})", params, axes, arch=arch)
+
+
+# hf_model's GPT-2 leaves under the embedded GPT's projection names (what lora.target_modules resolves to)
+_GPT2_PROJECTIONS = {"c_attn": "qkv", "attn_proj": "proj", "c_fc": "fc", "mlp_proj": "out"}
+
+
+def with_adapters(model: ModelShape, config: Config) -> ModelShape:
+    """`model` (from a config.json) with the `lora` section's adapters beside its targeted projections
+    (A [in, r], B [r, out], stacked like the kernel): what the run would train; unchanged without LoRA."""
+    if not config.lora.enabled:
+        return model
+    from zerojax.models import lora
+    gpt2 = model.arch is not None and not model.arch.gated
+    probe = dataclasses.replace(config.model, name="gpt" if gpt2 else "llama")
+    picked, r = lora.targets(probe), config.lora.r
+
+    def add(node: Any) -> Any:
+        if not isinstance(node, Mapping):
+            return node
+        out = {k: add(v) for k, v in node.items()}
+        for name, sub in node.items():
+            own = _GPT2_PROJECTIONS.get(name, name) if gpt2 else name
+            if isinstance(sub, Mapping) and "kernel" in sub and own in picked:
+                *lead, n_in, n_out = sub["kernel"].shape
+                out[name] = {**out[name], "lora_a": _sds(*lead, n_in, r), "lora_b": _sds(*lead, r, n_out)}
+        return out
+
+    return dataclasses.replace(model, abstract_params=add(model.abstract_params),
+                               name=f"{model.name} with rank-{r} LoRA adapters")
 
 
 def counts_model(total_params: int, largest_layer_params: int) -> ModelShape:

@@ -1,0 +1,191 @@
+"""ZeRO-Infinity's NVMe tier: optimizer state in files, streamed through a bounded set of host buffers.
+
+DeepSpeed (`runtime/swap_tensor/`) keeps each sub-group's fp32 master copy and optimizer moments in
+files under `nvme_path` and runs the CPU optimizer one sub-group at a time: the sub-group's arrays are
+read into a pool of pinned buffers (`buffer_count` of them), updated, and written back; with
+`pipeline_read` the next sub-group is read while this one computes, with `pipeline_write` the
+previous one is still being written. Here the same schedule runs over *tiles*: `sub_group_size`
+elements of one parameter shard, every state array of the tile (master, moments) in its own buffer.
+A tile takes `arrays` buffers, so `buffer_count // arrays` tiles are in flight at once (a ring of
+buffer sets): one computing, the next being read, earlier ones being written.
+
+The I/O path is `os.preadv` / `os.pwritev` of whole tiles into preallocated numpy buffers, issued
+from a thread pool of `aio.thread_count` threads (the calls release the GIL), not memory maps: a
+mapped file's pages count in the process's resident set, preallocated buffers bound it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+SWAP_PREFIX = "zerojax-swap-"
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    """How optimizer state is swapped to files (the planner's reading of `offload_optimizer` and `aio`)."""
+    path: str                   # folder on the local disk; each engine works in a fresh subfolder of it
+    buffer_count: int = 4       # host buffers of `tile` fp32 elements each
+    tile: int = 1_000_000_000   # elements per tile (sub_group_size), capped at the largest shard
+    read_ahead: bool = False    # pipeline_read: read the next tile while this one computes
+    write_behind: bool = False  # pipeline_write: write a tile while the next ones compute
+    threads: int = 1            # aio.thread_count: parallel reads and writes
+
+    def describe(self) -> str:
+        pipe = [n for n, on in (("read ahead", self.read_ahead), ("write behind", self.write_behind)) if on]
+        return (f"files under {self.path}, streamed through {self.buffer_count} host buffers"
+                + (f" ({', '.join(pipe)})" if pipe else ""))
+
+
+class Tile(NamedTuple):
+    """A run of elements of one stored shard: `region` names the shard, [start, stop) its elements."""
+    region: int
+    start: int
+    stop: int
+
+
+class StreamStats(NamedTuple):
+    """One streamed pass: how long the update waited on the disk, and the bytes it moved."""
+    read_wait_s: float = 0.0
+    write_wait_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class SwapFiles:
+    """One file per state array (`names`), each the concatenation of `sizes` regions of fp32 elements.
+
+    The folder is a fresh `zerojax-swap-*` subfolder of `swap.path` (nothing already there is read or
+    written) and is removed when the object is collected or the interpreter exits: the files are
+    working state, checkpoints hold the run.
+    """
+
+    def __init__(self, swap: Swap, names: Sequence[str], sizes: Sequence[int], extra: int = 0):
+        root = Path(swap.path)
+        root.mkdir(parents=True, exist_ok=True)
+        self.folder = Path(tempfile.mkdtemp(prefix=SWAP_PREFIX, dir=root))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self.swap, self.names, self.sizes = swap, list(names), [int(n) for n in sizes]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        total = int(self.offsets[-1])
+        self._fds = []
+        for name in self.names:
+            fd = os.open(self.folder / f"{name}.f32", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, total * 4)
+            self._fds.append(fd)
+        weakref.finalize(self, _close_all, list(self._fds))
+        self.tile = max(1, min(swap.tile, max(self.sizes, default=1)))
+        # buffers[s][a]: state array a of the tile in flight in set s; after the files' arrays, `extra`
+        # buffers the caller fills itself (the gradient tile)
+        self.sets = max(1, swap.buffer_count // (len(self.names) + extra))
+        self.buffers = [[np.empty(self.tile, np.float32) for _ in range(len(self.names) + extra)]
+                        for _ in range(self.sets)]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, swap.threads), thread_name_prefix="zerojax-swap")
+        weakref.finalize(self, self._pool.shutdown, True)
+        self.last = StreamStats()  # the latest `stream`'s waits and bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes of the buffer pool: the bound on what the swapped state occupies in memory."""
+        return sum(b.nbytes for s in self.buffers for b in s)
+
+    @property
+    def file_bytes(self) -> int:
+        return int(self.offsets[-1]) * 4 * len(self.names)
+
+    def tiles(self, region: int) -> list[Tile]:
+        n = self.sizes[region]
+        return [Tile(region, a, min(a + self.tile, n)) for a in range(0, n, self.tile)]
+
+    # -- whole regions (initialisation, checkpoints) ----------------------------------------------
+    def write_region(self, array: int, region: int, values: np.ndarray) -> None:
+        flat = np.ascontiguousarray(values, np.float32).reshape(-1)
+        assert flat.size == self.sizes[region], (flat.size, self.sizes[region])
+        _pwrite_all(self._fds[array], memoryview(flat).cast("B"), int(self.offsets[region]) * 4)
+
+    def read_region(self, array: int, region: int) -> np.ndarray:
+        out = np.empty(self.sizes[region], np.float32)
+        _pread_all(self._fds[array], memoryview(out).cast("B"), int(self.offsets[region]) * 4)
+        return out
+
+    # -- the streamed pass ------------------------------------------------------------------------
+    def _io(self, fn: Callable[[int, memoryview, int], None], s: int, t: Tile) -> list[Future]:
+        n = t.stop - t.start
+        offset = (int(self.offsets[t.region]) + t.start) * 4
+        return [self._pool.submit(fn, fd, memoryview(self.buffers[s][a][:n]).cast("B"), offset)
+                for a, fd in enumerate(self._fds)]  # the files' arrays only, not the caller's extras
+
+    def stream(self, tiles: Sequence[Tile], compute: Callable[[int, Tile, list[np.ndarray]], None]) -> None:
+        """Read each tile's arrays, `compute(i, tile, buffers)` them in place (each buffer `tile` long,
+        the tile's elements first), and write them back. Reads run ahead and writes behind as `swap` allows and the buffer sets leave room: set
+        `i % sets` holds tile i, so a set is read again only once its last write is done."""
+        reads: dict[int, list[Future]] = {}
+        writes: dict[int, list[Future]] = {}
+        waited = {"read": 0.0, "write": 0.0}
+
+        def wait(fs: list[Future], kind: str) -> None:
+            t0 = time.perf_counter()
+            for f in fs:
+                f.result()
+            waited[kind] += time.perf_counter() - t0
+
+        def start_read(i: int) -> None:
+            s = i % self.sets
+            wait(writes.pop(s, []), "write")
+            reads[i] = self._io(_pread_all, s, tiles[i])
+
+        for i, t in enumerate(tiles):
+            if i not in reads:
+                start_read(i)
+            wait(reads.pop(i), "read")
+            if self.swap.read_ahead and i + 1 < len(tiles) and (i + 1) % self.sets != i % self.sets:
+                start_read(i + 1)
+            s = i % self.sets
+            compute(i, t, self.buffers[s])
+            writes[s] = self._io(_pwrite_all, s, t)
+            if not self.swap.write_behind:
+                wait(writes.pop(s), "write")
+        for fs in writes.values():
+            wait(fs, "write")
+        moved = sum(t.stop - t.start for t in tiles) * 4 * len(self.names)
+        self.last = StreamStats(read_wait_s=waited["read"], write_wait_s=waited["write"], bytes_read=moved,
+                                bytes_written=moved)
+
+    def close(self) -> None:
+        """Remove the working files now (also done when the object is collected)."""
+        self._pool.shutdown(wait=True)
+        self._cleanup()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` from `offset` (a read may return short: keep reading)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"swap file: short read at byte {offset + done}")
+        done += got
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done:]], offset + done)
+
