@@ -4,7 +4,7 @@
 
 For the embedded GPT (its `gathers_params` loss, blocks checkpointed by `gpt.apply`) and for a
 user's loss over a `lax.scan` of stacked MLP layers with no remat of its own (checkpointed by the
-step, `zerojax.core.remat.for_loss`), at ZeRO stages 0 and 3, one train step is compiled per
+step, `zerojax.rewrite.remat.for_loss`), at ZeRO stages 0 and 3, one train step is compiled per
 `activation_checkpointing` setting: none (no checkpointing at all), policy nothing / dots_no_batch /
 dots / everything, and nothing with cpu_checkpointing. The report gives the compiled step's temp
 bytes per device (`memory_analysis().temp_size_in_bytes`), that over the no-checkpointing temp, and
@@ -145,7 +145,7 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
            f"{args.seq_len}, global batch {args.gpt_rows}; *none* is `model.remat: false` with no policy.",
            f"- **scanned MLP**: a user's loss, `lax.scan` over {args.mlp_layers} stacked MLP blocks of width "
            f"{args.mlp_width} (hidden {2 * args.mlp_width}) with no remat of its own, global batch "
-           f"{args.mlp_rows}; the step checkpoints each scan body (`zerojax.core.remat.for_loss`).",
+           f"{args.mlp_rows}; the step checkpoints each scan body (`zerojax.rewrite.remat.for_loss`).",
            "- **temp**: `compiled.memory_analysis().temp_size_in_bytes` per device; **/ none**: over the "
            "no-checkpointing step's. **step s**: median step time (eight devices share two cores here: read "
            "times as relative).",

@@ -1,4 +1,5 @@
-"""The package's layers, read from its source: imports flow one way and the config has one door.
+"""The package's layers, read from its source: imports flow one way, the config has one door, and
+the user's loss is rewritten in one folder (`zerojax.rewrite`), the only one that reads JAX's internals.
 
 Every import counts, at the top of a module or inside a function (a lazy import still ties two
 modules together); imports under `if TYPE_CHECKING:` are annotations only and do not.
@@ -23,6 +24,18 @@ LAYERS = {
     "zerojax.engine": 5,
     "zerojax.tools": 6,
     "zerojax.app": 7, "zerojax.cli": 7,
+}
+# Layer 2 holds the rewriters beside the core they build on; the core never calls them (the planner
+# API, the engine and the pipeline hand the step a loss `zerojax.rewrite.prepare_loss` made).
+REWRITE = "zerojax.rewrite"
+# JAX's internals: a jaxpr's equations and primitives, and everything under jax._src. Only the
+# rewriters read them; elsewhere only these named uses, each with no public counterpart.
+JAX_INTERNALS = ("jax._src", "jax.core", "jax.extend", "jax.interpreters")
+INTERNALS_ELSEWHERE = {
+    # the coordination service's client that jax.distributed.initialize made (no public accessor)
+    "zerojax.runtime.agreement": ("jax._src.distributed",),
+    # the kernels' Triton IR out of their lowering, compiled to PTX without a GPU
+    "zerojax.pallas.ptx": ("jax._src.interpreters.mlir", "jax._src.lib"),
 }
 # Below the door: these read plans, never the DeepSpeed config.
 BELOW_THE_DOOR = ("zerojax.core", "zerojax.pallas", "zerojax.pipeline", "zerojax.checkpoint", "zerojax.optim.transforms")
@@ -137,3 +150,62 @@ def test_the_layer_test_sees_imports() -> None:
     assert "zerojax.core.layout" in GRAPH["zerojax.core.step"]
     assert "zerojax.planner.plan" in GRAPH["zerojax.engine.engine"]
     assert layer("zerojax.optim.transforms") < layer("zerojax.optim.deepspeed")
+
+
+def _in(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_the_core_imports_nothing_from_the_rewriters() -> None:
+    assert {m: sorted(t for t in GRAPH[m] if _in(t, REWRITE)) for m in GRAPH
+            if _in(m, "zerojax.core") and any(_in(t, REWRITE) for t in GRAPH[m])} == {}
+
+
+def jax_internals(source: str) -> list[str]:
+    """The JAX internals a module's source imports or reads (`jax.core.Tracer`), type annotations too."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "jax":
+            found.append(f"jax.{node.attr}")
+    return sorted({n for n in found if any(_in(n, p) for p in JAX_INTERNALS)})
+
+
+def test_only_the_rewriters_touch_jax_internals() -> None:
+    offenders = {}
+    for name, path in MODULES.items():
+        if _in(name, REWRITE):
+            continue
+        allowed = INTERNALS_ELSEWHERE.get(name, ())
+        used = [n for n in jax_internals(path.read_text()) if not any(_in(n, a) for a in allowed)]
+        if used:
+            offenders[name] = used
+    assert offenders == {}
+
+
+def test_the_internals_rule_sees_every_form() -> None:
+    """An import, a from-import, a `from jax import core` and an attribute read all count; public
+    `jax.extend`-free code does not."""
+    assert jax_internals("from jax.extend import core as jcore") == ["jax.extend.core"]
+    assert jax_internals("import jax._src.core") == ["jax._src.core"]
+    assert jax_internals("from jax import core, numpy") == ["jax.core"]
+    assert jax_internals("import jax\nx = isinstance(1, jax.core.Tracer)") == ["jax.core"]
+    assert jax_internals("import jax\nfrom jax.ad_checkpoint import Recompute\njax.numpy.add") == []
+    assert "jax.extend.core" in jax_internals(MODULES["zerojax.rewrite.jaxpr_eval"].read_text())
+
+
+def test_the_kernels_know_no_plan() -> None:
+    """pallas/ holds kernels only: it imports nothing of the package but itself and the errors (the
+    ZeRO update that drives them over a plan is core/fused_update.py)."""
+    assert {m: sorted(t for t in GRAPH[m] if not (_in(t, "zerojax.pallas") or t == "zerojax.errors"))
+            for m in GRAPH if _in(m, "zerojax.pallas")
+            and any(not (_in(t, "zerojax.pallas") or t == "zerojax.errors") for t in GRAPH[m])} == {}
+
+
+def test_the_optimizer_blocks_read_no_names() -> None:
+    """optim/transforms.py takes per-leaf trees or callables (optax's mask convention): it imports
+    nothing of the package but the errors, so the kernels and the core may build on it."""
+    assert sorted(t for t in GRAPH["zerojax.optim.transforms"] if t != "zerojax.errors") == []

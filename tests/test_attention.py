@@ -168,7 +168,7 @@ def test_model_attention_set_on_the_command_line_reaches_the_ulysses_step() -> N
     rounding only."""
     from zerojax.app.trainer import build_model
     from zerojax.core.state import init_state
-    from zerojax.core.step import make_train_step
+    from zerojax.planner.api import make_train_step
 
     t, block = 64, 8
     logits, traced = {}, {}

@@ -15,7 +15,8 @@ import pytest
 import zerojax
 from zerojax.optim.deepspeed import make_optimizer
 from zerojax.optim.schedules import make_schedule
-from zerojax.optim.transforms import muon_labels, newton_schulz, scale_by_muon
+from zerojax.optim.groups import muon_labels
+from zerojax.optim.transforms import newton_schulz, scale_by_muon
 
 sys.path.insert(0, str(Path(__file__).parent))
 import helpers as h  # noqa: E402

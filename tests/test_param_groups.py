@@ -17,7 +17,7 @@ from zerojax.errors import ConfigError
 from zerojax.models import gpt
 from zerojax.core.names import dotted
 from zerojax.optim.deepspeed import make_optimizer, param_groups
-from zerojax.optim.transforms import name_matches
+from zerojax.optim.groups import name_matches
 
 sys.path.insert(0, str(Path(__file__).parent))
 import helpers as h  # noqa: E402

@@ -17,6 +17,7 @@ import zerojax
 from benchmarks.user_models import SHAPES
 from helpers import assert_tree_close, data_mesh, to_numpy
 from zerojax.core import remat
+from zerojax.rewrite.remat import for_loss
 from zerojax.planner.settings import checkpoint, remat_policy
 from zerojax.config import ModelConfig
 from zerojax.models import gpt
@@ -201,8 +202,8 @@ def test_resolve_and_config_errors() -> None:
 
 def test_loss_without_a_policy_is_left_alone() -> None:
     _, loss_fn, _ = plain_scan()
-    assert remat.for_loss(remat_policy(config(0)), loss_fn) is loss_fn
-    wrapped = remat.for_loss(remat_policy(config(0, "dots")), loss_fn)
+    assert for_loss(remat_policy(config(0)), loss_fn) is loss_fn
+    wrapped = for_loss(remat_policy(config(0, "dots")), loss_fn)
     assert wrapped is not loss_fn and wrapped.__wrapped__ is loss_fn
 
 

@@ -291,3 +291,22 @@ def test_a_marked_loss_receives_dim0_leaves_whole() -> None:
         got[stage] = to_numpy(state.params)
     assert seen[-1] == {"w": False, "stack": False, "mats": True}, seen
     assert_tree_close(got[3], got[0], **FP32_TOL, what="stage 3 vs 0")
+
+
+def test_the_core_step_runs_a_prepared_loss_only() -> None:
+    """core.step does not rewrite losses: a plain function is refused naming the door, and the
+    door's result trains as zerojax.make_train_step does (the same loss after one step)."""
+    from zerojax.core import step as core_step
+    from zerojax.rewrite import prepare_loss
+
+    cfg = make_config(3)
+    plan = zerojax.plan(cfg, data_mesh(), mlp_params(0))
+    with pytest.raises(TypeError, match=r"make_train_step: .*zerojax\.rewrite\.prepare_loss\(plan, loss_fn\)"):
+        core_step.make_train_step(plan, mse_loss)
+    batch = make_batch(TBS, 0)
+    losses = []
+    for make in (lambda: core_step.make_train_step(plan, prepare_loss(plan, mse_loss)),
+                 lambda: zerojax.make_train_step(plan, mse_loss)):
+        _, metrics = make()(zerojax.init_state(plan, mlp_params(0)), batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[0] == losses[1]

@@ -13,12 +13,12 @@ from zerojax.core.layout import Plan
 from zerojax.core.mesh import request_cpu_devices
 from zerojax.core.sharded_init import ParamsInit, init_params
 from zerojax.core.state import TrainState
-from zerojax.core.step import apply_update, make_grad_fn
+from zerojax.core.step import apply_update
 from zerojax.engine import Engine, initialize
 from zerojax.errors import ConfigError, LossScaleError
 from zerojax.models.nnx import from_nnx, to_nnx
 from zerojax.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
-from zerojax.planner.api import init_state, make_eval_step, make_train_step
+from zerojax.planner.api import init_state, make_eval_step, make_grad_fn, make_train_step
 from zerojax.planner.mesh import make_mesh
 from zerojax.planner.plan import make_plan, plan
 

@@ -22,6 +22,9 @@ The optimizer state keeps optax's structure exactly (`tx.init`'s pytree): the fu
 Adam's moments out of it and writes them back in place, and advances its scalar bookkeeping (update
 counts, the schedule's hyperparameters) by running the optax transform itself on empty arrays.
 So checkpoints, layouts and everything else cannot tell which path produced a state.
+
+Relies on: every axis of the plan's mesh (the `update` specs name which split a leaf); the kernels
+themselves (`zerojax.pallas`) know no plan and no mesh.
 """
 from __future__ import annotations
 

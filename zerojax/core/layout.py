@@ -18,7 +18,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core.collectives import PARTIAL, REPLICATED, Placement, Shard, Wire
-from zerojax.rewrite.gather_at_use import Prefetch
 from zerojax.core.measure import planned_bytes
 from zerojax.core.mesh import (DATA, EXPERT, TENSOR, DataAxis, data_axes, data_size, expert_size, host_axes,
                                inner_major, row_axes, sequence_size, tensor_size)
@@ -260,6 +259,17 @@ class UpdateRule(NamedTuple):
     checked: bool = False          # the backend needs no self-check (XLA, or chosen in code: `with_kernels`)
     norm: Callable[[Any], jax.Array] | None = None  # the gradient tree's global L2 norm (None: optax's);
     #                                   a layout that stores some values more than once counts each once
+
+
+class Prefetch(NamedTuple):
+    """Prefetching over scanned stacks (DeepSpeed's `overlap_comm` with
+    `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`, in elements): layer i+1 is
+    gathered ahead when its gathered size fits the bucket and two layers fit the live limit."""
+    bucket: int
+    max_live: int
+    # activation_checkpointing.cpu_checkpointing: the per-layer input carries the backward pass
+    # replays from are kept in host memory (pinned_host) between the forward and backward scans.
+    offload_carries: bool = False
 
 
 class StepRule(NamedTuple):

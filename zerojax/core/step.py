@@ -20,6 +20,13 @@ and the finiteness flags are trees of the trainable leaves only.
 
 Anything that produces gradients in the update placement (the pipeline executor does) reuses
 `apply_update`, so precision, clipping, schedules and skipping behave the same everywhere.
+
+The loss arrives prepared (`PreparedLoss`, from `zerojax.rewrite.prepare_loss`): remat, tensor
+slices and per-use gathers are applied before the step sees it, so nothing here rewrites a jaxpr.
+
+Relies on: the row axes (`core.mesh.row_axes`: the batch's rows) and the data axes (`data_axis`: what
+gradients are reduced over, less a leaf's own split axes); the `sequence` axis only to hand out
+token chunks; `tensor` and `expert` only through the layouts' specs.
 """
 from __future__ import annotations
 
@@ -31,22 +38,45 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax.core import remat
-from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, is_gathering, move, to_varying, unwrap)
-from zerojax.rewrite.gather_at_use import gather_at_use
+from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, move, to_varying, unwrap)
+from zerojax.core.fused_update import FusedUpdate
 from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
-from zerojax.core.mesh import TENSOR, DataAxis, data_axis, row_axes, row_size, sequence_size
+from zerojax.core.mesh import DataAxis, data_axis, row_axes, row_size, sequence_size
 from zerojax.core.sequence import batch_specs, split_tokens
-from zerojax.rewrite.tensor_slices import tensor_parallel
 from zerojax.core.nvme_step import NvmeStep
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
-from zerojax.core.fused_update import FusedUpdate
 from zerojax.core.precision import LossScaleState, leaf_finite, update_loss_scale
 from zerojax.core.state import TrainState, state_shardings
 
 LossFn = Callable[..., jax.Array]
+
+
+class PreparedLoss(NamedTuple):
+    """A user's loss made ready for a plan's step by `zerojax.rewrite.prepare_loss`, the one place
+    that rewrites it (remat, tensor slices, per-use gathers); the step only runs it.
+
+    user:      the loss as given; its signature says whether it takes `rng` / `model_state`.
+    train:     what the gradient is taken of, over the step's parameter blocks (remat applied).
+    eval:      the same for evaluation (no remat: nothing is differentiated).
+    marked:    the loss gathers its own `ParamShard`s (`gathers_params`).
+    check_vma: shard_map's varying-axes check can stay on (no jaxpr traced outside `shard_map` is
+               re-evaluated inside it).
+    """
+    user: LossFn
+    train: LossFn
+    eval: LossFn
+    marked: bool
+    check_vma: bool
+
+
+def prepared(loss: Any, where: str) -> PreparedLoss:
+    """`loss` as a PreparedLoss; a plain function is refused (the core does not rewrite losses)."""
+    if isinstance(loss, PreparedLoss):
+        return loss
+    raise TypeError(f"{where}: give the loss prepared for the plan, zerojax.rewrite.prepare_loss(plan, loss_fn) "
+                    f"(zerojax.{where}(plan, loss_fn) prepares it for you)")
 
 
 def handed_whole(lay: LeafLayout, marked: bool) -> bool:
@@ -115,21 +145,6 @@ def takes_rng(loss_fn: LossFn) -> bool:
         return False
 
 
-def gathers_own(plan: Plan, loss_fn: LossFn) -> bool:
-    """The loss gathers its own `ParamShard`s (`gathers_params`). Not when weights are tensor-sliced:
-    the loss is then re-run on slices (`tensor_parallel`), and its gathers on whole arrays do nothing."""
-    return is_gathering(loss_fn) and not plan.sliced
-
-
-def _on_slices(plan: Plan, loss_fn: LossFn) -> LossFn:
-    """The loss run on each device's tensor slices, Megatron's collectives placed by `tensor_parallel`
-    (which logs any equation that needed its inputs gathered)."""
-    if not plan.sliced:
-        return loss_fn
-    return tensor_parallel(loss_fn, plan.tensor_dims, TENSOR, plan.tensor_size,
-                           partition_activations=plan.step.partition_activations)
-
-
 def keeps_state(loss_fn: LossFn) -> bool:
     """Loss functions with a parameter named `model_state` keep state the step updates without
     differentiating it (BatchNorm's running statistics): `loss_fn(params, batch, ..., model_state=s)`
@@ -156,36 +171,19 @@ def check_model_state(plan: Plan, loss_fn: LossFn) -> None:
 StepLoss = Callable[[Any, Any, Any, Any], tuple[jax.Array, Any]]
 
 
-def _step_loss(plan: Plan, loss_fn: LossFn) -> StepLoss:
+def _step_loss(user: LossFn, fn: LossFn) -> StepLoss:
     """`loss(params, batch, rng, model_state) -> (value, model_state)` over the step's parameter
-    blocks, passing `rng` and `model_state` only to loss functions that take them (the state comes
-    back unchanged from the others). A loss marked `gathers_params` gathers its `ParamShard`s itself;
-    any other loss is evaluated with each sharded parameter gathered where it is used
-    (`gather_at_use`), so it never sees the whole model at once; on tensor slices when the plan
-    splits weights over the tensor axis."""
-    fn = loss_fn if gathers_own(plan, loss_fn) else gather_at_use(_on_slices(plan, loss_fn), plan.step.prefetch)
-    rng_kw = takes_rng(loss_fn)
+    blocks: `fn` (the prepared loss) called with `rng` and `model_state` only where the user's loss
+    takes them (the state comes back unchanged from the others)."""
+    rng_kw = takes_rng(user)
 
     def run(params: Any, batch: Any, rng: Any, model_state: Any) -> tuple[jax.Array, Any]:
         kwargs = {"rng": rng} if rng_kw else {}
-        if keeps_state(loss_fn):
+        if keeps_state(user):
             return fn(params, batch, model_state=model_state, **kwargs)
         return fn(params, batch, **kwargs), model_state
 
     return run
-
-
-def _checks_vma(plan: Plan, loss_fn: LossFn) -> bool:
-    """shard_map's varying-axes check stays on unless the loss is evaluated by `gather_at_use`.
-
-    That evaluator re-binds the primitives of a jaxpr traced outside `shard_map`, whose types carry
-    no varying axes; it relies on the explicit moves here instead (gradients of replicated inputs
-    are PARTIAL because they are taken inside the map, and every sharded parameter's gradient comes
-    back through the transpose of its own tiled all-gather).
-    """
-    interpreted = plan.sliced or any(isinstance(lay.param, Shard)
-                                     for lay in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
-    return gathers_own(plan, loss_fn) or not interpreted
 
 
 def check_batch(plan: Plan, batch: Any) -> None:
@@ -260,11 +258,11 @@ def grad_average(plan: Plan, marked: bool = False) -> GradAverage:
 GradFn = Callable[..., tuple[Any, ...]]
 
 
-def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
+def make_grad_fn(plan: Plan, loss: PreparedLoss) -> GradFn:
     """(params, global batch, loss scale, key) -> (mean loss, scaled gradients in the update
     placement), not yet jitted; see `micro_grad_fn` (a loss keeping model state takes it as a fifth
     argument and returns the updated one third)."""
-    micro_fn = micro_grad_fn(plan, loss_fn)
+    micro_fn = micro_grad_fn(plan, prepared(loss, "make_grad_fn"))
 
     def grad_fn(params: Any, batch: Any, scale: jax.Array, key: jax.Array, *model_state: Any) -> tuple[Any, ...]:
         losses, *rest = micro_fn(params, batch, scale, key, *model_state)
@@ -273,7 +271,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     return grad_fn
 
 
-def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
+def micro_grad_fn(plan: Plan, prepared_loss: PreparedLoss) -> GradFn:
     """(params, global batch, loss scale, key) -> (each micro-batch's loss, averaged over the data
     shards; scaled gradients in the update placement), not yet jitted. A loss that keeps model state
     (`keeps_state`) takes it as a fifth argument and the updated state is returned third: each
@@ -288,15 +286,14 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
     differentiates its own mean loss times scale/gas, as DeepSpeed's ranks do; the 1/dp of the
     mean is applied around the reduction (`grad_average`).
     """
-    check_model_state(plan, loss_fn)
-    keeps = keeps_state(loss_fn)
+    prep = prepared(prepared_loss, "make_train_step")
+    check_model_state(plan, prep.user)
+    keeps = keeps_state(prep.user)
     pol, gas, dp, m = (plan.policy, plan.batch.gradient_accumulation_steps, row_size(plan.mesh),
                        plan.batch.micro_batch_size)
     sp = sequence_size(plan.mesh)
-    marked = gathers_own(plan, loss_fn)
-    if not is_gathering(loss_fn):  # a loss that gathers its own shards places its own remat too
-        loss_fn = remat.for_loss(plan.step.remat, loss_fn)
-    loss = _step_loss(plan, loss_fn)
+    marked = prep.marked
+    loss = _step_loss(prep.user, prep.train)
     layouts = plan.trained_layouts  # gradients exist for the trainable leaves only
     avg = grad_average(plan, marked)
 
@@ -353,7 +350,7 @@ def micro_grad_fn(plan: Plan, loss_fn: LossFn) -> GradFn:
         mapped = jax.shard_map(local, mesh=plan.mesh,
                                in_specs=(plan.param_specs, batch_specs(shaped, row_axes(plan.mesh), 1, sp, micro=True), P(), P(),
                                          P()),
-                               out_specs=(P(), plan.update_specs, P()), check_vma=_checks_vma(plan, loss_fn))
+                               out_specs=(P(), plan.update_specs, P()), check_vma=prep.check_vma)
         losses, grads, new_state = mapped(params, shaped, jnp.asarray(scale, jnp.float32), key,
                                           model_state if keeps else None)
         return (losses, grads, new_state) if keeps else (losses, grads)
@@ -528,21 +525,23 @@ def checked_kernels(plan: Plan) -> Plan:
     return plan.with_kernels(settled)
 
 
-def make_train_step(plan: Plan, loss_fn: LossFn) -> Callable[[TrainState, Any], Any]:
+def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any], Any]:
     """A jitted `step(state, batch) -> (state, metrics)`; `step.lower(state, batch)` shows the HLO.
 
-    `loss_fn(params, batch) -> scalar` is the mean loss over the rows it is given (a parameter
-    named `rng` receives a PRNG key). Under ZeRO-3 the loss is evaluated with each sharded
-    parameter all-gathered where it is used (`zerojax.rewrite.gather_at_use`); loss functions marked with
-    `zerojax.gathers_params` receive `ParamShard`s and gather them themselves.
+    `loss` is the user's `loss_fn(params, batch) -> scalar` (the mean loss over the rows it is
+    given; a parameter named `rng` receives a PRNG key) prepared for the plan by
+    `zerojax.rewrite.prepare_loss`: under ZeRO-3 it is evaluated with each sharded parameter
+    all-gathered where it is used; loss functions marked with `zerojax.gathers_params` receive
+    `ParamShard`s and gather them themselves. `zerojax.make_train_step(plan, loss_fn)` prepares it.
     metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped, and micro_losses
     (each micro-batch's mean loss, in DeepSpeed's order). With `offload_optimizer.device: nvme` the
     step is a `core.nvme_step.NvmeStep` (same call; the state it returns holds no master copy or
     optimizer moments: those live in its files, `step.full(state)` reads them back).
     """
+    prep = prepared(loss, "make_train_step")
     plan = checked_kernels(plan)
-    grad_fn = micro_grad_fn(plan, loss_fn)
-    keeps = keeps_state(loss_fn)
+    grad_fn = micro_grad_fn(plan, prep)
+    keeps = keeps_state(prep.user)
     if plan.memory.swap is not None:  # optimizer state on NVMe: the update streams from files on the host
         return NvmeStep(plan, *_around_the_update(plan, grad_fn, keeps))
 
@@ -584,7 +583,7 @@ def _around_the_update(plan: Plan, grad_fn: GradFn, keeps: bool) -> tuple[Callab
     return front, back
 
 
-def make_eval_step(plan: Plan, loss_fn: LossFn) -> Callable[..., jax.Array]:
+def make_eval_step(plan: Plan, loss: PreparedLoss) -> Callable[..., jax.Array]:
     """A jitted `eval_step(params, batch) -> mean loss`; rows split over `data` (any multiple of dp).
     A loss keeping model state: `eval_step(params, batch, model_state)`.
 
@@ -592,13 +591,14 @@ def make_eval_step(plan: Plan, loss_fn: LossFn) -> Callable[..., jax.Array]:
     keeps model state is evaluated on the state given: `eval_step(state.params, batch,
     state.model_state)` (BatchNorm on the trained running statistics).
     """
-    check_model_state(plan, loss_fn)
-    loss = _step_loss(plan, loss_fn)
-    marked = gathers_own(plan, loss_fn)
-    keeps = keeps_state(loss_fn)
+    prep = prepared(loss, "make_eval_step")
+    check_model_state(plan, prep.user)
+    run = _step_loss(prep.user, prep.eval)
+    marked = prep.marked
+    keeps = keeps_state(prep.user)
 
     def local(params: Any, batch: Any, model_state: Any) -> jax.Array:
-        value, _ = loss(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None, model_state)
+        value, _ = run(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None, model_state)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
     sp = sequence_size(plan.mesh)
@@ -608,7 +608,7 @@ def make_eval_step(plan: Plan, loss_fn: LossFn) -> Callable[..., jax.Array]:
         batch = split_tokens(batch, sp)
         mapped = jax.shard_map(local, mesh=plan.mesh,
                                in_specs=(plan.param_specs, batch_specs(batch, row_axes(plan.mesh), 0, sp), P()),
-                               out_specs=P(), check_vma=_checks_vma(plan, loss_fn))
+                               out_specs=P(), check_vma=prep.check_vma)
         return mapped(params, batch, model_state)
 
     shardings = state_shardings(plan).params

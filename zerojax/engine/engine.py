@@ -36,6 +36,7 @@ from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
 from zerojax.core.nonfinite import finite_flags, float_leaves
 from zerojax.core.precision import LossScaleState, update_loss_scale
 from zerojax.core.state import TrainState, abstract_state, init_state, logical_params
+from zerojax.rewrite import prepare_loss
 from zerojax.core.step import (LossFn, check_batch, check_eval_batch, checked_kernels, make_eval_step,
                                make_train_step)
 
@@ -111,7 +112,8 @@ class Engine(DeepSpeedAPI):
             check_origin(config, plan, "Engine")
         agree_before_compiling(config, plan)
         plan = checked_kernels(plan)
-        self._start(config, mesh, loss_fn, plan, params, make_train_step(plan, loss_fn), make_eval_step(plan, loss_fn),
+        prepared = prepare_loss(plan, loss_fn)
+        self._start(config, mesh, loss_fn, plan, params, make_train_step(plan, prepared), make_eval_step(plan, prepared),
                     compile_for)
 
     def _start(self, config: Config, mesh: Mesh, loss_fn: LossFn, plan: Plan, params: Any,

@@ -15,6 +15,9 @@ group of N devices:
 Trip counts come from the `known_trip_count` XLA attaches to optimized while loops, or, in HLO
 from before optimization, from the loop condition `counter < constant` (the form `lax.scan` and
 `fori_loop` lower to). A loop whose count cannot be found is an error, not a silent guess.
+
+Relies on: nothing but HLO text (no mesh, no plan, no JAX import): a replica group is read as written,
+and a mesh passed in names the axes it spans (`mesh_axes`).
 """
 from __future__ import annotations
 

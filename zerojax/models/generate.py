@@ -41,6 +41,8 @@ keeps stepping with the others instead of leaving its peers waiting in a collect
 DeepSpeed issue 8262, where each rank stopped on its own rows).
 
 Nothing here reads a config: the decoder and plan carry everything (docs/architecture.md).
+Relies on: the plan's mesh and its data axes (`core.mesh.data_axes`: rows split over them when the
+batch divides); every other axis sees the weights replicated inside the program.
 """
 from __future__ import annotations
 
@@ -332,12 +334,14 @@ def _at_use(fn: Callable[..., Any], layout: Layout) -> Callable[..., Any]:
     gathered layer by layer where they are used (and run on tensor slices, as the train step runs a loss)."""
     from zerojax.core import step
     from zerojax.rewrite.gather_at_use import gather_at_use
+    from zerojax.rewrite.prepare import on_tensor_slices
     plan = layout.plan
     rows = layout.rows.spec
 
     def local(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         shards = step._wrap_params(plan, params, for_grad=False, marked=False)
-        return gather_at_use(step._on_slices(plan, fn), plan.step.prefetch)(shards, cache, tokens, positions)
+        sliced = on_tensor_slices(fn, plan.tensor_dims, plan.tensor_size)
+        return gather_at_use(sliced, plan.step.prefetch)(shards, cache, tokens, positions)
 
     def run(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         specs = jax.tree.map(lambda c: _cache_sharding(layout.rows, c.ndim).spec, cache)

@@ -32,10 +32,10 @@ from zerojax.config import (CLIENT_OPTIMIZER, AdagradParams, Config, LambParams,
 from zerojax.config.schema.optimizer import MuonParams, base_lr
 from zerojax.errors import ConfigError
 from zerojax.optim.schedules import make_schedule
-from zerojax.optim.transforms import (AdamSettings, Groups, LrSchedule, decay_by_name, scale_by_adagrad,
-                                      muon_labels, scale_by_clamped_trust_ratio, scale_by_label,
-                                      scale_by_moments, scale_by_muon_with_adam, scale_lr_by_name,
-                                      torch_momentum)
+from zerojax.optim.groups import Groups, muon_labels
+from zerojax.optim.transforms import (AdamSettings, LrSchedule, add_decay, scale_by_adagrad,
+                                      scale_by_clamped_trust_ratio, scale_by_label, scale_by_moments,
+                                      scale_by_muon_with_adam, scale_per_leaf, torch_momentum)
 
 __all__ = ["make_optimizer", "param_groups", "update_rule", "adam_settings", "CLIENT", "has_betas", "is_elementwise",
            "PER_TENSOR_OPTIMIZERS", "ClientOptimizer", "ScheduleFn"]
@@ -74,12 +74,12 @@ def _decay(weight_decay: float, groups: "Groups | None" = None) -> list[optax.Gr
     decoupled decay of AdamW/Lamb/Lion (the step becomes -lr * (direction + wd * p)). With parameter
     groups each parameter's wd comes from its name."""
     if groups is not None:
-        return [decay_by_name(weight_decay, groups)]
+        return [add_decay(groups.decay(weight_decay))]
     return [optax.add_decayed_weights(weight_decay)] if weight_decay else []
 
 
 def _lr_scales(groups: "Groups | None") -> list[optax.GradientTransformation]:
-    return [scale_lr_by_name(groups)] if groups is not None and groups.scales_lr else []
+    return [scale_per_leaf(groups.lr_scales())] if groups is not None and groups.scales_lr else []
 
 
 def param_groups(config: OptimizerConfig | None) -> Groups | None:

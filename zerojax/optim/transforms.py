@@ -2,31 +2,29 @@
 
 What DeepSpeed's optimizers compute that optax's stock ones do not, in exactly torch's form: Adam's
 moments with or without bias correction, LAMB's clamped trust ratio, torch's Adagrad and SGD
-momentum, weight decay and lr scales per parameter name, and DeepSpeed's Muon. Everything but Muon
+momentum, weight decay and lr scales per leaf, and DeepSpeed's Muon. Everything but Muon
 is elementwise or a per-leaf norm, so it runs unchanged on ZeRO-sharded fp32 master weights under
 `jax.jit`; Muon's Newton-Schulz iteration takes whole matrices (its `whole` hook gathers them). Which of them a
-DeepSpeed config builds is `zerojax.optim.deepspeed`'s business.
+DeepSpeed config builds is `zerojax.optim.deepspeed`'s business, and which leaf gets which decay,
+lr scale or Muon/Adam label (by name) is `zerojax.optim.groups`'; here each is a tree or a callable
+(optax's `mask` convention), so nothing below the planner reads a name or the config.
+
+Relies on: no mesh axis (the kernels and the step apply these on whatever shards they hold), except
+Muon's `whole` hook, which the plan gives to gather a matrix.
 """
 from __future__ import annotations
 
-import fnmatch
-import re
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.core.names import dotted
-from zerojax.errors import ConfigError
 
-if TYPE_CHECKING:
-    from zerojax.config import ParamGroup
-
-__all__ = ["Groups", "name_matches", "decay_by_name", "scale_lr_by_name", "bias_corrections", "AdamSettings",
+__all__ = ["PerLeaf", "add_decay", "scale_per_leaf", "bias_corrections", "AdamSettings",
            "LrSchedule", "ScaleByMomentsState", "ScaleByAdagradState", "TorchMomentumState", "scale_by_moments",
            "scale_by_clamped_trust_ratio", "scale_by_adagrad", "torch_momentum", "NS_COEFFS", "NS_METHODS",
-           "newton_schulz", "MuonState", "scale_by_muon", "muon_labels", "MuonAdamState",
+           "newton_schulz", "MuonState", "scale_by_muon", "MuonAdamState",
            "scale_by_muon_with_adam", "scale_by_label"]
 
 ScheduleFn = Callable[[jax.Array], jax.Array]
@@ -308,122 +306,38 @@ def scale_by_label(labels: Callable[[Any], Any], scales: dict[str, Any]) -> opta
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-#: Name words that keep a matrix on Adam: DeepSpeed's "embed" and "lm_head" (set_optimizer_flags), as
-#: zerojax's name words (`embed` also matches pos, wte, wpe; `head` also the bare `head` of its models).
-ADAM_WORDS = ("embed", "head")
-
-
-def muon_labels(params: Any, layer_axes: Any = None) -> Any:
-    """"muon" or "adam" per leaf: Muon for a matrix (two or more dimensions besides the leading
-    `layer_axes` that stack layers) whose name has none of ADAM_WORDS; Adam for the rest (embeddings,
-    the head, norms, biases), as DeepSpeed's set_optimizer_flags decides."""
-    if not jax.tree.leaves(params):  # optax.tree_utils.tree_map_params' placeholder
-        return params
-    stacked = jax.tree.map(lambda _: 0, params) if layer_axes is None else jax.tree.map(
-        lambda k, sub: jax.tree.map(lambda _: max(int(k), 0), sub), layer_axes, params)
-
-    def one(path: Any, x: Any, k: int) -> str:
-        name = dotted(path)
-        matrix = len(x.shape) - k >= 2
-        return "muon" if matrix and not any(name_matches(w, name) for w in ADAM_WORDS) else "adam"
-    return jax.tree_util.tree_map_with_path(one, params, stacked)
-
-
 # ---------------------------------------------------------------------------------------------
-# Weight-decay masks and parameter groups, by parameter name (HF Trainer's no-decay list, Megatron's
-# no-weight-decay-for-biases-and-norms, DeepSpeed/torch param groups with their own lr and decay).
+# Per-leaf weight decay and lr scales. Which leaf gets what (by name, from the config's groups) is
+# `zerojax.optim.groups`' business; these take the answer as a tree.
 
-#: What the words of `optimizer.no_decay` also match besides their own text (a part of the name).
-NAME_ALIASES = {"norm": re.compile(r"ln(\d+|_\w+)?"), "embed": re.compile(r"pos|wte|wpe|pos_emb\w*")}
-
-
-def name_matches(pattern: str, name: str) -> bool:
-    """Whether a group pattern picks the parameter with dotted `name` (case-insensitive).
-
-    A pattern with `*`, `?` or `[` matches the whole name (fnmatch: `blocks.*.bias`); a word matches
-    when it is part of one of the name's parts (`bias` matches `blocks.qkv.bias`), dotted words are
-    whole consecutive parts (`qkv.bias` matches `blocks.qkv.bias`, not `blocks.qkv.bias2`), and `norm` / `embed`
-    also match the usual short names of norms and embeddings (`ln1`, `ln_f`; `pos`, `wte`, `wpe`).
-    """
-    pattern, name = pattern.lower(), name.lower()
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(name, pattern)
-    if "." in pattern:  # dotted words: a run of whole parts (`layers.b` matches `model.layers.b`)
-        return f".{pattern}." in f".{name}."
-    alias = NAME_ALIASES.get(pattern)
-    return any(pattern in part or (alias is not None and alias.fullmatch(part)) for part in name.split("."))
+#: A value per leaf: a pytree of floats shaped like the parameters, or a callable from the
+#: parameters (or updates) to that pytree, as optax's `mask` arguments are.
+PerLeaf = Any
 
 
-class Groups(NamedTuple):
-    """The config's no-decay patterns and parameter groups, answering per parameter name."""
-    no_decay: tuple[str, ...]
-    param_groups: tuple[ParamGroup, ...]
-
-    def group(self, name: str) -> ParamGroup | None:
-        return next((g for g in self.param_groups if any(name_matches(p, name) for p in g.match)), None)
-
-    def weight_decay(self, name: str, default: float) -> float:
-        """The group's weight_decay, else 0 for a no-decay name, else the optimizer's."""
-        group = self.group(name)
-        if group is not None and group.weight_decay is not None:
-            return group.weight_decay
-        if any(name_matches(p, name) for p in self.no_decay):
-            return 0.0
-        return default
-
-    def lr_scale(self, name: str) -> float:
-        group = self.group(name)
-        return 1.0 if group is None else group.lr_scale
-
-    @property
-    def scales_lr(self) -> bool:
-        return any(g.lr_scale != 1.0 for g in self.param_groups)
-
-    def table(self, params: Any, default: float) -> list[tuple[str, float, float]]:
-        """(name, weight decay, lr scale) of every parameter: what the update will use."""
-        return [(name, self.weight_decay(name, default), self.lr_scale(name)) for name in _names(params)]
-
-    def check(self, params: Any) -> None:
-        """Every pattern must pick at least one parameter: a pattern that matches none is a typo."""
-        names = _names(params)
-        keyed = [("optimizer.no_decay", p) for p in self.no_decay]
-        keyed += [(f"optimizer.param_groups[{i}].match", p) for i, g in enumerate(self.param_groups) for p in g.match]
-        for key, pattern in keyed:
-            if not any(name_matches(pattern, n) for n in names):
-                shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
-                raise ConfigError(f"{key}: '{pattern}' matches no parameter of the model; its parameters "
-                                  f"are {shown}")
+def _per_leaf(values: PerLeaf, tree: Any) -> Any:
+    return values(tree) if callable(values) else values
 
 
-def _names(params: Any) -> list[str]:
-    return [dotted(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-
-def decay_by_name(default: float, groups: Groups) -> optax.GradientTransformation:
-    """`+ wd * p` with each parameter's wd from its name (constants: nothing is stored)."""
+def add_decay(weight_decay: PerLeaf) -> optax.GradientTransformation:
+    """`+ wd * p` with each leaf's own wd (constants: nothing is stored); a leaf at 0 is left as is."""
     def update_fn(updates: optax.Updates, state: optax.EmptyState,
                   params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
         if params is None:
-            raise ValueError("decay_by_name: the update needs params")
-
-        def one(path: Any, u: jax.Array, p: jax.Array) -> jax.Array:
-            wd = groups.weight_decay(dotted(path), default)
-            return u + wd * p if wd else u
-        return jax.tree_util.tree_map_with_path(one, updates, params), state
+            raise ValueError("add_decay: the update needs params")
+        return jax.tree.map(lambda u, p, wd: u + wd * p if wd else u, updates, params,
+                            _per_leaf(weight_decay, params)), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def scale_lr_by_name(groups: Groups) -> optax.GradientTransformation:
-    """Each parameter's step times its group's lr_scale (after the lr: the lr is scaled, per group)."""
+def scale_per_leaf(scales: PerLeaf) -> optax.GradientTransformation:
+    """Each leaf's step times its own scale (after the lr: a parameter group's lr_scale)."""
     def update_fn(updates: optax.Updates, state: optax.EmptyState,
                   params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
         del params
-
-        def one(path: Any, u: jax.Array) -> jax.Array:
-            scale = groups.lr_scale(dotted(path))
-            return u if scale == 1.0 else u * jnp.asarray(scale, u.dtype)
-        return jax.tree_util.tree_map_with_path(one, updates), state
+        return jax.tree.map(lambda u, k: u if k == 1.0 else u * jnp.asarray(k, u.dtype), updates,
+                            _per_leaf(scales, updates)), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 

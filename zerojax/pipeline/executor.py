@@ -63,9 +63,9 @@ from zerojax.errors import ConfigError
 from zerojax.core.mesh import (STAGE, TENSOR, DataAxis, axes_size, data_axes, data_size, row_axes, row_size,
                                sequence_size)
 from zerojax.core.sequence import batch_specs, split_tokens
-from zerojax.rewrite.tensor_slices import tensor_parallel
 from zerojax.pipeline.buffers import ROWS, StageRows
 from zerojax.pipeline.schedule import Backward, Forward, RecvActivation, RecvGrad, Schedule
+from zerojax.rewrite import on_tensor_slices
 
 
 def vary(x: Any, axes: tuple[str, ...] | None = None) -> Any:
@@ -205,8 +205,8 @@ def _stage_fn(pipe: Pipeline, v: int, deterministic: bool = False) -> Callable[.
         return jnp.asarray(module.loss_fn(out, micro), jnp.float32) if last else out
 
     if rows.tensor > 1:  # the stage's layers on this device's tensor slices, with Megatron's collectives
-        layers_fn = tensor_parallel(layers_fn, rows.stage_dims(v), TENSOR, rows.tensor,
-                                    partition_activations=pipe.partition_activations)
+        layers_fn = on_tensor_slices(layers_fn, rows.stage_dims(v), rows.tensor,
+                                     partition_activations=pipe.partition_activations)
 
     def run(arrays: dict[str, jax.Array], tied_in: dict[str, jax.Array], x: Any, micro: Any,
             rng: Any = None) -> tuple[Any, jax.Array]:

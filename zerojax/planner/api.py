@@ -3,7 +3,8 @@
 `zerojax.init_state(config, plan, params)` and `zerojax.make_train_step(config, plan, loss_fn)` keep
 the signature users know. The config is optional (`make_train_step(plan, loss_fn)` works too): the
 plan already holds every decision. Given one, it must be the config the plan was made from - the
-step follows the plan, so another config would otherwise be ignored without a word.
+step follows the plan, so another config would otherwise be ignored without a word. The loss is
+rewritten for the plan here (`zerojax.rewrite.prepare_loss`), not inside the step.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from zerojax.core import state as _state, step as _step
 from zerojax.core.layout import Plan
 from zerojax.core.state import TrainState
 from zerojax.errors import ConfigError
+from zerojax.rewrite import prepare_loss
 
-__all__ = ["init_state", "make_train_step", "make_eval_step", "check_origin"]
+__all__ = ["init_state", "make_train_step", "make_eval_step", "make_grad_fn", "check_origin"]
 
 ConfigLike = Config | Mapping[str, Any] | str | None
 
@@ -59,11 +61,18 @@ def make_train_step(*args: Any) -> Callable[[TrainState, Any], Any]:
     """`make_train_step([config,] plan, loss_fn)`: see `zerojax.core.step.make_train_step`."""
     config, plan, (loss_fn,) = _split("make_train_step", args)
     check_origin(config, plan, "make_train_step")
-    return _step.make_train_step(plan, loss_fn)
+    return _step.make_train_step(plan, prepare_loss(plan, loss_fn))
 
 
 def make_eval_step(*args: Any) -> Callable[[Any, Any], jax.Array]:
     """`make_eval_step([config,] plan, loss_fn)`: see `zerojax.core.step.make_eval_step`."""
     config, plan, (loss_fn,) = _split("make_eval_step", args)
     check_origin(config, plan, "make_eval_step")
-    return _step.make_eval_step(plan, loss_fn)
+    return _step.make_eval_step(plan, prepare_loss(plan, loss_fn))
+
+
+def make_grad_fn(*args: Any) -> Callable[..., tuple[Any, ...]]:
+    """`make_grad_fn([config,] plan, loss_fn)`: see `zerojax.core.step.make_grad_fn`."""
+    config, plan, (loss_fn,) = _split("make_grad_fn", args)
+    check_origin(config, plan, "make_grad_fn")
+    return _step.make_grad_fn(plan, prepare_loss(plan, loss_fn))

@@ -22,10 +22,10 @@ import numpy as np
 
 from zerojax.core.collectives import Shard
 from zerojax.core.layout import Plan, is_layout
+from zerojax.core.names import dotted
 from zerojax.core.mesh import (DATA_INNER, DATA_OUTER, EXPERT, SEQUENCE, TENSOR, DataAxis, axes_size, data_axes,
                                data_size, expert_data_axes, expert_size, host_axes, row_axes, row_size, sequence_size,
                                tensor_size)
-from zerojax.planner.tensor import dotted
 
 __all__ = ["expert_plan", "sequence_plan", "data_plan", "axis_plans"]
 

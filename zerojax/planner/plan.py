@@ -17,8 +17,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from zerojax.config import Config, ConfigWarning, as_config, check_supported, fingerprint
 from zerojax.core.collectives import Shard, Wire
-from zerojax.rewrite.gather_at_use import Prefetch
-from zerojax.core.layout import (STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
+from zerojax.core.layout import (Prefetch, STAGE_PARTITIONS, LeafLayout, Plan, StepRule, UpdateRule, hpz_layout, is_layout,
                                  leaf_layout)
 from zerojax.core.names import dotted
 from zerojax.core.mesh import (DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, data_axes, data_size, expert_data_axes,
@@ -26,7 +25,7 @@ from zerojax.core.mesh import (DATA_INNER, EXPERT, STAGE, TENSOR, axes_size, dat
 from zerojax.core.sharded_init import abstract_params
 from zerojax.errors import ConfigError
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn, adam_settings, param_groups, update_rule
-from zerojax.optim.transforms import name_matches
+from zerojax.optim.groups import name_matches
 from zerojax.pallas.backend import XLA, platform_of, resolve as resolve_kernels
 from zerojax.planner.settings import memory_plan, policy, remat_policy, scaler_config
 from zerojax.planner.tensor import ADAPTER_LEAVES, LayerSpec, TensorPlan, tensor_plan

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
+from zerojax.core.names import dotted, key_name
 from zerojax.errors import ConfigError
 
 COLUMN, ROW, SKIP = "column", "row", "skip"
@@ -75,12 +76,7 @@ WHOLE_EXPERTS = "whole: experts whole on every tensor device (model.expert_tenso
 
 
 def _path_names(path: Sequence[Any]) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-
-
-def dotted(path: Sequence[Any]) -> str:
-    """A leaf's path as layer_specs patterns see it, e.g. `layers.q.kernel`."""
-    return ".".join(_path_names(path))
+    return [key_name(k) for k in path]
 
 
 def _is_expert(names: list[str], logical: Any, builtin: bool) -> bool:

@@ -30,6 +30,10 @@ Invariants (each one is what keeps at most a few layers' weights whole on a devi
   (`custom_jvp_call`, `custom_vjp_call`) and any other primitive receive gathered inputs.
 * The traced loss is the loss of the device's rows; the caller scales it exactly as it scales a
   whole-parameter loss (`step.make_grad_fn`), so gradients equal those of the plain loss.
+
+Relies on: running inside the step's `shard_map` over the data axes (`core.mesh.data_axis`, or the
+hpZ inner axis a `ParamShard` names), each sharded parameter arriving as a `ParamShard` of its
+gather dimension; no other axis (tensor slices are `tensor_slices`' and run first, inside this).
 """
 from __future__ import annotations
 
@@ -41,8 +45,9 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from zerojax.core.collectives import PLAIN, ParamShard, Wire, gather_shard, reduce_scatter_shard
-from zerojax.rewrite.jaxpr_eval import bind, interpret
+from zerojax.core.layout import Prefetch
 from zerojax.core.mesh import data_axis
+from zerojax.rewrite.jaxpr_eval import bind, interpret
 
 # Primitives that commute with slicing a stacked leading axis (used to carry a parameter's
 # cast into a scan body instead of casting the whole stack first).
@@ -141,7 +146,7 @@ class _Region:
     cannot merge them). Everywhere else each consuming equation gathers for itself (`_consume`).
     """
 
-    def __init__(self, remat: bool, in_loop: bool, prefetch: "Prefetch | None" = None):
+    def __init__(self, remat: bool, in_loop: bool, prefetch: Prefetch | None = None):
         self.remat, self.in_loop, self.prefetch = remat, in_loop, prefetch
         self.gather_once = remat and in_loop
         self._gathered: dict[int, Any] = {}
@@ -325,17 +330,6 @@ def _scan(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
     return [*carry, *ys]
 
 
-class Prefetch(NamedTuple):
-    """Prefetching over scanned stacks (DeepSpeed's `overlap_comm` with
-    `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`, in elements): layer i+1 is
-    gathered ahead when its gathered size fits the bucket and two layers fit the live limit."""
-    bucket: int
-    max_live: int
-    # activation_checkpointing.cpu_checkpointing: the per-layer input carries the backward pass
-    # replays from are kept in host memory (pinned_host) between the forward and backward scans.
-    offload_carries: bool = False
-
-
 def _stacked_operand(x: Any) -> bool:
     return isinstance(x, Deferred) and x.elementwise() and all(l.dim > 0 for l in x.leaves())
 
@@ -344,16 +338,22 @@ def _inexact(x: Any) -> bool:
     return jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact)
 
 
-def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | None:
-    """A scan over stacked parameters that gathers layer i+1 while layer i computes; None when it
-    does not apply (no stacked parameter, a reversed scan, integer state, a layer over the limits).
+class _Operands(NamedTuple):
+    """A scan's inputs sorted for prefetching: the stacked parameters (still sharded), the rest
+    materialized (consts, the initial carry, the other scanned operands)."""
+    consts: list[Any]
+    init: list[Any]
+    xs: list[Any]           # every scanned operand as it came (a stacked one is a Deferred recipe)
+    stacked: list[int]      # which scanned operands are stacked parameters
+    others: list[int]       # the remaining scanned operands ...
+    other_xs: list[Any]     # ... materialized
+    leaves: list[Any]       # the distinct parameter shards the stacked operands are built from
 
-    The forward scan carries the gathered next layer; the backward pass is written out (a custom
-    VJP): a reversed scan that carries the gathered layer below, replays one layer from its saved
-    input carry (what a rematerialized body saves), and reduce-scatters that layer's weight
-    gradients into their shards. Residuals are the shards and the per-layer input carries only, as
-    with a rematerialized body gathered in place.
-    """
+
+def _prefetch_operands(eqn: Any, ins: list[Any], region: _Region) -> _Operands | None:
+    """The scan's operands when prefetching applies: some stacked parameter, a forward scan of two
+    layers or more, one layer within the bucket and two within the live limit, and floating-point
+    state only (the custom VJP below differentiates every carry and output); else None."""
     p = eqn.params
     nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
@@ -368,106 +368,147 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
     init = [_materialize(region, x) for x in init]
     others = [j for j in range(len(xs)) if j not in stacked]
     other_xs = [_materialize(region, xs[j]) for j in others]
-    body = eqn.params["jaxpr"]
     if not all(_inexact(x) for x in [*consts, *init, *other_xs]) or not all(
-            jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in body.jaxpr.outvars):
+            jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in p["jaxpr"].jaxpr.outvars):
         return None
+    return _Operands(consts, init, xs, stacked, others, other_xs, leaves)
 
-    def gather_layer(stacks: list[Any], i: Any) -> list[Any]:
+
+def _at(tree: Any, index: Any) -> Any:
+    return jax.tree.map(lambda v: v[index], tree)
+
+
+class _Layer:
+    """One iteration of a prefetched scan: its layer gathered out of the stacked shards, the body
+    run on it, and the body's VJP with the layer's weight gradients reduce-scattered into shards."""
+
+    def __init__(self, eqn: Any, ops: _Operands, region: _Region):
+        self.body, self.ncarry = eqn.params["jaxpr"], eqn.params["num_carry"]
+        self.ops, self.region = ops, region
+
+    def gather(self, stacks: list[Any], i: Any) -> list[Any]:
+        """Layer `i` of every stacked shard, brought to the device and all-gathered whole."""
         out = []
-        for l, stack in zip(leaves, stacks):
+        for l, stack in zip(self.ops.leaves, stacks):
             x = jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)
             if l.on_host:
                 x = jax.device_put(x, jax.memory.Space.Device)
             out.append(gather_shard(x, l.dim - 1, l.wire))
         return out
 
-    def layer_fn(cs: list[Any], carry: list[Any], other: list[Any], gathered: list[Any]) -> tuple[list[Any], list[Any]]:
-        whole = {id(l): g for l, g in zip(leaves, gathered)}
-        args: list[Any] = [None] * len(xs)
-        for j in stacked:
-            args[j] = xs[j].build(lambda leaf: whole[id(leaf)], lambda v: v)
-        for j, o in zip(others, other):
+    def __call__(self, cs: list[Any], carry: list[Any], other: list[Any],
+                 gathered: list[Any]) -> tuple[list[Any], list[Any]]:
+        """The scan body on one layer's gathered weights: (new carry, outputs)."""
+        ops = self.ops
+        whole = {id(l): g for l, g in zip(ops.leaves, gathered)}
+        args: list[Any] = [None] * len(ops.xs)
+        for j in ops.stacked:
+            args[j] = ops.xs[j].build(lambda leaf: whole[id(leaf)], lambda v: v)
+        for j, o in zip(ops.others, other):
             args[j] = o
-        inner = region.inner(remat=False, in_loop=True)
+        inner = self.region.inner(remat=False, in_loop=True)
+        body = self.body
         outs = [_materialize(inner, o) for o in eval_jaxpr(body.jaxpr, body.consts, [*cs, *carry, *args], inner)]
-        return outs[:ncarry], outs[ncarry:]
+        return outs[:self.ncarry], outs[self.ncarry:]
 
-    def at(tree: Any, index: Any) -> Any:
-        return jax.tree.map(lambda v: v[index], tree)
+    def vjp(self, cs: list[Any], d_carry: Any, current: Any, other: Any, carry: Any, ct_y: Any) -> tuple[Any, ...]:
+        """The layer replayed from its input `carry` and differentiated: the cotangents of the consts,
+        the carry and the other operands, and the layer's weight gradients as shards."""
+        _, vjp = jax.vjp(self, cs, carry, other, current)
+        g_cs, g_carry, g_other, g_layer = vjp((d_carry, ct_y))
+        shards = [reduce_scatter_shard(g, l.dim - 1, l.wire) for l, g in zip(self.ops.leaves, g_layer)]
+        return g_cs, g_carry, g_other, shards
 
-    def forward(cs: list[Any], carry0: list[Any], stacks: list[Any], other_xs: list[Any]) -> tuple[Any, Any, Any]:
-        """Layers 0..L-2 in a scan that gathers the next layer ahead; layer L-1 after it (peeled,
-        so no gather runs past the end of the stack)."""
-        def step(c: tuple[list[Any], list[Any]], x: tuple[Any, list[Any]]) -> tuple[Any, Any]:
-            carry, current = c
-            i, other = x
-            # The next layer's gather reads only the shards: it can run while this layer computes.
-            ahead = gather_layer(stacks, i + 1)
-            new, ys = layer_fn(cs, carry, other, current)
-            return (new, ahead), (ys, carry)
 
-        (carry, current), (ys, carries) = jax.lax.scan(
-            step, (carry0, gather_layer(stacks, 0)), (jnp.arange(length - 1), at(other_xs, slice(0, -1))),
-            unroll=p["unroll"])
-        last, y = layer_fn(cs, carry, at(other_xs, -1), current)
-        join = lambda a, b: jnp.concatenate([a, b[None]])  # noqa: E731
-        return last, jax.tree.map(join, ys, y), jax.tree.map(join, carries, carry)
+def _prefetch_forward(layer: _Layer, length: int, unroll: Any, cs: list[Any], carry0: list[Any],
+                      stacks: list[Any], other_xs: list[Any]) -> tuple[Any, Any, Any]:
+    """Layers 0..L-2 in a scan that gathers the next layer ahead; layer L-1 after it (peeled, so no
+    gather runs past the end of the stack). Returns the last carry, the outputs and every layer's
+    input carry (what the backward pass replays from)."""
+    def step(c: tuple[list[Any], list[Any]], x: tuple[Any, list[Any]]) -> tuple[Any, Any]:
+        carry, current = c
+        i, other = x
+        # The next layer's gather reads only the shards: it can run while this layer computes.
+        ahead = layer.gather(stacks, i + 1)
+        new, ys = layer(cs, carry, other, current)
+        return (new, ahead), (ys, carry)
+
+    (carry, current), (ys, carries) = jax.lax.scan(
+        step, (carry0, layer.gather(stacks, 0)), (jnp.arange(length - 1), _at(other_xs, slice(0, -1))),
+        unroll=unroll)
+    last, y = layer(cs, carry, _at(other_xs, -1), current)
+    join = lambda a, b: jnp.concatenate([a, b[None]])  # noqa: E731
+    return last, jax.tree.map(join, ys, y), jax.tree.map(join, carries, carry)
+
+
+def _prefetch_backward(layer: _Layer, length: int, unroll: Any, res: Any, ct: Any) -> tuple[Any, Any, Any, Any]:
+    """Layers L-1..1 in a reversed scan that gathers the layer below ahead; layer 0 after it."""
+    cs, stacks, other_xs, carries = res
+    ct_last, ct_ys = ct
+
+    def step(c: tuple[Any, Any, Any, Any], x: tuple[Any, Any, Any, Any]) -> tuple[Any, Any]:
+        d_carry, current, d_cs, d_stacks = c
+        i, other, carry, ct_y = x
+        below = layer.gather(stacks, i - 1)  # the layer below, ahead of its turn
+        g_cs, g_carry, g_other, shards = layer.vjp(cs, d_carry, current, other, carry, ct_y)
+        d_stacks = [jax.lax.dynamic_update_index_in_dim(d, s.astype(d.dtype), i, 0)
+                    for d, s in zip(d_stacks, shards)]
+        return (g_carry, below, jax.tree.map(jnp.add, d_cs, g_cs), d_stacks), g_other
+
+    # Nothing of the backward pass may start before its cotangent arrives: the top layer's
+    # gather and the gradient shards' buffer are tied to it (`_after`), else the compiler
+    # hoists them next to the forward loop (one more layer whole, and every gradient shard,
+    # live through the whole forward pass).
+    late = _after([*stacks, *[jnp.zeros_like(s) for s in stacks]], ct)
+    top = layer.gather(late[:len(stacks)], length - 1)
+    rest = slice(1, None)
+    (d_carry, current, d_cs, d_stacks), d_other = jax.lax.scan(
+        step, (ct_last, top, jax.tree.map(jnp.zeros_like, cs), late[len(stacks):]),
+        (jnp.arange(1, length), _at(other_xs, rest), _at(carries, rest), _at(ct_ys, rest)),
+        reverse=True, unroll=unroll)
+    g_cs, d_carry0, g_other, shards = layer.vjp(cs, d_carry, current, _at(other_xs, 0), _at(carries, 0),
+                                                _at(ct_ys, 0))
+    d_stacks = [jax.lax.dynamic_update_index_in_dim(d, s.astype(d.dtype), 0, 0) for d, s in zip(d_stacks, shards)]
+    join = lambda a, b: jnp.concatenate([a[None], b])  # noqa: E731
+    d_stacks = [_in_space_of(d, s) for d, s in zip(d_stacks, stacks)]  # offloaded shards: host-typed
+    return (jax.tree.map(jnp.add, d_cs, g_cs), d_carry0, d_stacks, jax.tree.map(join, g_other, d_other))
+
+
+def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | None:
+    """A scan over stacked parameters that gathers layer i+1 while layer i computes; None when it
+    does not apply (no stacked parameter, a reversed scan, integer state, a layer over the limits).
+
+    The forward scan carries the gathered next layer; the backward pass is written out (a custom
+    VJP): a reversed scan that carries the gathered layer below, replays one layer from its saved
+    input carry (what a rematerialized body saves), and reduce-scatters that layer's weight
+    gradients into their shards. Residuals are the shards and the per-layer input carries only, as
+    with a rematerialized body gathered in place.
+    """
+    ops = _prefetch_operands(eqn, ins, region)
+    if ops is None:
+        return None
+    layer, length, unroll = _Layer(eqn, ops, region), eqn.params["length"], eqn.params["unroll"]
+    offload = region.prefetch.offload_carries
 
     @jax.custom_vjp
     def run(cs: list[Any], carry0: list[Any], stacks: list[Any], other_xs: list[Any]) -> tuple[Any, Any]:
-        last, ys, _ = forward(cs, carry0, stacks, other_xs)
+        last, ys, _ = _prefetch_forward(layer, length, unroll, cs, carry0, stacks, other_xs)
         return last, ys
 
-    offload = region.prefetch.offload_carries
-
     def fwd(cs: list[Any], carry0: list[Any], stacks: list[Any], other_xs: list[Any]) -> tuple[Any, Any]:
-        last, ys, carries = forward(cs, carry0, stacks, other_xs)
-        if offload:
+        last, ys, carries = _prefetch_forward(layer, length, unroll, cs, carry0, stacks, other_xs)
+        if offload:  # the per-layer input carries wait in host memory for the backward pass
             carries = jax.device_put(carries, jax.memory.Space.Host)
         return (last, ys), (cs, stacks, other_xs, carries)
 
     def bwd(res: Any, ct: Any) -> tuple[Any, Any, Any, Any]:
-        """Layers L-1..1 in a reversed scan that gathers the layer below ahead; layer 0 after it."""
         cs, stacks, other_xs, carries = res
         if offload:
             carries = jax.device_put(carries, jax.memory.Space.Device)
-        ct_last, ct_ys = ct
-
-        def layer_vjp(d_carry: Any, current: Any, other: Any, carry: Any, ct_y: Any) -> tuple[Any, ...]:
-            _, vjp = jax.vjp(layer_fn, cs, carry, other, current)
-            g_cs, g_carry, g_other, g_layer = vjp((d_carry, ct_y))
-            shards = [reduce_scatter_shard(g, l.dim - 1, l.wire) for l, g in zip(leaves, g_layer)]
-            return g_cs, g_carry, g_other, shards
-
-        def step(c: tuple[Any, Any, Any, Any], x: tuple[Any, Any, Any, Any]) -> tuple[Any, Any]:
-            d_carry, current, d_cs, d_stacks = c
-            i, other, carry, ct_y = x
-            below = gather_layer(stacks, i - 1)  # the layer below, ahead of its turn
-            g_cs, g_carry, g_other, shards = layer_vjp(d_carry, current, other, carry, ct_y)
-            d_stacks = [jax.lax.dynamic_update_index_in_dim(d, s.astype(d.dtype), i, 0)
-                        for d, s in zip(d_stacks, shards)]
-            return (g_carry, below, jax.tree.map(jnp.add, d_cs, g_cs), d_stacks), g_other
-
-        # Nothing of the backward pass may start before its cotangent arrives: the top layer's
-        # gather and the gradient shards' buffer are tied to it (`_after`), else the compiler
-        # hoists them next to the forward loop (one more layer whole, and every gradient shard,
-        # live through the whole forward pass).
-        late = _after([*stacks, *[jnp.zeros_like(s) for s in stacks]], ct)
-        top = gather_layer(late[:len(stacks)], length - 1)
-        rest = slice(1, None)
-        (d_carry, current, d_cs, d_stacks), d_other = jax.lax.scan(
-            step, (ct_last, top, jax.tree.map(jnp.zeros_like, cs), late[len(stacks):]),
-            (jnp.arange(1, length), at(other_xs, rest), at(carries, rest), at(ct_ys, rest)),
-            reverse=True, unroll=p["unroll"])
-        g_cs, d_carry0, g_other, shards = layer_vjp(d_carry, current, at(other_xs, 0), at(carries, 0), at(ct_ys, 0))
-        d_stacks = [jax.lax.dynamic_update_index_in_dim(d, s.astype(d.dtype), 0, 0) for d, s in zip(d_stacks, shards)]
-        join = lambda a, b: jnp.concatenate([a[None], b])  # noqa: E731
-        d_stacks = [_in_space_of(d, s) for d, s in zip(d_stacks, stacks)]  # offloaded shards: host-typed
-        return (jax.tree.map(jnp.add, d_cs, g_cs), d_carry0, d_stacks, jax.tree.map(join, g_other, d_other))
+        return _prefetch_backward(layer, length, unroll, (cs, stacks, other_xs, carries), ct)
 
     run.defvjp(fwd, bwd)
-    last, ys = run(consts, init, [l.shard for l in leaves], other_xs)
+    last, ys = run(ops.consts, ops.init, [l.shard for l in ops.leaves], ops.other_xs)
     return [*last, *ys]
 
 
@@ -528,7 +569,7 @@ def has_shards(params: Any) -> bool:
     return any(_is_shard(x) for x in jax.tree.leaves(params, is_leaf=_is_shard))
 
 
-def gather_at_use(loss_fn: Callable[..., Any], prefetch: "Prefetch | None" = None) -> Callable[..., Any]:
+def gather_at_use(loss_fn: Callable[..., Any], prefetch: Prefetch | None = None) -> Callable[..., Any]:
     """`loss_fn(params, *args, **kwargs)` written for whole parameters, callable with a parameter
     tree holding `ParamShard`s inside the step's `shard_map`: each one is gathered where it is used.
 

@@ -4,6 +4,9 @@ Both rewrites of a user's loss work this way: stage 3's gather-at-use (`gather_a
 stay sharded until an equation uses them) and activation checkpointing (`remat`: scan bodies become
 checkpointed layers). Each gives `interpret` a function that returns an equation's outputs, and
 calls `bind` for the equations it leaves as they are.
+
+Relies on: no mesh axis; `jax.extend.core`'s Literal/Var and a primitive's `bind` (the JAX internals
+this folder, and only it, reads).
 """
 from __future__ import annotations
 

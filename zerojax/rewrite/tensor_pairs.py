@@ -13,6 +13,9 @@ tensor size divides.
 Each split activation remembers the columns it came from (`Split.origin`); a column stays only if
 its activations end in a row's contraction or a reduction over the split (a vocabulary-parallel head's
 softmax), never in a gather (a rule that had to make them whole). Rejected columns are excluded and the search runs again until nothing changes.
+
+Relies on: no mesh (shapes only, traced outside any `shard_map`); the tensor size only to choose a
+dimension it divides.
 """
 from __future__ import annotations
 

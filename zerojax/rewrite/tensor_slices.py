@@ -35,6 +35,10 @@ wanted whole again. They are `block` and `whole` above, which are also DeepSpeed
 `drop_tokens` and `gather_tokens`: a MoE layer whose experts are whole on every tensor device
 splits its dispatched capacity this way. A whole weight the split rows meet `enter`s, so its
 gradient is summed over the group's blocks and stays replicated.
+
+Relies on: running inside a `shard_map` over `tensor` (the step's, or a pipeline stage's) with each
+split weight arriving as this device's block of the dimension `dims` names; the other axes are the
+caller's (a collective over one of them runs on each slice as written).
 """
 from __future__ import annotations
 
