@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -77,21 +76,6 @@ def card(device: Any) -> tuple[float | None, float | None]:
         if name in kind:
             return flops, hbm
     return None, None
-
-
-def _median_interleaved(runners: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, float]:
-    """Median seconds per call, every round running each variant once (load hits them alike)."""
-    import jax
-    for _ in range(warmup):
-        for run in runners.values():
-            jax.block_until_ready(run())
-    times: dict[str, list[float]] = {k: [] for k in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            t = time.perf_counter()
-            jax.block_until_ready(run())
-            times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def measured_peak(side: int) -> float:
@@ -152,6 +136,7 @@ def baseline_step(config: Any) -> tuple[Any, Callable[[Any, Any], tuple[Any, Any
 
 def measure_training(size: tuple, args: argparse.Namespace, device: Any) -> tuple[dict[str, Any], Any]:
     import jax
+    from benchmarks.kernels import time_interleaved
     from zerojax.app.trainer import build_engine, build_model
     from zerojax.planner.mesh import make_mesh
 
@@ -178,7 +163,7 @@ def measure_training(size: tuple, args: argparse.Namespace, device: Any) -> tupl
         engine = build_engine(config, mesh, build_model(config, mesh))
         first = float(engine.train_batch(batches[0])["loss"])
         eng = engine
-        times = _median_interleaved(
+        times = time_interleaved(
             {"zerojax": lambda: eng.train_batch(batches[eng.global_steps % len(batches)])["loss"],
              "baseline": run_base}, args.warmup, args.rounds)
         rows[f"stage {stage}"] = {"step_s": times["zerojax"], "baseline_step_s": times["baseline"],
@@ -207,6 +192,7 @@ def measure_adam(n: int, args: argparse.Namespace, device: Any) -> dict[str, Any
 def measure_generate(engine: Any, size: tuple, args: argparse.Namespace, copy_bw: float,
                      nominal_bw: float | None) -> list[dict[str, Any]]:
     import jax
+    from benchmarks.kernels import time_interleaved
     m = engine.config.model
     *_, vocab, seq, micro, prompt, new, _ = size
     weights = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(engine.params))  # bf16
@@ -216,7 +202,7 @@ def measure_generate(engine: Any, size: tuple, args: argparse.Namespace, copy_bw
         prompts = np.random.default_rng(batch).integers(0, vocab, (batch, prompt), dtype=np.int32)
         lengths = np.full((batch,), prompt, np.int32)
         call = lambda: engine.generate(prompts, new, lengths=lengths).tokens  # noqa: E731
-        seconds = _median_interleaved({"generate": call}, 1, max(args.rounds // 2, 2))["generate"]
+        seconds = time_interleaved({"generate": call}, 1, max(args.rounds // 2, 2))["generate"]
         # per new token: every weight once, and the keys and values written so far (mean context)
         kv = 2 * m.n_layers * m.n_kv_heads * head_dim * 2 * batch * (prompt + new / 2)
         row = {"batch": batch, "prompt": prompt, "new": new, "seconds": seconds,

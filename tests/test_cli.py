@@ -247,7 +247,8 @@ def test_train_py_compiles_each_program_once_into_its_compile_cache(tmp_path: Pa
     p = run("-c", COUNT_PROGRAMS, "--config", "configs/zero3.yaml", "--set", *settings)
     assert p.returncode == 0, p.stderr[-3000:]
     programs, hits = map(int, re.search(r"programs: (\d+), cache hits: (\d+)", p.stdout).groups())
-    assert programs <= 8, p.stdout[-2000:]   # 92 before programs were compiled once each
+    assert programs <= 7, p.stdout[-2000:]   # 92 before programs were compiled once each; 14 before the
+    # finiteness check was shared and generate stopped running eager scalar and slicing ops
     assert hits == 0 and any(cache.iterdir())  # a fresh folder: all compiled, all kept
 
     again = run("-c", COUNT_PROGRAMS, "--config", "configs/zero3.yaml", "--set", *settings,

@@ -161,3 +161,54 @@ def test_layer_axes_reach_the_plan() -> None:
         zerojax.initialize(cfg, model=object(), layer_axes=axes)
     with pytest.raises(ValueError, match=r"layer_axes=\{'stack': 1\}.*its top level: \['layers'\]"):
         zerojax.initialize(cfg, params=params, loss_fn=loss_fn, layer_axes={"stack": 1})
+
+
+def test_compile_for_compiles_the_first_step_and_the_finite_check_with_the_state() -> None:
+    """Engine(compile_for=batch) compiles the train step in a thread while the state initializes, and
+    the finiteness check that the trainer's guard and every save share (one program) meanwhile: the
+    first step, the guard and a save's check then compile nothing."""
+    from jax import monitoring
+    from zerojax.checkpoint import nonfinite_params
+    from zerojax.core.nonfinite import NonFiniteGuard
+    from zerojax.planner.mesh import make_mesh
+
+    programs = []
+
+    def count(event: str, secs: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            programs.append(secs)
+
+    params, loss_fn = zerojax.from_nnx(Net(rngs=nnx.Rngs(1)), mse)
+    config = zerojax.load_config({**DS_CONFIG, "zero_optimization": {"stage": 3}})
+    engine = zerojax.Engine(config, params, loss_fn, make_mesh(config), compile_for=data(32, 0))
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        metrics = engine.train_batch(data(32, 1))
+        assert NonFiniteGuard(engine).problem(saving=True) is None
+        assert nonfinite_params(engine.state, engine.plan) == []
+        assert np.isfinite(float(metrics["loss"]))
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert programs == []
+
+
+def test_first_step_hands_the_compilers_memory_back_and_compiles_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step is compiled before its first call runs and the compiler's freed heap is returned
+    then (once per step, not per call), so the step's buffers do not stack on it in the host's
+    peak; later calls reuse the same executable (no second compile of the step)."""
+    import zerojax.engine.engine as engine_module
+    released: list[int] = []
+    monkeypatch.setattr(engine_module, "release_freed_heap", lambda: released.append(1), raising=False)
+    params, loss_fn = zerojax.from_nnx(Net(rngs=nnx.Rngs(0)), mse)
+    engine = zerojax.initialize(DS_CONFIG, params=params, loss_fn=loss_fn)
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_kw: compiles.append(event) if event == "/jax/compilation_cache/compile_time_saved_sec"
+        or event == "/jax/core/compile/backend_compile_duration" else None)
+    engine.train_batch(data(32, 0))
+    assert released == [1]
+    first = len(compiles)
+    assert first > 0  # the listener sees compiles
+    for i in range(1, 3):
+        engine.train_batch(data(32, i))
+    assert released == [1] and len(compiles) == first

@@ -136,8 +136,8 @@ def test_targets_and_refusals() -> None:
     assert lora.targets(config(LLAMA, lora_section={**LORA, "target_modules": ["q_proj", "v"]}).model) == {"q", "v"}
     with pytest.raises(ConfigError, match="lora.target_modules: 'qproj' is no projection of the llama model"):
         lora.targets(config(LLAMA, lora_section={**LORA, "target_modules": ["qproj"]}).model)
-    with pytest.raises(ConfigError, match="lora.lora_dropout: 0.1 is not built"):
-        config(LLAMA, lora_section={**LORA, "lora_dropout": 0.1})
+    with pytest.raises(ConfigError, match="lora.lora_dropout: 0.1 is built for the llama model only"):
+        config(GPT, lora_section={**LORA, "lora_dropout": 0.1})
     with pytest.raises(ConfigError, match="lora.r: given while lora.enabled is false"):
         config(GPT, lora_section={"r": 4})
     with pytest.raises(ConfigError, match="lora.enabled: a pipeline"):

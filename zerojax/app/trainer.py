@@ -91,9 +91,10 @@ def build_model(config: Config, mesh: Any) -> Model:
     return Model(plan, pipeline, params, loss_fn)
 
 
-def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
+def build_engine(config: Config, mesh: Any, model: Model, compile_for: Any = None) -> Engine:
     """The engine of `model` with its parameters placed: read from `model.hf_checkpoint` (each device
-    its own slices), or initialized straight into the sharded plan."""
+    its own slices), or initialized straight into the sharded plan. `compile_for`: `Engine`'s (a first
+    batch, whose train step compiles while the parameters initialize)."""
     model_cfg, plan = config.model, model.plan
     pipeline, params, loss_fn = model.pipeline, model.params, model.loss_fn
     if pipeline is not None:
@@ -109,7 +110,7 @@ def build_engine(config: Config, mesh: Any, model: Model) -> Engine:
         params = ParamsInit(functools.partial(gpt.init_params, model_cfg, config.run.seed), plan.abstract_params)
     loss_fn = loss_fn or gpt.make_loss_fn(model_cfg, config.activation_checkpointing)
     from zerojax.models.decode import decoder
-    return Engine(config, params, loss_fn, mesh, plan=plan, decode=decoder(model_cfg))
+    return Engine(config, params, loss_fn, mesh, plan=plan, decode=decoder(model_cfg), compile_for=compile_for)
 
 
 def from_hf(path: str | os.PathLike[str], config: Config | Mapping[str, Any] | str, *, mesh: Any = None,
@@ -230,7 +231,9 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
     # every data error (missing file, vocabulary, too short) is raised here, before compiling
     train_batches, val_batches = make_batches(config.data, rows, config.model.seq_len, config.model.vocab_size, mine)
     steps = run_steps(config, train_batches)
-    engine = build_engine(config, mesh, model)
+    # the step compiles for the first batch while the state's program compiles: two compiles at once
+    engine = build_engine(config, mesh, model, compile_for=train_batches.batch(train_batches.position,
+                                                                                train_batches.local))
     data_state = None
     if resume:
         beat(f"loading checkpoint {resume_tag or 'latest'} from {ckpt_dir}", allowance=FIRST_STEP_ALLOWANCE)

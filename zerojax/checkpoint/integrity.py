@@ -5,22 +5,19 @@ verifies; a tag whose parameters are not finite is written for inspection but ne
 """
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from zerojax.checkpoint.format import CHUNK, CheckpointError, PathLike, STATE_DIR, Unreadable, absolute, named_leaves, parse_meta, scan_tags, try_meta
+from zerojax.checkpoint.format import CHUNK, CheckpointError, PathLike, STATE_DIR, Unreadable, absolute, leaf_names, parse_meta, scan_tags, try_meta
 from zerojax.checkpoint.pending import resolve_tag
 from zerojax.core.layout import Plan
-from zerojax.core.offload import to_device
 from zerojax.core.state import TrainState
-from zerojax.core.precision import leaf_finite
+from zerojax.core.nonfinite import finite_flags, float_leaves
 
 
 def _file_crc(path: Path) -> tuple[int, str]:
@@ -101,24 +98,18 @@ def verify(directory: PathLike, tag: str | None = None) -> str:
     return tag_dir.name
 
 
-@functools.lru_cache(maxsize=8)
-def _finite_flags(replicated: Any) -> Any:
-    return jax.jit(lambda leaves: leaf_finite(to_device(leaves)), out_shardings=replicated)
-
-
 def nonfinite_params(state: TrainState, plan: Plan) -> list[str]:
     """Dotted names of the parameters (and fp32 master leaves) holding NaN or inf; [] when all finite.
 
     One reduction per leaf on the devices and one small transfer: cheap enough for every save, and
     for a trainer that wants to check before it saves.
     """
-    named = {name: x for field in ("master", "params") if getattr(state, field) is not None
-             for name, x in named_leaves(getattr(state, field), field).items()
-             if jnp.issubdtype(x.dtype, jnp.inexact)}
-    if not named:
+    found = float_leaves(state)  # the guard's program too (core.nonfinite): compiled once per run
+    if not found:
         return []
-    ok = np.asarray(jax.device_get(_finite_flags(plan.replicated)(list(named.values()))))
-    return [name for name, fine in zip(named, ok) if not fine]
+    names = {field: leaf_names(getattr(state, field), field) for field, _, _ in found}
+    ok = np.asarray(jax.device_get(finite_flags(plan.replicated)([x for *_, x in found])))
+    return [names[field][i] for (field, i, _), fine in zip(found, ok) if not fine]
 
 
 def read_meta(tag_dir: Path) -> dict[str, Any]:

@@ -207,9 +207,10 @@ def _derive_lora(config: Config, sources: dict[str, str]) -> Config:
             raise ConfigError(f"lora.{changed[0]}: given while lora.enabled is false, so no adapter would be added "
                               f"and every parameter trained; set lora.enabled: true, or remove the lora keys")
         return dataclasses.replace(config, lora=lora)
-    if lora.lora_dropout:
-        raise ConfigError(f"lora.lora_dropout: {lora.lora_dropout} is not built (the shipped models' losses take "
-                          f"no random key to draw a dropout mask from); set lora.lora_dropout: 0")
+    if lora.lora_dropout and config.model.name != "llama":
+        raise ConfigError(f"lora.lora_dropout: {lora.lora_dropout} is built for the llama model only; the "
+                          f"{config.model.name} model's loss is functional and takes no random key to draw a "
+                          f"dropout mask from; set lora.lora_dropout: 0 (or model.name: llama)")
     if config.mesh.stage > 1:
         raise ConfigError(f"lora.enabled: a pipeline (mesh.stage: {config.mesh.stage}) keeps its parameters as flat "
                           f"stage rows and freezes none; set mesh.stage: 1 (ZeRO-3 shards the frozen base instead)")

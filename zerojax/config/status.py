@@ -306,7 +306,8 @@ KEY_STATUS: dict[str, str] = {
                  "top2_2nd_expert_sampling", "use_residual", "moe_aux_loss_coef")},
     **{f"lora.{k}": f"{HONOURED} (zerojax key: adapters on the shipped GPT and Llama and Hugging Face imports, "
                     f"the base frozen; see docs/lora.md)" for k in ("enabled", "r", "lora_alpha", "target_modules")},
-    "lora.lora_dropout": f"{HONOURED} at 0; {REFUSED} above 0 (the shipped models' losses take no random key)",
+    "lora.lora_dropout": f"{HONOURED} (llama: on the adapter's input, in training only); {REFUSED} above 0 for "
+                         f"the gpt model (its functional loss takes no random key)",
     "lora.adapter": f"{HONOURED} (a PEFT adapter folder read onto model.hf_checkpoint's base)",
     "lora.base_weight_sharding": f"{NO_EFFECT}: ZeRO-3 shards the frozen base with every other weight",
     "model.expert_tensor_parallelism": f"{HONOURED} (the Llama's MoE layers and the tensor plan: false keeps "

@@ -16,6 +16,18 @@ from zerojax.measure.hlo import entry_layout_bytes
 HOST_KINDS = ("pinned_host", "unpinned_host")  # memory kinds of host memory (offload)
 
 
+def release_freed_heap() -> None:
+    """Hand freed heap memory back to the system (glibc's malloc_trim). Memory freed in one thread's
+    malloc arena (the compiler's working memory, a large tensor's blocks) otherwise stays resident
+    until that thread allocates again, and the next allocations elsewhere (the step's buffers, on
+    XLA's worker threads) stack on top of it in the process's peak. A no-op off glibc."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def array_bytes(tree: Any, host: bool | None = None) -> int:
     """Bytes this process's first device really holds of `tree`'s arrays (`host`: only those stored
     in host memory, or only those in device memory; None: both). Non-array leaves count nothing."""

@@ -10,9 +10,11 @@ checkpoint after the bad step is ever written.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zerojax.core.offload import to_device
@@ -27,13 +29,38 @@ def _names(paths: list[str], bad: np.ndarray) -> str:
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
+@functools.lru_cache(maxsize=8)
+def finite_flags(replicated: Any) -> Any:
+    """The program that says which of a list of leaves are all finite (offloaded ones too), answered on
+    every process. One per run: the guard at fetch points and every save's check (`float_leaves`
+    gives both the same arguments) share its compile."""
+    return jax.jit(lambda leaves: leaf_finite(to_device(leaves)), out_shardings=replicated)
+
+
+def float_leaves(state: Any) -> list[tuple[str, int, jax.Array]]:
+    """(field, index among that field's leaves, leaf) of every float leaf of the fp32 master copy, then
+    of the parameters: the argument list of `finite_flags` whoever asks."""
+    return [(field, i, x) for field in ("master", "params") if getattr(state, field) is not None
+            for i, x in enumerate(jax.tree.leaves(getattr(state, field))) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def params_finite(state: Any, replicated: Any) -> np.ndarray:
+    """Per parameter leaf (in `jax.tree.leaves` order): whether it is all finite (integer leaves are)."""
+    found = float_leaves(state)
+    flags = np.asarray(jax.device_get(finite_flags(replicated)([x for *_, x in found])))
+    finite = np.ones(len(jax.tree.leaves(state.params)), bool)
+    for (field, i, _), ok in zip(found, flags):
+        if field == "params":
+            finite[i] = ok
+    return finite
+
+
 class NonFiniteGuard:
     """Asks the engine's state, at fetch points only, whether the run has gone non-finite."""
 
     def __init__(self, engine: Any):
         self.engine = engine
         self.skipping = engine.plan.scaler.check_finite
-        self._params_finite = jax.jit(lambda params: leaf_finite(to_device(params)))  # offloaded too
 
     def problem(self, record: Mapping[str, Any] | None = None, *, saving: bool = False) -> str | None:
         """None while everything is finite; else what went wrong, where, and first at which step.
@@ -51,7 +78,7 @@ class NonFiniteGuard:
                 return f"the loss is {record['loss']} at step {record['step']}"
         if not (saving or self.skipping):
             return None
-        finite = np.asarray(jax.device_get(self._params_finite(state.params)))
+        finite = params_finite(state, self.engine.plan.replicated)
         if not finite.all():
             return (f"non-finite parameters by step {int(state.step)} in "
                     f"{_names(list(paths), ~finite) if len(paths) == len(finite) else 'some leaves'}")

@@ -9,11 +9,13 @@ step.py. Porting code keeps its shape:
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +29,13 @@ from zerojax.runtime.distributed import InFlight, check_consistency, config_item
 from zerojax.errors import LossScaleError, NonFiniteError
 from zerojax.models.generate import Decoder, Generation, generate, pad_prompts
 from zerojax.core.layout import MemoryReport, Plan
+from zerojax.core.measure import release_freed_heap
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
+from zerojax.core.nonfinite import finite_flags, float_leaves
 from zerojax.core.precision import LossScaleState, update_loss_scale
-from zerojax.core.state import TrainState, init_state, logical_params
+from zerojax.core.state import TrainState, abstract_state, init_state, logical_params
 from zerojax.core.step import (LossFn, check_batch, check_eval_batch, checked_kernels, make_eval_step,
                                make_train_step)
 
@@ -57,19 +61,40 @@ def agree_before_compiling(config: Config, plan: Plan) -> None:
         check_consistency(config, plan=plan, what="zerojax.initialize")
 
 
+@contextlib.contextmanager
+def compiling_ahead(train_step: Any, plan: Plan, batch: Any) -> Iterator[None]:
+    """Compile `train_step` for the fresh state and `batch` in a thread while the body runs (the
+    state's initialisation: its own compile, then its run). Both compiles are mostly XLA's, which runs
+    without the GIL, so the two overlap instead of adding up; the executable lands in JAX's caches,
+    where the first call with the real state finds it. An error of the step's compile is raised here."""
+    if batch is None:
+        yield
+        return
+    rows = plan.batch.train_batch_size
+    spec = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(
+        (rows, *np.shape(x)[1:]), np.asarray(x).dtype, sharding=plan.batch_sharding), batch)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerojax-compile") as pool:
+        compiled = pool.submit(lambda: train_step.lower(abstract_state(plan), spec).compile())
+        yield
+        compiled.result()
+
+
 class Engine(DeepSpeedAPI):
     """Training state plus compiled train/eval steps for one config, mesh and model."""
 
     def __init__(self, config: Config | Mapping[str, Any] | str, params: Any, loss_fn: LossFn, mesh: Mesh, *,
                  optimizer: ClientOptimizer | None = None, lr_scheduler: ScheduleFn | None = None,
                  layer_axes: Any = None, plan: Plan | None = None, decode: Decoder | None = None,
-                 tensor_dims: Any = None, trainable: Any = None):
+                 tensor_dims: Any = None, trainable: Any = None, compile_for: Any = None):
         """`plan`: one already made from this config and mesh (`zerojax.plan`), so it is not made twice;
         without it the engine makes its own from `optimizer`, `lr_scheduler`, `layer_axes` and `tensor_dims`.
         `decode`: the model's KV-cache forward (`zerojax.models.generate.Decoder`: `init_cache`, `prefill`,
         `decode_step` over these params), which `generate` runs; train.py passes the shipped GPT's or
         Llama's (`zerojax.models.decode.decoder(config.model)`). `trainable`: `zerojax.plan`'s (which
-        leaves are trained: a bool tree, or an NNX Variable class such as `nnx.LoRAParam`)."""
+        leaves are trained: a bool tree, or an NNX Variable class such as `nnx.LoRAParam`). `compile_for`: a
+        batch like the ones `train_batch` will take (host arrays or `jax.ShapeDtypeStruct`s of the global
+        batch): its train step compiles in a thread while the state's own program compiles and runs (XLA
+        compiles without holding the GIL), so the first `train_batch` finds it compiled."""
         self.decoder = decode
         config = load_config(config)  # a Config, a dict or a file path, as `initialize` takes it
         if plan is None:
@@ -86,16 +111,23 @@ class Engine(DeepSpeedAPI):
             check_origin(config, plan, "Engine")
         agree_before_compiling(config, plan)
         plan = checked_kernels(plan)
-        self._start(config, mesh, loss_fn, plan, params, make_train_step(plan, loss_fn), make_eval_step(plan, loss_fn))
+        self._start(config, mesh, loss_fn, plan, params, make_train_step(plan, loss_fn), make_eval_step(plan, loss_fn),
+                    compile_for)
 
     def _start(self, config: Config, mesh: Mesh, loss_fn: LossFn, plan: Plan, params: Any,
-               train_step: Callable[[TrainState, Any], Any], eval_step: Callable[[Any, Any], jax.Array]) -> None:
+               train_step: Callable[[TrainState, Any], Any], eval_step: Callable[[Any, Any], jax.Array],
+               compile_for: Any = None) -> None:
         """Everything an engine holds, whatever built its plan and steps (the pipeline engine too)."""
         self.config, self.mesh, self.loss_fn, self.plan = config, mesh, loss_fn, plan
         if config.log_level is not None:
             set_log_level(config.log_level)
         self._train_step, self._eval_step = train_step, eval_step
-        self.state: TrainState = self._stored(init_state(plan, params))
+        if getattr(train_step, "store", None) is not None or not hasattr(train_step, "lower"):
+            compile_for = None  # the step takes a slimmer state than `init_state`'s (NVMe): compiled at its call
+        with compiling_ahead(train_step, plan, compile_for):
+            self.state: TrainState = self._stored(init_state(plan, params))
+            if compile_for is not None:  # the finiteness check of the first fetch and every save, meanwhile
+                finite_flags(plan.replicated).lower([x for *_, x in float_leaves(self.state)]).compile()
         self._pending: PendingSave | None = None
         self._in_flight = InFlight()  # multi-process: no process runs steps ahead of its devices
         self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
@@ -217,13 +249,17 @@ class Engine(DeepSpeedAPI):
     def _agreed(self, name: str, fn: Any, *args: Any) -> Any:
         """`fn`, once every process of a multi-process run has shown it compiled the same program for
         these arguments (`runtime.agreement`): the first call of each step is compiled here and its
-        executable used; a mismatch is refused on every process before any collective runs."""
-        if jax.process_count() == 1 or name in self._agreed_steps:
+        executable used; a mismatch is refused on every process before any collective runs. The
+        compiler's freed working memory is handed back before that first call runs, so the step's
+        buffers do not stack on it in the host's peak (later calls reuse jit's cached executable)."""
+        if name in self._agreed_steps:
             return fn
         lowered = fn.lower(*args)
         compiled = lowered.compile()
-        agree_on_program(name, lowered.as_text(), compiled.as_text(), config=config_items(self.config),
-                         timeout_s=self.config.distributed.hang_timeout or 300.0)
+        release_freed_heap()
+        if jax.process_count() > 1:
+            agree_on_program(name, lowered.as_text(), compiled.as_text(), config=config_items(self.config),
+                             timeout_s=self.config.distributed.hang_timeout or 300.0)
         self._agreed_steps.add(name)
         return compiled
 

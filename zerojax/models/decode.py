@@ -34,10 +34,13 @@ Cache = dict[str, jax.Array]
 
 
 def _rebuild(make: Callable[[], nnx.Module], layer: dict[str, Any]) -> Any:
-    """An NNX module made abstractly by `make`, holding the parameter dict `layer` (trace-time only)."""
+    """An NNX module made abstractly by `make`, holding the parameter dict `layer` (trace-time only), in
+    eval mode: generation draws no dropout mask (`lora.lora_dropout`), as PEFT's model.eval()."""
     graphdef, state = nnx.split(nnx.eval_shape(make))
     nnx.replace_by_pure_dict(state, layer)
-    return nnx.merge(graphdef, state)
+    module = nnx.merge(graphdef, state)
+    module.eval()
+    return module
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: Any = None,

@@ -196,16 +196,23 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
     room = new_token_bucket(max_new_tokens)
     route = decode_layout.choose(plan, decoder, params, b, width + room, layout, cache_bytes)
     padded, lens = _rows(padded, lens, route)
-    args = (decoder, params, padded, lens, jnp.uint32(seed), jnp.int32(max_new_tokens), room, float(temperature),
+    # numpy scalars, not jnp ones: each eager jnp op would be a program of its own
+    args = (decoder, params, padded, lens, np.uint32(seed), np.int32(max_new_tokens), room, float(temperature),
             top_k, top_p, stops, pad, route)
     if _lower is not None:
         return _lower(args)
     out = _program(*args)
     if room == max_new_tokens and len(lens) == b:
         return Generation(*out)
+    return Generation(*_trim(out, b, max_new_tokens))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _trim(out: tuple[jax.Array, ...], b: int, n: int) -> tuple[jax.Array, ...]:
+    """The first `b` rows and `n` new tokens of the program's outputs: one program, where eager slicing
+    is one per array."""
     toks, logps, count, sampled = out
-    n = max_new_tokens
-    return Generation(toks[:b, :n], logps[:b, :n], count[:b], sampled[:b, :n])
+    return toks[:b, :n], logps[:b, :n], count[:b], sampled[:b, :n]
 
 
 class GenerateMemory(NamedTuple):

@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 import numpy as np
 
 from zerojax.config.hf import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HFError, model_keys
+from zerojax.core.measure import release_freed_heap
 from zerojax.errors import ConfigError
 from zerojax.models import abstract_params, lora
 
@@ -678,16 +679,6 @@ def _st_numpy(code: str) -> np.dtype:
     return np.dtype(floats.get(code) or _ST_INTEGERS[code])
 
 
-def _release_freed() -> None:
-    """Hand freed heap memory back to the system (glibc's malloc_trim): the blocks of a large tensor,
-    freed in the reading threads' arenas, would otherwise stay resident until reused."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def _write_tensor(f: Any, t: Tensor) -> None:
     """`t`'s bytes, made, converted and written a block of rows at a time (about `_WRITE_BLOCK`)."""
     dtype = _st_numpy(t.dtype)
@@ -734,7 +725,7 @@ def write_safetensors(out: Path, tensors: list[Tensor], max_shard_size: int | st
                 for t in shard:
                     _write_tensor(f, t)
                     if _nbytes(t) > _WRITE_BLOCK:
-                        _release_freed()
+                        release_freed_heap()
                 f.flush()
                 os.fsync(f.fileno())
         for old in out.iterdir():  # an earlier export's shards must not mix with these

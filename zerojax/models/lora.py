@@ -2,8 +2,9 @@
 
 A targeted projection keeps its kernel W [in, out] (frozen) and gains two leaves beside it in the
 parameter tree: `lora_a` [in, r] and `lora_b` [r, out], B starting at zero so the model starts as its
-base. Its output is x W + (alpha / r) (x A) B - PEFT's `LoraLayer` with dropout 0, so PEFT's
-adapters load unchanged (A = lora_A.weight^T, B = lora_B.weight^T). Nothing is merged: training,
+base. Its output is x W + (alpha / r) (dropout(x) A) B - PEFT's `LoraLayer`, the dropout
+(`lora.lora_dropout`) on the adapter's input only, so PEFT's adapters load unchanged
+(A = lora_A.weight^T, B = lora_B.weight^T). Nothing is merged: training,
 evaluation and the KV-cache decoder all run the same `LoRALinear`, base and adapter apart, so a ZeRO-3
 base stays sharded and no merged copy of a weight is ever made.
 
@@ -63,29 +64,39 @@ def scale(cfg: Any) -> float:
 
 
 class LoRALinear(nnx.Linear):
-    """`nnx.Linear` plus a low-rank adapter: x W (+ b) + scale * (x A) B. A is drawn as PEFT draws it
-    (Kaiming-uniform, bound 1/sqrt(in)), B is zero. The adapters are `nnx.LoRAParam`s."""
+    """`nnx.Linear` plus a low-rank adapter: x W (+ b) + scale * (dropout(x) A) B. A is drawn as PEFT
+    draws it (Kaiming-uniform, bound 1/sqrt(in)), B is zero. The adapters are `nnx.LoRAParam`s.
+
+    `dropout` > 0 adds an `nnx.Dropout` with its own `dropout` stream, as PEFT's `lora_dropout` module:
+    active in training, off in eval mode (`model.eval()`: evaluation, `apply`, the decoder). Its key is
+    a placeholder: `zerojax.from_nnx` reseeds every stream from the step's key on each call, so each
+    adapter, layer, step, data shard and micro-batch draws its own mask. At 0 no module is added, so the
+    model's state is what it was without dropout."""
 
     def __init__(self, in_features: int, out_features: int, *, rank: int, lora_scale: float,
-                 rngs: nnx.Rngs, **linear: Any):
+                 rngs: nnx.Rngs, dropout: float = 0.0, **linear: Any):
         super().__init__(in_features, out_features, rngs=rngs, **linear)
         bound = 1.0 / in_features ** 0.5
         self.lora_a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (in_features, rank), jnp.float32,
                                                        -bound, bound))
         self.lora_b = nnx.LoRAParam(jnp.zeros((rank, out_features), jnp.float32))
         self.lora_scale = lora_scale
+        if dropout:
+            self.lora_dropout = nnx.Dropout(dropout, rngs=nnx.Rngs(dropout=0))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = super().__call__(x)
         a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
-        return y + ((x @ a) @ b * jnp.asarray(self.lora_scale, x.dtype)).astype(y.dtype)
+        h = self.lora_dropout(x) if hasattr(self, "lora_dropout") else x  # the base path sees x itself
+        return y + ((h @ a) @ b * jnp.asarray(self.lora_scale, x.dtype)).astype(y.dtype)
 
 
 def linear(cfg: Any, name: str, in_features: int, out_features: int, *, rngs: nnx.Rngs,
            **kwargs: Any) -> nnx.Linear:
     """The projection `name` of `cfg`'s model: an `nnx.Linear`, or a `LoRALinear` where `lora` targets it."""
     if name in targets(cfg):
-        return LoRALinear(in_features, out_features, rank=cfg.lora.r, lora_scale=scale(cfg), rngs=rngs, **kwargs)
+        return LoRALinear(in_features, out_features, rank=cfg.lora.r, lora_scale=scale(cfg), rngs=rngs,
+                          dropout=cfg.lora.lora_dropout, **kwargs)
     return nnx.Linear(in_features, out_features, rngs=rngs, **kwargs)
 
 

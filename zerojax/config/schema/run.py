@@ -202,9 +202,11 @@ class LoraConfig:
                     aliases=("lora_r",))
     lora_alpha: float = option(16.0, "The adapter's output is scaled by lora_alpha / r (PEFT's and DeepSpeed's "
                                      "lora_alpha).", gt=0, aliases=("alpha",))
-    lora_dropout: float = option(0.0, "Dropout on the adapter's input (PEFT's lora_dropout); only 0 is built: the "
-                                      "shipped models' losses take no random key, so a non-zero value is refused "
-                                      "rather than ignored.", ge=0, le=1, aliases=("dropout",))
+    lora_dropout: float = option(0.0, "Dropout on the adapter's input only, the base path untouched (PEFT's "
+                                      "lora_dropout): active in training, off in evaluation and generation. Each "
+                                      "step, data shard and micro-batch draws its own masks from run.seed. Built "
+                                      "for the llama model; above 0 with the gpt model it is refused (its "
+                                      "functional loss takes no random key).", ge=0, le=1, aliases=("dropout",))
     target_modules: tuple[str, ...] = option(
         LORA_DEFAULT_TARGETS, "The projections given adapters, by module name: the models' own (llama: q k v o "
                               "gate up down; gpt: qkv proj fc out), Hugging Face's (q_proj ... down_proj; GPT-2's "
