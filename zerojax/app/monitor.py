@@ -1,4 +1,4 @@
-"""What a run reports: progress bar, steps_per_print lines, metrics.jsonl, TensorBoard, CSV and wandb events.
+"""What a run reports: progress bar, steps_per_print lines, metrics.jsonl, TensorBoard, CSV, wandb and Comet events.
 
 Metrics arrive as device scalars; they are fetched to the host only on logged steps, so the
 training loop never waits on the device in between.
@@ -37,6 +37,12 @@ def check_monitors(config: Config) -> None:
         except ImportError:
             raise ConfigError("wandb.enabled: needs the `wandb` package; pip install 'zerojax[wandb]' "
                               "(or set wandb.enabled: false)") from None
+    if config.comet.enabled:
+        try:
+            import comet_ml  # noqa: F401  (optional dependency, imported only when used)
+        except ImportError:
+            raise ConfigError("comet.enabled: needs the `comet_ml` package; pip install 'zerojax[comet]' "
+                              "(or set comet.enabled: false)") from None
 
 
 def _wandb_run(config: Config, output_dir: Path) -> Any:
@@ -46,6 +52,38 @@ def _wandb_run(config: Config, output_dir: Path) -> Any:
     cfg = config.wandb
     return wandb.init(project=cfg.project, group=cfg.group, entity=cfg.team, mode=cfg.mode,
                       dir=None if os.environ.get("WANDB_DIR") else str(output_dir), config=config.to_dict())
+
+
+def _comet_experiment(config: Config, output_dir: Path) -> Any:
+    """DeepSpeed's comet_ml.start(api_key, project, workspace, experiment_key, mode, online) and
+    set_name(experiment_name). Offline, the archive goes under COMET_OFFLINE_DIRECTORY when set, else
+    under the run's output_dir (beside metrics.jsonl) rather than comet_ml's default in the cwd."""
+    import comet_ml  # optional dependency, imported only when used
+    from comet_ml.comet_start.experiment_config import ExperimentConfig
+    cfg = config.comet
+    folder = os.environ.get("COMET_OFFLINE_DIRECTORY") or str(output_dir / "comet")
+    experiment = comet_ml.start(api_key=cfg.api_key, project=cfg.project, workspace=cfg.workspace,
+                                experiment_key=cfg.experiment_key, mode=cfg.mode, online=cfg.online,
+                                experiment_config=ExperimentConfig(offline_directory=folder))
+    if cfg.experiment_name is not None:
+        experiment.set_name(cfg.experiment_name)
+    return experiment
+
+
+class CometLog:
+    """DeepSpeed's EventsLogScheduler: an event is logged when first seen, then again only once
+    comet.samples_log_interval samples have passed since it was last logged."""
+
+    def __init__(self, experiment: Any, samples_log_interval: int) -> None:
+        self.experiment, self.interval = experiment, samples_log_interval
+        self._last: dict[str, int] = {}
+
+    def log(self, events: Mapping[str, float], samples: int) -> None:
+        for name, value in events.items():
+            if name in self._last and samples - self._last[name] < self.interval:
+                continue
+            self._last[name] = samples
+            self.experiment.log_metric(name, value, step=samples)
 
 
 class Timers:
@@ -91,6 +129,7 @@ class Monitor:
         self._tb = None
         self._csv: dict[str, Any] = {}
         self._wandb = None
+        self._comet: CometLog | None = None
         self.replaced = 0  # metrics.jsonl rows past start_step dropped on resume
         if not enabled:
             return
@@ -116,6 +155,17 @@ class Monitor:
             else:
                 self.print(f"wandb: run {self._wandb.id} in {folder}" + (
                     f" (offline: upload it with `wandb sync {folder}`)" if self._wandb.offline else ""))
+        if config.comet.enabled:
+            import comet_ml  # optional dependency, imported only when used
+            experiment = _comet_experiment(config, output_dir)
+            self._comet = CometLog(experiment, config.comet.samples_log_interval)
+            if getattr(experiment, "disabled", False):
+                self.print("comet: disabled by comet_ml's settings; nothing is logged to Comet")
+            elif isinstance(experiment, comet_ml.OfflineExperiment):
+                self.print(f"comet: offline experiment {experiment.get_key()}, archived in "
+                           f"{experiment.offline_directory} when the run ends (upload it with `comet upload`)")
+            else:
+                self.print(f"comet: experiment {experiment.get_key()}")
 
     def _monitor_dir(self, output_path: str, job_name: str) -> Path:
         return Path(output_path or self.output_dir) / job_name
@@ -225,6 +275,8 @@ class Monitor:
                 self._csv_row(name, samples, value)
         if self._wandb is not None:  # one history row per logged step, at DeepSpeed's step (samples seen)
             self._wandb.log(events, step=samples)
+        if self._comet is not None:
+            self._comet.log(events, samples)
 
     def _csv_row(self, name: str, samples: int, value: float) -> None:
         if name not in self._csv:
@@ -252,6 +304,8 @@ class Monitor:
             handle.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._comet is not None:
+            self._comet.experiment.end()
 
 
 def _rewrite(path: Path, lines: list[str]) -> None:

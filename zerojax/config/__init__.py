@@ -14,7 +14,7 @@ from zerojax.config.schema.scheduler import (LRRangeTestParams, OneCycleParams, 
 from zerojax.config.schema.precision import BF16Config, DataTypesConfig, FP16Config
 from zerojax.config.schema.zero import (ActivationCheckpointingConfig, OffloadOptimizerConfig, OffloadParamConfig, POLICY_CHOICES, ZeroConfig)
 from zerojax.config.schema.monitoring import (COLLECTIVE_KINDS, OP_NAMES, CommsLoggerConfig, FlopsProfilerConfig,
-    MonitorConfig, WandbConfig)
+    CometConfig, MonitorConfig, WandbConfig)
 from zerojax.config.schema.parallel import (AxisRules, DistributedConfig, HybridEngineConfig, LayerSpec, MeshConfig,
     PARTITION_TYPES, PartitionConfig, PipelineConfig, RULE_AXES, TPConfig, TensorParallelConfig)
 from zerojax.config.schema.run import CheckpointConfig, DataConfig, LoraConfig, ModelConfig, RunConfig

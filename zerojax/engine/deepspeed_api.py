@@ -93,7 +93,7 @@ DEEPSPEED_ONLY: dict[str, str] = {
     "get_sequence_parallel_group": "collectives are named mesh axes, not process groups: the `sequence` axis "
                                    "of engine.mesh (engine.sequence_parallel_size devices)",
     "get_data_parallel_group": "collectives are named mesh axes, not process groups: engine.mesh.axis_names",
-    "monitor": "train.py's monitors (tensorboard, csv, wandb) write metrics.jsonl and events; "
+    "monitor": "train.py's monitors (tensorboard, csv, wandb, comet) write metrics.jsonl and events; "
                "engine.train_batch(batch) returns the metrics",
 }
 

@@ -1,4 +1,4 @@
-"""What a run reports: `tensorboard`, `csv_monitor`, `wandb`, `flops_profiler`, `comms_logger`.
+"""What a run reports: `tensorboard`, `csv_monitor`, `wandb`, `comet`, `flops_profiler`, `comms_logger`.
 """
 from __future__ import annotations
 
@@ -43,6 +43,31 @@ class WandbConfig:
     mode: Optional[str] = option(None, "zerojax key: online or offline (offline: no network, the run folder "
                                        "is uploaded later with `wandb sync`); default: WANDB_MODE, else "
                                        "online.", choices=("online", "offline"))
+
+
+@dataclass(frozen=True)
+class CometConfig:
+    """Comet: the other monitors' Train/Samples/* events, logged to a Comet experiment (DeepSpeed's
+    CometMonitor, `comet_ml.start` with these keys).
+
+    Needs `pip install 'zerojax[comet]'`. Offline, an archive is written for `comet upload`."""
+    enabled: bool = option(False, "Log to Comet.")
+    samples_log_interval: int = option(100, "Log an event again only once this many samples have passed since "
+                                            "it was last logged (the first value of each is always logged).",
+                                       ge=1)
+    project: Optional[str] = option(None, "Comet project; default: COMET_PROJECT_NAME or .comet.config.")
+    workspace: Optional[str] = option(None, "Comet workspace; default: COMET_WORKSPACE or .comet.config.")
+    api_key: Optional[str] = option(None, "Comet API key; default: COMET_API_KEY or .comet.config (prefer "
+                                          "those: the config is saved with the run).")
+    experiment_name: Optional[str] = option(None, "The experiment's name.")
+    experiment_key: Optional[str] = option(None, "The experiment's key (32 to 50 letters and digits): with "
+                                                 "mode get or get_or_create, logging continues in it.")
+    online: Optional[bool] = option(None, "false: no network, the experiment is written as an archive "
+                                          "(under COMET_OFFLINE_DIRECTORY, else <output_dir>/comet) for "
+                                          "`comet upload`; default: comet_ml's (online).")
+    mode: Optional[str] = option(None, "get (continue experiment_key), create (always a new experiment) or "
+                                       "get_or_create; default: comet_ml's (get_or_create).",
+                                 choices=("get", "create", "get_or_create"))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from zerojax.config.batch import resolve_batch
 from zerojax.config.fields import option, section
 from zerojax.config.paths import flatten, to_plain
-from zerojax.config.schema.monitoring import CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, WandbConfig
+from zerojax.config.schema.monitoring import (CometConfig, CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig,
+                                              WandbConfig)
 from zerojax.config.schema.optimizer import OptimizerConfig
 from zerojax.config.schema.parallel import (DistributedConfig, HybridEngineConfig, MeshConfig, PipelineConfig,
                                             TensorParallelConfig)
@@ -78,6 +79,7 @@ class Config:
     tensorboard: MonitorConfig = section(MonitorConfig)
     csv_monitor: MonitorConfig = section(MonitorConfig)
     wandb: WandbConfig = section(WandbConfig)
+    comet: CometConfig = section(CometConfig)
     flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig)
     comms_logger: CommsLoggerConfig = section(CommsLoggerConfig)
     pipeline: PipelineConfig = section(PipelineConfig)

@@ -1,0 +1,89 @@
+"""The Comet monitor: an offline experiment archive (what `comet upload` sends) holding the same
+Train/Samples/* events at the same values as metrics.jsonl, DeepSpeed's samples_log_interval, and one
+clear error before compiling when comet_ml is absent."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from test_cli import ROOT, SMALL
+from zerojax.app.monitor import CometLog
+
+TINY = [*SMALL, "run.steps=3", "run.log_every=1", "steps_per_print=1", "run.sample_tokens=0",
+        "scheduler.params.total_num_steps=3", "scheduler.params.warmup_num_steps=1", "comet.enabled=true"]
+
+
+def _train(tmp_path: Path, *args: str, pythonpath: str = str(ROOT)) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}  # nothing in ~
+    for key in [k for k in env if k.startswith("COMET_")] + ["XLA_FLAGS"]:  # the config's keys must decide
+        env.pop(key)
+    return subprocess.run([sys.executable, "train.py", "--config", "configs/zero1.yaml", "--set", *TINY, *args,
+                           f"run.output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+
+
+def _metrics(archive: Path) -> dict[int, dict[str, float]]:
+    """The metric messages of an offline archive's messages.json (one JSON message a line), by step."""
+    rows: dict[int, dict[str, float]] = {}
+    with zipfile.ZipFile(archive) as z:
+        for line in z.read("messages.json").decode().splitlines():
+            message = json.loads(line)
+            if message["type"] == "metric_msg":
+                metric = message["payload"]["metric"]
+                if metric["metricName"].startswith("Train/"):
+                    rows.setdefault(metric["step"], {})[metric["metricName"]] = metric["metricValue"]
+    return rows
+
+
+def test_offline_archive_holds_the_metrics(tmp_path: Path) -> None:
+    pytest.importorskip("comet_ml")  # the test extra installs it
+    proc = _train(tmp_path, "comet.online=false", "comet.project=tiny", "comet.experiment_name=tiny-run",
+                  "comet.samples_log_interval=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = tmp_path / "run" / "comet"
+    assert f"archived in {folder} when the run ends" in proc.stdout
+    archives = list(folder.glob("*.zip"))
+    assert len(archives) == 1, list(folder.iterdir())
+    with zipfile.ZipFile(archives[0]) as z:
+        assert json.loads(z.read("experiment.json"))["project_name"] == "tiny"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    samples = 32  # train_batch_size: DeepSpeed's x axis is samples seen
+    expected = {r["step"] * samples: {"Train/Samples/train_loss": r["loss"], "Train/Samples/lr": r["lr"],
+                                      "Train/Samples/loss_scale": r["loss_scale"]} for r in rows}
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert _metrics(archives[0]) == expected
+
+
+class _Experiment:
+    def __init__(self) -> None:
+        self.logged: list[tuple[str, float, int]] = []
+
+    def log_metric(self, name: str, value: float, step: int) -> None:
+        self.logged.append((name, value, step))
+
+
+def test_samples_log_interval_as_deepspeed() -> None:
+    """DeepSpeed's EventsLogScheduler: first value of each event, then once the interval has passed."""
+    experiment = _Experiment()
+    log = CometLog(experiment, samples_log_interval=64)
+    for samples in (32, 64, 96, 128, 160):
+        log.log({"Train/Samples/lr": samples / 10}, samples)
+    log.log({"Train/Samples/val_loss": 1.0}, 160)  # a new event: logged at once
+    assert experiment.logged == [("Train/Samples/lr", 3.2, 32), ("Train/Samples/lr", 9.6, 96),
+                                 ("Train/Samples/lr", 16.0, 160), ("Train/Samples/val_loss", 1.0, 160)]
+
+
+def test_missing_comet_ml_fails_before_compiling(tmp_path: Path) -> None:
+    fake = tmp_path / "site" / "comet_ml"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named comet_ml')\n")
+    proc = _train(tmp_path, pythonpath=f"{fake.parent}{os.pathsep}{ROOT}")  # comet_ml there, not installed
+    assert proc.returncode != 0
+    assert "comet.enabled: needs the `comet_ml` package; pip install 'zerojax[comet]'" in proc.stderr
+    assert "compiled step" not in proc.stdout and not (tmp_path / "run" / "config.json").exists()
