@@ -17,7 +17,8 @@ import pytest
 import zerojax
 from helpers import ADAM, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, mse_loss, train_steps
 from test_step import run_and_compare
-from zerojax.measure import hlo, quantize
+from zerojax.core import quantize
+from zerojax.measure import hlo
 from zerojax.core.collectives import Shard
 from zerojax.errors import ConfigError
 from zerojax.core.mesh import (DATA_INNER, DATA_OUTER, EXPERT, SEQUENCE, axes_size, data_axes, expert_data_axes,
