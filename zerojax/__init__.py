@@ -9,6 +9,7 @@ from zerojax.config import Config, load_config
 from zerojax.core.collectives import gather, gathers_params
 from zerojax.rewrite.gather_at_use import find_layer_axes
 from zerojax.rewrite.tensor_pairs import find_tensor_splits
+from zerojax.rewrite.tensor_slices import split_hint, whole_hint
 from zerojax.core.layout import Plan
 from zerojax.core.mesh import request_cpu_devices
 from zerojax.core.sharded_init import ParamsInit, init_params
@@ -26,7 +27,7 @@ __all__ = [
     "Config", "ConfigError", "Engine", "LayerSpec", "LossScaleError", "ParamsInit", "PipelineModule", "Plan",
     "TiedLayerSpec", "TrainState", "apply_update", "find_layer_axes", "find_tensor_splits", "from_nnx", "gather", "gathers_params",
     "from_hf", "init_params", "init_state", "initialize", "load_config", "load_exported", "make_eval_step", "make_grad_fn",
-    "make_mesh", "make_plan", "make_train_step", "plan", "request_cpu_devices", "to_nnx",
+    "make_mesh", "make_plan", "make_train_step", "plan", "request_cpu_devices", "split_hint", "to_nnx", "whole_hint",
 ]
 __version__ = "0.1.0"
 
