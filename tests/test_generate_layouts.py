@@ -18,6 +18,8 @@ from zerojax.planner.mesh import make_mesh
 SMALL = dict(name="llama", vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2)
 #: weights dominate the program's memory: 4.7 MB of weights against a cache of a few KB
 WIDE = dict(SMALL, d_model=256, d_ff=512)
+#: a real model's depth: one layer's weights are 1/32 of them
+DEEP = dict(WIDE, n_layers=32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,21 +51,27 @@ def test_zero3_tensor2_data4_generates_the_one_device_tokens(layout: str | None,
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
 
 
-def test_tensor_decoding_holds_the_plans_bytes_not_the_model() -> None:
-    """The compiled program's peak per device (arguments + temporaries + outputs, from memory_analysis)
-    stays within 2.6x the plan's parameter bytes plus the KV cache (2.5x measured: XLA's copies of the
-    stored blocks around the loop) and under a third of the model; gathering the weights once per call
-    (the layout before) holds the whole model."""
-    eng = engine(tuple(WIDE.items()))
+def test_tensor_decoding_peaks_within_a_tenth_of_the_plans_bytes() -> None:
+    """The compiled program's peak per device (arguments + temporaries + outputs, from memory_analysis) at
+    a real model's depth (32 layers, as Llama-7B's; d_model 256 so the CPU compiles it) and a short
+    generation (one row, 8 + 8 positions: a KV cache small next to the weights) is at most 1.1x the
+    plan's parameter bytes: the parameters as stored, one layer's slice of the stacked weights (the
+    layers run as a loop; unrolled, every layer's slice was copied at once: 2.0x), the KV cache, and a
+    few KiB of activations and logits. Gathering the weights once per call holds the whole model."""
+    from zerojax.models import decode_layout
+    eng = engine(tuple(DEEP.items()))
     prompts = PROMPTS[:1]
     whole = sum(x.nbytes for x in jax.tree.leaves(eng.state.params))
     tensor = gen.memory_report(eng.decoder, eng.state.params, prompts, None, 2, plan=eng.plan)
-    gathered = gen.memory_report(eng.decoder, eng.state.params, prompts, None, 2, plan=eng.plan, layout="gathered")
+    layer = decode_layout.one_layer_bytes(eng.decoder, eng.state.params) // 8  # every weight split 8 ways
     assert tensor.layout == "tensor" and tensor.planned * 8 < whole * 1.01
     assert tensor.weights <= tensor.planned
-    assert tensor.peak <= 2.6 * tensor.planned + tensor.cache and tensor.peak < whole / 3, tensor.line()
-    assert gathered.peak > whole, gathered.line()
+    assert tensor.peak <= 1.1 * tensor.planned, tensor.line()
+    assert tensor.peak <= tensor.planned + layer + tensor.cache + 64 * 2**10, (tensor.peak, tensor.planned, layer)
     assert "tensor layout" in tensor.line() and "peak" in tensor.line()
+    eng = engine(tuple(WIDE.items()))
+    gathered = gen.memory_report(eng.decoder, eng.state.params, prompts, None, 2, plan=eng.plan, layout="gathered")
+    assert gathered.peak > sum(x.nbytes for x in jax.tree.leaves(eng.state.params)), gathered.line()
 
 
 def test_layers_gather_inside_the_decode_loop_tensor_moves_less_than_one_copy_of_the_weights() -> None:

@@ -19,6 +19,7 @@ projections and norms are the training ones; logits are float32.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -80,16 +81,29 @@ class _Decoder:
     cfg: ModelConfig
     n_kv_heads: int
     max_positions: int | None = None
+    #: A decode step's layers unrolled into one straight program (one token per row is launch-bound on an
+    #: accelerator: a loop would be stepped by the host every layer). `rolled()` turns it off.
+    unroll_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.head_dim = cfg.d_model // cfg.n_heads
 
     def __eq__(self, other: object) -> bool:  # one compiled program per model config, not per object
-        return type(other) is type(self) and other.cfg == self.cfg
+        return type(other) is type(self) and other.cfg == self.cfg and other.unroll_decode == self.unroll_decode
 
     def __hash__(self) -> int:
-        return hash((type(self), self.cfg))
+        return hash((type(self), self.cfg, self.unroll_decode))
+
+    def rolled(self) -> "_Decoder":
+        """This decoder with a decode step's layers run as a loop, each iteration reading its layer's slice
+        of the stacked weights: at most one layer's slice is copied out at a time. (XLA:CPU's matmuls read
+        a slice of a stack as a copy of it; unrolled, every layer's copy is scheduled at the top of the
+        step, a second copy of the weights.) What weight-stationary decoding runs
+        (`zerojax.models.decode_layout`'s `tensor`), whose point is holding the plan's bytes."""
+        out = copy.copy(self)
+        out.unroll_decode = False
+        return out
 
     def cache_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
         """[layers, batch, max_len, kv_heads, head_dim], of each of "k" and "v"."""
@@ -126,7 +140,7 @@ class _Decoder:
 
         # One token per row is launch-bound on an accelerator: the layers unrolled run as one straight
         # program, not a loop whose every iteration the host steps (the prompt's prefill keeps the loop).
-        unroll = tokens.shape[1] == 1
+        unroll = tokens.shape[1] == 1 and self.unroll_decode
         xs = (self.layers(params), cache["k"], cache["v"], self._windows())
         x, (k, v) = jax.lax.scan(body, x, xs, unroll=unroll)
         return x, {"k": k, "v": v}
@@ -260,7 +274,7 @@ class MoELlamaDecoder(LlamaDecoder):
     def _forward(self, params: Any, cache: Cache, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Cache]:
         x = self._embed(params, tokens, positions)
         extra = self._extra(positions)
-        unroll = tokens.shape[1] == 1  # as `_Decoder._forward`: a decode step's layers run unrolled
+        unroll = tokens.shape[1] == 1 and self.unroll_decode  # as `_Decoder._forward`
         cfg = dataclasses.replace(self.cfg, min_capacity=min(self.cfg.min_capacity, tokens.size))
 
         def make_moe() -> llama.MoELayer:
