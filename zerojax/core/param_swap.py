@@ -18,6 +18,7 @@ device). DeepSpeed goes further: during the forward and backward only the layers
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Callable
 
 import jax
@@ -55,6 +56,7 @@ class ParamFiles:
         self.files = SwapFiles(swap, ["params"], [self.regions[r].size for r in self.filed],
                                dtype=np.dtype(plan.policy.param))
         self.held: dict[int, np.ndarray] = {}  # the in-memory regions, between steps
+        self.load_s = self.store_s = 0.0  # the latest load's and store's time (the devices wait for both)
 
     @property
     def held_bytes(self) -> int:
@@ -71,6 +73,7 @@ class ParamFiles:
 
     def store(self, params: Any) -> None:
         """Write each shard of `params` (the plan's parameter placement) out, tile by tile."""
+        started = time.perf_counter()
         leaves = self._def.flatten_up_to(params)
 
         def flat(r: int) -> jax.Array:
@@ -89,9 +92,11 @@ class ParamFiles:
             bufs[0][:t.stop - t.start] = np.asarray(current[t.region][t.start:t.stop])
 
         self.files.stream(self._tiles(), compute, read=False)
+        self.store_s = time.perf_counter() - started
 
     def load(self) -> Any:
         """The parameter tree on the devices, read from the files tile by tile (and from the held shards)."""
+        started = time.perf_counter()
         pieces: dict[tuple[int, jax.Device], list[jax.Array]] = collections.defaultdict(list)
 
         def compute(i: int, t: Tile, bufs: list[np.ndarray]) -> None:
@@ -109,8 +114,10 @@ class ParamFiles:
                     parts = pieces.pop((r, device))
                     x = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
                 placed[region.leaf].append(x.reshape(region.shape))
-        return self._def.unflatten([jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-                                    for shape, sharding, arrays in zip(self.shapes, self.shardings, placed)])
+        out = self._def.unflatten([jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+                                   for shape, sharding, arrays in zip(self.shapes, self.shardings, placed)])
+        self.load_s = time.perf_counter() - started
+        return out
 
     def close(self) -> None:
         self.files.close()
