@@ -233,6 +233,10 @@ def test_param_nvme_refusals_name_the_key(tmp_path: Path) -> None:
         config(2, "bf16", None, params=tmp_path)
     with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_param\.nvme_path: device nvme keeps"):
         make_config(3, zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}})
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_param\.device: nvme is not built for "
+                                          r"pipeline runs \(mesh\.stage 2\)"):
+        make_config(3, zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+                    mesh={"stage": 2})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -246,3 +250,15 @@ def test_the_memory_table_counts_the_parameters_on_nvme(tmp_path: Path) -> None:
     table = rep.table()
     assert "NVMe MiB" in table.splitlines()[1] and "parameter partitions in swap files" in table
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_non_finite_guard_reads_the_parameters_from_their_files(tmp_path: Path) -> None:
+    """Between steps the state holds no parameters; a save's finiteness check reads them back."""
+    from zerojax.core.nonfinite import NonFiniteGuard
+    e = trained(config(3, "fp32", None, params=tmp_path), steps=1)
+    assert NonFiniteGuard(e).problem(saving=True) is None
+    step = e._train_step
+    first = step.params.filed[0]
+    step.files.write_region(0, 0, np.full(step.params.regions[first].size, np.nan, np.float32))
+    leaf = e.plan.leaf_paths[step.params.regions[first].leaf]
+    assert NonFiniteGuard(e).problem(saving=True) == f"non-finite parameters by step 1 in {leaf}"

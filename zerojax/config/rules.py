@@ -382,6 +382,10 @@ def _check_sections(config: Config) -> None:
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
                           "(stage is 0); set zero_optimization.stage or remove offload_optimizer")
+    if zero.offload_param.device == "nvme" and config.mesh.stage > 1:
+        raise ConfigError(f"zero_optimization.offload_param.device: nvme is not built for pipeline runs (mesh.stage "
+                          f"{config.mesh.stage}): their step keeps each stage's parameter row on the device; use "
+                          f"device cpu or none, or mesh.stage: 1")
     if zero.offload_param.device == "nvme" and not zero.offload_param.nvme_path:
         raise ConfigError("zero_optimization.offload_param.nvme_path: device nvme keeps the parameter partitions "
                           "in files; give a folder on a local disk (e.g. nvme_path: /local_nvme)")
