@@ -232,8 +232,8 @@ class MemoryReport(NamedTuple):
                        f"MiB of host buffers per process (DeepSpeed's ZeRO-Infinity)")
         if self.params_nvme:
             out.append(f"NVMe: the parameter partitions in swap files between steps (on the device during the step), "
-                       f"streamed through {self.param_buffers / 2**20:.2f} MiB of host buffers per process, plus "
-                       f"max_in_cpu's elements held in host memory")
+                       f"streamed through {self.param_buffers / 2**20:.2f} MiB of host buffers per process (up to "
+                       f"max_in_cpu elements per device stay in host memory instead)")
         out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
         return "\n".join(out)
 
