@@ -12,6 +12,9 @@ buffer sets): one computing, the next being read, earlier ones being written.
 The I/O path is `os.preadv` / `os.pwritev` of whole tiles into preallocated numpy buffers, issued
 from a thread pool of `aio.thread_count` threads (the calls release the GIL), not memory maps: a
 mapped file's pages count in the process's resident set, preallocated buffers bound it.
+
+The parameters' tier (`offload_param.device: nvme`, `core.param_swap`) uses the same files and stream:
+one compute-dtype array per region, passes that only read (before a step) or only write (after it).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ SWAP_PREFIX = "zerojax-swap-"
 
 @dataclasses.dataclass(frozen=True)
 class Swap:
-    """How optimizer state is swapped to files (the planner's reading of `offload_optimizer` and `aio`)."""
+    """How state is swapped to files (the planner's reading of `offload_optimizer` or `offload_param`, and `aio`)."""
     path: str                   # folder on the local disk; each engine works in a fresh subfolder of it
     buffer_count: int = 4       # host buffers of `tile` fp32 elements each
     tile: int = 1_000_000_000   # elements per tile (sub_group_size), capped at the largest shard
