@@ -173,8 +173,8 @@ def test_param_nvme_run_equals_the_in_memory_stage3_run(tmp_path: Path, dtype: s
     assert files.file_bytes == sum(step.params.regions[r].size for r in step.params.filed) * itemsize
     on_disk = [files.read_region(0, f) for f in range(len(step.params.filed))]
     for got, want in zip(on_disk, shards(plain.state.params, step)):
-        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2 if dtype == "bf16" else 1e-6,
-                                   atol=1e-6)
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                                   rtol=1e-2 if dtype == "bf16" else 1e-6, atol=1e-6)
     for got, want in zip(on_disk, shards(swapped.whole_state().params, step)):
         np.testing.assert_array_equal(got, want)
     # ... streamed through buffer_count buffers of buffer_size elements, several times smaller than the files
