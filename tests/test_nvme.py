@@ -1,8 +1,10 @@
-"""ZeRO-Infinity's NVMe tier (`offload_optimizer.device: nvme`): the optimizer state lives in files and
-streams through a few host buffers, and the run trains as the in-memory one does.
+"""ZeRO-Infinity's NVMe tiers (`offload_optimizer.device: nvme`, `offload_param.device: nvme`): the
+optimizer state, and stage 3's parameter partitions, live in files and stream through a few host
+buffers, and the run trains as the in-memory one does.
 
-Tiny sizes: `sub_group_size` 64 elements per tile, so the state is many tiles and several times the
-buffers' bytes, which is what bounds host memory (peak RSS against the budget: benchmarks/nvme.py).
+Tiny sizes: `sub_group_size` 64 elements per tile (the parameters' `buffer_size` 32), so the state is
+many tiles and several times the buffers' bytes, which is what bounds host memory (peak RSS against the
+budget: benchmarks/nvme.py).
 """
 from __future__ import annotations
 
