@@ -131,3 +131,34 @@ def test_frozen_leaves_and_no_decay_groups_stream_as_in_memory(tmp_path: Path) -
     assert nvme.plan.n_trained == len(jax.tree.leaves(mlp_params(0))) - 1
     assert {nvme.plan.trained_paths[r.leaf] for r in nvme._train_step.regions} == set(nvme.plan.trained_paths)
     assert_tree_close(to_numpy(nvme.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
+
+
+def test_the_step_lowers_for_an_abstract_state_without_touching_the_files(tmp_path: Path) -> None:
+    """`step.lower(abstract_state(plan), batch)` (what `zerojax estimate --compiled` and
+    `Engine(compile_for=)` do) needs shapes only: it lowers the device part for the slim state, writes
+    nothing to the files, and its `compile()` is the step to call (what a multi-process run compares)."""
+    from zerojax.core.state import abstract_state
+    cfg = config(2, "bf16", tmp_path)
+    plan = zerojax.plan(cfg, data_mesh(), mlp_params(0))
+    step = zerojax.make_train_step(plan, layerwise_loss)
+    before = step.files.read_region(0, 0).copy()
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.batch_sharding),
+                         make_batch(32, 0))
+    lowered = step.lower(abstract_state(plan), batch)
+    compiled = lowered.compile()
+    assert "@main" in lowered.as_text() and compiled.as_text()  # the device part's program, compiled
+    assert (step.files.read_region(0, 0) == before).all()
+    state = zerojax.init_state(plan, mlp_params(0))
+    slim, metrics = compiled(state, make_batch(32, 0))  # the whole step: device parts and the host update
+    assert slim.master is None and int(slim.step) == 1 and float(metrics["loss"]) > 0
+
+
+def test_compile_for_compiles_the_nvme_step_with_the_state(tmp_path: Path) -> None:
+    """`Engine(compile_for=batch)` compiles the NVMe step's device part while the state initializes
+    (its lowering needs shapes only) and the run trains as one without it."""
+    def first_loss(compile_for: Any, folder: Path) -> float:
+        e = zerojax.Engine(config(3, "bf16", folder), mlp_params(0), layerwise_loss, data_mesh(),
+                           compile_for=compile_for)
+        return float(e.train_batch(make_batch(32, 0))["loss"])
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert first_loss(make_batch(32, 0), tmp_path / "a") == first_loss(None, tmp_path / "b")

@@ -298,6 +298,38 @@ class NvmeStep:
                 leaves[pos] = jax.device_put(next(it), self.plan.replicated)
         return self._trained_def.unflatten(shards), self._opt_def.unflatten(leaves)
 
-    def lower(self, state: TrainState, batch: Any) -> Any:
-        """The device part's lowering (what a multi-process run compares before step 0)."""
-        return self._front.lower(self.store(state), batch)
+    def lower(self, state: TrainState, batch: Any) -> "Lowered":
+        """The step lowered for `state` (whole or slim, arrays or `jax.ShapeDtypeStruct`s: only shapes
+        and shardings are read, nothing is written to the files) and `batch`, as JAX's ahead-of-time
+        interface has it: the device part's program, whose `compile()` is the step to call."""
+        slim = state._replace(master=None, opt_state=self.slim(state.opt_state))
+        return Lowered(self, self._front.lower(slim, batch))
+
+
+class Lowered:
+    """An `NvmeStep` lowered: JAX's `Lowered` of its device part (`as_text`, ... read through), and
+    `compile()` gives the `Compiled` that runs the whole step. A step of several programs thus takes
+    the path of a jitted one (`Engine._agreed`: lower, compare across processes, compile, call)."""
+
+    def __init__(self, step: NvmeStep, front: Any):
+        self._step, self._front = step, front
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._front, name)
+
+    def compile(self, *args: Any, **kwargs: Any) -> "Compiled":
+        return Compiled(self._step, self._front.compile(*args, **kwargs))
+
+
+class Compiled:
+    """The device part's executable (`as_text`, `memory_analysis`, ... read through); calling it runs
+    the whole step (`NvmeStep.__call__`), its first program already compiled."""
+
+    def __init__(self, step: NvmeStep, front: Any):
+        self._step, self._front = step, front
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._front, name)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        return self._step(state, batch)
