@@ -162,3 +162,26 @@ def test_compile_for_compiles_the_nvme_step_with_the_state(tmp_path: Path) -> No
         return float(e.train_batch(make_batch(32, 0))["loss"])
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     assert first_loss(make_batch(32, 0), tmp_path / "a") == first_loss(None, tmp_path / "b")
+
+
+def test_closing_the_files_releases_their_descriptors(tmp_path: Path) -> None:
+    """`SwapFiles.close()` removes the working files and closes them: an unlinked file still open keeps
+    its disk space until the process lets go of it."""
+    import os
+    step = zerojax.make_train_step(zerojax.plan(config(2, "bf16", tmp_path), data_mesh(), mlp_params(0)),
+                                   layerwise_loss)
+    folder = step.files.folder
+
+    def held() -> list[str]:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+        return [link for link in links if link.startswith(str(folder))]
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("reads the open files from /proc")
+    assert len(held()) == len(step.files.names)
+    step.files.close()
+    assert not folder.exists() and held() == []
