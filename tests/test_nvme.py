@@ -185,3 +185,16 @@ def test_closing_the_files_releases_their_descriptors(tmp_path: Path) -> None:
     assert len(held()) == len(step.files.names)
     step.files.close()
     assert not folder.exists() and held() == []
+
+
+def test_reading_the_parameters_reads_the_master_file_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`engine.params` (the fp32 master) reads the master copy's file, not the optimizer moments': the
+    moments stay on NVMe, off the host, and the values are the whole state's."""
+    e = trained(config(2, "bf16", tmp_path), steps=1)
+    files = e._train_step.files
+    read: list[int] = []
+    original = files.read_region
+    monkeypatch.setattr(files, "read_region", lambda array, region: read.append(array) or original(array, region))
+    params = to_numpy(e.params)
+    assert set(read) == {files.names.index("master")}
+    assert_tree_close(params, to_numpy(e.whole_state().master), rtol=0, atol=0, what="master")

@@ -170,9 +170,14 @@ class NvmeStep:
         slim = state._replace(master=None, opt_state=self.slim(state.opt_state))
         return jax.device_put(slim, self.slim_shardings)
 
-    def full(self, state: TrainState) -> TrainState:
+    def full(self, state: TrainState, *, moments: bool = True) -> TrainState:
         """The whole state: the slim one with the master copy and moments read back from the files, in
-        the plan's shardings (host memory where the plan stores offloaded state)."""
+        the plan's shardings (host memory where the plan stores offloaded state). `moments=False`: the
+        master copy only, the optimizer state left slim (reading the parameters needs no moments)."""
+        if not moments:
+            if not self.mixed:
+                return state
+            return state._replace(master=jax.device_put(self._master(), state_shardings(self.plan).master))
         storage = state_shardings(self.plan)
         columns: list[list[jax.Array]] = []
         for a in range(len(self.names)):
@@ -236,8 +241,11 @@ class NvmeStep:
     def _old_shards(self, state: TrainState, master: Any) -> Any:
         if not self.mixed:
             return master
-        columns = [self._read_leaf(0, leaf) for leaf in range(len(self._trained_shapes))]
-        return self._trained_def.unflatten(columns)
+        return self._master()
+
+    def _master(self) -> Any:
+        """The master copy (a mixed-precision run's first file), read and placed in the update placement."""
+        return self._trained_def.unflatten([self._read_leaf(0, leaf) for leaf in range(len(self._trained_shapes))])
 
     def _stream(self, state: TrainState, grads: Any, master: Any, coef: jax.Array) -> tuple[Any, Any]:
         grads_l = jax.tree.leaves(grads)

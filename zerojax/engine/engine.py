@@ -322,7 +322,9 @@ class Engine(DeepSpeedAPI):
     def params(self) -> Any:
         """Logical (whole-shape) parameters: the fp32 master copy under mixed precision (read back from
         the NVMe files when it lives there)."""
-        return logical_params(self.whole_state() if self.plan.policy.mixed else self.state)
+        if self.plan.policy.mixed and isinstance(self._train_step, NvmeStep):
+            return logical_params(self._train_step.full(self.state, moments=False))  # the moments stay on NVMe
+        return logical_params(self.state)
 
     @property
     def model_state(self) -> Any:
