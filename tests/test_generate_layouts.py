@@ -123,3 +123,24 @@ def test_padding_rows_leaves_the_sampled_rows_as_on_one_device() -> None:
     got = gen.generate(eng.decoder, eng.state.params, PROMPTS[:3], None, N, temperature=1.0, seed=5, plan=eng.plan,
                        layout="layers")
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_a_rolled_decoder_keeps_a_bf16_cache_as_bits_and_decodes_as_the_unrolled_one() -> None:
+    """`rolled()` (the `tensor` layout's decoder) keeps a bf16 cache as uint16 bits (XLA:CPU would convert
+    a whole bf16 cache to f32 in every step of the layer loop) and computes what the unrolled decoder
+    does: the same cache bits and logits after a prefill and a decode step."""
+    import jax.numpy as jnp
+    eng = engine(tuple(SMALL.items()))
+    params = jax.device_put(jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), jax.device_get(eng.state.params)),
+                            jax.devices()[0])
+    tokens, lengths = gen.pad_prompts(PROMPTS[:2])
+    out = {}
+    for name, d in (("unrolled", eng.decoder), ("rolled", eng.decoder.rolled())):
+        cache = d.init_cache(params, 2, 16)
+        logits, cache = jax.jit(d.prefill)(params, cache, tokens[:, :8], np.minimum(lengths, 8))
+        step, cache = jax.jit(d.decode_step)(params, cache, np.asarray([1, 2], np.int32), np.minimum(lengths, 8))
+        out[name] = (logits, step, {k: jax.lax.bitcast_convert_type(c, jnp.uint16) if c.dtype != jnp.uint16 else c
+                                    for k, c in cache.items()}, cache["k"].dtype)
+    assert out["unrolled"][3] == jnp.bfloat16 and out["rolled"][3] == jnp.uint16
+    for a, b in zip(jax.tree.leaves(out["unrolled"][:3]), jax.tree.leaves(out["rolled"][:3])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -110,10 +110,20 @@ class _Decoder:
         return (self.cfg.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
 
     def init_cache(self, params: Any, batch: int, max_len: int) -> Cache:
-        """A zero cache in the params' compute dtype (the embedding's)."""
-        dtype = self.embedding(params).dtype
+        """A zero cache in the params' compute dtype (the embedding's), or its bits (`_stored`)."""
+        dtype = self._stored(self.embedding(params).dtype)
         shape = self.cache_shape(batch, max_len)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def _stored(self, dtype: Any) -> Any:
+        """The dtype the cache is kept in: a `rolled()` decoder keeps a 16-bit float cache as the unsigned
+        integers of its bits, each layer's slice viewed as floats where it is used. XLA:CPU has no
+        16-bit float dynamic-slice: a layer loop over a bf16 cache would convert the whole cache to f32
+        and back in every decode step (a third slower at 16 rows); integers it slices as they are."""
+        dtype = jnp.dtype(dtype)
+        if self.unroll_decode or type(self)._forward is not _Decoder._forward:
+            return dtype
+        return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
 
     def prefill(self, params: Any, cache: Cache, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, Cache]:
         """Run the right-padded prompts `tokens` [B, T] (row b's first `lengths[b]` are real) into the
@@ -133,10 +143,13 @@ class _Decoder:
         x = self._embed(params, tokens, positions)
         extra = self._extra(positions)
 
+        dtype = jnp.dtype(self.embedding(params).dtype)
+
         def body(x: jax.Array, xs: tuple[Any, jax.Array, jax.Array, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             layer, k_cache, v_cache, window = xs
+            k_cache, v_cache = _view(k_cache, dtype), _view(v_cache, dtype)
             x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, (extra, window))
-            return x, (k_cache, v_cache)
+            return x, (_view(k_cache, self._stored(dtype)), _view(v_cache, self._stored(dtype)))
 
         # One token per row is launch-bound on an accelerator: the layers unrolled run as one straight
         # program, not a loop whose every iteration the host steps (the prompt's prefill keeps the loop).
@@ -304,6 +317,11 @@ class MoELlamaDecoder(LlamaDecoder):
         xs = (params.get("dense_layers"), params["layers"], grouped(cache["k"]), grouped(cache["v"]))
         x, (k, v) = jax.lax.scan(group, x, xs, unroll=unroll)
         return x, {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
+
+
+def _view(a: jax.Array, dtype: Any) -> jax.Array:
+    """`a`'s bits as `dtype` (of the same width), or `a` when it is one already."""
+    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
