@@ -174,7 +174,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                            replicated).compile()
         once = gen._program.lower(engine.decoder, engine.state.params, *placed, np.uint32(0), np.int32(args.new),
                                   gen.new_token_bucket(args.new), 0.0, None, None, (), 0, route).compile()
-        memory.append(dict(batch=b, once=_memory(once), per_token=_memory(per_token),
+        chosen = gen.decode_layout.choose(engine.plan, engine.decoder, engine.state.params, b,
+                                          width + gen.new_token_bucket(args.new), None, gen.cache_bytes).name
+        memory.append(dict(batch=b, once=_memory(once), per_token=_memory(per_token), chosen=chosen,
                            cache=gen.cache_bytes(engine.decoder, engine.state.params, b, width + gen.new_token_bucket(args.new)),
                            rows_split=b % engine.plan.data_size == 0,
                            gathered_once=_gathered_once(engine.state.params, engine.plan.data_size),
@@ -237,6 +239,9 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
         base = next(x for x in rows if x["batch"] == r["batch"] and x["path"] == "recompute window")
         lines.append(f"| {r['batch']} | {r['path']} | {r['tps']:.0f} | {r['tps'] / base['tps']:.1f}x | "
                      f"{r['median']:.3f} | {r['first']:.2f} |")
+    lines += ["", "engine.generate ran the " + ", ".join(f"`{m['chosen']}` layout at batch {m['batch']}" for m in res["memory"])
+              + " (at ZeRO-3 `tensor` decodes every row on every device, `gathered` splits the rows over them; the "
+              "memory table below compiles engine.generate's program in the `gathered` layout)."]
     same_gather = all(r.get("same_gather", True) for r in rows)
     lines += ["", f"Gathering per token gave {'the same' if same_gather else 'different'} greedy tokens as engine.generate. "
               "Weights all-gathered per device in one call (from the compiled HLO, loop trip counts multiplied; "
