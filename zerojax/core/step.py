@@ -47,7 +47,7 @@ from zerojax.core.nvme_step import NvmeStep
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
-from zerojax.core.precision import LossScaleState, leaf_finite, update_loss_scale
+from zerojax.core.precision import LossScaleState, leaf_finite, norm_and_finite, update_loss_scale
 from zerojax.core.state import TrainState, state_shardings
 
 LossFn = Callable[..., jax.Array]
@@ -463,8 +463,10 @@ def unscaled(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, lo
     """Gradients unscaled in the master dtype, their global norm, per-leaf finiteness and whether the
     step is skipped: what the optimizer needs besides its state, wherever that state lives."""
     grads = jax.tree.map(lambda g: g.astype(plan.policy.master) * inv_scale, grads)
-    grad_norm = optax.tree.norm(grads) if plan.rule.norm is None else plan.rule.norm(grads)
-    finite = leaf_finite(grads)
+    if plan.rule.norm is None:
+        grad_norm, finite = norm_and_finite(grads)  # one reduction per leaf for both
+    else:  # a layout's own norm (copies inside a leaf): the flags apart
+        grad_norm, finite = plan.rule.norm(grads), leaf_finite(grads)
     return grads, grad_norm, finite, _overflow(plan, state, finite, loss_ok)
 
 
