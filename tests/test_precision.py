@@ -259,3 +259,20 @@ def test_norm_and_finite_is_optax_norm_and_leaf_finite_from_one_reduction_per_le
     # One reduction per leaf in the program (leaf_finite beside the norm was two).
     text = jax.jit(norm_and_finite).lower(tree).as_text()
     assert text.count("stablehlo.reduce") == 3, text
+
+
+@pytest.mark.parametrize("precision", [{"bf16": {"enabled": True}}, {"fp16": {"enabled": True, "loss_scale": 256}}],
+                         ids=["bf16", "fp16-static"])
+def test_a_static_loss_scale_is_the_plans_constant(precision: dict) -> None:
+    """A static scaler never moves, so the step folds its scale in as a constant (at bf16's 1 the
+    unscale multiply is gone from the program) instead of reading the state's: a state carrying
+    another value (a checkpoint of a dynamic run) trains as the config says."""
+    cfg = make_config(3, dtype="bf16" if "bf16" in precision else "fp32", optimizer=ADAM, **precision)
+    p = zerojax.plan(cfg, data_mesh(), mlp_params(0))
+    step = zerojax.make_train_step(cfg, p, mse_loss)
+    new, metrics = step(zerojax.init_state(cfg, p, mlp_params(0)), GOOD[0])  # the step donates its state
+    state = zerojax.init_state(cfg, p, mlp_params(0))
+    stale = state._replace(scaler=state.scaler._replace(scale=jnp.asarray(3.0, jnp.float32)))
+    from_stale, stale_metrics = step(stale, GOOD[0])
+    assert float(metrics["loss_scale"]) == float(stale_metrics["loss_scale"]) == p.scaler.initial
+    assert_tree_close(to_numpy(from_stale.master), to_numpy(new.master), rtol=0, atol=0, what="master")
