@@ -4,6 +4,7 @@ back), and the merged model written as a plain transformers folder."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -74,9 +75,63 @@ def test_adapter_refusals(tmp_path: Path) -> None:
     (bad / "adapter_config.json").write_text(json.dumps({**cfg_json, "use_dora": True}))
     with pytest.raises(ConfigError, match="has use_dora: true; only plain LoRA is built"):
         config(adapter=str(bad))
-    (bad / "adapter_config.json").write_text(json.dumps({**cfg_json, "target_modules": ["q_proj"]}))
+    # an adapter_config.json without target_modules takes the section's: tensors beyond them are refused
+    (bad / "adapter_config.json").write_text(json.dumps({k: v for k, v in cfg_json.items() if k != "target_modules"}))
     with pytest.raises(ConfigError, match="holds tensors no adapter of this model takes"):
-        hf.read_params(BASE, config(adapter=str(bad)).model)
+        hf.read_params(BASE, config(adapter=str(bad), target_modules=["q_proj"]).model)
+
+
+def _damaged(folder: Path, damage: str) -> None:
+    """A copy of the fixture adapter with one thing wrong, as a user's folder may be."""
+    folder.mkdir()
+    weights, config_json = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    data, cfg_json = (ADAPTER / weights.name).read_bytes(), json.loads((ADAPTER / config_json.name).read_text())
+    weights.write_bytes(data[:len(data) // 2] if damage == "truncated weights" else data)
+    changed = {"r 8 over rank-4 weights": {"r": 8}, "r a string": {"r": "four"}, "no r": {"r": None},
+               "a target module not in the model": {"target_modules": ["q_proj", "v_proj", "qkv_proj"]},
+               "weights of a module not targeted": {"target_modules": ["q_proj", "v_proj"]}}.get(damage, {})
+    cfg_json = {k: v for k, v in {**cfg_json, **changed}.items() if v is not None}
+    text = {"invalid JSON": '{"r": 4, ', "a JSON list": "[4]"}.get(damage, json.dumps(cfg_json))
+    if damage != "no adapter_config.json":
+        config_json.write_text(text)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("truncated weights", r"lora\.adapter: \S+/adapter_model\.safetensors is not a readable safetensors file .*"
+                          r"re-save it with save_pretrained"),
+    ("no adapter_config.json", r"lora\.adapter: \S+ needs adapter_config\.json and adapter_model\.safetensors"),
+    ("invalid JSON", r"lora\.adapter: \S+/adapter_config\.json is not valid JSON"),
+    ("a JSON list", r"lora\.adapter: \S+/adapter_config\.json holds a JSON list, not PEFT's adapter config"),
+    ("r a string", r"lora\.adapter: \S+/adapter_config\.json has r: \"four\", where PEFT writes a positive "
+                   r"integer; fix that entry or re-save the adapter"),
+    ("no r", r"lora\.adapter: \S+/adapter_config\.json has no r, where PEFT writes a positive integer"),
+    ("a target module not in the model", r"lora\.adapter: 'qkv_proj' in the target_modules of \S+'s "
+                                         r"adapter_config\.json is no projection of the llama model .* give its own "
+                                         r"base as model\.hf_checkpoint"),
+    ("r 8 over rank-4 weights", r"lora\.adapter: \S+/adapter_model\.safetensors: \S+ has shape \[4, \d+\], but "
+                                r"\S+/adapter_config\.json says r: 8, .* the folder's two files disagree; set r"),
+    ("weights of a module not targeted", r"lora\.adapter: \S+ holds tensors of projections \S+/adapter_config\.json's "
+                                         r"target_modules does not name .*down_proj.* the folder's two files disagree"),
+])
+def test_a_damaged_adapter_folder_is_one_error_before_training(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                               damage: str, says: str) -> None:
+    """`train.py` with `lora.adapter` naming a damaged folder: exit 2 with one line naming the file and
+    the fix, before any output folder is made or anything compiled; the folder is left as it was."""
+    from zerojax.app.cli import main
+    folder = tmp_path / "adapter"
+    _damaged(folder, damage)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    run = tmp_path / "run"
+    (tmp_path / "lora.yaml").write_text(json.dumps({
+        "train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "mesh": {"cpu_devices": 8}, "model": {"hf_checkpoint": str(BASE), "seq_len": 16},
+        "lora": {"adapter": str(folder)}, "data": {"source": "file", "path": __file__},
+        "run": {"steps": 1, "output_dir": str(run)}}))
+    code = main(["train", "--config", str(tmp_path / "lora.yaml")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.fullmatch(f"zerojax: error: {says}.*\n", err), err
+    assert not run.exists()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_the_lora_config_trains_with_the_main_command_and_exports_both_ways(tmp_path: Path) -> None:
