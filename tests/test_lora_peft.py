@@ -135,9 +135,12 @@ def test_a_damaged_adapter_folder_is_one_error_before_training(tmp_path: Path, c
 
 
 def test_the_lora_config_trains_with_the_main_command_and_exports_both_ways(tmp_path: Path) -> None:
-    """configs/lora.yaml through `python train.py --config` (two steps, fp32 so the stored base is the
+    """configs/lora.yaml through `python train.py --config` (four steps, fp32 so the stored base is the
     checkpoint's own values), then `zerojax export --format peft` and `--format hf`: the exported adapter on
-    the base and the merged model give the same logits, and not the base's."""
+    the base and the merged model give the same logits, and not the base's. The same run stopped by
+    SIGTERM after its first step and continued with `--resume auto` (the frozen base read again from
+    model.hf_checkpoint, the adapters and their moments from the tag) ends with the same losses and
+    adapters."""
     import os
     import subprocess
     import sys
@@ -148,11 +151,33 @@ def test_the_lora_config_trains_with_the_main_command_and_exports_both_ways(tmp_
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
 
+    def args(out: Path) -> list[str]:
+        return ["train.py", "--config", "configs/lora.yaml", "--set", "run.steps=4", "run.eval_batches=1",
+                "run.log_every=1", "steps_per_print=1", "run.progress=false", "run.sample_tokens=0",
+                "bf16.enabled=false", f"run.output_dir={out}"]
+
     out = tmp_path / "run"
-    proc = run("train.py", "--config", "configs/lora.yaml", "--set", "run.steps=2", "run.eval_batches=1",
-               "run.progress=false", "run.sample_tokens=0", "bf16.enabled=false", f"run.output_dir={out}")
+    proc = run(*args(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(78,144 frozen)" in proc.stdout, proc.stdout[-2000:]
+
+    import signal
+    from test_faults import _popen, _signal_at
+    from zerojax.checkpoint import latest_tag, read_params
+    stopped = tmp_path / "stopped"
+    code, stdout, stderr = _signal_at(_popen(*args(stopped)[1:]), "step 1:", signal.SIGTERM)
+    assert code == 143 and "SIGTERM after step" in stdout, stderr[-3000:]
+    assert latest_tag(stopped / "checkpoints") in ("global_step1", "global_step2")  # the signal lands mid-run
+    proc = run(*args(stopped), "--resume", "auto")
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+
+    def losses(run_dir: Path) -> list[tuple[int, float]]:
+        return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert losses(stopped) == losses(out) and len(losses(out)) == 4
+    continued, whole = read_params(stopped / "checkpoints")[0], read_params(out / "checkpoints")[0]
+    assert jax.tree.structure(continued) == jax.tree.structure(whole)
+    for a, b in zip(jax.tree.leaves(continued), jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(a, b)
     for fmt in ("peft", "hf"):
         proc = run("-m", "zerojax.cli", "export", str(out / "checkpoints"), "--format", fmt, "--out", str(tmp_path / fmt),
                    *(["--hf-source", str(BASE)] if fmt == "peft" else []))
