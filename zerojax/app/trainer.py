@@ -214,7 +214,7 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         losses = f"loss {first:.4f} -> {last:.4f}" if first is not None else "no steps run"
         _say(f"done: {summary['steps']} steps, {losses}, validation loss "
              f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}")
-        _print_sample(config, engine)
+        _print_sample(config, engine, out)
     finally:
         for f in folders:
             f.release()
@@ -487,10 +487,15 @@ class Run:
         return val_loss
 
 
-def _print_sample(config: Config, engine: Engine) -> None:
+def _print_sample(config: Config, engine: Engine, out: Path) -> None:
     """A few generated tokens, so a finished run shows what it learned (`run.sample_tokens`, 0: off).
-    The run is complete and saved by now: a failure here is reported, not raised."""
+    The run is complete and saved by now: a failure here is reported, not raised. Where the sample is
+    not made because the run has several processes, the line says how to make one from the checkpoint."""
     from zerojax.app.sample import end_of_run_sample, samples_at_end
+    if config.run.sample_tokens and jax.process_count() > 1 and is_primary():
+        print(f"sample: not generated in a run of {jax.process_count()} processes; make one from the saved "
+              f"checkpoint with `zerojax sample {out}`", flush=True)
+        return
     if not samples_at_end(config) or not is_primary():
         return  # before `engine.params`: a multi-process pipeline's rows cannot be fetched by one process
     try:
