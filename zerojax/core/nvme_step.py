@@ -55,6 +55,24 @@ class Region:
         self.size = int(np.prod(shape, dtype=np.int64))
 
 
+def shard_regions(shapes: list[tuple[int, ...]], shardings: list[jax.sharding.Sharding]) -> list[Region]:
+    """The unique shards this process holds of each leaf (`shapes[i]` placed by `shardings[i]`), leaf by
+    leaf, each with every local device that holds it: what a swap file stores once."""
+    out = []
+    for i, (shape, sharding) in enumerate(zip(shapes, shardings)):
+        seen: dict[tuple, Region] = {}
+        for device, index in sorted(sharding.addressable_devices_indices_map(shape).items(),
+                                    key=lambda kv: kv[0].id):
+            key = tuple((s.start, s.stop) for s in index)
+            if key in seen:
+                seen[key].devices.append(device)
+                continue
+            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+            seen[key] = Region(i, index, [device], sub)
+            out.append(seen[key])
+    return out
+
+
 class NvmeStep:
     """`step(state, batch) -> (slim state, metrics)` with the optimizer state in files (module doc)."""
 
@@ -107,20 +125,7 @@ class NvmeStep:
         return self._opt_def.unflatten([x if o < 0 else None for x, o in zip(leaves, self._owner)])
 
     def _regions(self) -> list[Region]:
-        out = []
-        for i, (shape, sharding) in enumerate(zip(self._trained_shapes,
-                                                  jax.tree.leaves(self.plan.update_shardings))):
-            seen: dict[tuple, Region] = {}
-            for device, index in sorted(sharding.addressable_devices_indices_map(shape).items(),
-                                        key=lambda kv: kv[0].id):
-                key = tuple((s.start, s.stop) for s in index)
-                if key in seen:
-                    seen[key].devices.append(device)
-                    continue
-                sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
-                seen[key] = Region(i, index, [device], sub)
-                out.append(seen[key])
-        return out
+        return shard_regions(self._trained_shapes, jax.tree.leaves(self.plan.update_shardings))
 
     def _device_shard(self, array: jax.Array, region: Region) -> jax.Array:
         return next(s.data for s in array.addressable_shards if s.device == region.devices[0])

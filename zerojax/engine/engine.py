@@ -146,9 +146,15 @@ class Engine(DeepSpeedAPI):
 
     def _stored(self, state: TrainState) -> TrainState:
         """A whole state as the step carries it: with the optimizer state on NVMe, written to the step's
-        files and returned slim (`core.nvme_step`); otherwise unchanged."""
+        files and returned slim (`core.nvme_step`; the parameters on NVMe: `core.param_swap`); otherwise
+        unchanged."""
         store = getattr(self._train_step, "store", None)
         return state if store is None else store(state)
+
+    def _live_params(self) -> Any:
+        """The stored parameters on the devices: read from the NVMe files when they live there."""
+        live = getattr(self._train_step, "live", None)
+        return self.state.params if live is None or self.state.params is not None else live(self.state).params
 
     def whole_state(self) -> TrainState:
         """The state with every field present: the master copy and optimizer moments read back from the
@@ -245,7 +251,7 @@ class Engine(DeepSpeedAPI):
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
         batch = self._checked(batch, check_eval_batch)
-        args = (self.state.params, batch) + (() if self.state.model_state is None else (self.state.model_state,))
+        args = (self._live_params(), batch) + (() if self.state.model_state is None else (self.state.model_state,))
         return self._agreed("eval step", self._eval_step, *args)(*args)
 
     def _agreed(self, name: str, fn: Any, *args: Any) -> Any:
@@ -315,7 +321,7 @@ class Engine(DeepSpeedAPI):
         if jax.process_count() > 1:
             same_request("generate", prompts, lengths, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
                          stop_ids, pad_id)
-        return generate(self.decoder, self.state.params, prompts, lengths, max_new_tokens, temperature=temperature,
+        return generate(self.decoder, self._live_params(), prompts, lengths, max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, plan=self.plan, stop_ids=stop_ids,
                         pad_id=pad_id)
 
@@ -324,7 +330,8 @@ class Engine(DeepSpeedAPI):
     def params(self) -> Any:
         """Logical (whole-shape) parameters: the fp32 master copy under mixed precision (read back from
         the NVMe files when it lives there)."""
-        return logical_params(self.whole_state() if self.plan.policy.mixed else self.state)
+        return logical_params(self.whole_state() if self.plan.policy.mixed or self.state.params is None
+                              else self.state)
 
     @property
     def model_state(self) -> Any:
@@ -408,7 +415,7 @@ class Engine(DeepSpeedAPI):
         del load_lr_scheduler_states
         self.wait_for_checkpoint()
         state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
-                                       load_module_only=load_module_only, frozen=self.state.params)
+                                       load_module_only=load_module_only, frozen=self._live_params())
         self.state = self._stored(state)
         self.loaded_extra = extra
         resolved = tag or checkpoint.latest_tag(load_dir)
