@@ -123,7 +123,8 @@ def test_a_damaged_adapter_folder_is_one_error_before_training(tmp_path: Path, c
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     run = tmp_path / "run"
     (tmp_path / "lora.yaml").write_text(json.dumps({
-        "train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "mesh": {"cpu_devices": 8}, "model": {"hf_checkpoint": str(BASE), "seq_len": 16},
+        "train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "mesh": {"cpu_devices": 8},
+        "model": {"hf_checkpoint": str(BASE), "seq_len": 16},
         "lora": {"adapter": str(folder)}, "data": {"source": "file", "path": __file__},
         "run": {"steps": 1, "output_dir": str(run)}}))
     code = main(["train", "--config", str(tmp_path / "lora.yaml")])
