@@ -337,3 +337,70 @@ def test_the_non_finite_guard_reads_the_parameters_from_their_files(tmp_path: Pa
     step.files.write_region(0, 0, np.full(step.params.regions[first].size, np.nan, np.float32))
     leaf = e.plan.leaf_paths[step.params.regions[first].leaf]
     assert NonFiniteGuard(e).problem(saving=True) == f"non-finite parameters by step 1 in {leaf}"
+
+
+def test_the_step_lowers_for_an_abstract_state_without_touching_the_files(tmp_path: Path) -> None:
+    """`step.lower(abstract_state(plan), batch)` (what `zerojax estimate --compiled` and
+    `Engine(compile_for=)` do) needs shapes only: it lowers the device part for the slim state, writes
+    nothing to the files, and its `compile()` is the step to call (what a multi-process run compares)."""
+    from zerojax.core.state import abstract_state
+    cfg = config(2, "bf16", tmp_path)
+    plan = zerojax.plan(cfg, data_mesh(), mlp_params(0))
+    step = zerojax.make_train_step(plan, layerwise_loss)
+    before = step.files.read_region(0, 0).copy()
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.batch_sharding),
+                         make_batch(32, 0))
+    lowered = step.lower(abstract_state(plan), batch)
+    compiled = lowered.compile()
+    assert "@main" in lowered.as_text() and compiled.as_text()  # the device part's program, compiled
+    assert (step.files.read_region(0, 0) == before).all()
+    state = zerojax.init_state(plan, mlp_params(0))
+    slim, metrics = compiled(state, make_batch(32, 0))  # the whole step: device parts and the host update
+    assert slim.master is None and int(slim.step) == 1 and float(metrics["loss"]) > 0
+
+
+def test_compile_for_compiles_the_nvme_step_with_the_state(tmp_path: Path) -> None:
+    """`Engine(compile_for=batch)` compiles the NVMe step's device part while the state initializes
+    (its lowering needs shapes only) and the run trains as one without it."""
+    def first_loss(compile_for: Any, folder: Path) -> float:
+        e = zerojax.Engine(config(3, "bf16", folder), mlp_params(0), layerwise_loss, data_mesh(),
+                           compile_for=compile_for)
+        return float(e.train_batch(make_batch(32, 0))["loss"])
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert first_loss(make_batch(32, 0), tmp_path / "a") == first_loss(None, tmp_path / "b")
+
+
+def test_closing_the_files_releases_their_descriptors(tmp_path: Path) -> None:
+    """`SwapFiles.close()` removes the working files and closes them: an unlinked file still open keeps
+    its disk space until the process lets go of it."""
+    import os
+    step = zerojax.make_train_step(zerojax.plan(config(2, "bf16", tmp_path), data_mesh(), mlp_params(0)),
+                                   layerwise_loss)
+    folder = step.files.folder
+
+    def held() -> list[str]:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+        return [link for link in links if link.startswith(str(folder))]
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("reads the open files from /proc")
+    assert len(held()) == len(step.files.names)
+    step.files.close()
+    assert not folder.exists() and held() == []
+
+
+def test_reading_the_parameters_reads_the_master_file_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`engine.params` (the fp32 master) reads the master copy's file, not the optimizer moments': the
+    moments stay on NVMe, off the host, and the values are the whole state's."""
+    e = trained(config(2, "bf16", tmp_path), steps=1)
+    files = e._train_step.files
+    read: list[int] = []
+    original = files.read_region
+    monkeypatch.setattr(files, "read_region", lambda array, region: read.append(array) or original(array, region))
+    params = to_numpy(e.params)
+    assert set(read) == {files.names.index("master")}
+    assert_tree_close(params, to_numpy(e.whole_state().master), rtol=0, atol=0, what="master")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax.core.layout import Plan
-from zerojax.core.nvme_step import Region, shard_regions
+from zerojax.core.nvme_step import Lowered, Region, shard_regions
 from zerojax.core.state import TrainState, abstract_state, state_shardings
 from zerojax.core.swap import SwapFiles, Tile
 
@@ -159,7 +159,8 @@ class ParamSwapStep:
         new, metrics = self.inner(self.live(state), batch)
         return self.store(new), metrics
 
-    def lower(self, state: TrainState, batch: Any) -> Any:
-        """The inner step's lowering, parameters as their shapes (nothing is read)."""
-        return self.inner.lower(state if state.params is not None else state._replace(params=self._abstract),
-                                batch)
+    def lower(self, state: TrainState, batch: Any) -> Lowered:
+        """The inner step's lowering, parameters as their shapes (nothing is read); its `compile()` is
+        this step to call."""
+        params = state.params if state.params is not None else self._abstract
+        return Lowered(self, self.inner.lower(state._replace(params=params), batch))

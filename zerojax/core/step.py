@@ -113,8 +113,11 @@ def _reduce_axis(lay: LeafLayout) -> DataAxis:
     return rest[0] if len(rest) == 1 else rest
 
 
-def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
-    """Local parameter blocks as the loss sees them inside shard_map.
+def local_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
+    """Local parameter blocks as the loss sees them inside shard_map: the train and eval steps' and
+    generation's (`models.generate`, its layer-by-layer layout). `for_grad`: the blocks are
+    differentiated (typed per-device where their gradient is a partial sum); `marked`: the loss
+    gathers its parameters itself (`gathers_params`).
 
     Parameters stored in host memory (offload) reach the device here, except the ones the loss
     gathers itself: those come in layer by layer, inside `gather`.
@@ -301,7 +304,7 @@ def micro_grad_fn(plan: Plan, prepared_loss: PreparedLoss) -> GradFn:
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array, model_state: Any
               ) -> tuple[jax.Array, Any, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
-        wrapped = _wrap_params(plan, params, for_grad=True, marked=marked)
+        wrapped = local_params(plan, params, for_grad=True, marked=marked)
         # Differentiated w.r.t. the trainable leaves only: the frozen ones are closed over, so no
         # gradient of theirs is computed, reduced or stored.
         trained, frozen = plan.trained(wrapped), plan.frozen(wrapped)
@@ -603,7 +606,7 @@ def make_eval_step(plan: Plan, loss: PreparedLoss) -> Callable[..., jax.Array]:
     keeps = keeps_state(prep.user)
 
     def local(params: Any, batch: Any, model_state: Any) -> jax.Array:
-        value, _ = run(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None, model_state)
+        value, _ = run(local_params(plan, params, for_grad=False, marked=marked), batch, None, model_state)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
     sp = sequence_size(plan.mesh)

@@ -85,13 +85,13 @@ class SwapFiles:
         self.swap, self.names, self.sizes = swap, list(names), [int(n) for n in sizes]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         total = int(self.offsets[-1])
-        self._fds = []
+        self._fds: list[int] = []
+        self._close_fds = weakref.finalize(self, _close_all, self._fds)  # before rmtree, at collection too
         for name in self.names:
             suffix = "f32" if self.dtype == np.float32 else self.dtype.name
             fd = os.open(self.folder / f"{name}.{suffix}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, total * self.itemsize)
             self._fds.append(fd)
-        weakref.finalize(self, _close_all, list(self._fds))
+            os.ftruncate(fd, total * self.itemsize)
         self.tile = max(1, min(swap.tile, max(self.sizes, default=1)))
         # buffers[s][a]: state array a of the tile in flight in set s; after the files' arrays, `extra`
         # buffers the caller fills itself (the gradient tile)
@@ -175,8 +175,10 @@ class SwapFiles:
                                 bytes_read=moved if read else 0, bytes_written=moved if write else 0)
 
     def close(self) -> None:
-        """Remove the working files now (also done when the object is collected)."""
+        """Close and remove the working files now (also done when the object is collected): a removed
+        file still open would keep its disk space."""
         self._pool.shutdown(wait=True)
+        self._close_fds()
         self._cleanup()
 
 
