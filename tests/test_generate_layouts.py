@@ -1,5 +1,6 @@
 """Decoding from the shards (zerojax.models.decode_layout): at ZeRO-3 x tensor 2 x data 4 every layout
-generates the one-device tokens, and the chosen `tensor` layout holds no more than the plan's bytes."""
+generates the one-device tokens, the chosen `tensor` layout holds no more than the plan's bytes, and
+`layers` gathers the next layer while one computes, holding at most two."""
 from __future__ import annotations
 
 import functools

@@ -461,7 +461,8 @@ def _prefetch_ahead(layer: _Layer, length: int, cs: list[Any], carry0: list[Any]
     iteration the next layer's weights and the current one's would share one slot of the loop's
     state, and XLA copies both each iteration (a third and fourth layer live). The last one or two
     layers run after the loop, so no gather runs past the end of the stack, and each layer writes its
-    outputs (a KV cache) into place. Each gather waits for its layer's input carry (`_after`): a
+    outputs (a KV cache) into place. Each gather waits for its layer's input carry (`_after`, through
+    its first floating-point value: a decode step's activations): a
     shard-only gather inside an enclosing loop (the decode loop, over which the shards do not change)
     would otherwise be loop-invariant, free to be hoisted out of it with every other layer's (the
     whole model gathered at once).
