@@ -7,9 +7,14 @@ gathers each layer inside the scanned body.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
-from typing import Any, Callable, NamedTuple, Sequence
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -449,3 +454,47 @@ def greedy_by_recompute(forward: Callable[[Any, np.ndarray], Any], params: Any, 
             logps[r, i] = np.asarray(jax.nn.log_softmax(jnp.asarray(row)))[toks[r, i]]
             s.append(int(toks[r, i]))
     return toks, logps
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics backends (tests/test_wandb.py, tests/test_comet.py): train.py's three-step run with one
+# backend on, its events against metrics.jsonl, and the refusal when the package is absent.
+
+def train_with_monitor(tmp_path: Path, monitor: str, *args: str, env: Mapping[str, str], drop: Iterable[str],
+                       pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """configs/zero1.yaml for 3 steps, logging every step, with `{monitor}.enabled=true`. `env` adds the
+    backend's folders (so nothing lands in ~); `drop` removes the variables the backend would read
+    instead of the config's keys."""
+    from test_cli import ROOT, SMALL
+    tiny = [*SMALL, "run.steps=3", "run.log_every=1", "steps_per_print=1", "run.sample_tokens=0",
+            "scheduler.params.total_num_steps=3", "scheduler.params.warmup_num_steps=1", f"{monitor}.enabled=true"]
+    env = {**os.environ, "PYTHONPATH": pythonpath or str(ROOT), "JAX_PLATFORMS": "cpu", **env}
+    for key in [*drop, "XLA_FLAGS"]:
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "train.py", "--config", "configs/zero1.yaml", "--set", *tiny, *args,
+                           f"run.output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+
+
+def samples_events(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The Train/Samples/* events a backend should hold for `train_with_monitor`'s run, from its
+    metrics.jsonl (steps 1 to 3), keyed as DeepSpeed's are by samples seen."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    samples = 32  # train_batch_size: DeepSpeed's x axis is samples seen
+    return {r["step"] * samples: {"Train/Samples/train_loss": r["loss"], "Train/Samples/lr": r["lr"],
+                                  "Train/Samples/loss_scale": r["loss_scale"]} for r in rows}
+
+
+def assert_absent_package_refused(tmp_path: Path, monitor: str, package: str,
+                                  train: Callable[..., subprocess.CompletedProcess]) -> None:
+    """With `package` importable but failing as an uninstalled one does, `train(tmp_path, pythonpath=)`
+    stops with one error naming the key and the extra to install, before compiling or writing the run."""
+    from test_cli import ROOT
+    fake = tmp_path / "site" / package
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"raise ImportError('No module named {package}')\n")
+    proc = train(tmp_path, pythonpath=f"{fake.parent}{os.pathsep}{ROOT}")
+    assert proc.returncode != 0
+    assert f"{monitor}.enabled: needs the `{package}` package; pip install 'zerojax[{monitor}]'" in proc.stderr
+    assert "compiled step" not in proc.stdout and not (tmp_path / "run" / "config.json").exists()

@@ -224,9 +224,8 @@ def test_tensor_parallel_checkpoint_continues_as_deepspeeds_universal_join():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_moe_checkpoint_imports_into_a_stage3_plan():
-    """The MoE run's experts land in their own leaves (names as DeepSpeed's per-expert files give them),
-    with their fp32 weights, Adam moments and step, sharded over 8 devices at stage 3."""
+def _moe_checkpoint() -> tuple[ds.DeepSpeedCheckpoint, dict]:
+    """The MoE fixture and its parameter tree, nested by DeepSpeed's dotted names (fp32 shapes)."""
     ckpt = ds.read_checkpoint(os.path.join(FIXTURES, "moe"))
     tree: dict = {}
     for name, shape in ckpt.params.shapes.items():
@@ -235,6 +234,13 @@ def test_moe_checkpoint_imports_into_a_stage3_plan():
         for part in path:
             node = node.setdefault(part, {})
         node[last] = jax.ShapeDtypeStruct(shape, np.float32)
+    return ckpt, tree
+
+
+def test_moe_checkpoint_imports_into_a_stage3_plan():
+    """The MoE run's experts land in their own leaves (names as DeepSpeed's per-expert files give them),
+    with their fp32 weights, Adam moments and step, sharded over 8 devices at stage 3."""
+    ckpt, tree = _moe_checkpoint()
     cfg = _gpt2(3)
     plan, state = _import(ckpt, cfg, tree, mapping_sources({n: n for n in ckpt.params}))
     names = leaf_names(plan.abstract_params)
@@ -273,14 +279,7 @@ def test_moe_checkpoint_continues_as_deepspeed_continued_it():
     """Imported at stage 3 on 8 devices (written at ZeRO-2 on 2 ranks, ep_size 2), one step on the batch
     DeepSpeed took after its save gives DeepSpeed's loss and DeepSpeed's weights after that step, for
     the experts of both ranks and the dense part alike."""
-    ckpt = ds.read_checkpoint(os.path.join(FIXTURES, "moe"))
-    tree: dict = {}
-    for name, shape in ckpt.params.shapes.items():
-        node = tree
-        *path, last = name.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = jax.ShapeDtypeStruct(shape, np.float32)
+    ckpt, tree = _moe_checkpoint()
     cfg = load_config({"train_batch_size": 16, "gradient_clipping": 1.0,
                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
                        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "model": GPT2})

@@ -288,10 +288,10 @@ def test_nnx_constructor_builds_the_same_model_sharded() -> None:
 
 def test_init_never_holds_the_whole_model() -> None:
     """The state constructor's compiled buffers stay far below one whole fp32 copy of the model."""
-    from zerojax.core.state import _init_fn, _key_data
+    from zerojax.core.state import _init_fn, key_data
     params, _, _ = SHAPES["nnx_scan"](width=256, layers=8, constructor=True)
     plan = zerojax.plan(config(3), data_mesh(), params)
-    fn, args = _init_fn(plan, params, _key_data(0))
+    fn, args = _init_fn(plan, params, key_data(0))
     mem = fn.lower(*args).compile().memory_analysis()
     whole = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(plan.abstract_params))
     assert mem.output_size_in_bytes < 0.4 * whole  # fp32 master + Adam m, v: 3/8 of the model

@@ -38,7 +38,7 @@ from zerojax.checkpoint.format import CheckpointError, PathLike, leaf_names
 from zerojax.core.layout import Plan
 from zerojax.core.offload import to_device
 from zerojax.core.precision import init_loss_scale
-from zerojax.core.state import TrainState, _key_data, state_shardings
+from zerojax.core.state import TrainState, key_data, state_shardings
 from zerojax.optim.transforms import ScaleByMomentsState
 
 __all__ = ["DeepSpeedImportError", "DeepSpeedSource", "check_destination", "import_state", "is_deepspeed_checkpoint",
@@ -338,7 +338,7 @@ def import_state(ckpt: DeepSpeedCheckpoint, plan: Plan, sources: Mapping[str, An
                           opt_state=opt, step=jnp.asarray(ckpt.global_steps, jnp.int32),
                           skipped=jnp.asarray(ckpt.skipped_steps, jnp.int32), scaler=sc, rng=key)
 
-    key = _key_data(plan.seed if rng is None else rng)
+    key = key_data(plan.seed if rng is None else rng)
     state = jax.jit(build, out_shardings=state_shardings(plan))(master, mu, nu, key)
     has_moment_leaves = any(x.shape == y.shape and x.ndim > 0 for x, y in zip(
         jax.tree.leaves(plan.abstract_opt_state), jax.tree.leaves(plan.abstract_params)))

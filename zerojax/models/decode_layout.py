@@ -188,7 +188,7 @@ def choose(plan: Plan | None, decoder: Any, params: Any, batch: int, max_len: in
         tensor.why = f"weights stay where they lie: {tensor.weight_bytes} B per device (the plan stores {planned} B)"
         chosen, other = tensor, layers
     if not fits(chosen):
-        if other is not None and fits(other):
+        if fits(other):
             other.why = f"{chosen.name} decoding does not fit the device's free {free} B"
             return other
         raise ValueError(f"generate: {batch} rows x {max_len} positions need a KV cache of {cache // chosen.row_shards} B per "

@@ -336,14 +336,14 @@ def _route(decoder: Decoder, params: Any, layout: Layout) -> tuple[Any, Callable
 def _at_use(fn: Callable[..., Any], layout: Layout) -> Callable[..., Any]:
     """`fn(params, cache, tokens, positions) -> (logits, cache)` on each device's rows, its ZeRO-3 shards
     gathered layer by layer where they are used (and run on tensor slices, as the train step runs a loss)."""
-    from zerojax.core import step
+    from zerojax.core.step import local_params
     from zerojax.rewrite.gather_at_use import gather_at_use
     from zerojax.rewrite.prepare import on_tensor_slices
     plan = layout.plan
     rows = layout.rows.spec
 
     def local(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
-        shards = step._wrap_params(plan, params, for_grad=False, marked=False)
+        shards = local_params(plan, params, for_grad=False, marked=False)
         sliced = on_tensor_slices(fn, plan.tensor_dims, plan.tensor_size)
         return gather_at_use(sliced, plan.step.prefetch, forward_only=True)(shards, cache, tokens, positions)
 

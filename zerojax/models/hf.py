@@ -1042,9 +1042,9 @@ def export_checkpoint(directory: str | os.PathLike[str], tag: str | None, out_di
            "the model's own tensors")
     src_path = Path(src_dir).expanduser().absolute()
     try:
-        src = Checkpoint(src_path)
-        if not (src_path / "config.json").is_file():
+        if not (src_path / "config.json").is_file():  # before opening the weights, which `with src` closes
             raise HFError(f"{src_path / 'config.json'} not found")
+        src = Checkpoint(src_path)
     except (HFError, OSError) as e:
         raise HFError(f"export --format hf: the run was imported from {src_path}, which the export reads for the "
                       f"tensors the model does not train, but it cannot be read ({str(e).removeprefix('model.hf_checkpoint: ')}); "
