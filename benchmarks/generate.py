@@ -183,13 +183,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # the fp32 paths decode the same greedy tokens (the bf16 copy may part from them on a near-tie)
         rows[-1]["same"] = bool(np.array_equal(got["recompute window"], got["KV cache, fp32 master"]))
         rows[-1]["same_gather"] = bool(np.array_equal(got["gather per token"], got["KV cache, engine.generate"]))
-    n_params = sum(x.size for x in jax.tree.leaves(engine.params))
     batch = engine.place_batch({"tokens": np.zeros((engine.train_batch_size(), cfg.seq_len + 1), np.int32)})
     train = _memory(engine.train_step_fn.lower(engine.state, batch).compile())
+    return dict(rows=rows, cfg=cfg, memory=memory, train=train, train_batch=(engine.train_batch_size(), cfg.seq_len),
+                data_size=engine.plan.data_size, **_setting(engine))
+
+
+def _setting(engine: Any) -> dict[str, Any]:
+    """What both sections' headers name: the model's parameter count and the devices."""
     devices = jax.devices()
-    return dict(rows=rows, params=n_params, cfg=cfg, memory=memory, train=train,
-                train_batch=(engine.train_batch_size(), cfg.seq_len), data_size=engine.plan.data_size,
+    return dict(params=sum(x.size for x in jax.tree.leaves(engine.params)),
                 devices=f"{len(devices)} {devices[0].device_kind}", cpu=devices[0].platform == "cpu")
+
+
+def _over(res: dict[str, Any]) -> str:
+    """The devices as the headers say them: `8 cpu (virtual)`."""
+    return f"{res['devices']}{' (virtual)' if res['cpu'] else ''}"
 
 
 def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str:
@@ -197,7 +206,7 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
     lines = [BEGIN, "## Generation: KV cache against gathering per token and recomputing the window", "",
              f"`python -m benchmarks.generate` ({seconds:.0f} s here): the embedded GPT at configs/zero3.yaml's size "
              f"({res['params'] / 1e6:.2f}M parameters: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
-             f"seq_len {cfg.seq_len}, raised from 128 so that prompt and new tokens fit), bf16 parameters over fp32 masters, ZeRO-3 over {res['devices']}{' (virtual)' if res['cpu'] else ''}, built as "
+             f"seq_len {cfg.seq_len}, raised from 128 so that prompt and new tokens fit), bf16 parameters over fp32 masters, ZeRO-3 over {_over(res)}, built as "
              f"train.py builds it. Prompts of {args.prompt} tokens, {args.new} new tokens each, greedy; median of "
              f"{args.rounds} calls after one untimed call.", "",
              "- **KV cache, engine.generate**: the live bf16 compute copy in one compiled program (prefill, then a "
@@ -282,7 +291,7 @@ def measure_layouts(args: argparse.Namespace) -> dict[str, Any]:
             first, median, out = _timed(call, args.rounds)
             got[layout] = np.asarray(out)
             rows.append(dict(batch=b, layout=layout, peak=mem.peak, weights=mem.weights, planned=mem.planned,
-                             cache=mem.cache, tps=b * args.new / median, first=first))
+                             cache=mem.cache, tps=b * args.new / median, first=first, prefetch=mem.prefetch))
         chosen = gen.memory_report(engine.decoder, engine.state.params, prompts, None, args.new, plan=engine.plan)
         for r in rows[-3:]:  # share of greedy tokens equal to the gathered layout's (bf16 sums in another order can
             r["agree"] = float(np.mean(got[r["layout"]] == got["gathered"]))  # flip a near-tie, and all after it)
@@ -297,8 +306,7 @@ def measure_layouts(args: argparse.Namespace) -> dict[str, Any]:
                 args.new, 0)
         gpu_rows = gpu.measure_generate(engine, size, argparse.Namespace(batch=64, rounds=max(args.rounds, 4)),
                                         hbm or 1e12, hbm)
-    return dict(rows=rows, cfg=config.model, params=sum(x.size for x in jax.tree.leaves(engine.params)),
-                devices=f"{len(devices)} {devices[0].device_kind}", cpu=devices[0].platform == "cpu", gpu=gpu_rows)
+    return dict(rows=rows, cfg=config.model, gpu=gpu_rows, **_setting(engine))
 
 
 def render_layouts(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str:
@@ -306,7 +314,7 @@ def render_layouts(args: argparse.Namespace, res: dict[str, Any], seconds: float
     lines = [LAYOUTS_BEGIN, "## Generation from the shards: decode layouts at ZeRO-3 x tensor 2 x data 4", "",
              f"`python -m benchmarks.generate --layouts` ({seconds:.0f} s here): the embedded GPT at configs/zero3.yaml's "
              f"size ({res['params'] / 1e6:.2f}M parameters, d_model {cfg.d_model}, {cfg.n_layers} layers), bf16 "
-             f"parameters, ZeRO-3 with `mesh.tensor: 2` over {res['devices']}{' (virtual)' if res['cpu'] else ''}; "
+             f"parameters, ZeRO-3 with `mesh.tensor: 2` over {_over(res)}; "
              f"prompts of {args.prompt} tokens, {args.new} new tokens, greedy, median of {args.rounds} calls. "
              "Peak: the compiled generate program's arguments + temporaries + outputs per device "
              "(`zerojax.models.generate.memory_report`, from `memory_analysis`), against the parameter bytes the "
@@ -317,8 +325,10 @@ def render_layouts(args: argparse.Namespace, res: dict[str, Any], seconds: float
                  "(docs/models.md)." if res["cpu"] else ""), "",
              "- **tensor**: the weights stay as stored (weight-stationary; the data axis re-read as a tensor axis), "
              "activations move; every device runs every row.",
-             "- **layers**: each device decodes its rows, every ZeRO-3 shard all-gathered where a layer uses it, in "
-             "every decode step.",
+             "- **layers**: each device decodes its rows, every ZeRO-3 shard all-gathered in every decode step" + (
+                 ", layer i+1's gather in flight while layer i computes (two layers gathered at most: the plan's "
+                 "`overlap_comm` prefetch)." if any(r.get("prefetch") for r in res["rows"]) else
+                 ", where a layer uses it."),
              "- **gathered**: every weight all-gathered whole once per call (the path before).", "",
              "| batch | layout | peak per device (MiB) | vs plan's parameter bytes | KV cache per device (MiB) | tokens/s | first call (s) | tokens as gathered |",
              "|---|---|---|---|---|---|---|---|"]

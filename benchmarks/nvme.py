@@ -10,17 +10,20 @@ configuration, each in its own process (so each peak is its own):
 * `cpu offload`: `offload_optimizer.device: cpu` (ZeRO-Offload: the update runs inside the compiled
   step, as a host computation where the backend compiles one);
 * `nvme`: `offload_optimizer.device: nvme`, `sub_group_size` elements per tile, `buffer_count` buffers;
-* `nvme, pipelined`: the same with `pipeline_read` and `pipeline_write`.
+* `nvme, pipelined`: the same with `pipeline_read` and `pipeline_write`;
+* `nvme + params`: the pipelined NVMe optimizer and `offload_param.device: nvme` (`buffer_size`
+  `sub_group_size`, `buffer_count` as above, `max_in_cpu: 0`): the parameters' shards in files between
+  steps, read onto the devices before each step and written back after it.
 
 Per configuration: the process's resident set (RSS, /proc/self/statm) between steps and its peak
 while `--rounds` steps run (a thread samples it every millisecond; freed heap is returned to the system
 with `malloc_trim` first, in every run alike), the step time, and for NVMe the
 host update's time (`stall_s`: the devices wait for it) with the part of it spent waiting on reads
-and writes. The disk under `--nvme-path` is measured first: a file of the optimizer state's size
+and writes (and, with parameters on NVMe, the time the step spends reading and writing them). The disk under `--nvme-path` is measured first: a file of the optimizer state's size
 written in tiles with `pwritev` + `fsync`, evicted from the page cache (`posix_fadvise DONTNEED`) and
 read back with `preadv`, with the same thread count. On CPU, device memory is host memory too, so
 every configuration's RSS holds the parameters, gradients and activations; what the NVMe tier
-removes from it is the optimizer state. Writes the section between the `nvme` markers of
+removes from it is the optimizer state (and the parameters). Writes the section between the `nvme` markers of
 docs/offload.md.
 """
 from __future__ import annotations
@@ -43,7 +46,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- nvme -->", "<!-- /nvme -->"
 MiB = 2 ** 20
 
-CONFIGS = {"in memory": "none", "cpu offload": "cpu", "nvme": "nvme", "nvme, pipelined": "nvme pipelined"}
+CONFIGS = {"in memory": "none", "cpu offload": "cpu", "nvme": "nvme", "nvme, pipelined": "nvme pipelined",
+           "nvme + params": "nvme params pipelined"}
 
 _CHILD = r"""
 import gc, json, os, sys, threading, time
@@ -72,6 +76,9 @@ elif a["mode"].startswith("nvme"):
     piped = a["mode"].endswith("pipelined")
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": a["path"], "buffer_count": a["buffers"],
                                  "pipeline_read": piped, "pipeline_write": piped}
+    if "params" in a["mode"]:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": a["path"], "buffer_count": a["buffers"],
+                                 "buffer_size": a["tile"], "max_in_cpu": 0}
 cfg = zerojax.load_config({"train_batch_size": 64, "bf16": {"enabled": True}, "zero_optimization": zero,
                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "kernels": "xla",
                            "aio": {"thread_count": a["threads"]}})
@@ -95,12 +102,16 @@ def sample():
         time.sleep(0.001)
 t = threading.Thread(target=sample, daemon=True)
 t.start()
-times, stalls, rw, ww = [], [], [], []
+times, stalls, rw, ww, pin, pout = [], [], [], [], [], []
 for _ in range(a["rounds"]):
     t0 = time.perf_counter()
     jax.block_until_ready(e.train_batch(batch))
     times.append(time.perf_counter() - t0)
     step = e._train_step
+    if hasattr(step, "inner"):  # parameters on NVMe around the optimizer's NVMe step
+        pin.append(step.params.load_s)
+        pout.append(step.params.store_s)
+        step = step.inner
     if hasattr(step, "files"):
         stalls.append(step.stall_s)
         rw.append(step.files.last.read_wait_s)
@@ -110,9 +121,14 @@ t.join()
 out = {"between": between, "live": live, "peak": peak[0], "step": float(np.median(times)),
        "opt_bytes": int(L * D * D + D * 8) * 12}
 if stalls:
-    files = e._train_step.files
+    files = getattr(e._train_step, "inner", e._train_step).files
     out.update(stall=float(np.median(stalls)), read_wait=float(np.median(rw)), write_wait=float(np.median(ww)),
                buffer_bytes=files.buffer_bytes, file_bytes=files.file_bytes, moved=files.last.bytes_read)
+if pin:
+    pf = e._train_step.files
+    out.update(param_in=float(np.median(pin)), param_out=float(np.median(pout)), moved=out["moved"] + pf.file_bytes,
+               buffer_bytes=out["buffer_bytes"] + pf.buffer_bytes, file_bytes=out["file_bytes"] + pf.file_bytes,
+               param_file_bytes=pf.file_bytes)
 print("NVME " + json.dumps(out), flush=True)
 """
 
@@ -185,18 +201,26 @@ def render(args: argparse.Namespace, res: dict, seconds: float) -> str:
              f"{args.rounds} steps; {seconds:.0f} s). Disk under the swap folder: writes "
              f"{res['write_bw'] / MiB:,.0f} MiB/s, reads {res['read_bw'] / MiB:,.0f} MiB/s.", "",
              "| run | arrays held between steps MiB | RSS between steps MiB | peak RSS in a step MiB | host buffers MiB "
-             "| state in files MiB | step s | host update (stall) s | of it waiting on reads / writes s | disk floor s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| state in files MiB | step s | host update (stall) s | of it waiting on reads / writes s "
+             "| parameters read / written s | disk floor s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if "stall" in r:
             floor = r["moved"] / res["read_bw"] + r["moved"] / res["write_bw"]
+            swapped = f"{r['param_in']:.2f} / {r['param_out']:.2f}" if "param_in" in r else "-"
             extra = (f"{r['buffer_bytes'] / MiB:.1f} | {r['file_bytes'] / MiB:.1f} | {r['step']:.2f} | "
-                     f"{r['stall']:.2f} | {r['read_wait']:.2f} / {r['write_wait']:.2f} | {floor:.2f}")
+                     f"{r['stall']:.2f} | {r['read_wait']:.2f} / {r['write_wait']:.2f} | {swapped} | {floor:.2f}")
         else:
-            extra = f"- | - | {r['step']:.2f} | - | - | -"
+            extra = f"- | - | {r['step']:.2f} | - | - | - | -"
         lines.append(f"| {name} | {r['live'] / MiB:,.1f} | {r['between'] / MiB:,.0f} | {r['peak'] / MiB:,.0f} | {extra} |")
-    nv = rows["nvme, pipelined"]
+    nv, both = rows["nvme, pipelined"], rows["nvme + params"]
     lines += ["",
+              f"With the parameters on NVMe too, the arrays held between steps are {(base['live'] - both['live']) / MiB:,.1f} "
+              f"MiB less than in memory ({both['param_file_bytes'] / MiB:.1f} MiB of bf16 parameters in their own "
+              f"files); each step reads them onto the devices first and writes them back after the update "
+              f"(`parameters read / written`: {both['param_in']:.2f} s and {both['param_out']:.2f} s of its "
+              f"{both['step']:.2f} s step). During the step the devices hold the parameters, as in memory.",
+              "",
               f"Between steps the pipelined NVMe run's arrays hold {(base['live'] - nv['live']) / MiB:,.1f} MiB less "
               f"than the in-memory run's (the optimizer state is {res['opt_bytes'] / MiB:.0f} MiB); its host "
               f"buffers are {nv['buffer_bytes'] / MiB:.1f} MiB, {nv['file_bytes'] / nv['buffer_bytes']:.1f}x less "

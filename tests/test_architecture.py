@@ -209,3 +209,40 @@ def test_the_optimizer_blocks_read_no_names() -> None:
     """optim/transforms.py takes per-leaf trees or callables (optax's mask convention): it imports
     nothing of the package but the errors, so the kernels and the core may build on it."""
     assert sorted(t for t in GRAPH["zerojax.optim.transforms"] if t != "zerojax.errors") == []
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def private_imports(name: str, source: str) -> list[str]:
+    """`from zerojax.x import _y`, or `x._y` on a module `x` imported from the package, in module `name`:
+    a private name of another module, which that module may rename or drop without a caller knowing; a
+    name another module calls is public."""
+    tree = ast.parse(source)
+    found, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zerojax") and node.module != name:
+            found += [f"{name}:{node.lineno} imports {a.name} from {node.module}" for a in node.names if _private(a.name)]
+            modules.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                            if f"{node.module}.{a.name}" in MODULES})
+        elif isinstance(node, ast.Import):
+            modules.update({a.asname: a.name for a in node.names if a.asname and a.name in MODULES})
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr)
+                and modules.get(node.value.id, name) != name):
+            found.append(f"{name}:{node.lineno} reads {node.attr} of {modules[node.value.id]}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    assert [hit for name, path in MODULES.items() for hit in private_imports(name, path.read_text())] == []
+
+
+def test_the_private_import_rule_sees_one() -> None:
+    assert private_imports("zerojax.models.generate", "from zerojax.core.step import _wrap_params\n") == [
+        "zerojax.models.generate:1 imports _wrap_params from zerojax.core.step"]
+    assert private_imports("zerojax.models.decode", "from zerojax.models import llama\nllama._eps(cfg)\n") == [
+        "zerojax.models.decode:2 reads _eps of zerojax.models.llama"]
+    assert private_imports("zerojax.core.step", "from zerojax.core.step import _x\nfrom zerojax.core import mesh\n"
+                                                "mesh.row_axes(m)\nself._plan\n") == []

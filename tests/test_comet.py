@@ -6,26 +6,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from test_cli import ROOT, SMALL
+from helpers import assert_absent_package_refused, samples_events, train_with_monitor
 from zerojax.app.monitor import CometLog
 
-TINY = [*SMALL, "run.steps=3", "run.log_every=1", "steps_per_print=1", "run.sample_tokens=0",
-        "scheduler.params.total_num_steps=3", "scheduler.params.warmup_num_steps=1", "comet.enabled=true"]
-
-
-def _train(tmp_path: Path, *args: str, pythonpath: str = str(ROOT)) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}  # nothing in ~
-    for key in [k for k in env if k.startswith("COMET_")] + ["XLA_FLAGS"]:  # the config's keys must decide
-        env.pop(key)
-    return subprocess.run([sys.executable, "train.py", "--config", "configs/zero1.yaml", "--set", *TINY, *args,
-                           f"run.output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+def _train(tmp_path: Path, *args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    return train_with_monitor(tmp_path, "comet", *args, env={"HOME": str(tmp_path)},  # nothing in ~
+                              drop=[k for k in os.environ if k.startswith("COMET_")], pythonpath=pythonpath)
 
 
 def _metrics(archive: Path) -> dict[int, dict[str, float]]:
@@ -52,12 +43,7 @@ def test_offline_archive_holds_the_metrics(tmp_path: Path) -> None:
     assert len(archives) == 1, list(folder.iterdir())
     with zipfile.ZipFile(archives[0]) as z:
         assert json.loads(z.read("experiment.json"))["project_name"] == "tiny"
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    samples = 32  # train_batch_size: DeepSpeed's x axis is samples seen
-    expected = {r["step"] * samples: {"Train/Samples/train_loss": r["loss"], "Train/Samples/lr": r["lr"],
-                                      "Train/Samples/loss_scale": r["loss_scale"]} for r in rows}
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert _metrics(archives[0]) == expected
+    assert _metrics(archives[0]) == samples_events(tmp_path / "run")
 
 
 class _Experiment:
@@ -80,10 +66,28 @@ def test_samples_log_interval_as_deepspeed() -> None:
 
 
 def test_missing_comet_ml_fails_before_compiling(tmp_path: Path) -> None:
-    fake = tmp_path / "site" / "comet_ml"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('No module named comet_ml')\n")
-    proc = _train(tmp_path, pythonpath=f"{fake.parent}{os.pathsep}{ROOT}")  # comet_ml there, not installed
-    assert proc.returncode != 0
-    assert "comet.enabled: needs the `comet_ml` package; pip install 'zerojax[comet]'" in proc.stderr
-    assert "compiled step" not in proc.stdout and not (tmp_path / "run" / "config.json").exists()
+    assert_absent_package_refused(tmp_path, "comet", "comet_ml", _train)
+
+
+def test_a_key_the_server_refuses_fails_before_compiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """comet_ml does not raise on a refused key or an unreachable server: it logs an error and returns
+    an experiment that is not alive, which would drop every event. The run stops at start with one line."""
+    comet_ml = pytest.importorskip("comet_ml")
+    from test_cli import SMALL
+    from zerojax.app.cli import main
+
+    class Dead:  # what comet_ml.start returns then (Experiment.alive is False)
+        alive = False
+
+        def get_key(self) -> str:
+            return "0" * 32
+
+    monkeypatch.setattr(comet_ml, "start", lambda **kwargs: Dead())
+    code = main(["train", "--config", "configs/zero1.yaml", "--set", *SMALL, "run.steps=3", "comet.enabled=true",
+                 "comet.api_key=not-a-key", f"run.output_dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("zerojax: error: comet: the Comet experiment did not start") and "COMET_API_KEY" in err
+    assert "comet.online: false" in err and "comet.enabled: false" in err
+    assert "compiled step" not in out and not (tmp_path / "run" / "config.json").exists()

@@ -280,9 +280,13 @@ BAD_CONFIGS = [
      r"^zero_optimization: expected a section \(mapping of keys\), got 2$"),
     ("adam-max-grad-norm", with_batch(optimizer=_adam(max_grad_norm=1.0)),
      r"^optimizer\.params\.max_grad_norm: not a parameter of DeepSpeed's Adam .*top-level gradient_clipping"),
-    ("nvme-refused-at-load",
-     with_batch(zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}),
-     r"^zero_optimization\.offload_param\.device: nvme is not supported .*; use cpu"),
+    ("param-nvme-below-stage-3",
+     with_batch(zero_optimization={"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}),
+     r"^zero_optimization\.offload_param\.device: nvme swaps ZeRO-3's parameter partitions to files, but "
+     r"zero_optimization\.stage is 2; set zero_optimization\.stage: 3, or remove offload_param$"),
+    ("param-nvme-without-path", with_batch(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}),
+     r"^zero_optimization\.offload_param\.nvme_path: device nvme keeps the parameter partitions in files; "
+     r"give a folder"),
     ("offload-without-zero", with_batch(zero_optimization={"offload_optimizer": {"device": "cpu"}}),
      r"^zero_optimization\.offload_optimizer\.device: offload needs ZeRO stage 1, 2 or 3 \(stage is 0\); "
      r"set zero_optimization\.stage or remove offload_optimizer$"),
@@ -647,13 +651,11 @@ def test_every_schema_field_has_a_default_and_a_doc() -> None:
 # ---------------------------------------------------------------------------------------------
 # Features that parse but are not built yet.
 
-def test_parameter_nvme_offload_is_refused_by_load_config() -> None:
-    """Refused when the file is read, not first when the plan is built; the optimizer's NVMe tier loads."""
-    with pytest.raises(ConfigError, match=(r"^zero_optimization\.offload_param\.device: nvme is not supported "
-                                           r"\(parameters are not swapped to files; .*\); use cpu \(host memory, "
-                                           r"docs/offload\.md\) or none$")):
-        load_config(with_batch(zero_optimization={"stage": 3, "offload_param": {"device": "nvme",
-                                                                                "nvme_path": "/nvme"}}))
+def test_nvme_offload_loads_at_stage_3() -> None:
+    """Both NVMe tiers load (the parameters' at stage 3 only: refused below it, see the bad-config cases)."""
+    cfg = load_config(with_batch(zero_optimization={"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/nvme", "buffer_count": 3, "buffer_size": 1000, "max_in_cpu": 0}}))
+    assert cfg.zero_optimization.offload_param.device == "nvme" and cfg.zero_optimization.offload_param.max_in_cpu == 0
     cfg = load_config(with_batch(zero_optimization={"stage": 3, "offload_optimizer": {
         "device": "nvme", "nvme_path": "/nvme", "pipeline_read": True, "pipeline_write": True}},
         aio={"thread_count": 2, "block_size": 262144}))

@@ -210,3 +210,13 @@ def test_parameters_of_refused_optimizer_types_are_refused_with_their_type() -> 
     with pytest.raises(zerojax.ConfigError, match=r"^optimizer\.type: OneBitAdam \(1-bit"):
         zerojax.load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}}})
     assert all(v.startswith(REFUSED) for v in OTHER_KEY_STATUS.values())
+
+
+def test_offload_param_nvme_keys_load_and_are_honoured() -> None:
+    """ZeRO-Infinity's parameter tier: DeepSpeed's offload_param block loads at stage 3 as written."""
+    block = {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5, "buffer_size": 100_000_000,
+             "max_in_cpu": 1_000_000_000, "pin_memory": True}
+    cfg = _quiet_load({**BASE, "zero_optimization": {"stage": 3, "offload_param": block}})
+    assert cfg.zero_optimization.offload_param.device == "nvme"
+    for key in ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu"):
+        assert KEY_STATUS[f"zero_optimization.offload_param.{key}"].startswith(HONOURED), key

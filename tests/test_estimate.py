@@ -536,3 +536,20 @@ def test_the_nvme_row_moves_the_offloaded_optimizer_state_to_files() -> None:
     assert nvme.host_bytes == nvme.report.nvme_buffers * 8 > 0
     assert E.deepspeed_estimate(model, 8, 8, E.Choice(3, "nvme optimizer")) is None
     assert "zero_optimization.offload_optimizer.nvme_path=/local_nvme" in E.Choice(3, "nvme optimizer").overrides()
+
+
+def test_the_nvme_params_row_moves_the_parameters_to_files_too() -> None:
+    """ZeRO-Infinity's NVMe setting (offload_param and offload_optimizer device nvme): parameters, master and
+    moments in files; host memory keeps both tiers' buffers; the partitions are counted on the device too,
+    where the step holds them (docs/offload.md)."""
+    cfg = load_config(TINY)
+    model = E.embedded_model(cfg)
+    opt = E.plan_exact(cfg, model, 8, 8, E.Choice(3, "nvme optimizer"))
+    both = E.plan_exact(cfg, model, 8, 8, E.Choice(3, "nvme params"))
+    rep = both.report
+    assert rep.params_nvme == opt.report.params > 0 and rep.params_host == 0
+    assert both.nvme_bytes == opt.nvme_bytes + 8 * rep.params_nvme
+    assert both.device_bytes == opt.device_bytes
+    assert both.host_bytes == 8 * (rep.nvme_buffers + rep.param_buffers) > 0
+    assert E.deepspeed_estimate(model, 8, 8, E.Choice(3, "nvme params")) is None
+    assert "zero_optimization.offload_param.nvme_path=/local_nvme" in E.Choice(3, "nvme params").overrides()

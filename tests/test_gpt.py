@@ -121,7 +121,7 @@ def test_training_lowers_the_loss(params: dict) -> None:
 
 
 def test_stage3_when_only_the_layer_axis_divides() -> None:
-    """BUG (zerojax/step.py, _wrap_params): on 6 data shards with 6 layers, the stacked leaves
+    """BUG (zerojax/step.py, local_params): on 6 data shards with 6 layers, the stacked leaves
     whose per-layer dimensions do not divide by 6 (fc (6, 32, 64), proj (6, 32, 32), the norms...)
     are sharded along dim 0, the layer axis. The loss receives them as ParamShards and its
     `lax.scan` over layers then sees a leading size of 1 for those leaves and 6 for the others:

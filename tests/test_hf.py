@@ -374,6 +374,23 @@ def test_lr0_export_gives_the_source_back_bit_for_bit(name: str, tmp_path: Path,
     hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "own", source="none")
     with hf.Checkpoint(tmp_path / "own") as own:  # the model's tensors only: no buffer
         assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in own and "lm_head.weight" not in own
+    # The source lost its config.json: refused by name, and nothing of the source is left open.
+    still_open: set[Any] = set()
+
+    class Recorded(hf.Checkpoint):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            still_open.add(self)
+
+        def close(self) -> None:
+            still_open.discard(self)
+            super().close()
+
+    monkeypatch.setattr(hf, "Checkpoint", Recorded)
+    (src / "config.json").unlink()
+    with pytest.raises(zerojax.ConfigError, match=f"cannot be read \\({src / 'config.json'} not found\\); pass --hf-source"):
+        hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "again")
+    assert not still_open
     shutil.rmtree(src)
     with pytest.raises(zerojax.ConfigError, match=f"imported from {src}, which the export reads .* cannot be read"):
         hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "again")

@@ -126,6 +126,30 @@ def test_family_export_writes_the_checkpoint_back_bit_for_bit(name: str, tmp_pat
                                                           type(source.get(key, source.get("num_local_experts")))), key
 
 
+def _step_save_export(engine: zerojax.Engine, tokens: np.ndarray, tmp_path: Path) -> tuple[float, Path]:
+    """One train step on `tokens`, which must lower their eval loss, a checkpoint of it, and that
+    checkpoint exported as `export --format hf` does: (the loss before the step, the exported folder)."""
+    before = float(engine.eval_batch({"tokens": tokens}))
+    engine.train_batch({"tokens": tokens})
+    assert float(engine.eval_batch({"tokens": tokens})) < before
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.wait_for_checkpoint()
+    return before, hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
+
+
+def _assert_same_tensors(out: Path, source: Path) -> None:
+    """The exported folder holds the source checkpoint's tensors, by name and shape."""
+    with hf.Checkpoint(source) as src, hf.Checkpoint(out) as got:
+        assert {t: got.shape(t) for t in got.where} == {t: src.shape(t) for t in src.where}
+
+
+def _assert_reads_back_as_trained(out: Path, model: Any, engine: zerojax.Engine) -> None:
+    """The exported weights, read back as `model`, are the engine's trained parameters exactly."""
+    back = hf.read_params(out, model)
+    for g, w in zip(jax.tree.leaves(back), jax.tree.leaves(to_numpy(engine.params))):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_qwen3_trains_at_zero3_and_exports_through_its_source(tmp_path: Path) -> None:
     """A train step of the Qwen3 fixture at stage 3 over 8 devices (each device holding 1/8 of q's
     kernel), then `export --format hf` back through the source checkpoint."""
@@ -137,18 +161,9 @@ def test_qwen3_trains_at_zero3_and_exports_through_its_source(tmp_path: Path) ->
     assert wq.addressable_shards[0].data.size * 8 == wq.size
     engine = zerojax.initialize(cfg, params=params, loss_fn=llama.build(cfg.model)[1], mesh=mesh,
                                 decode=decode.decoder(cfg.model))
-    tokens = np.tile(np.load(FIXTURES / "qwen3" / "tokens.npy"), (4, 1))
-    before = float(engine.eval_batch({"tokens": tokens}))
-    engine.train_batch({"tokens": tokens})
-    assert float(engine.eval_batch({"tokens": tokens})) < before
-    engine.save_checkpoint(str(tmp_path / "ckpt"))
-    engine.wait_for_checkpoint()
-    trained = to_numpy(engine.params)
-    out = hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
+    _, out = _step_save_export(engine, np.tile(np.load(FIXTURES / "qwen3" / "tokens.npy"), (4, 1)), tmp_path)
     assert json.loads((out / "config.json").read_text()) == json.loads((FIXTURES / "qwen3" / "config.json").read_text())
-    back = hf.read_params(out, cfg.model)
-    for g, w in zip(jax.tree.leaves(back), jax.tree.leaves(trained)):
-        np.testing.assert_array_equal(g, w)
+    _assert_reads_back_as_trained(out, cfg.model, engine)
 
 
 def test_unsupported_families_and_options_are_refused_by_name(tmp_path: Path) -> None:
@@ -244,19 +259,10 @@ def test_new_families_train_at_zero3(name: str, mesh: dict[str, Any], tmp_path: 
     tokens = np.tile(np.load(FIXTURES / name / "tokens.npy"), (4, 1))
     want = np.tile(np.load(FIXTURES / name / "logits.npy"), (4, 1, 1))[:, :-1]
     ref = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(want), jnp.asarray(tokens[:, 1:])).mean()
-    before = float(engine.eval_batch({"tokens": tokens}))
+    before, out = _step_save_export(engine, tokens, tmp_path)
     np.testing.assert_allclose(before, float(ref), rtol=1e-5)
-    engine.train_batch({"tokens": tokens})
-    assert float(engine.eval_batch({"tokens": tokens})) < before
-    engine.save_checkpoint(str(tmp_path / "ckpt"))
-    engine.wait_for_checkpoint()
-    trained = to_numpy(engine.params)
-    out = hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
-    with hf.Checkpoint(FIXTURES / name) as src, hf.Checkpoint(out) as got:
-        assert {t: got.shape(t) for t in got.where} == {t: src.shape(t) for t in src.where}
-    back = hf.read_params(out, cfg.model)
-    for g, w in zip(jax.tree.leaves(back), jax.tree.leaves(trained)):
-        np.testing.assert_array_equal(g, w)
+    _assert_same_tensors(out, FIXTURES / name)
+    _assert_reads_back_as_trained(out, cfg.model, engine)
 
 
 def test_hf_config_builds_the_family_with_fresh_weights(tmp_path: Path) -> None:
@@ -264,7 +270,6 @@ def test_hf_config_builds_the_family_with_fresh_weights(tmp_path: Path) -> None:
     engine builds that model with fresh weights (no tensor read), which trains at stage 3 and exports as
     the family; the file's errors name model.hf_config."""
     from zerojax.app.trainer import build_engine, build_model
-    from zerojax.planner.mesh import make_mesh
     from zerojax.tools.estimate import embedded_model
 
     def load(**model: Any) -> zerojax.Config:
@@ -290,16 +295,9 @@ def test_hf_config_builds_the_family_with_fresh_weights(tmp_path: Path) -> None:
     imported = hf.read_params(FIXTURES / "gemma2", config("gemma2").model)
     assert not np.allclose(to_numpy(engine.params)["layers"]["q"]["kernel"], imported["layers"]["q"]["kernel"])
     np.testing.assert_array_equal(to_numpy(engine.params)["norm"]["scale"], 0.0)  # Gemma's (1 + w) starts at 1
-    tokens = np.tile(np.load(FIXTURES / "gemma2" / "tokens.npy"), (4, 1))
-    before = float(engine.eval_batch({"tokens": tokens}))
-    engine.train_batch({"tokens": tokens})
-    assert float(engine.eval_batch({"tokens": tokens})) < before
-    engine.save_checkpoint(str(tmp_path / "ckpt"))
-    engine.wait_for_checkpoint()
-    out = hf.export_checkpoint(tmp_path / "ckpt", None, tmp_path / "hf")
+    _, out = _step_save_export(engine, np.tile(np.load(FIXTURES / "gemma2" / "tokens.npy"), (4, 1)), tmp_path)
     assert json.loads((out / "config.json").read_text())["model_type"] == "gemma2"
-    with hf.Checkpoint(FIXTURES / "gemma2") as src, hf.Checkpoint(out) as got:
-        assert {t: got.shape(t) for t in got.where} == {t: src.shape(t) for t in src.where}
+    _assert_same_tensors(out, FIXTURES / "gemma2")
     with pytest.raises(zerojax.ConfigError, match="model.hf_config: .*nope.json not found"):
         load(hf_config=str(tmp_path / "nope.json"))
     with pytest.raises(zerojax.ConfigError, match="model.hf_config: .* given with model.hf_checkpoint"):

@@ -3,28 +3,18 @@ events at the same values as metrics.jsonl, and one clear error before compiling
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_cli import ROOT, SMALL
+from helpers import assert_absent_package_refused, samples_events, train_with_monitor
 
-TINY = [*SMALL, "run.steps=3", "run.log_every=1", "steps_per_print=1", "run.sample_tokens=0",
-        "scheduler.params.total_num_steps=3", "scheduler.params.warmup_num_steps=1", "wandb.enabled=true"]
-
-
-def _train(tmp_path: Path, *args: str, pythonpath: str = str(ROOT)) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu", "WANDB_DIR": str(tmp_path),
-           **{f"WANDB_{d}_DIR": str(tmp_path / d.lower()) for d in ("CACHE", "CONFIG", "DATA")}}  # nothing in ~
-    for key in ("XLA_FLAGS", "WANDB_MODE"):  # the config's keys must be what decides
-        env.pop(key, None)
-    return subprocess.run([sys.executable, "train.py", "--config", "configs/zero1.yaml", "--set", *TINY, *args,
-                           f"run.output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+def _train(tmp_path: Path, *args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    folders = {"WANDB_DIR": str(tmp_path), **{f"WANDB_{d}_DIR": str(tmp_path / d.lower())
+                                              for d in ("CACHE", "CONFIG", "DATA")}}  # nothing in ~
+    return train_with_monitor(tmp_path, "wandb", *args, env=folders, drop=["WANDB_MODE"], pythonpath=pythonpath)
 
 
 def _history(path: Path) -> dict[int, dict[str, float]]:
@@ -61,19 +51,8 @@ def test_offline_run_folder_holds_the_metrics(tmp_path: Path) -> None:
     folders = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(folders) == 1, list((tmp_path / "wandb").iterdir())
     assert f"upload it with `wandb sync {folders[0]}`" in proc.stdout
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    samples = 32  # train_batch_size: DeepSpeed's x axis is samples seen
-    expected = {r["step"] * samples: {"Train/Samples/train_loss": r["loss"], "Train/Samples/lr": r["lr"],
-                                      "Train/Samples/loss_scale": r["loss_scale"]} for r in rows}
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert _history(next(folders[0].glob("*.wandb"))) == expected
+    assert _history(next(folders[0].glob("*.wandb"))) == samples_events(tmp_path / "run")
 
 
 def test_missing_wandb_fails_before_compiling(tmp_path: Path) -> None:
-    fake = tmp_path / "site" / "wandb"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('No module named wandb')\n")
-    proc = _train(tmp_path, pythonpath=f"{fake.parent}{os.pathsep}{ROOT}")  # wandb there, not installed
-    assert proc.returncode != 0
-    assert "wandb.enabled: needs the `wandb` package; pip install 'zerojax[wandb]'" in proc.stderr
-    assert "compiled step" not in proc.stdout and not (tmp_path / "run" / "config.json").exists()
+    assert_absent_package_refused(tmp_path, "wandb", "wandb", _train)

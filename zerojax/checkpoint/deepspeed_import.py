@@ -38,7 +38,7 @@ from zerojax.checkpoint.format import CheckpointError, PathLike, leaf_names
 from zerojax.core.layout import Plan
 from zerojax.core.offload import to_device
 from zerojax.core.precision import init_loss_scale
-from zerojax.core.state import TrainState, _key_data, state_shardings
+from zerojax.core.state import TrainState, key_data, state_shardings
 from zerojax.optim.transforms import ScaleByMomentsState
 
 __all__ = ["DeepSpeedImportError", "DeepSpeedSource", "check_destination", "import_state", "is_deepspeed_checkpoint",
@@ -61,7 +61,9 @@ class DeepSpeedSource(NamedTuple):
 
 def is_deepspeed_checkpoint(path: PathLike) -> bool:
     """A folder DeepSpeed's `save_checkpoint` wrote (with `latest`) or one of its tag folders: told
-    apart from a zerojax checkpoint by DeepSpeed's `*_model_states.pt` files."""
+    apart from a zerojax checkpoint by DeepSpeed's `*_model_states.pt` files. A run folder whose
+    pointer is missing or stale is still DeepSpeed's (its tag folders say so), so the reader's error
+    about the pointer is what the user sees, not that the folder is no checkpoint at all."""
     root = Path(os.path.expanduser(os.fspath(path)))
     if not root.is_dir():
         return False
@@ -78,8 +80,12 @@ def is_deepspeed_checkpoint(path: PathLike) -> bool:
         latest = root / pointer
         if latest.is_file():
             tag = latest.read_text(errors="replace").strip()
-            return bool(tag) and "/" not in tag and has_states(root / tag)
-    return False
+            if tag and "/" not in tag and has_states(root / tag):
+                return True
+    try:
+        return any(has_states(d) for d in root.iterdir() if d.is_dir())
+    except OSError:
+        return False
 
 
 def check_destination(source: PathLike, directory: PathLike) -> None:
@@ -338,7 +344,7 @@ def import_state(ckpt: DeepSpeedCheckpoint, plan: Plan, sources: Mapping[str, An
                           opt_state=opt, step=jnp.asarray(ckpt.global_steps, jnp.int32),
                           skipped=jnp.asarray(ckpt.skipped_steps, jnp.int32), scaler=sc, rng=key)
 
-    key = _key_data(plan.seed if rng is None else rng)
+    key = key_data(plan.seed if rng is None else rng)
     state = jax.jit(build, out_shardings=state_shardings(plan))(master, mu, nu, key)
     has_moment_leaves = any(x.shape == y.shape and x.ndim > 0 for x, y in zip(
         jax.tree.leaves(plan.abstract_opt_state), jax.tree.leaves(plan.abstract_params)))

@@ -74,6 +74,12 @@ def derive(config: Config, sources: dict[str, str]) -> Config:
                               f"{zero.offload_param.device}; keep only offload_param")
         zero = dataclasses.replace(zero, offload_param=dataclasses.replace(zero.offload_param, device="cpu"))
         sources["zero_optimization.offload_param.device"] = "derived (cpu_offload_param: true)"
+    if zero.offload_param.device == "nvme" and zero.stage != 3:
+        # Not ignored as device cpu is: a run that asked for its parameters in files under nvme_path would
+        # silently keep them on the device.
+        raise ConfigError(f"zero_optimization.offload_param.device: nvme swaps ZeRO-3's parameter partitions to "
+                          f"files, but zero_optimization.stage is {zero.stage}; set zero_optimization.stage: 3, "
+                          f"or remove offload_param")
     if zero.offload_param.device != "none" and zero.stage != 3:
         # DeepSpeed reads offload_param only in stage 3; stages 0-2 keep parameters on the device.
         warn_ignored(sources, "zero_optimization.offload_param",
@@ -376,8 +382,13 @@ def _check_sections(config: Config) -> None:
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3 "
                           "(stage is 0); set zero_optimization.stage or remove offload_optimizer")
-    if zero.offload_param.device == "nvme":
-        raise ConfigError(_NVME_REFUSED)
+    if zero.offload_param.device == "nvme" and config.mesh.stage > 1:
+        raise ConfigError(f"zero_optimization.offload_param.device: nvme is not built for pipeline runs (mesh.stage "
+                          f"{config.mesh.stage}): their step keeps each stage's parameter row on the device; use "
+                          f"device cpu or none, or mesh.stage: 1")
+    if zero.offload_param.device == "nvme" and not zero.offload_param.nvme_path:
+        raise ConfigError("zero_optimization.offload_param.nvme_path: device nvme keeps the parameter partitions "
+                          "in files; give a folder on a local disk (e.g. nvme_path: /local_nvme)")
     if zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path:
         raise ConfigError("zero_optimization.offload_optimizer.nvme_path: device nvme keeps the optimizer state "
                           "in files; give a folder on a local disk (e.g. nvme_path: /local_nvme)")
@@ -492,19 +503,12 @@ def _check_batch_keys(config: Config, sources: Mapping[str, str]) -> None:
     raise ConfigError("train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu")
 
 
-_NVME_REFUSED = ("zero_optimization.offload_param.device: nvme is not supported (parameters are not swapped to "
-                 "files; the optimizer state is: offload_optimizer.device: nvme); use cpu (host memory, "
-                 "docs/offload.md) or none")
-
-
 def unsupported_features(config: Config) -> list[str]:
     """Keys that parse and validate but whose feature is not built yet: using them is an error."""
     out = []
     zero = config.zero_optimization
     if config.fp16.fp16_master_weights_and_grads:
         out.append("fp16.fp16_master_weights_and_grads: not supported; master weights stay fp32")
-    if zero.offload_param.device == "nvme":
-        out.append(_NVME_REFUSED)
     if zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.ratio < 1.0:
         out.append(f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
                    f"offload) is not supported; use 1.0")

@@ -12,7 +12,6 @@ REFUSED = "refused"
 KINDS = (HONOURED, NO_EFFECT, REFUSED)
 
 _BUCKETS = f"{NO_EFFECT}: XLA schedules, fuses and overlaps the collectives itself"
-_NVME = f"{NO_EFFECT}: parameter NVMe offload is refused (offload_param.device: nvme)"
 _AIO = f"{NO_EFFECT}: libaio's submission setting; the swap files are read and written with preadv/pwritev from aio.thread_count threads"
 _SECTION = HONOURED + " (see its keys)"
 _LOG = f"{HONOURED} (the run's metrics writer)"
@@ -166,16 +165,20 @@ KEY_STATUS: dict[str, str] = {
                                                      f"files once, at start",
     "zero_optimization.offload_optimizer.ratio": HONOURED + " at 1.0; below it refused (partial offload)",
     "zero_optimization.offload_optimizer.compute": HONOURED,
-    "zero_optimization.offload_param.device": HONOURED + " (none, cpu); nvme refused (parameters are not "
-                                                         "swapped to files)",
-    "zero_optimization.offload_param.nvme_path": _NVME,
-    "zero_optimization.offload_param.pin_memory": HONOURED,
-    "zero_optimization.offload_param.buffer_count": _NVME,
-    "zero_optimization.offload_param.buffer_size": _NVME,
-    "zero_optimization.offload_param.max_in_cpu": _NVME,
+    "zero_optimization.offload_param.device": HONOURED + " (none, cpu, nvme: stage 3's parameter partitions in "
+                                                         "swap files between steps, on the device during the "
+                                                         "step; nvme below stage 3 refused)",
+    "zero_optimization.offload_param.nvme_path": HONOURED + " (a fresh zerojax-swap-* subfolder per run)",
+    "zero_optimization.offload_param.pin_memory": HONOURED + " with device cpu",
+    "zero_optimization.offload_param.buffer_count": HONOURED + " with device nvme (host buffers the partitions "
+                                                               "stream through, read ahead and written behind)",
+    "zero_optimization.offload_param.buffer_size": HONOURED + " with device nvme (elements per buffer; a larger "
+                                                              "partition streams in several)",
+    "zero_optimization.offload_param.max_in_cpu": HONOURED + " with device nvme (elements per device kept in host "
+                                                             "memory instead of files, partitions in order)",
     "aio.block_size": _AIO,
     "aio.queue_depth": _AIO,
-    "aio.thread_count": HONOURED + " (threads reading and writing the NVMe swap files)",
+    "aio.thread_count": HONOURED + " (threads reading and writing the NVMe swap files, both tiers)",
     "aio.single_submit": _AIO,
     "aio.overlap_events": _AIO,
     "aio.use_gds": f"{REFUSED} when true (GPUDirect Storage is not built)",

@@ -192,6 +192,8 @@ class MemoryReport(NamedTuple):
     n_frozen: int = 0           # of `n_params`, the frozen ones: stored parameters only (no gradient, no master)
     optimizer_nvme: int = 0     # of `optimizer`, the bytes in NVMe swap files (offload_optimizer.device: nvme)
     nvme_buffers: int = 0       # host bytes the swapped state streams through (buffer_count x tile x 4)
+    params_nvme: int = 0        # of `params`, the bytes in NVMe swap files (offload_param.device: nvme)
+    param_buffers: int = 0      # host bytes the parameters stream through (buffer_count x buffer_size x width)
 
     @property
     def total(self) -> int:
@@ -203,7 +205,7 @@ class MemoryReport(NamedTuple):
 
     @property
     def device(self) -> int:
-        return self.total - self.host - self.optimizer_nvme
+        return self.total - self.host - self.optimizer_nvme - self.params_nvme
 
     @property
     def formula_total(self) -> float:
@@ -212,10 +214,10 @@ class MemoryReport(NamedTuple):
     def table(self) -> str:
         def mib(b: float) -> str:
             return f"{b / 2**20:10.2f}"
-        nvme = self.optimizer_nvme
-        rows = [("parameters", self.params, self.params_host, 0, self.formula_params),
+        nvme = self.optimizer_nvme + self.params_nvme
+        rows = [("parameters", self.params, self.params_host, self.params_nvme, self.formula_params),
                 ("gradients", self.grads, 0, 0, self.formula_grads),
-                ("optimizer state", self.optimizer, self.optimizer_host, nvme, self.formula_optimizer),
+                ("optimizer state", self.optimizer, self.optimizer_host, self.optimizer_nvme, self.formula_optimizer),
                 ("total", self.total, self.host, nvme, self.formula_total)]
         frozen = f" ({self.n_frozen:,} frozen)" if self.n_frozen else ""
         out = [f"ZeRO stage {self.stage}: {self.n_params:,} parameters{frozen} over {self.over()}; {self.memory}",
@@ -225,9 +227,13 @@ class MemoryReport(NamedTuple):
             ratio = got / want if want else float("nan")  # wherever the bytes live
             out.append(f"{name:<16} {mib(got - host - disk)} {mib(host)}{f' {mib(disk)}' if nvme else ''} "
                        f"{mib(want)} {ratio:7.3f}")
-        if nvme:
+        if self.optimizer_nvme:
             out.append(f"NVMe: the master copy and moments in swap files, streamed through {self.nvme_buffers / 2**20:.2f} "
                        f"MiB of host buffers per process (DeepSpeed's ZeRO-Infinity)")
+        if self.params_nvme:
+            out.append(f"NVMe: the parameter partitions in swap files between steps (on the device during the step), "
+                       f"streamed through {self.param_buffers / 2**20:.2f} MiB of host buffers per process (up to "
+                       f"max_in_cpu elements per device stay in host memory instead)")
         out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
         return "\n".join(out)
 
@@ -585,6 +591,12 @@ def memory_report(p: Plan) -> MemoryReport:
         largest = max((math.prod(s.shard_shape(x.shape)) for s, x in
                        zip(jax.tree.leaves(p.update_shardings), jax.tree.leaves(p.abstract_trained))), default=1)
         nvme_buffers = p.memory.swap.buffer_count * min(p.memory.swap.tile, largest) * 4
+    params_nvme = param_buffers = 0
+    if p.memory.param_swap is not None:  # stored parameters in files (max_in_cpu's part counted there too)
+        params_nvme = params
+        largest = max((math.prod(s.shard_shape(x.shape)) for s, x in
+                       zip(jax.tree.leaves(p.param_shardings), jax.tree.leaves(p.abstract_params))), default=1)
+        param_buffers = p.memory.param_swap.buffer_count * min(p.memory.param_swap.tile, largest) * pol.param.itemsize
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
         formula_params=pol.param.itemsize * param_elements,
@@ -594,4 +606,5 @@ def memory_report(p: Plan) -> MemoryReport:
         replicated_fraction=kept / total if total else 0.0,
         params_host=planned_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
         optimizer_host=optimizer_host, optimizer_nvme=nvme, nvme_buffers=nvme_buffers,
+        params_nvme=params_nvme, param_buffers=param_buffers,
         memory=p.memory.describe())

@@ -78,6 +78,8 @@ class NonFiniteGuard:
                 return f"the loss is {record['loss']} at step {record['step']}"
         if not (saving or self.skipping):
             return None
+        if state.params is None:  # parameters in NVMe files between steps: read them back to check them
+            state = self.engine.whole_state()
         finite = params_finite(state, self.engine.plan.replicated)
         if not finite.all():
             return (f"non-finite parameters by step {int(state.step)} in "

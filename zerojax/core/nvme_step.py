@@ -55,6 +55,24 @@ class Region:
         self.size = int(np.prod(shape, dtype=np.int64))
 
 
+def shard_regions(shapes: list[tuple[int, ...]], shardings: list[jax.sharding.Sharding]) -> list[Region]:
+    """The unique shards this process holds of each leaf (`shapes[i]` placed by `shardings[i]`), leaf by
+    leaf, each with every local device that holds it: what a swap file stores once."""
+    out = []
+    for i, (shape, sharding) in enumerate(zip(shapes, shardings)):
+        seen: dict[tuple, Region] = {}
+        for device, index in sorted(sharding.addressable_devices_indices_map(shape).items(),
+                                    key=lambda kv: kv[0].id):
+            key = tuple((s.start, s.stop) for s in index)
+            if key in seen:
+                seen[key].devices.append(device)
+                continue
+            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+            seen[key] = Region(i, index, [device], sub)
+            out.append(seen[key])
+    return out
+
+
 class NvmeStep:
     """`step(state, batch) -> (slim state, metrics)` with the optimizer state in files (module doc)."""
 
@@ -107,20 +125,7 @@ class NvmeStep:
         return self._opt_def.unflatten([x if o < 0 else None for x, o in zip(leaves, self._owner)])
 
     def _regions(self) -> list[Region]:
-        out = []
-        for i, (shape, sharding) in enumerate(zip(self._trained_shapes,
-                                                  jax.tree.leaves(self.plan.update_shardings))):
-            seen: dict[tuple, Region] = {}
-            for device, index in sorted(sharding.addressable_devices_indices_map(shape).items(),
-                                        key=lambda kv: kv[0].id):
-                key = tuple((s.start, s.stop) for s in index)
-                if key in seen:
-                    seen[key].devices.append(device)
-                    continue
-                sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
-                seen[key] = Region(i, index, [device], sub)
-                out.append(seen[key])
-        return out
+        return shard_regions(self._trained_shapes, jax.tree.leaves(self.plan.update_shardings))
 
     def _device_shard(self, array: jax.Array, region: Region) -> jax.Array:
         return next(s.data for s in array.addressable_shards if s.device == region.devices[0])
@@ -170,9 +175,14 @@ class NvmeStep:
         slim = state._replace(master=None, opt_state=self.slim(state.opt_state))
         return jax.device_put(slim, self.slim_shardings)
 
-    def full(self, state: TrainState) -> TrainState:
+    def full(self, state: TrainState, *, moments: bool = True) -> TrainState:
         """The whole state: the slim one with the master copy and moments read back from the files, in
-        the plan's shardings (host memory where the plan stores offloaded state)."""
+        the plan's shardings (host memory where the plan stores offloaded state). `moments=False`: the
+        master copy only, the optimizer state left slim (reading the parameters needs no moments)."""
+        if not moments:
+            if not self.mixed:
+                return state
+            return state._replace(master=jax.device_put(self._master(), state_shardings(self.plan).master))
         storage = state_shardings(self.plan)
         columns: list[list[jax.Array]] = []
         for a in range(len(self.names)):
@@ -236,8 +246,11 @@ class NvmeStep:
     def _old_shards(self, state: TrainState, master: Any) -> Any:
         if not self.mixed:
             return master
-        columns = [self._read_leaf(0, leaf) for leaf in range(len(self._trained_shapes))]
-        return self._trained_def.unflatten(columns)
+        return self._master()
+
+    def _master(self) -> Any:
+        """The master copy (a mixed-precision run's first file), read and placed in the update placement."""
+        return self._trained_def.unflatten([self._read_leaf(0, leaf) for leaf in range(len(self._trained_shapes))])
 
     def _stream(self, state: TrainState, grads: Any, master: Any, coef: jax.Array) -> tuple[Any, Any]:
         grads_l = jax.tree.leaves(grads)
@@ -298,6 +311,39 @@ class NvmeStep:
                 leaves[pos] = jax.device_put(next(it), self.plan.replicated)
         return self._trained_def.unflatten(shards), self._opt_def.unflatten(leaves)
 
-    def lower(self, state: TrainState, batch: Any) -> Any:
-        """The device part's lowering (what a multi-process run compares before step 0)."""
-        return self._front.lower(self.store(state), batch)
+    def lower(self, state: TrainState, batch: Any) -> "Lowered":
+        """The step lowered for `state` (whole or slim, arrays or `jax.ShapeDtypeStruct`s: only shapes
+        and shardings are read, nothing is written to the files) and `batch`, as JAX's ahead-of-time
+        interface has it: the device part's program, whose `compile()` is the step to call."""
+        slim = state._replace(master=None, opt_state=self.slim(state.opt_state))
+        return Lowered(self, self._front.lower(slim, batch))
+
+
+class Lowered:
+    """A step of several programs lowered (`NvmeStep`, `core.param_swap.ParamSwapStep`): JAX's `Lowered`
+    of its device part (`as_text`, ... read through), and `compile()` gives the `Compiled` that runs the
+    whole step. Such a step thus takes the path of a jitted one (`Engine._agreed`: lower, compare across
+    processes, compile, call)."""
+
+    def __init__(self, step: Callable[..., Any], front: Any):
+        self._step, self._front = step, front
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._front, name)
+
+    def compile(self, *args: Any, **kwargs: Any) -> "Compiled":
+        return Compiled(self._step, self._front.compile(*args, **kwargs))
+
+
+class Compiled:
+    """The device part's executable (`as_text`, `memory_analysis`, ... read through); calling it runs
+    the whole step (the step's own `__call__`), its first program already compiled."""
+
+    def __init__(self, step: Callable[..., Any], front: Any):
+        self._step, self._front = step, front
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._front, name)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        return self._step(state, batch)

@@ -39,10 +39,12 @@ class Memory:
     update: str = "device"         # "device" or "host"
     swap: Swap | None = None       # NVMe (ZeRO-Infinity): master and optimizer state in files, `optimizer`
                                    # the host memory a whole state passes through (init, checkpoints)
+    param_swap: Swap | None = None  # NVMe parameters (stage 3): compute-dtype shards in files between steps,
+                                    # on the device (`params` None) during the step (`core.param_swap`)
 
     @property
     def offloaded(self) -> bool:
-        return self.params is not None or self.optimizer is not None
+        return self.params is not None or self.optimizer is not None or self.param_swap is not None
 
     def describe(self) -> str:
         if not self.offloaded:
@@ -54,6 +56,8 @@ class Memory:
             parts.append(f"master weights and optimizer state in {self.optimizer}")
         if self.params is not None:
             parts.append(f"parameters in {self.params}")
+        if self.param_swap is not None:
+            parts.append(f"parameters in {self.param_swap.describe()} between steps")
         return "offload: " + ", ".join(parts) + f"; optimizer update on the {self.update}"
 
 

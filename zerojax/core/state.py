@@ -106,7 +106,7 @@ def init_state(plan: Plan, params: Any, rng: jax.Array | int | None = None) -> T
     """
     check_params(plan, abstract_params(params))
     rng = plan.seed if rng is None else rng
-    fn, args = _init_fn(plan, params, rng if isinstance(rng, int) else _key_data(rng))
+    fn, args = _init_fn(plan, params, rng if isinstance(rng, int) else key_data(rng))
     return fn(*args)
 
 
@@ -123,7 +123,7 @@ def _init_fn(plan: Plan, params: Any, key: jax.Array | int) -> tuple[Callable[..
 
     def init(params: Any, key: jax.Array, model_state: Any) -> TrainState:
         if seed is not None:
-            key = _key_data(seed)
+            key = key_data(seed)
         if pending is not None:
             params = build(pending, plan.init_shardings)
         params = to_device(params)  # computed on the device, whatever memory they come from
@@ -140,7 +140,7 @@ def _init_fn(plan: Plan, params: Any, key: jax.Array | int) -> tuple[Callable[..
     return jitted, (None if pending is not None else params, None if seed is not None else key, plan.model_state)
 
 
-def _key_data(rng: jax.Array | int) -> jax.Array:
+def key_data(rng: jax.Array | int) -> jax.Array:
     """Raw uint32 key data from a seed, a typed key or raw key data (what orbax can store)."""
     if isinstance(rng, int):
         return jax.random.key_data(jax.random.key(rng))

@@ -44,6 +44,7 @@ from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
 from zerojax.core.mesh import DataAxis, data_axis, row_axes, row_size, sequence_size
 from zerojax.core.sequence import batch_specs, split_tokens
 from zerojax.core.nvme_step import NvmeStep
+from zerojax.core.param_swap import ParamSwapStep
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
@@ -113,8 +114,11 @@ def _reduce_axis(lay: LeafLayout) -> DataAxis:
     return rest[0] if len(rest) == 1 else rest
 
 
-def _wrap_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
-    """Local parameter blocks as the loss sees them inside shard_map.
+def local_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
+    """Local parameter blocks as the loss sees them inside shard_map: the train and eval steps' and
+    generation's (`models.generate`, its layer-by-layer layout). `for_grad`: the blocks are
+    differentiated (typed per-device where their gradient is a partial sum); `marked`: the loss
+    gathers its parameters itself (`gathers_params`).
 
     Parameters stored in host memory (offload) reach the device here, except the ones the loss
     gathers itself: those come in layer by layer, inside `gather`.
@@ -301,7 +305,7 @@ def micro_grad_fn(plan: Plan, prepared_loss: PreparedLoss) -> GradFn:
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array, model_state: Any
               ) -> tuple[jax.Array, Any, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
-        wrapped = _wrap_params(plan, params, for_grad=True, marked=marked)
+        wrapped = local_params(plan, params, for_grad=True, marked=marked)
         # Differentiated w.r.t. the trainable leaves only: the frozen ones are closed over, so no
         # gradient of theirs is computed, reduced or stored.
         trained, frozen = plan.trained(wrapped), plan.frozen(wrapped)
@@ -542,14 +546,17 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
     metrics: loss, grad_norm, lr, loss_scale (the scale this step used), skipped, and micro_losses
     (each micro-batch's mean loss, in DeepSpeed's order). With `offload_optimizer.device: nvme` the
     step is a `core.nvme_step.NvmeStep` (same call; the state it returns holds no master copy or
-    optimizer moments: those live in its files, `step.full(state)` reads them back).
+    optimizer moments: those live in its files, `step.full(state)` reads them back); with
+    `offload_param.device: nvme` a `core.param_swap.ParamSwapStep` around it (its state holds no
+    parameters between steps).
     """
     prep = prepared(loss, "make_train_step")
     plan = checked_kernels(plan)
     grad_fn = micro_grad_fn(plan, prep)
     keeps = keeps_state(prep.user)
     if plan.memory.swap is not None:  # optimizer state on NVMe: the update streams from files on the host
-        return NvmeStep(plan, *_around_the_update(plan, grad_fn, keeps))
+        inner: Callable[..., Any] = NvmeStep(plan, *_around_the_update(plan, grad_fn, keeps))
+        return inner if plan.memory.param_swap is None else ParamSwapStep(plan, inner)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         losses, grads, *model_state = grad_fn(state.params, batch, state.scaler.scale, step_key(state),
@@ -560,8 +567,9 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
         return new, {**metrics, "micro_losses": losses}
 
     shardings = state_shardings(plan)
-    return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
-                   donate_argnums=0)
+    jitted = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
+    # parameters on NVMe: read onto the devices before the step, written back after it
+    return jitted if plan.memory.param_swap is None else ParamSwapStep(plan, jitted)
 
 
 def _around_the_update(plan: Plan, grad_fn: GradFn, keeps: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -604,7 +612,7 @@ def make_eval_step(plan: Plan, loss: PreparedLoss) -> Callable[..., jax.Array]:
     keeps = keeps_state(prep.user)
 
     def local(params: Any, batch: Any, model_state: Any) -> jax.Array:
-        value, _ = run(_wrap_params(plan, params, for_grad=False, marked=marked), batch, None, model_state)
+        value, _ = run(local_params(plan, params, for_grad=False, marked=marked), batch, None, model_state)
         return jax.lax.pmean(value.astype(jnp.float32), data_axis())
 
     sp = sequence_size(plan.mesh)

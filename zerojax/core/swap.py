@@ -12,33 +12,68 @@ buffer sets): one computing, the next being read, earlier ones being written.
 The I/O path is `os.preadv` / `os.pwritev` of whole tiles into preallocated numpy buffers, issued
 from a thread pool of `aio.thread_count` threads (the calls release the GIL), not memory maps: a
 mapped file's pages count in the process's resident set, preallocated buffers bound it.
+
+The parameters' tier (`offload_param.device: nvme`, `core.param_swap`) uses the same files and stream:
+one compute-dtype array per region, passes that only read (before a step) or only write (after it).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import socket
 import shutil
 import tempfile
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 SWAP_PREFIX = "zerojax-swap-"
+OWNER = "owner"  # in each swap folder: "<host> <pid>" of the process working in it
+
+log = logging.getLogger(__name__)
+
+
+def _owner_gone(folder: Path) -> bool:
+    """Whether `folder`'s owner file names a process of this host that no longer runs. A folder
+    without one, of another host, or whose process may still run is never judged gone."""
+    try:
+        host, pid = (folder / OWNER).read_text().split()
+        if host != socket.gethostname():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):  # no or unreadable owner file, or a process we may not signal
+        return False
+    return False
+
+
+def remove_abandoned(root: Path) -> list[Path]:
+    """Remove the swap folders under `root` left by killed processes of this host (a SIGKILL skips
+    every cleanup, and the folder is as large as the state it held). Only `zerojax-swap-*` folders
+    whose owner file names a process that no longer exists are touched."""
+    gone = [f for f in sorted(root.glob(SWAP_PREFIX + "*")) if f.is_dir() and _owner_gone(f)]
+    for folder in gone:
+        log.info("removing %s, the swap folder of a process that no longer runs", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    return gone
 
 
 @dataclasses.dataclass(frozen=True)
 class Swap:
-    """How optimizer state is swapped to files (the planner's reading of `offload_optimizer` and `aio`)."""
+    """How state is swapped to files (the planner's reading of `offload_optimizer` or `offload_param`, and `aio`)."""
     path: str                   # folder on the local disk; each engine works in a fresh subfolder of it
     buffer_count: int = 4       # host buffers of `tile` fp32 elements each
     tile: int = 1_000_000_000   # elements per tile (sub_group_size), capped at the largest shard
     read_ahead: bool = False    # pipeline_read: read the next tile while this one computes
     write_behind: bool = False  # pipeline_write: write a tile while the next ones compute
     threads: int = 1            # aio.thread_count: parallel reads and writes
+    in_memory: int = 0          # parameters' max_in_cpu: elements per device kept in host memory, not in files
 
     def describe(self) -> str:
         pipe = [n for n, on in (("read ahead", self.read_ahead), ("write behind", self.write_behind)) if on]
@@ -62,32 +97,39 @@ class StreamStats(NamedTuple):
 
 
 class SwapFiles:
-    """One file per state array (`names`), each the concatenation of `sizes` regions of fp32 elements.
+    """One file per state array (`names`), each the concatenation of `sizes` regions of `dtype` elements
+    (fp32 for the optimizer's state, the compute dtype for parameters).
 
     The folder is a fresh `zerojax-swap-*` subfolder of `swap.path` (nothing already there is read or
     written) and is removed when the object is collected or the interpreter exits: the files are
     working state, checkpoints hold the run.
     """
 
-    def __init__(self, swap: Swap, names: Sequence[str], sizes: Sequence[int], extra: int = 0):
+    def __init__(self, swap: Swap, names: Sequence[str], sizes: Sequence[int], extra: int = 0,
+                 dtype: Any = np.float32):
+        self.dtype = np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
         root = Path(swap.path)
         root.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(root)
         self.folder = Path(tempfile.mkdtemp(prefix=SWAP_PREFIX, dir=root))
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        (self.folder / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         self.swap, self.names, self.sizes = swap, list(names), [int(n) for n in sizes]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         total = int(self.offsets[-1])
-        self._fds = []
+        self._fds: list[int] = []
+        self._close_fds = weakref.finalize(self, _close_all, self._fds)  # before rmtree, at collection too
         for name in self.names:
-            fd = os.open(self.folder / f"{name}.f32", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, total * 4)
+            suffix = "f32" if self.dtype == np.float32 else self.dtype.name
+            fd = os.open(self.folder / f"{name}.{suffix}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             self._fds.append(fd)
-        weakref.finalize(self, _close_all, list(self._fds))
+            os.ftruncate(fd, total * self.itemsize)
         self.tile = max(1, min(swap.tile, max(self.sizes, default=1)))
         # buffers[s][a]: state array a of the tile in flight in set s; after the files' arrays, `extra`
         # buffers the caller fills itself (the gradient tile)
         self.sets = max(1, swap.buffer_count // (len(self.names) + extra))
-        self.buffers = [[np.empty(self.tile, np.float32) for _ in range(len(self.names) + extra)]
+        self.buffers = [[np.empty(self.tile, self.dtype) for _ in range(len(self.names) + extra)]
                         for _ in range(self.sets)]
         self._pool = ThreadPoolExecutor(max_workers=max(1, swap.threads), thread_name_prefix="zerojax-swap")
         weakref.finalize(self, self._pool.shutdown, True)
@@ -100,7 +142,7 @@ class SwapFiles:
 
     @property
     def file_bytes(self) -> int:
-        return int(self.offsets[-1]) * 4 * len(self.names)
+        return int(self.offsets[-1]) * self.itemsize * len(self.names)
 
     def tiles(self, region: int) -> list[Tile]:
         n = self.sizes[region]
@@ -108,26 +150,29 @@ class SwapFiles:
 
     # -- whole regions (initialisation, checkpoints) ----------------------------------------------
     def write_region(self, array: int, region: int, values: np.ndarray) -> None:
-        flat = np.ascontiguousarray(values, np.float32).reshape(-1)
+        flat = np.ascontiguousarray(values, self.dtype).reshape(-1)
         assert flat.size == self.sizes[region], (flat.size, self.sizes[region])
-        _pwrite_all(self._fds[array], memoryview(flat).cast("B"), int(self.offsets[region]) * 4)
+        _pwrite_all(self._fds[array], _bytes(flat), int(self.offsets[region]) * self.itemsize)
 
     def read_region(self, array: int, region: int) -> np.ndarray:
-        out = np.empty(self.sizes[region], np.float32)
-        _pread_all(self._fds[array], memoryview(out).cast("B"), int(self.offsets[region]) * 4)
+        out = np.empty(self.sizes[region], self.dtype)
+        _pread_all(self._fds[array], _bytes(out), int(self.offsets[region]) * self.itemsize)
         return out
 
     # -- the streamed pass ------------------------------------------------------------------------
     def _io(self, fn: Callable[[int, memoryview, int], None], s: int, t: Tile) -> list[Future]:
         n = t.stop - t.start
-        offset = (int(self.offsets[t.region]) + t.start) * 4
-        return [self._pool.submit(fn, fd, memoryview(self.buffers[s][a][:n]).cast("B"), offset)
+        offset = (int(self.offsets[t.region]) + t.start) * self.itemsize
+        return [self._pool.submit(fn, fd, _bytes(self.buffers[s][a][:n]), offset)
                 for a, fd in enumerate(self._fds)]  # the files' arrays only, not the caller's extras
 
-    def stream(self, tiles: Sequence[Tile], compute: Callable[[int, Tile, list[np.ndarray]], None]) -> None:
+    def stream(self, tiles: Sequence[Tile], compute: Callable[[int, Tile, list[np.ndarray]], None], *,
+               read: bool = True, write: bool = True) -> None:
         """Read each tile's arrays, `compute(i, tile, buffers)` them in place (each buffer `tile` long,
         the tile's elements first), and write them back. Reads run ahead and writes behind as `swap` allows and the buffer sets leave room: set
-        `i % sets` holds tile i, so a set is read again only once its last write is done."""
+        `i % sets` holds tile i, so a set is read again only once its last write is done.
+        `read=False`: `compute` fills the buffers (a pass that only writes, the parameters going out);
+        `write=False`: the files keep their bytes (a pass that only reads, the parameters coming in)."""
         reads: dict[int, list[Future]] = {}
         writes: dict[int, list[Future]] = {}
         waited = {"read": 0.0, "write": 0.0}
@@ -141,7 +186,7 @@ class SwapFiles:
         def start_read(i: int) -> None:
             s = i % self.sets
             wait(writes.pop(s, []), "write")
-            reads[i] = self._io(_pread_all, s, tiles[i])
+            reads[i] = self._io(_pread_all, s, tiles[i]) if read else []
 
         for i, t in enumerate(tiles):
             if i not in reads:
@@ -151,18 +196,22 @@ class SwapFiles:
                 start_read(i + 1)
             s = i % self.sets
             compute(i, t, self.buffers[s])
+            if not write:
+                continue
             writes[s] = self._io(_pwrite_all, s, t)
             if not self.swap.write_behind:
                 wait(writes.pop(s), "write")
         for fs in writes.values():
             wait(fs, "write")
-        moved = sum(t.stop - t.start for t in tiles) * 4 * len(self.names)
-        self.last = StreamStats(read_wait_s=waited["read"], write_wait_s=waited["write"], bytes_read=moved,
-                                bytes_written=moved)
+        moved = sum(t.stop - t.start for t in tiles) * self.itemsize * len(self.names)
+        self.last = StreamStats(read_wait_s=waited["read"], write_wait_s=waited["write"],
+                                bytes_read=moved if read else 0, bytes_written=moved if write else 0)
 
     def close(self) -> None:
-        """Remove the working files now (also done when the object is collected)."""
+        """Close and remove the working files now (also done when the object is collected): a removed
+        file still open would keep its disk space."""
         self._pool.shutdown(wait=True)
+        self._close_fds()
         self._cleanup()
 
 
@@ -172,6 +221,11 @@ def _close_all(fds: list[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    """A contiguous array's bytes (through a uint8 view: bfloat16 has no buffer-protocol format)."""
+    return memoryview(array.view(np.uint8))
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:

@@ -34,6 +34,8 @@ from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
 from zerojax.core.nonfinite import finite_flags, float_leaves
+from zerojax.core.nvme_step import NvmeStep
+from zerojax.core.param_swap import ParamSwapStep
 from zerojax.core.precision import LossScaleState, update_loss_scale
 from zerojax.core.state import TrainState, abstract_state, init_state, logical_params
 from zerojax.rewrite import prepare_loss
@@ -42,6 +44,10 @@ from zerojax.core.step import (LossFn, check_batch, check_eval_batch, checked_ke
 
 if TYPE_CHECKING:
     from zerojax.checkpoint import PendingSave
+
+# Steps that keep part of the state in swap files between calls: `store` writes a whole state out and
+# returns what the step carries, `full` reads it back.
+_SWAPPING = (NvmeStep, ParamSwapStep)
 
 
 def set_log_level(level: str) -> None:
@@ -124,8 +130,6 @@ class Engine(DeepSpeedAPI):
         if config.log_level is not None:
             set_log_level(config.log_level)
         self._train_step, self._eval_step = train_step, eval_step
-        if getattr(train_step, "store", None) is not None or not hasattr(train_step, "lower"):
-            compile_for = None  # the step takes a slimmer state than `init_state`'s (NVMe): compiled at its call
         with compiling_ahead(train_step, plan, compile_for):
             self.state: TrainState = self._stored(init_state(plan, params))
             if compile_for is not None:  # the finiteness check of the first fetch and every save, meanwhile
@@ -146,15 +150,19 @@ class Engine(DeepSpeedAPI):
 
     def _stored(self, state: TrainState) -> TrainState:
         """A whole state as the step carries it: with the optimizer state on NVMe, written to the step's
-        files and returned slim (`core.nvme_step`); otherwise unchanged."""
-        store = getattr(self._train_step, "store", None)
-        return state if store is None else store(state)
+        files and returned slim (`core.nvme_step`; the parameters on NVMe: `core.param_swap`); otherwise
+        unchanged."""
+        return self._train_step.store(state) if isinstance(self._train_step, _SWAPPING) else state
+
+    def _live_params(self) -> Any:
+        """The stored parameters on the devices: read from the NVMe files when they live there."""
+        step = self._train_step
+        return step.live(self.state).params if isinstance(step, ParamSwapStep) else self.state.params
 
     def whole_state(self) -> TrainState:
         """The state with every field present: the master copy and optimizer moments read back from the
         NVMe files when the optimizer state lives there (checkpoints save this), else `self.state`."""
-        full = getattr(self._train_step, "full", None)
-        return self.state if full is None else full(self.state)
+        return self._train_step.full(self.state) if isinstance(self._train_step, _SWAPPING) else self.state
 
     # -- training ---------------------------------------------------------------------------
     def place_batch(self, batch: Any, rows: int | None = None) -> Any:
@@ -245,7 +253,7 @@ class Engine(DeepSpeedAPI):
     def eval_batch(self, batch: Any) -> jax.Array:
         """Mean loss of `batch` (leading dimension a multiple of the data-parallel size)."""
         batch = self._checked(batch, check_eval_batch)
-        args = (self.state.params, batch) + (() if self.state.model_state is None else (self.state.model_state,))
+        args = (self._live_params(), batch) + (() if self.state.model_state is None else (self.state.model_state,))
         return self._agreed("eval step", self._eval_step, *args)(*args)
 
     def _agreed(self, name: str, fn: Any, *args: Any) -> Any:
@@ -253,7 +261,10 @@ class Engine(DeepSpeedAPI):
         these arguments (`runtime.agreement`): the first call of each step is compiled here and its
         executable used; a mismatch is refused on every process before any collective runs. The
         compiler's freed working memory is handed back before that first call runs, so the step's
-        buffers do not stack on it in the host's peak (later calls reuse jit's cached executable)."""
+        buffers do not stack on it in the host's peak (later calls reuse jit's cached executable, and
+        a step compiled ahead by `compile_for` is found in that cache: one process compiles it once).
+        `fn` follows JAX's ahead-of-time interface (`fn.lower(*args).compile()` is what to call), as
+        the NVMe step of several programs does too (`core.nvme_step.Lowered`)."""
         if name in self._agreed_steps:
             return fn
         lowered = fn.lower(*args)
@@ -263,9 +274,7 @@ class Engine(DeepSpeedAPI):
             agree_on_program(name, lowered.as_text(), compiled.as_text(), config=config_items(self.config),
                              timeout_s=self.config.distributed.hang_timeout or 300.0)
         self._agreed_steps.add(name)
-        # A step of several programs around a host update (the NVMe optimizer's) runs as itself: its
-        # lowering is only the device part's, compared above.
-        return fn if getattr(fn, "store", None) is not None else compiled
+        return compiled  # a step of several programs (the NVMe optimizer's) compiles to the whole step
 
     @property
     def last_metrics(self) -> dict[str, jax.Array] | None:
@@ -315,7 +324,7 @@ class Engine(DeepSpeedAPI):
         if jax.process_count() > 1:
             same_request("generate", prompts, lengths, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
                          stop_ids, pad_id)
-        return generate(self.decoder, self.state.params, prompts, lengths, max_new_tokens, temperature=temperature,
+        return generate(self.decoder, self._live_params(), prompts, lengths, max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, plan=self.plan, stop_ids=stop_ids,
                         pad_id=pad_id)
 
@@ -324,7 +333,12 @@ class Engine(DeepSpeedAPI):
     def params(self) -> Any:
         """Logical (whole-shape) parameters: the fp32 master copy under mixed precision (read back from
         the NVMe files when it lives there)."""
-        return logical_params(self.whole_state() if self.plan.policy.mixed else self.state)
+        step, state = self._train_step, self.state
+        if isinstance(step, ParamSwapStep):
+            step, state = step.inner, step.live(state)
+        if self.plan.policy.mixed and isinstance(step, NvmeStep):
+            state = step.full(state, moments=False)  # the moments stay on NVMe
+        return logical_params(state)
 
     @property
     def model_state(self) -> Any:
@@ -408,7 +422,7 @@ class Engine(DeepSpeedAPI):
         del load_lr_scheduler_states
         self.wait_for_checkpoint()
         state, extra = checkpoint.load(load_dir, tag, self.plan, load_optimizer_states=load_optimizer_states,
-                                       load_module_only=load_module_only, frozen=self.state.params)
+                                       load_module_only=load_module_only, frozen=self._live_params())
         self.state = self._stored(state)
         self.loaded_extra = extra
         resolved = tag or checkpoint.latest_tag(load_dir)

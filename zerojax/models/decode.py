@@ -172,7 +172,7 @@ class GPTDecoder(_Decoder):
         return x + blk.out(jax.nn.gelu(blk.fc(blk.ln2(x)))), k_cache, v_cache
 
     def _logits(self, params: Any, x: jax.Array) -> jax.Array:
-        x = gpt._layer_norm(params["ln_f"], x, gpt.norm_eps(self.cfg))
+        x = gpt.layer_norm(params["ln_f"], x, gpt.norm_eps(self.cfg))
         return gpt.logits(params, x)
 
 
@@ -181,7 +181,7 @@ class LlamaDecoder(_Decoder):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.n_kv_heads = llama._kv_heads(cfg)
+        self.n_kv_heads = llama.kv_heads(cfg)
         self.head_dim = llama.head_width(cfg)
         self._make = lambda: llama.Layer(cfg, rngs=nnx.Rngs(0))
 
@@ -225,7 +225,7 @@ class LlamaDecoder(_Decoder):
 
     def _logits(self, params: Any, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = llama.rms_norm(x, params["norm"]["scale"], llama._eps(cfg), cfg.norm_offset)
+        x = llama.rms_norm(x, params["norm"]["scale"], llama.norm_eps(cfg), cfg.norm_offset)
         head = None if cfg.tie_embeddings else params["head"]["kernel"]
         return llama.head_logits(cfg, x, params["embed"]["embedding"], head)
 

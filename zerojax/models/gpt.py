@@ -117,7 +117,8 @@ def _block(cfg: ModelConfig, layer: dict[str, Any]) -> Block:
     return nnx.merge(graphdef, state)
 
 
-def _layer_norm(p: dict[str, jax.Array], x: jax.Array, eps: float = 1e-6) -> jax.Array:
+def layer_norm(p: dict[str, jax.Array], x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm in float32 over the last axis with `p`'s scale and bias (the model's and the decoder's)."""
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
@@ -143,7 +144,7 @@ def apply(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array,
     if remat is not None:
         body = remat.wrap(body)
     x, _ = jax.lax.scan(body, x, params["blocks"])
-    x = _layer_norm(top["ln_f"], x, norm_eps(cfg))
+    x = layer_norm(top["ln_f"], x, norm_eps(cfg))
     return logits(top, x)
 
 
@@ -196,7 +197,7 @@ class Head(nnx.Module):
                                kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = _layer_norm({"scale": self.ln_f.scale[...], "bias": self.ln_f.bias[...]}, x, self.eps)
+        x = layer_norm({"scale": self.ln_f.scale[...], "bias": self.ln_f.bias[...]}, x, self.eps)
         return jnp.einsum("btd,dv->btv", x, self.head.kernel[...], preferred_element_type=jnp.float32)
 
 

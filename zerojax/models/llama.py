@@ -37,11 +37,13 @@ from zerojax.models.loss import inputs, next_token_loss
 from zerojax.models.moe import MoE
 
 
-def _eps(cfg: ModelConfig) -> float:
+def norm_eps(cfg: ModelConfig) -> float:
+    """The RMSNorm epsilon (`model.norm_eps`, LlamaConfig's 1e-5 when unset): the layers' and the decoder's."""
     return cfg.norm_eps if cfg.norm_eps is not None else 1e-5
 
 
-def _kv_heads(cfg: ModelConfig) -> int:
+def kv_heads(cfg: ModelConfig) -> int:
+    """Key/value heads (`model.n_kv_heads`; every query head's own when unset)."""
     return cfg.n_kv_heads or cfg.n_heads
 
 
@@ -100,7 +102,7 @@ class RMSNorm(nnx.Module):
 
 def norm(cfg: ModelConfig, d: int) -> RMSNorm:
     """The model's RMSNorm of width `d` (its eps and Gemma's offset)."""
-    return RMSNorm(d, _eps(cfg), cfg.norm_offset)
+    return RMSNorm(d, norm_eps(cfg), cfg.norm_offset)
 
 
 def embed_tokens(cfg: ModelConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -191,7 +193,7 @@ class Layer(nnx.Module):
     `model.sliding_window` (Mistral: a query attends to the last `sliding_window` positions only)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
-        d, h, kv = cfg.d_model, cfg.n_heads, _kv_heads(cfg)
+        d, h, kv = cfg.d_model, cfg.n_heads, kv_heads(cfg)
         hd = head_width(cfg)
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
@@ -327,7 +329,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         axis = sequence_axis()
         if axis is not None:  # `tokens` is chunk axis_index of each row (positions from chunk_offset)
-            ulysses.check_heads(cfg.n_heads, _kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_group_size())
+            ulysses.check_heads(cfg.n_heads, kv_heads(cfg), jax.lax.axis_size(axis), ulysses.tensor_group_size())
         cos, sin = rotary(tokens.shape[1], head_width(cfg), cfg.rope_theta, chunk_offset(tokens.shape[1]),
                           frequencies(cfg))
         x = embed_tokens(cfg, self.embed.embedding[...], tokens)

@@ -139,4 +139,5 @@ def reference(cfg: ModelConfig, engine: Any) -> "Reference | BaseReference":
     else a host copy of the starting weights."""
     if getattr(cfg, "lora", None) is not None:
         return BaseReference(cfg, lambda: engine.params)
-    return Reference(cfg, engine.params, jax.tree.map(lambda x: x.sharding, engine.state.params))
+    # the plan's parameter placement (the state's; between steps the state holds none with offload_param nvme)
+    return Reference(cfg, engine.params, engine.plan.param_storage)

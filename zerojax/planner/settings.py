@@ -6,6 +6,7 @@ record of `zerojax.core`; the plan builder calls them once per run.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -73,6 +74,18 @@ def _available_kinds(mesh: Mesh) -> set[str]:
 
 
 def memory_plan(config: Config, mesh: Mesh, kernels: str = "xla") -> Memory:
+    """Memory kinds from `zero_optimization.offload_*`, checked against the mesh's backend, and the
+    parameters' swap files with `offload_param.device: nvme` (`core.param_swap`)."""
+    memory = _memory_kinds(config, mesh, kernels)
+    param_cfg = config.zero_optimization.offload_param
+    if param_cfg.device != "nvme":
+        return memory
+    swap = Swap(path=str(param_cfg.nvme_path), buffer_count=param_cfg.buffer_count, tile=param_cfg.buffer_size,
+                read_ahead=True, write_behind=True, threads=config.aio.thread_count, in_memory=param_cfg.max_in_cpu)
+    return dataclasses.replace(memory, param_swap=swap)
+
+
+def _memory_kinds(config: Config, mesh: Mesh, kernels: str = "xla") -> Memory:
     """Memory kinds from `zero_optimization.offload_*`, checked against the mesh's backend.
 
     `kernels` is the plan's update backend: fused Pallas kernels run on the device, so with them
@@ -127,7 +140,7 @@ def _nvme_plan(config: Config, mesh: Mesh) -> Memory:
     """`offload_optimizer.device: nvme` (ZeRO-Infinity): the master copy and optimizer moments in files,
     updated on the host tile by tile (`core.swap`, `core.nvme_step`). A whole state (at start, in a
     checkpoint) passes through host memory when the backend has it. Parameters stay where
-    `offload_param` puts them (nvme there is refused by the config's rules)."""
+    `offload_param` puts them (nvme: in their own files, `memory_plan`)."""
     zero = config.zero_optimization
     opt_cfg, param_cfg = zero.offload_optimizer, zero.offload_param
     if config.optimizer is not None and not is_elementwise(config.optimizer.type):

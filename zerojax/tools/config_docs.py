@@ -126,7 +126,9 @@ names and their aliases alike: `prefetch_bucket_size` or `stage3_prefetch_bucket
 `gather_16bit_weights_on_model_save` (or `stage3_gather_16bit_weights_on_model_save`, or the older
 `stage3_gather_fp16_weights_on_model_save`); the deprecated `cpu_offload` and `cpu_offload_param`
 mean `offload_optimizer` / `offload_param` with device `cpu`; `sub_group_size: 0` is valid.
-`offload_param` below stage 3 is ignored with a warning, as DeepSpeed ignores it.
+`offload_param` below stage 3 is ignored with a warning, as DeepSpeed ignores it (device `nvme` there is
+refused: a run that asked for files would silently keep its parameters on the device). Both NVMe tiers
+are built (`offload_optimizer.device: nvme`, `offload_param.device: nvme`: docs/offload.md).
 
 **No optimizer section.** DeepSpeed then trains with the optimizer passed to
 `deepspeed.initialize(optimizer=...)`, and so does zerojax: pass `optimizer=` (and optionally
@@ -173,8 +175,7 @@ result here:
 {accepted_rows}
 
 **Refused.** The same keys are refused, with the reason, when their value would change the result,
-as are parameter NVMe offload (`offload_param.device: nvme`, refused by `load_config`; the optimizer's
-NVMe tier is built: docs/offload.md), 1-bit optimizers,
+as are 1-bit optimizers,
 `fp16.fp16_master_weights_and_grads`, partial offload (`offload_optimizer.ratio` < 1) and MiCS
 (`mics_shard_size` > 0):
 

@@ -41,12 +41,20 @@ class OffloadOptimizerConfig:
 class OffloadParamConfig:
     """Where stage-3 parameters live between uses (docs/offload.md)."""
     device: str = option("none", "none | cpu (host memory, each layer brought in where it is gathered; "
-                                 "stage 3) | nvme (refused: use cpu).", choices=("none", "cpu", "nvme"))
-    nvme_path: Optional[str] = option(None, "For device nvme (refused).")
-    pin_memory: bool = option(True, "Pinned host memory (memory kind pinned_host; false: unpinned_host).")
-    buffer_count: int = option(5, "For device nvme (refused).", gt=0)
-    buffer_size: int = option(100_000_000, "For device nvme (refused).", gt=0)
-    max_in_cpu: int = option(1_000_000_000, "For device nvme (refused).", ge=0)
+                                 "stage 3) | nvme (files under nvme_path between steps, streamed through "
+                                 "buffer_count host buffers; on the device during the step; stage 3).",
+                         choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = option(None, "device nvme: a folder on a local disk; each run works in a fresh "
+                                            "zerojax-swap-* subfolder, removed when it ends.")
+    pin_memory: bool = option(True, "device cpu: pinned host memory (memory kind pinned_host; false: "
+                                    "unpinned_host).")
+    buffer_count: int = option(5, "device nvme: host buffers the partitions stream through (read ahead, "
+                                  "written behind).", gt=0)
+    buffer_size: int = option(100_000_000, "device nvme: elements per buffer (compute dtype); a larger "
+                                           "partition streams through in pieces.", gt=0)
+    max_in_cpu: int = option(1_000_000_000, "device nvme: elements per device kept in host memory instead of "
+                                            "files (the first partitions, leaf order), as DeepSpeed keeps them.",
+                             ge=0)
 
 
 @dataclass(frozen=True)

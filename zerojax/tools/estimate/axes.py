@@ -29,7 +29,7 @@ import jax
 from zerojax.config import Config
 from zerojax.errors import ConfigError
 from zerojax.tools.estimate.memory import CHOICES, Choice, abstract_mesh, size_unit, variant
-from zerojax.tools.estimate.shapes import ModelShape, _sds
+from zerojax.tools.estimate.shapes import ModelShape, fp32_shape
 from zerojax.tools.estimate.timing import zero_comm_bytes
 from zerojax.tools.estimate.tensor import Arch, activation_bytes
 
@@ -132,7 +132,7 @@ def _role_bytes(cfg: Config, model: ModelShape | None = None) -> tuple[Bytes, in
         k = rep.formula_optimizer / model.total_params
     else:
         psi = 64
-        k = round(make_plan(cfg, abstract_mesh(1), {"w": _sds(psi)}).report().formula_optimizer / psi)
+        k = round(make_plan(cfg, abstract_mesh(1), {"w": fp32_shape(psi)}).report().formula_optimizer / psi)
     return Bytes(pol.param.itemsize, pol.accum.itemsize, k), (pol.comm or pol.accum).itemsize
 
 

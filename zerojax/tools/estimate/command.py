@@ -136,9 +136,14 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
               f"bytes in CPU memory)."]
     for e in exact:
         if e.nvme_bytes:
-            lines.append(f"{e.choice.label}: {num(e.nvme_bytes).strip()} {unit} per host in NVMe swap files (the fp32 "
-                         f"master and moments); its per-host figure above is host memory: the parameters' and "
-                         f"buffers' share (buffer_count x sub_group_size x 4 bytes per device)")
+            params = e.report.params_nvme if e.report is not None else 0
+            what = ("the fp32 master and moments, and the parameter partitions; its per-device figure counts the "
+                    "partitions too, on the device during the step; its per-host figure above is host memory: the "
+                    "buffers' share (offload_optimizer's buffer_count x sub_group_size x 4 bytes and offload_param's "
+                    "buffer_count x buffer_size elements per device)" if params else
+                    "the fp32 master and moments); its per-host figure above is host memory: the parameters' and "
+                    "buffers' share (buffer_count x sub_group_size x 4 bytes per device")
+            lines.append(f"{e.choice.label}: {num(e.nvme_bytes).strip()} {unit} per host in NVMe swap files ({what})")
     frozen = exact[0].report.n_frozen
     if frozen:
         lines += ["", f"frozen: {frozen:,} of {model.total_params:,} parameters ({'lora' if config.lora.enabled else 'model.trainable / model.frozen'}): "

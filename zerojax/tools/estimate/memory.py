@@ -21,21 +21,23 @@ from zerojax.tools.estimate.shapes import ModelShape
 GIB = 2 ** 30
 
 
-OFFLOADS = ("none", "cpu optimizer", "nvme optimizer", "cpu params")
+OFFLOADS = ("none", "cpu optimizer", "nvme optimizer", "cpu params", "nvme params")
 NVME_PATH = "/local_nvme"  # what a recommendation names for nvme_path when the config gives none
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """A ZeRO stage and an offload choice ("cpu params" offloads the optimizer too, as DeepSpeed's
-    ZeRO-Infinity CPU setting does)."""
+    ZeRO-Infinity CPU setting does; "nvme params" puts both in NVMe files, its NVMe setting)."""
     stage: int
     offload: str = "none"
 
     def overrides(self, nvme_path: str | None = None) -> list[str]:
         opt = "nvme" if self.offload.startswith("nvme") else "cpu" if self.offload != "none" else "none"
-        par = "cpu" if self.offload == "cpu params" else "none"
+        par = self.offload.split()[0] if self.offload.endswith("params") else "none"
         path = [f"zero_optimization.offload_optimizer.nvme_path={nvme_path or NVME_PATH}"] if opt == "nvme" else []
+        if par == "nvme":
+            path.append(f"zero_optimization.offload_param.nvme_path={nvme_path or NVME_PATH}")
         return [f"zero_optimization.stage={self.stage}", f"zero_optimization.offload_optimizer.device={opt}",
                 *path, f"zero_optimization.offload_param.device={par}"]
 
@@ -49,7 +51,7 @@ class Choice:
 CHOICES: tuple[Choice, ...] = (
     Choice(0), Choice(1), Choice(2), Choice(3),
     Choice(1, "cpu optimizer"), Choice(2, "cpu optimizer"), Choice(3, "cpu optimizer"), Choice(3, "nvme optimizer"),
-    Choice(3, "cpu params"))
+    Choice(3, "cpu params"), Choice(3, "nvme params"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,7 @@ class MemoryEstimate:
     host_bytes: int           # per host (DeepSpeed: per node)
     note: str = ""
     report: Any = None        # the plan's MemoryReport (plan-exact)
-    nvme_bytes: int = 0       # per host, in NVMe swap files (offload_optimizer.device: nvme)
+    nvme_bytes: int = 0       # per host, in NVMe swap files (offload_optimizer / offload_param device nvme)
 
 
 def variant(config: Config, choice: Choice) -> Config:
@@ -69,7 +71,7 @@ def variant(config: Config, choice: Choice) -> Config:
     accumulation) so that any device count resolves; a config that gives only train_batch_size
     keeps it, and the batch triad says which device counts divide it."""
     free = ["train_batch_size=null"] if config.train_micro_batch_size_per_gpu is not None else []
-    if choice.stage != 3 or choice.offload == "cpu params":
+    if choice.stage != 3 or choice.offload.endswith("params"):
         # ZeRO++ changes stage 3's parameter gathers only (hpZ: not with offloaded parameters); the
         # other choices are estimated without it, and a stage-3 row shows hpZ's secondary copy.
         free += ["zero_optimization.zero_hpz_partition_size=1", "zero_optimization.zero_quantized_weights=false",
@@ -95,8 +97,10 @@ def plan_exact(config: Config, model: ModelShape, devices: int, devices_per_host
              layer_axes=model.layer_axes)
     rep = p.report()
     per_host = min(devices_per_host, devices)  # one process per device: each streams through its own buffers
-    return MemoryEstimate(choice, "plan-exact", rep.device, (rep.host + rep.nvme_buffers) * per_host,
-                          report=rep, nvme_bytes=rep.optimizer_nvme * per_host)
+    # Parameters on NVMe are read onto the device for the whole step (core.param_swap): counted there too.
+    return MemoryEstimate(choice, "plan-exact", rep.device + rep.params_nvme,
+                          (rep.host + rep.nvme_buffers + rep.param_buffers) * per_host,
+                          report=rep, nvme_bytes=(rep.optimizer_nvme + rep.params_nvme) * per_host)
 
 
 def deepspeed_estimate(model: ModelShape, devices: int, devices_per_host: int, choice: Choice,

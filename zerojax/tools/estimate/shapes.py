@@ -76,7 +76,8 @@ def _per_leaf(layer_axes: Any, tree: Any) -> Any:
     return jax.tree.map(lambda k, sub: jax.tree.map(lambda _: int(k), sub), layer_axes, tree)
 
 
-def _sds(*shape: int) -> jax.ShapeDtypeStruct:
+def fp32_shape(*shape: int) -> jax.ShapeDtypeStruct:
+    """An abstract float32 leaf of `shape` (the estimates' parameter trees are made of them)."""
     return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), np.float32)
 
 
@@ -158,16 +159,16 @@ def hf_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> ModelShape:
         layers = _get(cfg, path, "n_layer", "num_hidden_layers")
         inner = _get(cfg, path, "n_inner", default=4 * h)
         positions = _get(cfg, path, "n_positions", "max_position_embeddings")
-        block = {"ln_1": {"scale": _sds(layers, h), "bias": _sds(layers, h)},
-                 "c_attn": {"kernel": _sds(layers, h, 3 * h), "bias": _sds(layers, 3 * h)},
-                 "attn_proj": {"kernel": _sds(layers, h, h), "bias": _sds(layers, h)},
-                 "ln_2": {"scale": _sds(layers, h), "bias": _sds(layers, h)},
-                 "c_fc": {"kernel": _sds(layers, h, inner), "bias": _sds(layers, inner)},
-                 "mlp_proj": {"kernel": _sds(layers, inner, h), "bias": _sds(layers, h)}}
-        params = {"wte": {"embedding": _sds(vocab, h)}, "wpe": {"embedding": _sds(positions, h)},
-                  "layers": block, "ln_f": {"scale": _sds(h), "bias": _sds(h)}}
+        block = {"ln_1": {"scale": fp32_shape(layers, h), "bias": fp32_shape(layers, h)},
+                 "c_attn": {"kernel": fp32_shape(layers, h, 3 * h), "bias": fp32_shape(layers, 3 * h)},
+                 "attn_proj": {"kernel": fp32_shape(layers, h, h), "bias": fp32_shape(layers, h)},
+                 "ln_2": {"scale": fp32_shape(layers, h), "bias": fp32_shape(layers, h)},
+                 "c_fc": {"kernel": fp32_shape(layers, h, inner), "bias": fp32_shape(layers, inner)},
+                 "mlp_proj": {"kernel": fp32_shape(layers, inner, h), "bias": fp32_shape(layers, h)}}
+        params = {"wte": {"embedding": fp32_shape(vocab, h)}, "wpe": {"embedding": fp32_shape(positions, h)},
+                  "layers": block, "ln_f": {"scale": fp32_shape(h), "bias": fp32_shape(h)}}
         if not cfg.get("tie_word_embeddings", True):
-            params["lm_head"] = {"kernel": _sds(h, vocab)}
+            params["lm_head"] = {"kernel": fp32_shape(h, vocab)}
         heads = _get(cfg, path, "n_head", "num_attention_heads")
         arch = Arch(layers, h, heads, heads, h // heads, inner, vocab, gated=False)
     else:
@@ -180,18 +181,18 @@ def hf_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> ModelShape:
         attn_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
 
         def linear(n_in: int, n_out: int, bias: bool) -> dict[str, Any]:
-            out = {"kernel": _sds(layers, n_in, n_out)}
+            out = {"kernel": fp32_shape(layers, n_in, n_out)}
             if bias:
-                out["bias"] = _sds(layers, n_out)
+                out["bias"] = fp32_shape(layers, n_out)
             return out
         block = {"q": linear(h, heads * d, attn_bias), "k": linear(h, kv * d, attn_bias),
                  "v": linear(h, kv * d, attn_bias), "o": linear(heads * d, h, attn_bias),
                  "gate": linear(h, inter, mlp_bias), "up": linear(h, inter, mlp_bias),
                  "down": linear(inter, h, mlp_bias),
-                 "input_norm": {"scale": _sds(layers, h)}, "post_attention_norm": {"scale": _sds(layers, h)}}
-        params = {"embed": {"embedding": _sds(vocab, h)}, "layers": block, "norm": {"scale": _sds(h)}}
+                 "input_norm": {"scale": fp32_shape(layers, h)}, "post_attention_norm": {"scale": fp32_shape(layers, h)}}
+        params = {"embed": {"embedding": fp32_shape(vocab, h)}, "layers": block, "norm": {"scale": fp32_shape(h)}}
         if not cfg.get("tie_word_embeddings", False):
-            params["lm_head"] = {"kernel": _sds(h, vocab)}
+            params["lm_head"] = {"kernel": fp32_shape(h, vocab)}
         arch = Arch(layers, h, heads, kv, d, inter, vocab, gated=True)
     axes = {k: (1 if k == "layers" else 0) for k in params}
     name = Path(path).parent.name if path != "<dict>" else kind
@@ -220,7 +221,7 @@ def with_adapters(model: ModelShape, config: Config) -> ModelShape:
             own = _GPT2_PROJECTIONS.get(name, name) if gpt2 else name
             if isinstance(sub, Mapping) and "kernel" in sub and own in picked:
                 *lead, n_in, n_out = sub["kernel"].shape
-                out[name] = {**out[name], "lora_a": _sds(*lead, n_in, r), "lora_b": _sds(*lead, r, n_out)}
+                out[name] = {**out[name], "lora_a": fp32_shape(*lead, n_in, r), "lora_b": fp32_shape(*lead, r, n_out)}
         return out
 
     return dataclasses.replace(model, abstract_params=add(model.abstract_params),
@@ -235,9 +236,9 @@ def counts_model(total_params: int, largest_layer_params: int) -> ModelShape:
         raise ConfigError(f"--params {total_params} --largest-layer {largest_layer_params}: need "
                           f"0 < largest layer <= total parameters")
     k, rest = divmod(total_params, largest_layer_params)
-    params = {"layers": {"kernel": _sds(k, largest_layer_params)}}
+    params = {"layers": {"kernel": fp32_shape(k, largest_layer_params)}}
     if rest:
-        params["rest"] = {"kernel": _sds(rest)}
+        params["rest"] = {"kernel": fp32_shape(rest)}
     return ModelShape("a model given by its parameter counts", params,
                       {"layers": 1, "rest": 0} if rest else {"layers": 1}, exact_shapes=False)
 
