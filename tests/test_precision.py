@@ -276,3 +276,26 @@ def test_a_static_loss_scale_is_the_plans_constant(precision: dict) -> None:
     from_stale, stale_metrics = step(stale, GOOD[0])
     assert float(metrics["loss_scale"]) == float(stale_metrics["loss_scale"]) == p.scaler.initial
     assert_tree_close(to_numpy(from_stale.master), to_numpy(new.master), rtol=0, atol=0, what="master")
+
+
+@pytest.mark.parametrize("optimizer", [ADAM, {"type": "Adagrad", "params": {"lr": 0.1}}],
+                         ids=["adam", "adagrad"])
+def test_skipping_non_finite_steps_costs_no_step_memory(optimizer: dict) -> None:
+    """Skipping keeps the old state with a select; the optimizer's buffers must still be updated in
+    place of the donated ones. Reading a buffer's new value twice (into the state and into the
+    parameter update) made XLA copy every old buffer first: two copies of each moment per step."""
+    params = {"w": np.full((64, 512), 0.01, np.float32)}
+
+    def loss(p: dict, batch: dict) -> jax.Array:
+        return jnp.mean((batch["x"] @ p["w"]) ** 2)
+
+    batch = {"x": np.ones((8, 64), np.float32)}
+    temps = {}
+    for mode in ("skip_step", "stop"):
+        cfg = make_config(3, optimizer=optimizer, train_batch_size=8, run={"non_finite": mode})
+        plan = zerojax.plan(cfg, data_mesh(), params)
+        state = zerojax.init_state(cfg, plan, params)
+        step = zerojax.make_train_step(cfg, plan, loss)
+        temps[mode] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    buffer = 64 * 512 * 4 // 8  # one optimizer buffer's shard on one device
+    assert temps["skip_step"] < temps["stop"] + buffer // 2, temps

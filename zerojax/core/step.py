@@ -50,6 +50,7 @@ from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
 from zerojax.core.precision import LossScaleState, leaf_finite, norm_and_finite, update_loss_scale
 from zerojax.core.state import TrainState, state_shardings
+from zerojax.optim.transforms import SKIP, Keep
 
 LossFn = Callable[..., jax.Array]
 
@@ -483,11 +484,16 @@ def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Arra
                  ) -> tuple[Any, Any]:
         """The per-shard, elementwise part: it runs where the plan puts the update (device or host)."""
         clipped = clip_by_global_norm(grads, grad_norm, plan.rule.clip)
-        updates, new_opt_state = plan.tx.update(clipped, opt_state, master)
+        # The transformations keep their own buffers on a skipped step and read the kept ones
+        # (transforms.SKIP: no copies of the moments); `keep.select` keeps the rest, all of a user's
+        # transformation that takes no extra arguments.
+        keep = Keep(overflow) if plan.scaler.check_finite else None
+        extra = {SKIP: keep} if keep is not None else {}
+        updates, new_opt_state = optax.with_extra_args_support(plan.tx).update(clipped, opt_state, master, **extra)
         new_master = optax.apply_updates(master, updates)
-        if plan.scaler.check_finite:
-            new_master = _select(overflow, master, new_master)
-            new_opt_state = _select(overflow, opt_state, new_opt_state)
+        if keep is not None:
+            new_master = keep.select(master, new_master)
+            new_opt_state = keep.select(opt_state, new_opt_state)
         return new_master, new_opt_state
 
     master, opt_state = run_update(plan.memory, optimize, old_master, state.opt_state, grads, grad_norm, overflow)
