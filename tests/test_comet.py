@@ -67,3 +67,27 @@ def test_samples_log_interval_as_deepspeed() -> None:
 
 def test_missing_comet_ml_fails_before_compiling(tmp_path: Path) -> None:
     assert_absent_package_refused(tmp_path, "comet", "comet_ml", _train)
+
+
+def test_a_key_the_server_refuses_fails_before_compiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """comet_ml does not raise on a refused key or an unreachable server: it logs an error and returns
+    an experiment that is not alive, which would drop every event. The run stops at start with one line."""
+    comet_ml = pytest.importorskip("comet_ml")
+    from test_cli import SMALL
+    from zerojax.app.cli import main
+
+    class Dead:  # what comet_ml.start returns then (Experiment.alive is False)
+        alive = False
+
+        def get_key(self) -> str:
+            return "0" * 32
+
+    monkeypatch.setattr(comet_ml, "start", lambda **kwargs: Dead())
+    code = main(["train", "--config", "configs/zero1.yaml", "--set", *SMALL, "run.steps=3", "comet.enabled=true",
+                 "comet.api_key=not-a-key", f"run.output_dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("zerojax: error: comet: the Comet experiment did not start") and "COMET_API_KEY" in err
+    assert "comet.online: false" in err and "comet.enabled: false" in err
+    assert "compiled step" not in out and not (tmp_path / "run" / "config.json").exists()

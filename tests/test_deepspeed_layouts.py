@@ -313,3 +313,48 @@ def test_import_holds_one_leaf_of_checkpoint_tensors_at_a_time():
     largest = max(int(np.prod(s)) * 4 for s in ckpt.params.shapes.values())
     total = 3 * sum(int(np.prod(s)) * 4 for s in ckpt.params.shapes.values())
     assert 0 < meter["peak"] <= largest < total / 3
+
+
+def _damage(folder, damage):
+    tag = os.path.join(folder, "global_step2_universal")
+    param = os.path.join(tag, "zero", "transformer.h.0.attn.c_attn.weight")
+    if damage == "truncated fp32.pt":
+        with open(os.path.join(param, "fp32.pt"), "r+b") as f:
+            f.truncate(os.path.getsize(f.name) // 2)
+    elif damage == "missing exp_avg.pt":
+        os.remove(os.path.join(param, "exp_avg.pt"))
+    else:
+        os.remove(os.path.join(folder, "latest_universal"))
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("truncated fp32.pt", r"\S+/zero/transformer\.h\.0\.attn\.c_attn\.weight/fp32\.pt is truncated or corrupt .*use "
+                          r"an earlier checkpoint or save it again"),
+    ("missing exp_avg.pt", r"\S+/zero/transformer\.h\.0\.attn\.c_attn\.weight/exp_avg\.pt is missing .*run "
+                           r"ds_to_universal\.py on the original checkpoint again, or copy the missing files"),
+    ("missing latest_universal", r"\S+/universal has no `latest` \(nor ds_to_universal\.py's `latest_universal`\) "
+                                 r"file .*pass one of them \(e\.g\. \S+/universal/global_step2_universal\)"),
+])
+def test_a_damaged_universal_folder_is_one_error_on_every_route(tmp_path, capsys, damage, says):
+    """`train.py --resume DS_FOLDER` and `zerojax import-deepspeed`: one line naming the file and the fix,
+    before any run folder is made or anything compiled; the DeepSpeed folder is left as it was."""
+    import json
+    import re
+    import shutil
+    from zerojax.app.cli import main
+    folder = str(tmp_path / "universal")
+    shutil.copytree(os.path.join(FIXTURES, "universal"), folder)
+    _damage(folder, damage)
+    before = {os.path.join(d, f): open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(folder) for f in fs}
+    config = tmp_path / "gpt2.json"
+    config.write_text(json.dumps({"train_batch_size": 8, "mesh": {"cpu_devices": 8}, "model": GPT2,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+                                  "zero_optimization": {"stage": 3}, "run": {"output_dir": str(tmp_path / "run")}}))
+    for command in (["train", "--config", str(config), "--resume", folder],
+                    ["import-deepspeed", folder, str(tmp_path / "zj"), "--config", str(config)]):
+        code = main(command)
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and re.fullmatch(f"zerojax: error: {says}\n", err), err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "zj").exists()
+    assert {os.path.join(d, f): open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(folder) for f in fs} \
+        == before

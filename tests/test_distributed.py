@@ -363,11 +363,15 @@ def test_train_py_under_launch_runs_200_steps_to_the_end(tmp_path: Path) -> None
     out = tmp_path / "run"
     steps = ["run.steps=200", "run.log_every=1000", "steps_per_print=1000", "model.d_model=32", "model.n_layers=1",
              "model.n_heads=2", "model.seq_len=16", "data.max_bytes=100000", "run.eval_batches=1",
-             "run.progress=false", "run.save_every=1000", f"run.output_dir={out}"]
+             "run.progress=false", "run.save_every=1000", "run.eval_every=100", f"run.output_dir={out}"]
     proc = launch("-n", "2", "train.py", "--config", "configs/zero3.yaml", "--set", *steps, timeout=420)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "[0] done: 200 steps" in proc.stdout, proc.stdout[-2000:]
+    assert "[0] step 100: validation loss" in proc.stdout  # an evaluation in between, on both processes
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step200"
+    # the end-of-run sample is one process's: said, with the command that makes it from the checkpoint
+    assert f"[0] sample: not generated in a run of 2 processes; make one from the saved checkpoint with " \
+           f"`zerojax sample {out}`" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_pipelined_moe_run_trains_and_evaluates_under_launch(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ budget: benchmarks/nvme.py).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,78 @@ def test_frozen_leaves_and_no_decay_groups_stream_as_in_memory(tmp_path: Path) -
     assert nvme.plan.n_trained == len(jax.tree.leaves(mlp_params(0))) - 1
     assert {nvme.plan.trained_paths[r.leaf] for r in nvme._train_step.regions} == set(nvme.plan.trained_paths)
     assert_tree_close(to_numpy(nvme.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
+
+
+def test_a_killed_process_resumes_with_resume_auto(tmp_path: Path) -> None:
+    """`python train.py` with NVMe state, as a user runs it: SIGKILL while the step-8 checkpoint is
+    being written (the process frozen first, so the kill lands mid-save), `--resume auto` (from step 4:
+    the half-written tag is never loaded), SIGTERM at step 10, `--resume auto` again: every logged loss and
+    the final parameters equal those of a run never stopped."""
+    import json
+    import signal
+    import threading
+    import time
+
+    from test_faults import _popen
+    from zerojax.checkpoint import META_FILE, latest_tag, read_params
+    from zerojax.checkpoint.format import SAVING_FILE
+
+    def args(out: Path, *more: str) -> list[str]:
+        return ["--config", "configs/zero3.yaml", "--set", "run.steps=12", "run.log_every=1", "steps_per_print=1",
+                "model.d_model=32", "model.n_layers=1", "model.seq_len=16", "data.max_bytes=20000",
+                "run.eval_batches=1", "run.sample_tokens=0", "run.progress=false", "run.save_every=4",
+                "scheduler.params.total_num_steps=12", "scheduler.params.warmup_num_steps=3",
+                "checkpoint.async_save=false", "zero_optimization.offload_optimizer.device=nvme",
+                f"zero_optimization.offload_optimizer.nvme_path={tmp_path / 'nvme'}",
+                "zero_optimization.sub_group_size=1024", f"run.output_dir={out}", *more]
+
+    def finish(child: Any) -> tuple[int, str, str]:
+        try:
+            stdout, stderr = child.communicate(timeout=300)
+        finally:
+            child.kill()
+        return child.returncode, stdout, stderr
+
+    def losses(out: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+    whole = tmp_path / "whole"
+    code, _, stderr = finish(_popen(*args(whole)))
+    assert code == 0, stderr[-3000:]
+
+    out = tmp_path / "stopped"
+    ckpts = out / "checkpoints"
+    marker = ckpts / "global_step8" / SAVING_FILE
+    child = _popen(*args(out))
+
+    def freeze_mid_save() -> None:
+        while child.poll() is None and not marker.exists():
+            time.sleep(0.001)
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGSTOP)
+    watcher = threading.Thread(target=freeze_mid_save)
+    watcher.start()
+    watcher.join(timeout=300)
+    assert marker.exists() and not (ckpts / "global_step8" / META_FILE).exists()  # mid-save
+    child.send_signal(signal.SIGKILL)
+    assert finish(child)[0] == -signal.SIGKILL
+    assert latest_tag(ckpts) == "global_step4"
+
+    child = _popen(*args(out, "--resume", "auto"))
+    for line in child.stdout:
+        if line.startswith("step 10:"):
+            child.send_signal(signal.SIGTERM)
+            break
+    code, stdout, stderr = finish(child)
+    assert code == 143, stderr[-3000:]
+    assert latest_tag(ckpts) == "global_step10"
+
+    code, stdout, stderr = finish(_popen(*args(out, "--resume", "auto")))
+    assert code == 0, stderr[-3000:]
+    assert f"resumed from {ckpts / 'global_step10'} at step 10" in stdout
+    assert losses(out) == losses(whole) and sorted(losses(out)) == list(range(1, 13))
+    assert_tree_close(read_params(ckpts, "global_step12")[0], read_params(whole / "checkpoints", "global_step12")[0],
+                      rtol=0, atol=0, what="params after the stopped run")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,7 +373,6 @@ def test_compile_for_compiles_the_nvme_step_with_the_state(tmp_path: Path) -> No
 def test_closing_the_files_releases_their_descriptors(tmp_path: Path) -> None:
     """`SwapFiles.close()` removes the working files and closes them: an unlinked file still open keeps
     its disk space until the process lets go of it."""
-    import os
     step = zerojax.make_train_step(zerojax.plan(config(2, "bf16", tmp_path), data_mesh(), mlp_params(0)),
                                    layerwise_loss)
     folder = step.files.folder
@@ -331,3 +403,31 @@ def test_reading_the_parameters_reads_the_master_file_only(tmp_path: Path, monke
     params = to_numpy(e.params)
     assert set(read) == {files.names.index("master")}
     assert_tree_close(params, to_numpy(e.whole_state().master), rtol=0, atol=0, what="master")
+
+
+def test_a_killed_process_swap_folder_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    """A SIGKILL skips every cleanup and leaves a folder as large as the state: the next swap under
+    the same path removes the folders whose process no longer runs, and nothing else."""
+    import socket
+    import subprocess
+    import sys
+    from zerojax.core.swap import OWNER, SWAP_PREFIX, Swap, SwapFiles
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.split()[0]
+    host = socket.gethostname()
+    folders = {}
+    for name, owner in (("dead", f"{host} {dead}\n"), ("live", f"{host} {os.getpid()}\n"),
+                        ("elsewhere", f"another-host {dead}\n"), ("unowned", None)):
+        folders[name] = tmp_path / f"{SWAP_PREFIX}{name}"
+        folders[name].mkdir()
+        (folders[name] / "master.f32").write_bytes(b"\0" * 64)
+        if owner is not None:
+            (folders[name] / OWNER).write_text(owner)
+    mine = tmp_path / "user-data.bin"
+    mine.write_bytes(b"not zerojax's")
+    files = SwapFiles(Swap(str(tmp_path), buffer_count=2, tile=4), ["master"], [8])
+    assert (files.folder / OWNER).read_text().split() == [host, str(os.getpid())]
+    assert not folders["dead"].exists()
+    assert all(folders[n].exists() for n in ("live", "elsewhere", "unowned"))
+    assert mine.read_bytes() == b"not zerojax's"
+    files.close()

@@ -70,6 +70,26 @@ def _comet_experiment(config: Config, output_dir: Path) -> Any:
     return experiment
 
 
+def start_comet(config: Config, output_dir: Path) -> Any:
+    """The run's Comet experiment, started before anything compiles. comet_ml does not raise when the
+    server refuses the API key or cannot be reached: it logs an error and returns an experiment that
+    is not alive, which would take the run's events and drop them. That is one error here, with the fix."""
+    import comet_ml  # optional dependency, imported only when used
+    fix = ("set a valid key in COMET_API_KEY (or comet.api_key), set comet.online: false to write an archive "
+           "for `comet upload` later, or set comet.enabled: false")
+    try:
+        experiment = _comet_experiment(config, output_dir)
+    except Exception as e:  # comet_ml's own errors: an old SDK, mode: get of an unknown experiment_key, ...
+        raise ConfigError(f"comet: the Comet experiment did not start ({type(e).__name__}: {e}); {fix}") from None
+    dead = not (getattr(experiment, "disabled", False) or isinstance(experiment, comet_ml.OfflineExperiment)
+                or getattr(experiment, "alive", True))
+    if dead:
+        raise ConfigError("comet: the Comet experiment did not start (comet_ml's error above: the API key was "
+                          "refused or the Comet server could not be reached), so nothing would be logged to "
+                          f"Comet; {fix}")
+    return experiment
+
+
 class CometLog:
     """DeepSpeed's EventsLogScheduler: an event is logged when first seen, then again only once
     comet.samples_log_interval samples have passed since it was last logged."""
@@ -116,7 +136,8 @@ class Monitor:
     """Writes every logged step to metrics.jsonl and the enabled monitors; drives the progress bar."""
 
     def __init__(self, config: Config, output_dir: Path, total_steps: int, tokens_per_step: int,
-                 samples_per_step: int, *, enabled: bool = True, start_step: int = 0):
+                 samples_per_step: int, *, enabled: bool = True, start_step: int = 0, comet: Any = None):
+        """`comet`: the run's experiment when already started (`start_comet`), else started here."""
         self.config, self.output_dir = config, output_dir
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.enabled = enabled
@@ -157,7 +178,7 @@ class Monitor:
                     f" (offline: upload it with `wandb sync {folder}`)" if self._wandb.offline else ""))
         if config.comet.enabled:
             import comet_ml  # optional dependency, imported only when used
-            experiment = _comet_experiment(config, output_dir)
+            experiment = comet if comet is not None else start_comet(config, output_dir)
             self._comet = CometLog(experiment, config.comet.samples_log_interval)
             if getattr(experiment, "disabled", False):
                 self.print("comet: disabled by comet_ml's settings; nothing is logged to Comet")

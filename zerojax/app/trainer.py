@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from zerojax.app import run_dirs
-from zerojax.app.monitor import Monitor, check_monitors
+from zerojax.app.monitor import Monitor, check_monitors, start_comet
 from zerojax.app.reports import (comms_report, compile_step, flops_profile, memory_table, schedule_warning,
                                  startup_table)
 from zerojax.checkpoint import latest_tag
@@ -214,7 +214,7 @@ def _train(config: Config, resume: str | None) -> dict[str, Any]:
         losses = f"loss {first:.4f} -> {last:.4f}" if first is not None else "no steps run"
         _say(f"done: {summary['steps']} steps, {losses}, validation loss "
              f"{val_loss if val_loss is None else round(val_loss, 4)}, {summary['seconds']} s, output in {out}")
-        _print_sample(config, engine)
+        _print_sample(config, engine, out)
     finally:
         for f in folders:
             f.release()
@@ -228,6 +228,8 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
     plan, rows = model.plan, model.plan.batch.train_batch_size
     mine = local_rows(plan.batch_sharding, rows)  # this process builds only its own rows
     check_monitors(config)  # a monitor's missing package fails here, not after compiling
+    # and a Comet key the server refuses (comet_ml only logs it): started before anything compiles
+    comet = start_comet(config, out) if config.comet.enabled and is_primary() else None
     # every data error (missing file, vocabulary, too short) is raised here, before compiling
     train_batches, val_batches = make_batches(config.data, rows, config.model.seq_len, config.model.vocab_size, mine)
     steps = run_steps(config, train_batches)
@@ -241,7 +243,7 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
         train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))
         data_state = engine.loaded_extra.get("data_state")  # the grain iterator's state, where saved
         _say(f"resumed from {path} at step {engine.global_steps}")
-    return Run(config, engine, out, ckpt_dir, train_batches, val_batches, data_state, steps)
+    return Run(config, engine, out, ckpt_dir, train_batches, val_batches, data_state, steps, comet=comet)
 
 
 def run_steps(config: Config, batches: BatchSource) -> int:
@@ -269,7 +271,7 @@ class Run:
     loss), each of which leaves the last good checkpoint complete."""
 
     def __init__(self, config: Config, engine: Engine, out: Path, ckpt_dir: Path, batches: BatchSource,
-                 val_batches: BatchSource, data_state: Any, steps: int | None = None):
+                 val_batches: BatchSource, data_state: Any, steps: int | None = None, comet: Any = None):
         self.config, self.engine, self.out, self.ckpt_dir = config, engine, out, ckpt_dir
         self.val_batches = val_batches
         self.steps = config.run.steps if steps is None else steps  # run.epochs: counted from the data
@@ -291,7 +293,8 @@ class Run:
             _say(warning)
         rows = engine.plan.batch.train_batch_size
         self.monitor = Monitor(config, out, self.steps, tokens_per_step=rows * config.model.seq_len,
-                               samples_per_step=rows, start_step=self.first_step - 1, enabled=is_primary())
+                               samples_per_step=rows, start_step=self.first_step - 1, enabled=is_primary(),
+                               comet=comet)
         if self.monitor.replaced:
             self.monitor.print(f"metrics.jsonl: dropped {self.monitor.replaced} row(s) past step "
                                f"{self.first_step - 1} (written after that checkpoint by the run that stopped; "
@@ -484,10 +487,15 @@ class Run:
         return val_loss
 
 
-def _print_sample(config: Config, engine: Engine) -> None:
+def _print_sample(config: Config, engine: Engine, out: Path) -> None:
     """A few generated tokens, so a finished run shows what it learned (`run.sample_tokens`, 0: off).
-    The run is complete and saved by now: a failure here is reported, not raised."""
+    The run is complete and saved by now: a failure here is reported, not raised. Where the sample is
+    not made because the run has several processes, the line says how to make one from the checkpoint."""
     from zerojax.app.sample import end_of_run_sample, samples_at_end
+    if config.run.sample_tokens and jax.process_count() > 1 and is_primary():
+        print(f"sample: not generated in a run of {jax.process_count()} processes; make one from the saved "
+              f"checkpoint with `zerojax sample {out}`", flush=True)
+        return
     if not samples_at_end(config) or not is_primary():
         return  # before `engine.params`: a multi-process pipeline's rows cannot be fetched by one process
     try:

@@ -287,9 +287,10 @@ def _resolve(path: str) -> tuple[str, str]:
     if _has_model_states(path):
         return os.path.basename(os.path.normpath(path)), path
     tags = sorted(d for d in os.listdir(path) if _has_model_states(os.path.join(path, d)))
-    hint = (f"it holds tag folders {tags}: pass one of them" if tags
+    hint = (f"it holds tag folders {tags}: pass one of them (e.g. {os.path.join(path, tags[-1])})" if tags
             else "pass the folder DeepSpeed's save_checkpoint wrote")
-    raise DeepSpeedCheckpointError(f"{path} has no `latest` file and no *_model_states.pt: {hint}")
+    raise DeepSpeedCheckpointError(f"{path} has no `latest` (nor ds_to_universal.py's `latest_universal`) file "
+                                   f"and no *_model_states.pt: {hint}")
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -909,8 +910,11 @@ def _read_universal(tag: str, tag_dir: str) -> DeepSpeedCheckpoint:
     moments = {s: table(s) if all(h) else None for s, h in have.items()}
     for s, h in have.items():
         if any(h) and not all(h):
-            raise DeepSpeedCheckpointError(f"{zero}: {s}.pt is there for some parameters and missing for "
-                                           f"{[n for n, x in zip(names, h) if not x][:4]}: convert again")
+            missing = [n for n, x in zip(names, h) if not x]
+            raise DeepSpeedCheckpointError(
+                f"{os.path.join(zero, missing[0], f'{s}.pt')} is missing ({s}.pt is there for the other parameters; "
+                f"missing for {missing[:4]}): the conversion did not finish or the copy is partial; run "
+                f"ds_to_universal.py on the original checkpoint again, or copy the missing files")
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.get("param_groups") or [] if isinstance(g, dict)]
     step_file = os.path.join(zero, names[0], "step.pt") if names else ""
     step = _as_int(_load(step_file)) if step_file and os.path.isfile(step_file) else None

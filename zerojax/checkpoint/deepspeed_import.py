@@ -61,7 +61,9 @@ class DeepSpeedSource(NamedTuple):
 
 def is_deepspeed_checkpoint(path: PathLike) -> bool:
     """A folder DeepSpeed's `save_checkpoint` wrote (with `latest`) or one of its tag folders: told
-    apart from a zerojax checkpoint by DeepSpeed's `*_model_states.pt` files."""
+    apart from a zerojax checkpoint by DeepSpeed's `*_model_states.pt` files. A run folder whose
+    pointer is missing or stale is still DeepSpeed's (its tag folders say so), so the reader's error
+    about the pointer is what the user sees, not that the folder is no checkpoint at all."""
     root = Path(os.path.expanduser(os.fspath(path)))
     if not root.is_dir():
         return False
@@ -78,8 +80,12 @@ def is_deepspeed_checkpoint(path: PathLike) -> bool:
         latest = root / pointer
         if latest.is_file():
             tag = latest.read_text(errors="replace").strip()
-            return bool(tag) and "/" not in tag and has_states(root / tag)
-    return False
+            if tag and "/" not in tag and has_states(root / tag):
+                return True
+    try:
+        return any(has_states(d) for d in root.iterdir() if d.is_dir())
+    except OSError:
+        return False
 
 
 def check_destination(source: PathLike, directory: PathLike) -> None:

@@ -295,6 +295,9 @@ def adapter_keys(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], Pat
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise HFError(f"lora.adapter: {path} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise HFError(f"lora.adapter: {path} holds a JSON {type(hf).__name__}, not PEFT's adapter config (an "
+                      f"object with r, lora_alpha and target_modules); re-save the adapter with save_pretrained")
     if hf.get("peft_type", "LORA") != "LORA":
         raise HFError(f"lora.adapter: {path} is a {hf.get('peft_type')} adapter; only LoRA adapters are read")
     for key, plain in _ADAPTER_PLAIN.items():
@@ -306,10 +309,18 @@ def adapter_keys(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], Pat
         if hf.get(key):
             raise HFError(f"lora.adapter: {path} has {key}: {json.dumps(hf[key])}; one rank, alpha and set of "
                           f"projections for every layer is what is read (train with PEFT's defaults for it)")
-    targets = hf.get("target_modules")
+    r, alpha, targets = hf.get("r"), hf.get("lora_alpha", hf.get("r")), hf.get("target_modules")
     if isinstance(targets, str):
         targets = [targets]
-    keys = {"r": int(hf["r"]), "lora_alpha": float(hf.get("lora_alpha", hf["r"]))}
+    bad = ("r", r, "a positive integer") if type(r) is not int or r < 1 else \
+        ("lora_alpha", alpha, "a number") if type(alpha) not in (int, float) else \
+        ("target_modules", targets, "a list of module names") if targets is not None and not (
+            isinstance(targets, list) and all(isinstance(t, str) for t in targets)) else None
+    if bad is not None:
+        has = f"has {bad[0]}: {json.dumps(bad[1])}" if bad[0] in hf else f"has no {bad[0]}"
+        raise HFError(f"lora.adapter: {path} {has}, where PEFT writes {bad[2]}; fix that entry or re-save "
+                      f"the adapter with save_pretrained")
+    keys = {"r": r, "lora_alpha": float(alpha)}
     if targets:
         keys["target_modules"] = tuple(sorted(targets))
     return keys, path

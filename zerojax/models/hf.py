@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
-from zerojax.config.hf import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HFError, model_keys
+from zerojax.config.hf import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HFError, adapter_keys, model_keys
 from zerojax.core.measure import release_freed_heap
 from zerojax.errors import ConfigError
 from zerojax.models import abstract_params, lora
@@ -306,10 +306,12 @@ def _shard_name(index: Path, file: Any) -> str:
 class Checkpoint:
     """The tensors of a transformers folder, read lazily by slices (safetensors' `get_slice`)."""
 
-    def __init__(self, directory: str | os.PathLike[str], single: str = SINGLE_FILE):
+    def __init__(self, directory: str | os.PathLike[str], single: str = SINGLE_FILE,
+                 key: str = "model.hf_checkpoint"):
+        """`key`: the config key that named the folder, which every error names."""
         from safetensors import safe_open
 
-        self.root = Path(directory).expanduser()
+        self.root, self.key = Path(directory).expanduser(), key
         index = self.root / INDEX_FILE
         if single == SINGLE_FILE and index.is_file():
             try:
@@ -317,13 +319,13 @@ class Checkpoint:
                 if not isinstance(weight_map, dict):
                     raise TypeError(f"weight_map is a {type(weight_map).__name__}, not a mapping")
             except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
-                raise HFError(f"model.hf_checkpoint: {index} is not a safetensors index ({e!r})") from None
+                raise HFError(f"{key}: {index} is not a safetensors index ({e!r})") from None
             self.where = {name: self.root / _shard_name(index, file) for name, file in weight_map.items()}
         elif (self.root / single).is_file():
             self.where = {}
         else:
             found = sorted(p.name for p in self.root.iterdir() if p.suffix in (".bin", ".safetensors", ".pt"))
-            raise HFError(f"model.hf_checkpoint: {self.root} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+            raise HFError(f"{key}: {self.root} has neither {SINGLE_FILE} nor {INDEX_FILE}"
                           + (f" (found {', '.join(found)})" if found else "")
                           + "; zerojax reads safetensors: save with save_pretrained(..., safe_serialization=True)")
         self._stack = contextlib.ExitStack()
@@ -332,11 +334,11 @@ class Checkpoint:
         try:
             for path in files:
                 if not path.is_file():
-                    raise HFError(f"model.hf_checkpoint: {path} is listed in {INDEX_FILE} but missing")
+                    raise HFError(f"{key}: {path} is listed in {INDEX_FILE} but missing")
                 try:
                     handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
                 except Exception as e:  # safetensors' own error type: a truncated or foreign file
-                    raise HFError(f"model.hf_checkpoint: {path} is not a readable safetensors file ({e}); "
+                    raise HFError(f"{key}: {path} is not a readable safetensors file ({e}); "
                                   f"re-save it with save_pretrained(..., safe_serialization=True)") from None
                 self._files[path] = handle
                 if not self.where:
@@ -359,7 +361,7 @@ class Checkpoint:
 
     def _slice(self, name: str) -> Any:
         if name not in self.where:
-            raise HFError(f"model.hf_checkpoint: tensor {name} is not in {self.root} (the model its config.json "
+            raise HFError(f"{self.key}: tensor {name} is not in {self.root} (the model its config.json "
                           f"describes needs it); is the checkpoint complete?")
         return self._files[self.where[name]].get_slice(name)
 
@@ -520,7 +522,7 @@ def _sources(directory: str | os.PathLike[str], cfg: Any, seed: int) -> Iterator
         adapters = adapter_names(cfg, names) if getattr(cfg, "lora", None) is not None else {}
         peft = None
         if adapter_dir is not None:
-            peft = stack.enter_context(Checkpoint(adapter_dir, single=ADAPTER_WEIGHTS))
+            peft = stack.enter_context(Checkpoint(adapter_dir, single=ADAPTER_WEIGHTS, key="lora.adapter"))
             _check_adapter(cfg, peft, abstract, adapters)
 
         def block(path: tuple[str, ...], index: tuple[Any, ...], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -535,21 +537,39 @@ def _sources(directory: str | os.PathLike[str], cfg: Any, seed: int) -> Iterator
 
 def _check_adapter(cfg: Any, peft: Checkpoint, abstract: Mapping[str, Any],
                    adapters: Mapping[tuple[str, ...], Source]) -> None:
-    """The PEFT file holds exactly the adapters the lora section describes, each of the right shape."""
+    """The PEFT file holds exactly the adapters the lora section describes, each of the right shape.
+    Where the section's value is the folder's own adapter_config.json's, a mismatch is the folder's two
+    files disagreeing (a partial or mixed copy), and the error says so rather than naming a key the user
+    never set."""
     where = f"lora.adapter: {peft.root / ADAPTER_WEIGHTS}"
+    own = adapter_keys(peft.root)[0]
+    config_file = peft.root / ADAPTER_CONFIG
+    own_targets = own.get("target_modules") == tuple(cfg.lora.target_modules)
+    recopy = "copy the adapter folder again from where save_pretrained wrote it"
     for path, leaf in _paths(abstract):
         if path in adapters:
             want = _expected(path, tuple(leaf.shape), adapters[path])
             for _, name in _tensors_of(path, adapters[path], tuple(leaf.shape)):
+                if name not in peft and own_targets:
+                    raise HFError(f"{where} has no {name}, but {config_file}'s target_modules names that "
+                                  f"projection: the folder's two files disagree; {recopy}")
                 if name not in peft:
                     raise HFError(f"{where} has no {name}; its adapter_config.json's target_modules and the "
                                   f"lora section disagree (remove lora.target_modules to take the adapter's)")
+                if peft.shape(name) != want and own["r"] == cfg.lora.r:
+                    raise HFError(f"{where}: {name} has shape {list(peft.shape(name))}, but {config_file} says "
+                                  f"r: {own['r']}, which needs {list(want)}: the folder's two files disagree; "
+                                  f"set r in {ADAPTER_CONFIG} to the weights' rank, or {recopy}")
                 if peft.shape(name) != want:
                     raise HFError(f"{where}: {name} has shape {list(peft.shape(name))}, but lora.r {cfg.lora.r} on "
                                   f"this base needs {list(want)}; remove lora.r to take the adapter's")
     expected = {name for path, leaf in _paths(abstract) if path in adapters
                 for _, name in _tensors_of(path, adapters[path], tuple(leaf.shape))}
     extra = sorted(set(peft.where) - expected)
+    if extra and own_targets:
+        raise HFError(f"{where} holds tensors of projections {config_file}'s target_modules does not name "
+                      f"({', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}): the folder's two files "
+                      f"disagree; add those projections to its target_modules, or {recopy}")
     if extra:
         raise HFError(f"{where} holds tensors no adapter of this model takes ({', '.join(extra[:4])}"
                       f"{' ...' if len(extra) > 4 else ''}); only LoRA on the projections lora.target_modules "

@@ -51,11 +51,23 @@ def targets(cfg: Any) -> frozenset[str]:
     for name in lora.target_modules:
         hit = own if name == "all-linear" else (name,) if name in own else aliases.get(name, ())
         if not hit:
-            raise ConfigError(f"lora.target_modules: {name!r} is no projection of the {family} model; its "
-                              f"projections are {', '.join(own)} (or Hugging Face's "
-                              f"{', '.join(a for a in aliases if '.' not in a)}), or all-linear")
+            known = (f"its projections are {', '.join(own)} (or Hugging Face's "
+                     f"{', '.join(a for a in aliases if '.' not in a)}), or all-linear")
+            if name in _adapter_targets(lora):  # the name came from the adapter's folder, not the user
+                raise ConfigError(f"lora.adapter: {name!r} in the target_modules of {lora.adapter}'s "
+                                  f"adapter_config.json is no projection of the {family} model ({known}): the "
+                                  f"adapter was trained on another model; give its own base as model.hf_checkpoint")
+            raise ConfigError(f"lora.target_modules: {name!r} is no projection of the {family} model; {known}")
         picked.update(hit)
     return frozenset(picked)
+
+
+def _adapter_targets(lora: Any) -> tuple[str, ...]:
+    """The target_modules of `lora.adapter`'s adapter_config.json (none without an adapter)."""
+    if getattr(lora, "adapter", None) is None:
+        return ()
+    from zerojax.config.hf import adapter_keys
+    return tuple(adapter_keys(lora.adapter)[0].get("target_modules", ()))
 
 
 def scale(cfg: Any) -> float:
