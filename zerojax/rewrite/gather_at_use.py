@@ -64,11 +64,12 @@ class Deferred:
     all-gathers its leaves and replays the recipe.
     """
 
-    __slots__ = ("shard", "dim", "on_host", "recipe", "_leaves", "wire")
+    __slots__ = ("shard", "dim", "on_host", "recipe", "_leaves", "wire", "read")
 
     def __init__(self, shard: Any = None, dim: int = 0, on_host: bool = False,
-                 recipe: tuple[Any, list[Any]] | None = None, wire: Wire = PLAIN):
+                 recipe: tuple[Any, list[Any]] | None = None, wire: Wire = PLAIN, read: Any = None):
         self.shard, self.dim, self.on_host, self.recipe, self.wire = shard, dim, on_host, recipe, wire
+        self.read = read  # the shard is in files: `read(placeholder, layer)` (`ParamShard.read`)
         self._leaves: list[Deferred] | None = None
 
     @property
@@ -99,8 +100,9 @@ class Deferred:
 
     def holding(self, shard: Any, dim: int | None = None) -> "Deferred":
         """A leaf like this one over another local shard (a traced copy, or one layer's slice of a
-        stack, whose sharded dimension is then `dim`)."""
-        return Deferred(shard, self.dim if dim is None else dim, self.on_host, wire=self.wire)
+        stack, whose sharded dimension is then `dim`: read from the files already, where they hold it)."""
+        return Deferred(shard, self.dim if dim is None else dim, self.on_host, wire=self.wire,
+                        read=self.read if dim is None else None)
 
     def rebased(self, new: dict[int, "Deferred"]) -> "Deferred":
         """The same recipe over other leaves (`new` maps id(old leaf) -> new leaf)."""
@@ -123,7 +125,7 @@ def _is_scalar(x: Any) -> bool:
 
 def _gather_leaf(leaf: Deferred) -> Any:
     """The whole value of one shard: `all_gather(tiled)`; its transpose is a reduce-scatter."""
-    x = leaf.shard
+    x = leaf.shard if leaf.read is None else leaf.read(leaf.shard, None)  # in files: the whole shard
     if leaf.on_host:
         x = jax.device_put(x, jax.memory.Space.Device)
     return gather_shard(x, leaf.dim, leaf.wire)
@@ -295,7 +297,8 @@ def _inline(key: str) -> Callable[[Any, list[Any], _Region], list[Any]]:
 
 def _scan(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
     """A scan: stacked parameters are sliced shard-wise, so each iteration gathers one layer."""
-    if region.prefetch is not None:
+    filed = any(l.read is not None for x in ins if isinstance(x, Deferred) for l in x.leaves())
+    if region.prefetch is not None and not filed:
         out = _scan_prefetch(eqn, ins, region)
         if out is not None:
             return out
@@ -313,14 +316,17 @@ def _scan(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
             sliced.append(None)
             scanned.append(_materialize(region, x))
     body = p["jaxpr"]
+    scanned.append(jnp.arange(p["length"], dtype=jnp.int32))  # the layer index, for shards read from files
 
     def step(carry: list[Any], xs_slice: list[Any]) -> tuple[list[Any], list[Any]]:
         args = []
+        *xs_slice, layer = xs_slice
         for d, s in zip(sliced, xs_slice):
             if d is None:
                 args.append(s)
             else:
-                new = {id(l): l.holding(v, l.dim - 1) for l, v in zip(d.leaves(), s)}
+                new = {id(l): l.holding(v if l.read is None else l.read(v, layer), l.dim - 1)
+                       for l, v in zip(d.leaves(), s)}
                 args.append(d.rebased(new))
         inner = region.inner(remat=False, in_loop=True)
         outs = [_materialize(inner, o) for o in eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *args], inner)]
@@ -597,7 +603,7 @@ def gather_at_use(loss_fn: Callable[..., Any], prefetch: Prefetch | None = None)
 
         abstract = [whole_shape(x) for x in p_leaves] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in o_leaves]
         closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*abstract)
-        inputs = [Deferred(x.value, x.value.ndim + x.dim, x.on_host, wire=x.wire) if _is_shard(x) else x
+        inputs = [Deferred(x.value, x.value.ndim + x.dim, x.on_host, wire=x.wire, read=x.read) if _is_shard(x) else x
                   for x in p_leaves]
         top = _Region(remat=False, in_loop=False, prefetch=prefetch)
         outs = eval_jaxpr(closed.jaxpr, closed.consts, inputs + o_leaves, top)
