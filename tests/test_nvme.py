@@ -295,18 +295,18 @@ def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> N
     assert swapped.state.params is None
     assert_tree_close(to_numpy(swapped.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
     if dtype == "fp32":  # the parameters are the master copy the update reads: all arguments, as before
-        assert step.at_use == frozenset() and step.params.reads == 0
         assert memory.argument_size_in_bytes == plain_memory.argument_size_in_bytes
+        assert step.at_use == frozenset() and step.params.reads == 0
         return
-    w = paths.index("['layers']['w']")
-    assert step.at_use == {w}, [paths[i] for i in step.at_use]
     layers, w_shape = mlp_params(0)["layers"]["w"].shape[0], mlp_params(0)["layers"]["w"].shape
     devices, gas = len(jax.devices()), 2
-    # each device reads each layer's block once per micro-batch's forward and backward pass at most
-    assert STEPS * gas * layers * devices <= step.params.reads <= 2 * STEPS * gas * layers * devices
     shard_bytes = int(np.prod(w_shape)) // devices * 2  # bf16
     assert plain_memory.argument_size_in_bytes - memory.argument_size_in_bytes == shard_bytes, (
         plain_memory.argument_size_in_bytes, memory.argument_size_in_bytes)
+    w = paths.index("['layers']['w']")
+    assert step.at_use == {w}, [paths[i] for i in step.at_use]
+    # each device reads each layer's block once per micro-batch's forward and backward pass at most
+    assert STEPS * gas * layers * devices <= step.params.reads <= 2 * STEPS * gas * layers * devices
 
 
 def test_param_nvme_resumes_from_its_checkpoint(tmp_path: Path) -> None:
