@@ -305,8 +305,9 @@ def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> N
         plain_memory.argument_size_in_bytes, memory.argument_size_in_bytes)
     w = paths.index("['layers']['w']")
     assert step.at_use == {w}, [paths[i] for i in step.at_use]
-    # each device reads each layer's block once per micro-batch's forward and backward pass at most
-    assert STEPS * gas * layers * devices <= step.params.reads <= 2 * STEPS * gas * layers * devices
+    # each device reads its block of each layer in every micro-batch's forward pass and again in the
+    # backward (the gather's custom VJP keeps the placeholder, not the layer read)
+    assert step.params.reads == 2 * STEPS * gas * layers * devices
 
 
 def test_param_nvme_resumes_from_its_checkpoint(tmp_path: Path) -> None:
