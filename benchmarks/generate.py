@@ -291,7 +291,7 @@ def measure_layouts(args: argparse.Namespace) -> dict[str, Any]:
             first, median, out = _timed(call, args.rounds)
             got[layout] = np.asarray(out)
             rows.append(dict(batch=b, layout=layout, peak=mem.peak, weights=mem.weights, planned=mem.planned,
-                             cache=mem.cache, tps=b * args.new / median, first=first))
+                             cache=mem.cache, tps=b * args.new / median, first=first, prefetch=mem.prefetch))
         chosen = gen.memory_report(engine.decoder, engine.state.params, prompts, None, args.new, plan=engine.plan)
         for r in rows[-3:]:  # share of greedy tokens equal to the gathered layout's (bf16 sums in another order can
             r["agree"] = float(np.mean(got[r["layout"]] == got["gathered"]))  # flip a near-tie, and all after it)
@@ -325,8 +325,10 @@ def render_layouts(args: argparse.Namespace, res: dict[str, Any], seconds: float
                  "(docs/models.md)." if res["cpu"] else ""), "",
              "- **tensor**: the weights stay as stored (weight-stationary; the data axis re-read as a tensor axis), "
              "activations move; every device runs every row.",
-             "- **layers**: each device decodes its rows, every ZeRO-3 shard all-gathered where a layer uses it, in "
-             "every decode step.",
+             "- **layers**: each device decodes its rows, every ZeRO-3 shard all-gathered in every decode step" + (
+                 ", layer i+1's gather in flight while layer i computes (two layers gathered at most: the plan's "
+                 "`overlap_comm` prefetch)." if any(r.get("prefetch") for r in res["rows"]) else
+                 ", where a layer uses it."),
              "- **gathered**: every weight all-gathered whole once per call (the path before).", "",
              "| batch | layout | peak per device (MiB) | vs plan's parameter bytes | KV cache per device (MiB) | tokens/s | first call (s) | tokens as gathered |",
              "|---|---|---|---|---|---|---|---|"]

@@ -207,8 +207,9 @@ def _tuple_shapes(shape: str) -> list[str]:
     return [e.strip() for e in re.split(r",\s*(?![^\[]*\])", bare)]
 
 
-def compile_with_peak(lowered: Any, weight_shapes: set[str]) -> tuple[Any, dict[str, int]]:
-    """Compile `lowered` with XLA's buffer dumps on and read what is live at the step's peak.
+def compile_with_peak(lowered: Any, weight_shapes: set[str], module: str = "jit_step") -> tuple[Any, dict[str, int]]:
+    """Compile `lowered` (the jitted function `module` names: jit_<its name>) with XLA's buffer dumps
+    on and read what is live at the step's peak.
 
     XLA's live-range report (`*-live-range.txt`, "Live ranges at N (peak)") lists every buffer live
     at the moment arguments + temporaries + outputs are largest; the train state's arguments are
@@ -226,7 +227,7 @@ def compile_with_peak(lowered: Any, weight_shapes: set[str]) -> tuple[Any, dict[
             if used:
                 compilation_cache._cache_used = False
             compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_as_text": True,
-                                        "xla_dump_hlo_module_re": "jit_step"})
+                                        "xla_dump_hlo_module_re": module})
         finally:
             if used:
                 compilation_cache._cache_used = used

@@ -318,6 +318,123 @@ def while_bodies(hlo: str) -> set[str]:
     return {m.group(1) for m in _WHILE_BODY.finditer(hlo)}
 
 
+_OPERANDS = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
+
+
+def _computations(hlo: str) -> dict[str, dict[str, tuple[str, list[str], bool]]]:
+    """computation -> instruction -> (opcode, operand names, is root)."""
+    comps: dict[str, dict[str, tuple[str, list[str], bool]]] = {}
+    current = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if head:
+            current = comps.setdefault(head.group(1), {})
+            continue
+        m = _OPERANDS.match(line)
+        if m and current is not None:
+            current[m.group(2)] = (m.group(3), re.findall(r"%([\w.\-]+)", m.group(4)), bool(m.group(1)))
+    return comps
+
+
+def _computes(comps: dict, opcode: str, operands: list[str]) -> bool:
+    """A dot or convolution, or a fusion / call / loop that holds one."""
+    if opcode in ("dot", "convolution"):
+        return True
+    return any(o in comps and any(op in ("dot", "convolution") for op, _, _ in comps[o].values())
+               for o in operands)
+
+
+def gathers_in_loops(hlo: str) -> dict[str, list[tuple[bool, bool]]]:
+    """Per while-loop body of compiled HLO text, each all-gather's (after_compute, feeds_compute):
+    whether a matmul of the same iteration comes before it (in its operands' chain), and whether a
+    matmul of the same iteration waits for it (in its users' chain, up to the body's result tuple).
+    A gather with neither reads only what the iteration was handed and feeds only the loop carry:
+    the next iteration's weights, gathered while this iteration computes (a prefetch)."""
+    comps = _computations(hlo)
+    out: dict[str, list[tuple[bool, bool]]] = {}
+    for body in while_bodies(hlo):
+        instrs = comps[body]
+        users: dict[str, list[str]] = {}
+        for name, (_, ops, _) in instrs.items():
+            for o in ops:
+                users.setdefault(o, []).append(name)
+        found = out.setdefault(body, [])
+        for name, (opcode, ops, _) in instrs.items():
+            if opcode not in ("all-gather", "all-gather-start"):
+                continue
+            seen, todo, after_compute = set(), list(ops), False
+            while todo:
+                n = todo.pop()
+                if n in instrs and n not in seen:
+                    seen.add(n)
+                    after_compute |= _computes(comps, instrs[n][0], instrs[n][1])
+                    todo += instrs[n][1]
+            seen, todo, feeds_compute = set(), list(users.get(name, [])), False
+            while todo:
+                n = todo.pop()
+                if n not in seen:
+                    seen.add(n)
+                    feeds_compute |= _computes(comps, instrs[n][0], instrs[n][1])
+                    if instrs[n][0] != "tuple":
+                        todo += users.get(n, [])
+            found.append((after_compute, feeds_compute))
+    return out
+
+
+def gathers_ahead(hlo: str) -> list[tuple[int, bool]]:
+    """Each all-gather inside a while-loop body of compiled HLO text: (its result bytes, whether it
+    is gathered ahead). Ahead: the first matmuls that read it (dots, or fusions and loops holding
+    one, found through the ops between) wait for some matmul the gather does not wait for, so it
+    can be in flight while that one computes (a layer's weights gathered while the layer before
+    computes); or it feeds only the loop's state (the next iteration's weights, as
+    `gathers_in_loops` finds). A gather tied to the input of the matmul that reads it (gathered
+    where it is used) is not ahead."""
+    comps = _computations(hlo)
+    out = []
+    for body in while_bodies(hlo):
+        instrs = comps[body]
+        users: dict[str, list[str]] = {}
+        for name, (_, ops, _) in instrs.items():
+            for o in ops:
+                users.setdefault(o, []).append(name)
+        before: dict[str, set[str]] = {}
+
+        def ancestors(name: str) -> set[str]:
+            if name not in before:
+                seen, todo = set(), list(instrs[name][1])
+                while todo:
+                    n = todo.pop()
+                    if n in instrs and n not in seen:
+                        seen.add(n)
+                        todo += instrs[n][1]
+                before[name] = seen
+            return before[name]
+
+        def computes(name: str) -> bool:
+            return _computes(comps, instrs[name][0], instrs[name][1])
+
+        for name, (opcode, _, _) in instrs.items():
+            if opcode not in ("all-gather", "all-gather-start"):
+                continue
+            first, seen, todo = set(), set(), list(users.get(name, []))
+            while todo:
+                n = todo.pop()
+                if n in seen:
+                    continue
+                seen.add(n)
+                if computes(n):
+                    first.add(n)
+                elif not (instrs[n][0] == "tuple" and instrs[n][2]):  # the body's result: the next iteration's
+                    todo += users.get(n, [])
+            mine = ancestors(name)
+            ahead = not first or any(computes(d) for f in first for d in ancestors(f) - mine - {name})
+            line = next(x for x in hlo.splitlines() if re.match(rf"^\s*(ROOT\s+)?%{re.escape(name)}\s*=", x))
+            size = sum(numel(tuple(int(d) for d in dims.split(",") if d)) * (2 if dt in ("bf16", "f16") else 4)
+                       for dt, dims in _SHAPE.findall(line.split("=", 1)[1].split("all-gather")[0]))
+            out.append((size, ahead))
+    return out
+
+
 def greedy_by_recompute(forward: Callable[[Any, np.ndarray], Any], params: Any, prompts: Sequence[Sequence[int]],
                         n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Greedy tokens [rows, n] and their log-probabilities by full recomputation: `forward(params,

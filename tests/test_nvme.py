@@ -8,6 +8,7 @@ budget: benchmarks/nvme.py).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,6 @@ def test_a_killed_process_resumes_with_resume_auto(tmp_path: Path) -> None:
     the half-written tag is never loaded), SIGTERM at step 10, `--resume auto` again: every logged loss and
     the final parameters equal those of a run never stopped."""
     import json
-    import os
     import signal
     import threading
     import time
@@ -408,7 +408,6 @@ def test_compile_for_compiles_the_nvme_step_with_the_state(tmp_path: Path) -> No
 def test_closing_the_files_releases_their_descriptors(tmp_path: Path) -> None:
     """`SwapFiles.close()` removes the working files and closes them: an unlinked file still open keeps
     its disk space until the process lets go of it."""
-    import os
     step = zerojax.make_train_step(zerojax.plan(config(2, "bf16", tmp_path), data_mesh(), mlp_params(0)),
                                    layerwise_loss)
     folder = step.files.folder
@@ -439,3 +438,31 @@ def test_reading_the_parameters_reads_the_master_file_only(tmp_path: Path, monke
     params = to_numpy(e.params)
     assert set(read) == {files.names.index("master")}
     assert_tree_close(params, to_numpy(e.whole_state().master), rtol=0, atol=0, what="master")
+
+
+def test_a_killed_process_swap_folder_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    """A SIGKILL skips every cleanup and leaves a folder as large as the state: the next swap under
+    the same path removes the folders whose process no longer runs, and nothing else."""
+    import socket
+    import subprocess
+    import sys
+    from zerojax.core.swap import OWNER, SWAP_PREFIX, Swap, SwapFiles
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.split()[0]
+    host = socket.gethostname()
+    folders = {}
+    for name, owner in (("dead", f"{host} {dead}\n"), ("live", f"{host} {os.getpid()}\n"),
+                        ("elsewhere", f"another-host {dead}\n"), ("unowned", None)):
+        folders[name] = tmp_path / f"{SWAP_PREFIX}{name}"
+        folders[name].mkdir()
+        (folders[name] / "master.f32").write_bytes(b"\0" * 64)
+        if owner is not None:
+            (folders[name] / OWNER).write_text(owner)
+    mine = tmp_path / "user-data.bin"
+    mine.write_bytes(b"not zerojax's")
+    files = SwapFiles(Swap(str(tmp_path), buffer_count=2, tile=4), ["master"], [8])
+    assert (files.folder / OWNER).read_text().split() == [host, str(os.getpid())]
+    assert not folders["dead"].exists()
+    assert all(folders[n].exists() for n in ("live", "elsewhere", "unowned"))
+    assert mine.read_bytes() == b"not zerojax's"
+    files.close()

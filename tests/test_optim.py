@@ -602,3 +602,31 @@ def test_real_project_configs_train(name: str, sets: list[str], optimizer: str |
     rows = engine.train_batch_size()
     losses = [float(engine.train_batch(h.make_batch(rows, s))["loss"]) for s in range(2)]
     assert all(np.isfinite(losses)) and engine.global_steps == 2
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "Lamb", "Adagrad", "Muon"])
+def test_a_skipped_update_keeps_the_buffers_and_an_applied_one_is_unchanged(kind: str) -> None:
+    """Told through optax's extra arguments that the step may be skipped (`transforms.SKIP`), each
+    of DeepSpeed's optimizers keeps its buffers itself where it is, and computes exactly what it
+    computes untold where it is not; `Keep.select` leaves the buffers it kept alone."""
+    from zerojax.optim.transforms import SKIP, Keep
+    params = {"lr": 1e-2, "momentum": 0.9} if kind == "Muon" else {"lr": 1e-2}
+    tx = make_optimizer(load_config({"train_batch_size": 8, "optimizer": {"type": kind, "params": params}}).optimizer,
+                        lambda count: jnp.float32(1e-2))
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32), "b": jnp.asarray(rng.normal(size=(8,)), jnp.float32)}
+    g = jax.tree.map(lambda x: x * 0.5 + 0.1, p)
+    state = tx.update(g, tx.init(p), p)[1]  # non-zero buffers
+    plain = tx.update(g, state, p)
+    leaves = lambda t: [np.asarray(x) for x in jax.tree.leaves(t)]  # noqa: E731
+
+    applied = tx.update(g, state, p, **{SKIP: Keep(jnp.bool_(False))})
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(applied), leaves(plain)))
+
+    keep = Keep(jnp.bool_(True))
+    _, skipped = tx.update(g, state, p, **{SKIP: keep})
+    kept = keep.select(state, skipped)
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(kept), leaves(state)))
+    # the buffers came back kept by the transformation itself, not by the select
+    buffers = [x for x in jax.tree.leaves(skipped) if x.size > 1]
+    assert buffers and all(x is y for x, y in zip(jax.tree.leaves(kept), jax.tree.leaves(skipped)) if x.size > 1)

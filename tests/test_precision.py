@@ -233,3 +233,69 @@ def test_loss_scale_state_is_replicated_scalars() -> None:
     assert isinstance(state.scaler, LossScaleState)
     assert state.scaler.first_bad.shape == (p.n_leaves,)
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.scaler))
+
+
+def test_norm_and_finite_is_optax_norm_and_leaf_finite_from_one_reduction_per_leaf() -> None:
+    """The step's gradient norm and per-leaf finiteness come from one sum per leaf: bit for bit
+    optax's norm on finite gradients, `leaf_finite`'s flags on non-finite ones (inf and NaN), and a
+    finite leaf whose squares overflow is still finite (its norm is inf, as optax's)."""
+    from zerojax.core.precision import leaf_finite, norm_and_finite
+    import optax
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(33, 7)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32) * 1e-3,
+            "c": np.float32(rng.normal(size=(2, 3, 4)) * 1e3)}
+    both = jax.jit(lambda t: (norm_and_finite(t), optax.tree.norm(t), leaf_finite(t)))
+    (norm, finite), want, flags = both(tree)
+    assert np.asarray(norm).tobytes() == np.asarray(want).tobytes() and np.asarray(finite).all()
+    for a, b, c, bad in [(np.inf, 0, 0, [0]), (0, np.nan, 0, [1]), (-np.inf, np.nan, 0, [0, 1]), (0, 0, 1e30, [])]:
+        t = {"a": tree["a"].copy(), "b": tree["b"].copy(), "c": tree["c"].copy()}
+        t["a"][3, 2] += a
+        t["b"][1] += b
+        t["c"][1, 2, 3] += c
+        (norm, finite), want, flags = both(t)
+        assert np.flatnonzero(~np.asarray(finite)).tolist() == bad
+        assert (np.asarray(finite) == np.asarray(flags)).all()
+        assert np.isnan(norm) if bad else np.isinf(norm) and np.isinf(want)
+    # One reduction per leaf in the program (leaf_finite beside the norm was two).
+    text = jax.jit(norm_and_finite).lower(tree).as_text()
+    assert text.count("stablehlo.reduce") == 3, text
+
+
+@pytest.mark.parametrize("precision", [{"bf16": {"enabled": True}}, {"fp16": {"enabled": True, "loss_scale": 256}}],
+                         ids=["bf16", "fp16-static"])
+def test_a_static_loss_scale_is_the_plans_constant(precision: dict) -> None:
+    """A static scaler never moves, so the step folds its scale in as a constant (at bf16's 1 the
+    unscale multiply is gone from the program) instead of reading the state's: a state carrying
+    another value (a checkpoint of a dynamic run) trains as the config says."""
+    cfg = make_config(3, dtype="bf16" if "bf16" in precision else "fp32", optimizer=ADAM, **precision)
+    p = zerojax.plan(cfg, data_mesh(), mlp_params(0))
+    step = zerojax.make_train_step(cfg, p, mse_loss)
+    new, metrics = step(zerojax.init_state(cfg, p, mlp_params(0)), GOOD[0])  # the step donates its state
+    state = zerojax.init_state(cfg, p, mlp_params(0))
+    stale = state._replace(scaler=state.scaler._replace(scale=jnp.asarray(3.0, jnp.float32)))
+    from_stale, stale_metrics = step(stale, GOOD[0])
+    assert float(metrics["loss_scale"]) == float(stale_metrics["loss_scale"]) == p.scaler.initial
+    assert_tree_close(to_numpy(from_stale.master), to_numpy(new.master), rtol=0, atol=0, what="master")
+
+
+@pytest.mark.parametrize("optimizer", [ADAM, {"type": "Adagrad", "params": {"lr": 0.1}}],
+                         ids=["adam", "adagrad"])
+def test_skipping_non_finite_steps_costs_no_step_memory(optimizer: dict) -> None:
+    """Skipping keeps the old state with a select; the optimizer's buffers must still be updated in
+    place of the donated ones. Reading a buffer's new value twice (into the state and into the
+    parameter update) made XLA copy every old buffer first: two copies of each moment per step."""
+    params = {"w": np.full((64, 512), 0.01, np.float32)}
+
+    def loss(p: dict, batch: dict) -> jax.Array:
+        return jnp.mean((batch["x"] @ p["w"]) ** 2)
+
+    batch = {"x": np.ones((8, 64), np.float32)}
+    temps = {}
+    for mode in ("skip_step", "stop"):
+        cfg = make_config(3, optimizer=optimizer, train_batch_size=8, run={"non_finite": mode})
+        plan = zerojax.plan(cfg, data_mesh(), params)
+        state = zerojax.init_state(cfg, plan, params)
+        step = zerojax.make_train_step(cfg, plan, loss)
+        temps[mode] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    buffer = 64 * 512 * 4 // 8  # one optimizer buffer's shard on one device
+    assert temps["skip_step"] < temps["stop"] + buffer // 2, temps

@@ -310,3 +310,19 @@ def test_the_core_step_runs_a_prepared_loss_only() -> None:
         _, metrics = make()(zerojax.init_state(plan, mlp_params(0)), batch)
         losses.append(float(metrics["loss"]))
     assert losses[0] == losses[1]
+
+
+def test_update_reads_each_gradient_leaf_once_for_its_norm_and_finiteness() -> None:
+    """The update's global norm and the per-leaf finiteness flags of the skip share one reduction per
+    gradient leaf (`precision.norm_and_finite`): every reduction is a kernel XLA compiles before the
+    first step, and the update had two per leaf."""
+    from zerojax.core.state import abstract_state
+    from zerojax.core.step import apply_update
+    for dtype in ("fp32", "bf16"):
+        plan = zerojax.plan(make_config(3, optimizer=ADAM, dtype=dtype), data_mesh(), mlp_params(0))
+        grads = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, plan.policy.accum, sharding=s),
+                             plan.abstract_trained, plan.update_shardings)
+        update = jax.jit(lambda s, g, loss: apply_update(plan, s, g, loss))
+        text = update.lower(abstract_state(plan), grads, jax.ShapeDtypeStruct((), jnp.float32)).as_text()
+        # one per leaf, plus the skip's all() over the flags and the scaler's any() over them
+        assert text.count("stablehlo.reduce") == plan.n_trained + 2, (dtype, text.count("stablehlo.reduce"))

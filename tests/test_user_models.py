@@ -7,7 +7,6 @@ gathered weights at a time, and reduce-scatter (never all-reduce) their gradient
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import jax
@@ -19,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from zerojax.measure.hlo import collectives as hlo_collectives
 from benchmarks.user_models import SHAPES
-from helpers import assert_relative_close, assert_tree_close, data_mesh, to_numpy, while_bodies
+from helpers import assert_relative_close, assert_tree_close, data_mesh, gathers_in_loops, to_numpy, while_bodies
 from zerojax.core.collectives import ParamShard, Shard
 from zerojax.rewrite.gather_at_use import gather_at_use
 from zerojax.core.layout import is_layout
@@ -120,32 +119,6 @@ def test_stage3_holds_a_few_layers_and_reduce_scatters(shape: str, overlap: bool
         assert in_loop >= 0.8 * gathered, "the scanned layers were not gathered inside the loop"
 
 
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
-
-
-def _computations(hlo: str) -> dict[str, dict[str, tuple[str, list[str], bool]]]:
-    """computation -> instruction -> (opcode, operand names, is root)."""
-    comps: dict[str, dict[str, tuple[str, list[str], bool]]] = {}
-    current = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
-        if head:
-            current = comps.setdefault(head.group(1), {})
-            continue
-        m = _INSTR.match(line)
-        if m and current is not None:
-            current[m.group(2)] = (m.group(3), re.findall(r"%([\w.\-]+)", m.group(4)), bool(m.group(1)))
-    return comps
-
-
-def _computes(comps: dict, name: str, opcode: str, operands: list[str]) -> bool:
-    """A dot or convolution, or a fusion / call that holds one."""
-    if opcode in ("dot", "convolution"):
-        return True
-    return any(o in comps and any(op in ("dot", "convolution") for op, _, _ in comps[o].values())
-               for o in operands)
-
-
 @pytest.mark.parametrize("shape", ["lax_scan", "nnx_scan"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stage3_gathered_weights_at_the_peak_are_at_most_three_layers(shape: str, overlap: bool) -> None:
@@ -175,35 +148,7 @@ def test_prefetch_gathers_the_next_layer_off_the_critical_path() -> None:
     gathers the layer below ahead)."""
     def loop_gathers(overlap: bool) -> list[tuple[bool, bool]]:
         compiled, _, _ = compiled_step("lax_scan", 3, layers=4, overlap_comm=overlap)
-        hlo = compiled.as_text()
-        comps = _computations(hlo)
-        out = []
-        for body in while_bodies(hlo):
-            instrs = comps[body]
-            users: dict[str, list[str]] = {}
-            for name, (_, ops, _) in instrs.items():
-                for o in ops:
-                    users.setdefault(o, []).append(name)
-            for name, (opcode, ops, _) in instrs.items():
-                if opcode not in ("all-gather", "all-gather-start"):
-                    continue
-                seen, todo, after_compute = set(), list(ops), False
-                while todo:
-                    n = todo.pop()
-                    if n in instrs and n not in seen:
-                        seen.add(n)
-                        after_compute |= _computes(comps, n, instrs[n][0], instrs[n][1])
-                        todo += instrs[n][1]
-                seen, todo, feeds_compute = set(), list(users.get(name, [])), False
-                while todo:
-                    n = todo.pop()
-                    if n not in seen:
-                        seen.add(n)
-                        feeds_compute |= _computes(comps, n, instrs[n][0], instrs[n][1])
-                        if instrs[n][0] != "tuple":
-                            todo += users.get(n, [])
-                out.append((after_compute, feeds_compute))
-        return out
+        return [g for gs in gathers_in_loops(compiled.as_text()).values() for g in gs]
 
     ahead = loop_gathers(True)  # forward and backward loops
     assert ahead and not any(after for after, _ in ahead)

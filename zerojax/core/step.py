@@ -48,8 +48,9 @@ from zerojax.core.param_swap import ParamFiles, ParamSwapStep
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
-from zerojax.core.precision import LossScaleState, leaf_finite, update_loss_scale
+from zerojax.core.precision import LossScaleState, leaf_finite, norm_and_finite, update_loss_scale
 from zerojax.core.state import TrainState, state_shardings
+from zerojax.optim.transforms import SKIP, Keep
 
 LossFn = Callable[..., jax.Array]
 
@@ -416,7 +417,7 @@ def apply_update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array
     update (xla) or the fused Pallas kernels; both give the same state.
     """
     pol = plan.policy
-    inv_scale = (1.0 / state.scaler.scale).astype(pol.master)
+    inv_scale = (1.0 / loss_scale(plan, state)).astype(pol.master)
     old_master = (state.master if pol.mixed else
                   _constrain(bring_in(plan.trained(state.params), plan.memory.params), plan.update_shardings))
     update = _optax_update if plan.kernels == XLA else _fused_update
@@ -442,7 +443,7 @@ def finish_update(plan: Plan, state: TrainState, result: UpdateResult, loss: jax
                      opt_state=opt_state, step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32),
                      scaler=scaler, rng=state.rng, model_state=state.model_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": plan.schedule.lr(position),
-               "loss_scale": state.scaler.scale, "skipped": overflow, "non_finite": ~(jnp.all(finite) & loss_ok),
+               "loss_scale": loss_scale(plan, state), "skipped": overflow, "non_finite": ~(jnp.all(finite) & loss_ok),
                "skipped_streak": scaler.streak}
     return new, metrics
 
@@ -472,8 +473,10 @@ def unscaled(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Array, lo
     """Gradients unscaled in the master dtype, their global norm, per-leaf finiteness and whether the
     step is skipped: what the optimizer needs besides its state, wherever that state lives."""
     grads = jax.tree.map(lambda g: g.astype(plan.policy.master) * inv_scale, grads)
-    grad_norm = optax.tree.norm(grads) if plan.rule.norm is None else plan.rule.norm(grads)
-    finite = leaf_finite(grads)
+    if plan.rule.norm is None:
+        grad_norm, finite = norm_and_finite(grads)  # one reduction per leaf for both
+    else:  # a layout's own norm (copies inside a leaf): the flags apart
+        grad_norm, finite = plan.rule.norm(grads), leaf_finite(grads)
     return grads, grad_norm, finite, _overflow(plan, state, finite, loss_ok)
 
 
@@ -486,11 +489,16 @@ def _optax_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Arra
                  ) -> tuple[Any, Any]:
         """The per-shard, elementwise part: it runs where the plan puts the update (device or host)."""
         clipped = clip_by_global_norm(grads, grad_norm, plan.rule.clip)
-        updates, new_opt_state = plan.tx.update(clipped, opt_state, master)
+        # The transformations keep their own buffers on a skipped step and read the kept ones
+        # (transforms.SKIP: no copies of the moments); `keep.select` keeps the rest, all of a user's
+        # transformation that takes no extra arguments.
+        keep = Keep(overflow) if plan.scaler.check_finite else None
+        extra = {SKIP: keep} if keep is not None else {}
+        updates, new_opt_state = optax.with_extra_args_support(plan.tx).update(clipped, opt_state, master, **extra)
         new_master = optax.apply_updates(master, updates)
-        if plan.scaler.check_finite:
-            new_master = _select(overflow, master, new_master)
-            new_opt_state = _select(overflow, opt_state, new_opt_state)
+        if keep is not None:
+            new_master = keep.select(master, new_master)
+            new_opt_state = keep.select(opt_state, new_opt_state)
         return new_master, new_opt_state
 
     master, opt_state = run_update(plan.memory, optimize, old_master, state.opt_state, grads, grad_norm, overflow)
@@ -517,6 +525,15 @@ def _fused_update(plan: Plan, state: TrainState, grads: Any, inv_scale: jax.Arra
 
 def _constrain(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def loss_scale(plan: Plan, state: TrainState) -> jax.Array:
+    """The scale the step multiplies the loss by (and divides the gradients by): the state's under a
+    dynamic scaler; a static one never moves (`update_loss_scale`), so its value is the plan's constant,
+    folded into the program: at bf16's and fp32's 1, the per-leaf unscale multiply is not there at all."""
+    if plan.scaler.dynamic:
+        return state.scaler.scale
+    return jnp.asarray(plan.scaler.initial, jnp.float32)
 
 
 def step_key(state: TrainState) -> jax.Array:
@@ -569,7 +586,7 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
             state = state._replace(params=jax.tree.unflatten(jax.tree.structure(plan.abstract_params), [
                 jax.lax.with_sharding_constraint(jnp.zeros(a.shape, plan.policy.param), sh) if x is None else x
                 for x, a, sh in zip(leaves, jax.tree.leaves(plan.abstract_params), jax.tree.leaves(shardings.params))]))
-        losses, grads, *model_state = grad_fn(state.params, batch, state.scaler.scale, step_key(state),
+        losses, grads, *model_state = grad_fn(state.params, batch, loss_scale(plan, state), step_key(state),
                                               *((state.model_state,) if keeps else ()))
         new, metrics = apply_update(plan, state, grads, jnp.mean(losses))
         if keeps:  # a skipped step leaves the model state as it was, with the parameters
@@ -609,9 +626,9 @@ def _around_the_update(plan: Plan, grad_fn: GradFn, keeps: bool) -> tuple[Callab
     pol = plan.policy
 
     def front(state: TrainState, batch: Any) -> tuple[Any, ...]:
-        losses, grads, *model_state = grad_fn(state.params, batch, state.scaler.scale, step_key(state),
+        losses, grads, *model_state = grad_fn(state.params, batch, loss_scale(plan, state), step_key(state),
                                               *((state.model_state,) if keeps else ()))
-        inv_scale = (1.0 / state.scaler.scale).astype(pol.master)
+        inv_scale = (1.0 / loss_scale(plan, state)).astype(pol.master)
         grads, norm, finite, overflow = unscaled(plan, state, grads, inv_scale, jnp.isfinite(jnp.mean(losses)))
         master = (None if pol.mixed else
                   _constrain(bring_in(plan.trained(state.params), plan.memory.params), plan.update_shardings))

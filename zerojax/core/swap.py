@@ -19,7 +19,9 @@ one compute-dtype array per region, passes that only read (before a step) or onl
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import socket
 import shutil
 import tempfile
 import time
@@ -31,6 +33,35 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 SWAP_PREFIX = "zerojax-swap-"
+OWNER = "owner"  # in each swap folder: "<host> <pid>" of the process working in it
+
+log = logging.getLogger(__name__)
+
+
+def _owner_gone(folder: Path) -> bool:
+    """Whether `folder`'s owner file names a process of this host that no longer runs. A folder
+    without one, of another host, or whose process may still run is never judged gone."""
+    try:
+        host, pid = (folder / OWNER).read_text().split()
+        if host != socket.gethostname():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):  # no or unreadable owner file, or a process we may not signal
+        return False
+    return False
+
+
+def remove_abandoned(root: Path) -> list[Path]:
+    """Remove the swap folders under `root` left by killed processes of this host (a SIGKILL skips
+    every cleanup, and the folder is as large as the state it held). Only `zerojax-swap-*` folders
+    whose owner file names a process that no longer exists are touched."""
+    gone = [f for f in sorted(root.glob(SWAP_PREFIX + "*")) if f.is_dir() and _owner_gone(f)]
+    for folder in gone:
+        log.info("removing %s, the swap folder of a process that no longer runs", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    return gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +111,10 @@ class SwapFiles:
         self.itemsize = self.dtype.itemsize
         root = Path(swap.path)
         root.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(root)
         self.folder = Path(tempfile.mkdtemp(prefix=SWAP_PREFIX, dir=root))
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        (self.folder / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         self.swap, self.names, self.sizes = swap, list(names), [int(n) for n in sizes]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         total = int(self.offsets[-1])

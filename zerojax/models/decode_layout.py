@@ -13,9 +13,12 @@ ZeRO-3 was chosen to avoid (and would undo a tensor split). `choose` picks, per 
   blocks, every device runs every row. This is DeepSpeed's hybrid engine's choice
   (tensor-parallel inference from the training shards), without its gather into a second copy.
 * `layers`: each device decodes its rows with every ZeRO-3 shard gathered where a layer uses it
-  (`gather_at_use`, one layer per iteration of the model's scanned stack, in every decode step).
-  The weights move in every step, so it pays when the rows' compute and activations outweigh the
-  weights: a large batch (the rule below), or weights with no dimension the devices divide.
+  (`gather_at_use`, in every decode step). With the plan's prefetch (`overlap_comm`, the default at
+  stage 3) the scanned stack gathers layer i+1 while layer i computes, holding at most two layers
+  gathered (`gather_at_use._prefetch_ahead`); without it one layer's weights at a time, each
+  gathered where it is used. The weights move in every step, so it pays when the rows' compute
+  and activations outweigh the weights: a large batch (the rule below), or weights with no
+  dimension the devices divide.
 * `gathered`: every weight gathered whole once per call (the layout before this module): the most
   bytes per device, the fewest collectives. Never chosen by `choose` when the plan shards weights
   (it would exceed the plan's bytes); kept for the benchmarks and for `layout="gathered"`.
@@ -41,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core.layout import Plan
 from zerojax.core.mesh import axes_size, data_axes, row_axes
+from zerojax.rewrite.gather_at_use import prefetches
 
 NAMES = ("tensor", "layers", "gathered")
 
@@ -49,6 +53,7 @@ class Layout:
     """How one generate call decodes (a static argument of the compiled program).
 
     name: "tensor", "layers", "gathered", or "one device" (no plan).
+    prefetch: `layers` gathers layer i+1 while layer i computes (the plan's `overlap_comm` prefetch).
     rows: the rows' sharding (None: one device).
     weights: per parameter leaf (flattened), the sharding the weights are held in during the call
         ("tensor", "gathered"); None for "layers" (the plan's shards, gathered at use).
@@ -58,9 +63,9 @@ class Layout:
     """
 
     def __init__(self, name: str, rows: NamedSharding | None, weights: tuple | None, weight_bytes: int,
-                 planned_bytes: int, why: str, plan: Plan | None = None):
+                 planned_bytes: int, why: str, plan: Plan | None = None, prefetch: bool = False):
         self.name, self.rows, self.weights, self.plan = name, rows, weights, plan
-        self.weight_bytes, self.planned_bytes, self.why = weight_bytes, planned_bytes, why
+        self.weight_bytes, self.planned_bytes, self.why, self.prefetch = weight_bytes, planned_bytes, why, prefetch
 
     def _key(self) -> tuple:
         return self.name, self.rows, self.weights, id(self.plan)
@@ -105,17 +110,30 @@ def _held(abstract: Any, shardings: Any) -> int:
                for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
 
 
-def one_layer_bytes(decoder: Any, params: Any) -> int:
-    """Bytes of one layer of the decoder's scanned stacks (their leaves' slice along the scanned
-    axes), what `layers` decoding gathers at a time."""
+def _one_layer(decoder: Any, params: Any, plan: Plan | None) -> tuple[int, int]:
+    """(bytes, elements) of one layer of the decoder's scanned stacks (their leaves' slice along the
+    scanned axes), as `layers` decoding gathers it on a device: with a plan, a leaf the tensor axis
+    splits is gathered over the ZeRO axes only, so one device holds its tensor block."""
     from zerojax.rewrite.gather_at_use import find_layer_axes
     b = 1
     fn = lambda p, c, t, q: decoder.decode_step(p, c, t, q)  # noqa: E731
     cache = jax.eval_shape(lambda p: decoder.init_cache(p, b, 2), params)
     tok = jax.ShapeDtypeStruct((b,), np.int32)
-    depth = find_layer_axes(fn, params, cache, tok, tok)
-    return sum(_leaf_bytes(x) // math.prod(x.shape[:k]) for x, k in zip(jax.tree.leaves(params), jax.tree.leaves(depth))
-               if k)
+    depth = jax.tree.leaves(find_layer_axes(fn, params, cache, tok, tok))
+    split = [1] * len(depth) if plan is None else [
+        1 if d is None else plan.tensor_size for d in jax.tree.leaves(plan.tensor_dims, is_leaf=lambda d: d is None)]
+    size, count = 0, 0
+    for x, k, t in zip(jax.tree.leaves(params), depth, split):
+        if k:
+            n = math.prod(x.shape) // math.prod(x.shape[:k]) // t
+            size, count = size + n * np.dtype(x.dtype).itemsize, count + n
+    return size, count
+
+
+def one_layer_bytes(decoder: Any, params: Any, plan: Plan | None = None) -> int:
+    """Bytes of one layer of the decoder's scanned stacks, what `layers` decoding gathers at a time
+    (on a device of `plan`'s mesh when given: a tensor-split weight's block)."""
+    return _one_layer(decoder, params, plan)[0]
 
 
 def _free_bytes() -> int | None:
@@ -140,7 +158,7 @@ def choose(plan: Plan | None, decoder: Any, params: Any, batch: int, max_len: in
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     planned = _held(abstract, plan.param_shardings)
     whole = sum(_leaf_bytes(x) for x in jax.tree.leaves(abstract))
-    layer = one_layer_bytes(decoder, abstract)
+    layer, layer_elements = _one_layer(decoder, abstract, plan)
     shards = axes_size(mesh, rows_axes)
     cache = cache_bytes(decoder, abstract, pad_rows(batch, shards), max_len) if cache_bytes else 0
     step_cache = cache_bytes(decoder, abstract, pad_rows(batch, shards), 1) if cache_bytes else 0
@@ -150,7 +168,8 @@ def choose(plan: Plan | None, decoder: Any, params: Any, batch: int, max_len: in
     reread = any(a in _flat(s.spec) for s in jax.tree.leaves(held) for a in _tuple(data_axes(mesh)))
     tensor = Layout("tensor", NamedSharding(mesh, P()) if reread else rows, tuple(jax.tree.leaves(held)),
                     _held(abstract, held), planned, "", plan)
-    layers = Layout("layers", rows, None, planned + 2 * layer, planned, "", plan)
+    ahead = prefetches(plan.step.prefetch, layer_elements)
+    layers = Layout("layers", rows, None, planned + (2 if ahead else 1) * layer, planned, "", plan, ahead)
     gathered = Layout("gathered", rows, tuple(NamedSharding(mesh, P()) for _ in jax.tree.leaves(abstract)), whole,
                       planned, "", plan)
 

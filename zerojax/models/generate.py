@@ -225,6 +225,8 @@ class GenerateMemory(NamedTuple):
     peak: the compiled program's arguments + temporaries + outputs (`memory_analysis`): its peak,
         the KV cache and any gathered weights included (they are temporaries of the program).
     cache: the KV cache's bytes on one device.
+    prefetch: the layout gathers layer i+1 while layer i computes (`layers` with the plan's prefetch),
+        so `weights` counts two gathered layers.
     """
     layout: str
     why: str
@@ -232,10 +234,12 @@ class GenerateMemory(NamedTuple):
     planned: int
     peak: int
     cache: int
+    prefetch: bool = False
 
     def line(self) -> str:
         mib = 2 ** 20
-        return (f"generate ({self.layout} layout: {self.why}): peak {self.peak / mib:.2f} MiB per device, weights "
+        ahead = ", prefetching the next layer's gather (2 layers gathered at most)" if self.prefetch else ""
+        return (f"generate ({self.layout} layout{ahead}: {self.why}): peak {self.peak / mib:.2f} MiB per device, weights "
                 f"{self.weights / mib:.2f} MiB (the plan stores {self.planned / mib:.2f} MiB), KV cache "
                 f"{self.cache / mib:.2f} MiB")
 
@@ -256,7 +260,7 @@ def memory_report(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max
     peak = int(stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
                - stats.alias_size_in_bytes)
     cache = cache_bytes(decoder, params, found["batch"], found["max_len"]) // route.row_shards
-    return GenerateMemory(route.name, route.why, route.weight_bytes, route.planned_bytes, peak, cache)
+    return GenerateMemory(route.name, route.why, route.weight_bytes, route.planned_bytes, peak, cache, route.prefetch)
 
 
 def _rows(tokens: np.ndarray, lengths: np.ndarray, route: Layout) -> tuple[Any, Any]:
@@ -341,7 +345,7 @@ def _at_use(fn: Callable[..., Any], layout: Layout) -> Callable[..., Any]:
     def local(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         shards = local_params(plan, params, for_grad=False, marked=False)
         sliced = on_tensor_slices(fn, plan.tensor_dims, plan.tensor_size)
-        return gather_at_use(sliced, plan.step.prefetch)(shards, cache, tokens, positions)
+        return gather_at_use(sliced, plan.step.prefetch, forward_only=True)(shards, cache, tokens, positions)
 
     def run(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         specs = jax.tree.map(lambda c: _cache_sharding(layout.rows, c.ndim).spec, cache)

@@ -21,13 +21,57 @@ import jax.numpy as jnp
 import optax
 
 
-__all__ = ["PerLeaf", "add_decay", "scale_per_leaf", "bias_corrections", "AdamSettings",
+__all__ = ["SKIP", "Keep", "kept", "PerLeaf", "add_decay", "scale_per_leaf", "bias_corrections", "AdamSettings",
            "LrSchedule", "ScaleByMomentsState", "ScaleByAdagradState", "TorchMomentumState", "scale_by_moments",
            "scale_by_clamped_trust_ratio", "scale_by_adagrad", "torch_momentum", "NS_COEFFS", "NS_METHODS",
            "newton_schulz", "MuonState", "scale_by_muon", "MuonAdamState",
            "scale_by_muon_with_adam", "scale_by_label"]
 
 ScheduleFn = Callable[[jax.Array], jax.Array]
+
+#: The extra argument (optax's `extra_args`) a step passes to `update` when it may throw the update
+#: away: a `Keep`. The stateful transformations below hand it their new buffers, and compute their
+#: direction from the buffers it returns; the step keeps everything else. So the buffer written to
+#: the state is the one the direction reads: XLA writes it once, in place of the donated old one,
+#: instead of computing it twice (once for the state, once inside the parameter update) from an old
+#: buffer it must first copy so as not to read it after overwriting it - two copies of every moment
+#: per step. Exact: on a step that is not skipped a kept buffer is the new one, bit for bit; on a
+#: skipped step the direction is discarded.
+SKIP = "skip_step"
+
+
+class Keep:
+    """The buffers of a step that may be skipped: `keep(old, new)` is `new`, or `old` where `skip`
+    is true. It remembers what it kept, so that `select` (the step's, over the whole state) leaves
+    those alone: a second select of the same buffer would be computed once more inside the
+    parameter update, which then reads the old buffer again after it was overwritten."""
+
+    def __init__(self, skip: jax.Array):
+        self.skip = skip
+        self._kept: dict[int, tuple[Any, Any]] = {}  # id(kept) -> (kept, the old leaf it keeps)
+
+    def __call__(self, old: Any, new: Any) -> Any:
+        def one(o: Any, n: Any) -> Any:
+            if o is None:
+                return n
+            out = jnp.where(self.skip, o, n)
+            self._kept[id(out)] = (out, o)
+            return out
+        return jax.tree.map(one, old, new, is_leaf=lambda x: x is None)
+
+    def select(self, old: Any, new: Any) -> Any:
+        """`new`, or `old` where `skip` is true, leaf by leaf; a leaf this Keep kept from the same
+        old leaf is already that."""
+        def one(o: Any, n: Any) -> Any:
+            done = self._kept.get(id(n))
+            return n if done is not None and done[0] is n and done[1] is o else jnp.where(self.skip, o, n)
+        return jax.tree.map(one, old, new)
+
+
+def kept(extra: dict[str, Any], old: Any, new: Any) -> Any:
+    """A transformation's new buffers as the step keeps them (see `SKIP`); `new` outside such a step."""
+    keep = extra.get(SKIP)
+    return new if keep is None else keep(old, new)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,17 +109,17 @@ def scale_by_moments(b1: jax.Array | float, b2: jax.Array | float, eps: float,
         zeros = jax.tree.map(jnp.zeros_like, params)
         return ScaleByMomentsState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros)
 
-    def update_fn(updates: optax.Updates, state: ScaleByMomentsState,
-                  params: optax.Params | None = None) -> tuple[optax.Updates, ScaleByMomentsState]:
+    def update_fn(updates: optax.Updates, state: ScaleByMomentsState, params: optax.Params | None = None,
+                  **extra: Any) -> tuple[optax.Updates, ScaleByMomentsState]:
         del params
-        mu = jax.tree.map(lambda g, m: b1 * m + (1 - b1) * g, updates, state.mu)
-        nu = jax.tree.map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        mu = kept(extra, state.mu, jax.tree.map(lambda g, m: b1 * m + (1 - b1) * g, updates, state.mu))
+        nu = kept(extra, state.nu, jax.tree.map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu))
         count = optax.safe_increment(state.count)
         c1, c2 = bias_corrections(b1, b2, count, bias_correction)
         direction = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
         return direction, ScaleByMomentsState(count=count, mu=mu, nu=nu)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _trust_ratio(w: jax.Array, u: jax.Array, min_coeff: float, max_coeff: float) -> jax.Array:
@@ -120,14 +164,15 @@ def scale_by_adagrad(initial_accumulator_value: float, eps: float) -> optax.Grad
         return ScaleByAdagradState(
             jax.tree.map(lambda p: jnp.full_like(p, initial_accumulator_value), params))
 
-    def update_fn(updates: optax.Updates, state: ScaleByAdagradState,
-                  params: optax.Params | None = None) -> tuple[optax.Updates, ScaleByAdagradState]:
+    def update_fn(updates: optax.Updates, state: ScaleByAdagradState, params: optax.Params | None = None,
+                  **extra: Any) -> tuple[optax.Updates, ScaleByAdagradState]:
         del params
-        sums = jax.tree.map(lambda g, s: s + g * g, updates, state.sum_of_squares)
+        sums = kept(extra, state.sum_of_squares,
+                    jax.tree.map(lambda g, s: s + g * g, updates, state.sum_of_squares))
         direction = jax.tree.map(lambda g, s: g / (jnp.sqrt(s) + eps), updates, sums)
         return direction, ScaleByAdagradState(sums)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class TorchMomentumState(NamedTuple):
@@ -141,6 +186,10 @@ def torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.G
 
     optax.trace starts from a zero buffer and has no dampening, so its steps differ from torch's
     whenever dampening is non-zero (the first step is undampened in torch).
+
+    It does not take `SKIP`: the step's select keeps its buffer. Read back from the kept buffer,
+    Nesterov's g + momentum * buf comes out an ulp away from today's steps on XLA:CPU (which fuses,
+    and contracts, the recomputed buffer differently), and the results are kept bit for bit.
     """
     def init_fn(params: optax.Params) -> TorchMomentumState:
         return TorchMomentumState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
@@ -239,14 +288,15 @@ def scale_by_muon(momentum: float, ns_method: str = "gram", ns_steps: int = 5,
     def init_fn(params: optax.Params) -> MuonState:
         return MuonState(momentum=jax.tree.map(jnp.zeros_like, params))
 
-    def update_fn(updates: optax.Updates, state: MuonState,
-                  params: optax.Params | None = None) -> tuple[optax.Updates, MuonState]:
+    def update_fn(updates: optax.Updates, state: MuonState, params: optax.Params | None = None,
+                  **extra: Any) -> tuple[optax.Updates, MuonState]:
         del params
-        mom = jax.tree.map(lambda g, m: momentum * m + (1 - momentum) * g, updates, state.momentum)
+        mom = kept(extra, state.momentum,
+                   jax.tree.map(lambda g, m: momentum * m + (1 - momentum) * g, updates, state.momentum))
         return (jax.tree.map(lambda g, m: _muon_direction(g, m, momentum, ns_steps, ns_method, nesterov),
                              updates, mom), MuonState(momentum=mom))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class MuonAdamState(NamedTuple):
@@ -273,8 +323,8 @@ def scale_by_muon_with_adam(momentum: float, ns_method: str, b1: float, b2: floa
         return MuonAdamState(count=jnp.zeros([], jnp.int32), momentum=jax.tree.map(mine("muon"), params, lab),
                              mu=jax.tree.map(mine("adam"), params, lab), nu=jax.tree.map(mine("adam"), params, lab))
 
-    def update_fn(updates: optax.Updates, state: MuonAdamState,
-                  params: optax.Params | None = None) -> tuple[optax.Updates, MuonAdamState]:
+    def update_fn(updates: optax.Updates, state: MuonAdamState, params: optax.Params | None = None,
+                  **extra: Any) -> tuple[optax.Updates, MuonAdamState]:
         del params
         lab = labels(updates)
         count = optax.safe_increment(state.count)
@@ -282,9 +332,11 @@ def scale_by_muon_with_adam(momentum: float, ns_method: str, b1: float, b2: floa
 
         def muon(g: jax.Array, m: jax.Array, l: str) -> jax.Array:
             return momentum * m + (1 - momentum) * g if l == "muon" else m
-        mom = jax.tree.map(muon, updates, state.momentum, lab)
-        mu = jax.tree.map(lambda g, m, l: b1 * m + (1 - b1) * g if l == "adam" else m, updates, state.mu, lab)
-        nu = jax.tree.map(lambda g, v, l: b2 * v + (1 - b2) * g * g if l == "adam" else v, updates, state.nu, lab)
+        mom = kept(extra, state.momentum, jax.tree.map(muon, updates, state.momentum, lab))
+        mu = kept(extra, state.mu, jax.tree.map(lambda g, m, l: b1 * m + (1 - b1) * g if l == "adam" else m,
+                                               updates, state.mu, lab))
+        nu = kept(extra, state.nu, jax.tree.map(lambda g, v, l: b2 * v + (1 - b2) * g * g if l == "adam" else v,
+                                               updates, state.nu, lab))
 
         def direction(g: jax.Array, m: jax.Array, a: jax.Array, v: jax.Array, l: str) -> jax.Array:
             if l == "muon":
@@ -293,7 +345,7 @@ def scale_by_muon_with_adam(momentum: float, ns_method: str, b1: float, b2: floa
         out = jax.tree.map(direction, updates, mom, mu, nu, lab)
         return out, MuonAdamState(count=count, momentum=mom, mu=mu, nu=nu)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def scale_by_label(labels: Callable[[Any], Any], scales: dict[str, Any]) -> optax.GradientTransformation:

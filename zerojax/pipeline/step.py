@@ -34,7 +34,7 @@ from zerojax.core.collectives import Placement, Shard
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.core.mesh import EXPERT, STAGE, TENSOR, row_size
 from zerojax.core.state import TrainState, state_shardings
-from zerojax.core.step import apply_update, check_batch, check_eval_batch, checked_kernels, step_key
+from zerojax.core.step import apply_update, check_batch, check_eval_batch, checked_kernels, loss_scale, step_key
 from zerojax.errors import ConfigError
 from zerojax.pipeline.buffers import EXPERT_ROWS, ROWS, StageRows
 from zerojax.pipeline.executor import Pipeline, make_forward_fn, make_grad_fn
@@ -140,7 +140,7 @@ def make_pipeline_train_step(pp: PipelinePlan) -> Callable[[TrainState, Any], An
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         check_batch(plan, batch)
-        loss, grads = grad_fn(state.params, batch, state.scaler.scale, step_key(state))
+        loss, grads = grad_fn(state.params, batch, loss_scale(plan, state), step_key(state))
         return apply_update(plan, state, grads, loss)
 
     shardings = state_shardings(plan)

@@ -151,14 +151,14 @@ class _Region:
     cannot merge them). Everywhere else each consuming equation gathers for itself (`_consume`).
     """
 
-    def __init__(self, remat: bool, in_loop: bool, prefetch: Prefetch | None = None):
-        self.remat, self.in_loop, self.prefetch = remat, in_loop, prefetch
+    def __init__(self, remat: bool, in_loop: bool, prefetch: Prefetch | None = None, forward_only: bool = False):
+        self.remat, self.in_loop, self.prefetch, self.forward_only = remat, in_loop, prefetch, forward_only
         self.gather_once = remat and in_loop
         self._gathered: dict[int, Any] = {}
         self._built: dict[int, Any] = {}
 
     def inner(self, *, remat: bool, in_loop: bool) -> "_Region":
-        return _Region(remat, in_loop, self.prefetch)
+        return _Region(remat, in_loop, self.prefetch, self.forward_only)
 
     def whole(self, d: Deferred) -> Any:
         """The built value, reused within this region."""
@@ -362,10 +362,16 @@ class _Operands(NamedTuple):
     leaves: list[Any]       # the distinct parameter shards the stacked operands are built from
 
 
+def prefetches(prefetch: Prefetch | None, layer: int) -> bool:
+    """Whether a scan whose one layer gathers to `layer` elements on a device is prefetched: one
+    layer within the bucket and two within the live limit (DeepSpeed's stage-3 settings)."""
+    return prefetch is not None and layer <= prefetch.bucket and 2 * layer <= prefetch.max_live
+
+
 def _prefetch_operands(eqn: Any, ins: list[Any], region: _Region) -> _Operands | None:
     """The scan's operands when prefetching applies: some stacked parameter, a forward scan of two
-    layers or more, one layer within the bucket and two within the live limit, and floating-point
-    state only (the custom VJP below differentiates every carry and output); else None."""
+    layers or more, `prefetches` the layer, and, unless nothing differentiates it (`forward_only`),
+    floating-point state only (the custom VJP below differentiates every carry and output); else None."""
     p = eqn.params
     nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
@@ -374,14 +380,14 @@ def _prefetch_operands(eqn: Any, ins: list[Any], region: _Region) -> _Operands |
         return None
     leaves = list({id(l): l for j in stacked for l in xs[j].leaves()}.values())
     layer = sum(math.prod(l.shard.shape[1:]) * _axis_size(l.wire) for l in leaves)
-    if layer > region.prefetch.bucket or 2 * layer > region.prefetch.max_live:
+    if not prefetches(region.prefetch, layer):
         return None
     consts = [_materialize(region, x) for x in consts]
     init = [_materialize(region, x) for x in init]
     others = [j for j in range(len(xs)) if j not in stacked]
     other_xs = [_materialize(region, xs[j]) for j in others]
-    if not all(_inexact(x) for x in [*consts, *init, *other_xs]) or not all(
-            jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in p["jaxpr"].jaxpr.outvars):
+    if not region.forward_only and (not all(_inexact(x) for x in [*consts, *init, *other_xs]) or not all(
+            jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in p["jaxpr"].jaxpr.outvars)):
         return None
     return _Operands(consts, init, xs, stacked, others, other_xs, leaves)
 
@@ -398,13 +404,16 @@ class _Layer:
         self.body, self.ncarry = eqn.params["jaxpr"], eqn.params["num_carry"]
         self.ops, self.region = ops, region
 
-    def gather(self, stacks: list[Any], i: Any) -> list[Any]:
-        """Layer `i` of every stacked shard, brought to the device and all-gathered whole."""
+    def gather(self, stacks: list[Any], i: Any, after: Any = None) -> list[Any]:
+        """Layer `i` of every stacked shard, brought to the device and all-gathered whole (once
+        `after` exists, when given: `_after`)."""
         out = []
         for l, stack in zip(self.ops.leaves, stacks):
             x = jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)
             if l.on_host:
                 x = jax.device_put(x, jax.memory.Space.Device)
+            if after is not None:
+                x = _after([x], after)[0]
             out.append(gather_shard(x, l.dim - 1, l.wire))
         return out
 
@@ -453,6 +462,50 @@ def _prefetch_forward(layer: _Layer, length: int, unroll: Any, cs: list[Any], ca
     return last, jax.tree.map(join, ys, y), jax.tree.map(join, carries, carry)
 
 
+def _prefetch_ahead(layer: _Layer, length: int, cs: list[Any], carry0: list[Any], stacks: list[Any],
+                    other_xs: list[Any], ys_like: list[Any]) -> tuple[Any, Any]:
+    """The forward-only prefetching scan (nothing differentiates it, so its state may be integer: a
+    decode step's positions and KV cache): (last carry, outputs).
+
+    Layer i computes on the weights gathered before it while layer i+1's are gathered, so at most
+    two layers are gathered at once and a gather is in flight while a layer computes. The loop runs
+    two layers per iteration, the gathered weights in two buffers that take turns: with one layer per
+    iteration the next layer's weights and the current one's would share one slot of the loop's
+    state, and XLA copies both each iteration (a third and fourth layer live). The last one or two
+    layers run after the loop, so no gather runs past the end of the stack, and each layer writes its
+    outputs (a KV cache) into place. Each gather waits for its layer's input carry (`_after`, through
+    its first floating-point value: a decode step's activations): a
+    shard-only gather inside an enclosing loop (the decode loop, over which the shards do not change)
+    would otherwise be loop-invariant, free to be hoisted out of it with every other layer's (the
+    whole model gathered at once).
+    """
+    def run(i: Any, carry: list[Any], current: list[Any], ys: list[Any]) -> tuple[list[Any], list[Any]]:
+        other = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(jnp.asarray(v), i, 0, keepdims=False), other_xs)
+        new, y = layer(cs, carry, other, current)
+        return new, [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0) for b, v in zip(ys, y)]
+
+    def pair(c: tuple[list[Any], list[Any], list[Any]], k: Any) -> tuple[Any, None]:
+        carry, first, ys = c
+        i = 2 * k
+        second = layer.gather(stacks, i + 1, after=carry)  # in flight while layer i computes
+        carry, ys = run(i, carry, first, ys)
+        first = layer.gather(stacks, i + 2, after=carry)  # into the buffer layer i no longer reads
+        carry, ys = run(i + 1, carry, second, ys)
+        return (carry, first, ys), None
+
+    ys = [jnp.zeros((length, *y.shape), y.dtype) for y in ys_like]
+    pairs = (length - 1) // 2
+    c = (carry0, layer.gather(stacks, 0, after=carry0), ys)
+    if pairs:
+        c, _ = jax.lax.scan(pair, c, jnp.arange(pairs))
+    carry, current, ys = c
+    if length - 2 * pairs == 2:
+        last = layer.gather(stacks, length - 1, after=carry)
+        carry, ys = run(length - 2, carry, current, ys)
+        current = last
+    return run(length - 1, carry, current, ys)
+
+
 def _prefetch_backward(layer: _Layer, length: int, unroll: Any, res: Any, ct: Any) -> tuple[Any, Any, Any, Any]:
     """Layers L-1..1 in a reversed scan that gathers the layer below ahead; layer 0 after it."""
     cs, stacks, other_xs, carries = res
@@ -488,7 +541,8 @@ def _prefetch_backward(layer: _Layer, length: int, unroll: Any, res: Any, ct: An
 
 def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | None:
     """A scan over stacked parameters that gathers layer i+1 while layer i computes; None when it
-    does not apply (no stacked parameter, a reversed scan, integer state, a layer over the limits).
+    does not apply (no stacked parameter, a reversed scan, a layer over the limits, integer state
+    where the result is differentiated). Forward only, it is `_prefetch_ahead`.
 
     The forward scan carries the gathered next layer; the backward pass is written out (a custom
     VJP): a reversed scan that carries the gathered layer below, replays one layer from its saved
@@ -500,6 +554,11 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
     if ops is None:
         return None
     layer, length, unroll = _Layer(eqn, ops, region), eqn.params["length"], eqn.params["unroll"]
+    if region.forward_only:
+        ys_like = [v.aval for v in eqn.params["jaxpr"].jaxpr.outvars[eqn.params["num_carry"]:]]
+        last, ys = _prefetch_ahead(layer, length, ops.consts, ops.init, [l.shard for l in ops.leaves], ops.other_xs,
+                                   ys_like)
+        return [*last, *ys]
     offload = region.prefetch.offload_carries
 
     @jax.custom_vjp
@@ -581,12 +640,15 @@ def has_shards(params: Any) -> bool:
     return any(_is_shard(x) for x in jax.tree.leaves(params, is_leaf=_is_shard))
 
 
-def gather_at_use(loss_fn: Callable[..., Any], prefetch: Prefetch | None = None) -> Callable[..., Any]:
+def gather_at_use(loss_fn: Callable[..., Any], prefetch: Prefetch | None = None, *,
+                  forward_only: bool = False) -> Callable[..., Any]:
     """`loss_fn(params, *args, **kwargs)` written for whole parameters, callable with a parameter
     tree holding `ParamShard`s inside the step's `shard_map`: each one is gathered where it is used.
 
     Trees without `ParamShard`s (stages 0-2, replicated leaves only) call `loss_fn` directly.
     `prefetch`: scans over stacked parameters gather layer i+1 while layer i computes (`_scan`).
+    `forward_only`: nothing differentiates the result (decoding), so a prefetched scan may carry
+    integer state and runs as `_prefetch_ahead`.
     """
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
         if not has_shards(params):
@@ -611,7 +673,7 @@ def gather_at_use(loss_fn: Callable[..., Any], prefetch: Prefetch | None = None)
         closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*abstract)
         inputs = [Deferred(x.value, x.value.ndim + x.dim, x.on_host, wire=x.wire, read=x.read) if _is_shard(x) else x
                   for x in p_leaves]
-        top = _Region(remat=False, in_loop=False, prefetch=prefetch)
+        top = _Region(remat=False, in_loop=False, prefetch=prefetch, forward_only=forward_only)
         outs = eval_jaxpr(closed.jaxpr, closed.consts, inputs + o_leaves, top)
         return jax.tree.unflatten(jax.tree.structure(out_shape), [_materialize(top, o) for o in outs])
 
