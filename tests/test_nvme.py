@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import zerojax
-from helpers import assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, to_numpy
+from helpers import (assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, mse_loss,
+                     to_numpy)
 from zerojax.errors import ConfigError
 
 STEPS = 3
@@ -280,6 +281,40 @@ def test_param_nvme_run_equals_the_in_memory_stage3_run(tmp_path: Path, dtype: s
     assert "parameters in files under" in swapped.plan.memory.describe()
     assert float(swapped.eval_batch(make_batch(32, 9))) == pytest.approx(float(plain.eval_batch(make_batch(32, 9))),
                                                                           rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> None:
+    """A plain loss (evaluated through gather-at-use) over a scanned stack: in a mixed-precision run the
+    stacked layer leaf is read from the files inside the step, layer by layer, and is no argument of the
+    compiled step; training equals the in-memory stage-3 run. fp32 keeps the read before the step."""
+    def run(cfg: zerojax.Config) -> tuple[zerojax.Engine, Any]:
+        e = zerojax.initialize(cfg, params=mlp_params(0), loss_fn=mse_loss, mesh=data_mesh())
+        memory = e._train_step.lower(e.state, make_batch(32, 0)).compile().memory_analysis()
+        for i in range(STEPS):
+            e.train_batch(make_batch(32, i))
+        return e, memory
+
+    plain, plain_memory = run(config(3, dtype, None))
+    swapped, memory = run(config(3, dtype, None, params=tmp_path))
+    step = swapped._train_step
+    paths = swapped.plan.leaf_paths
+    assert swapped.state.params is None
+    assert_tree_close(to_numpy(swapped.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
+    if dtype == "fp32":  # the parameters are the master copy the update reads: all arguments, as before
+        assert memory.argument_size_in_bytes == plain_memory.argument_size_in_bytes
+        assert step.at_use == frozenset() and step.params.reads == 0
+        return
+    layers, w_shape = mlp_params(0)["layers"]["w"].shape[0], mlp_params(0)["layers"]["w"].shape
+    devices, gas = len(jax.devices()), 2
+    shard_bytes = int(np.prod(w_shape)) // devices * 2  # bf16
+    assert plain_memory.argument_size_in_bytes - memory.argument_size_in_bytes == shard_bytes, (
+        plain_memory.argument_size_in_bytes, memory.argument_size_in_bytes)
+    w = paths.index("['layers']['w']")
+    assert step.at_use == {w}, [paths[i] for i in step.at_use]
+    # each device reads its block of each layer in every micro-batch's forward pass and again in the
+    # backward (the gather's custom VJP keeps the placeholder, not the layer read)
+    assert step.params.reads == 2 * STEPS * gas * layers * devices
 
 
 def test_param_nvme_refusals_name_the_key(tmp_path: Path) -> None:
