@@ -344,6 +344,15 @@ def _computes(comps: dict, opcode: str, operands: list[str]) -> bool:
                for o in operands)
 
 
+def _users(instrs: dict[str, tuple[str, list[str], Any]]) -> dict[str, list[str]]:
+    """Per instruction of one computation, the instructions that read it."""
+    users: dict[str, list[str]] = {}
+    for name, (_, ops, _) in instrs.items():
+        for o in ops:
+            users.setdefault(o, []).append(name)
+    return users
+
+
 def gathers_in_loops(hlo: str) -> dict[str, list[tuple[bool, bool]]]:
     """Per while-loop body of compiled HLO text, each all-gather's (after_compute, feeds_compute):
     whether a matmul of the same iteration comes before it (in its operands' chain), and whether a
@@ -354,10 +363,7 @@ def gathers_in_loops(hlo: str) -> dict[str, list[tuple[bool, bool]]]:
     out: dict[str, list[tuple[bool, bool]]] = {}
     for body in while_bodies(hlo):
         instrs = comps[body]
-        users: dict[str, list[str]] = {}
-        for name, (_, ops, _) in instrs.items():
-            for o in ops:
-                users.setdefault(o, []).append(name)
+        users = _users(instrs)
         found = out.setdefault(body, [])
         for name, (opcode, ops, _) in instrs.items():
             if opcode not in ("all-gather", "all-gather-start"):
@@ -393,10 +399,7 @@ def gathers_ahead(hlo: str) -> list[tuple[int, bool]]:
     out = []
     for body in while_bodies(hlo):
         instrs = comps[body]
-        users: dict[str, list[str]] = {}
-        for name, (_, ops, _) in instrs.items():
-            for o in ops:
-                users.setdefault(o, []).append(name)
+        users = _users(instrs)
         before: dict[str, set[str]] = {}
 
         def ancestors(name: str) -> set[str]:

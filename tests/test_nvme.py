@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import zerojax
-from helpers import assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, to_numpy
+from helpers import (assert_tree_close, data_mesh, layerwise_loss, make_batch, make_config, mlp_params, mse_loss,
+                     to_numpy)
 from zerojax.errors import ConfigError
 
 STEPS = 3
@@ -77,14 +78,18 @@ def test_nvme_run_equals_the_in_memory_run(tmp_path: Path, stage: int, dtype: st
     assert "files under" in nvme.plan.memory.describe()
 
 
-def test_a_killed_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    """The files are working state; the checkpoint holds everything. A fresh engine (the killed run's
-    files are gone with it) loads the tag and continues exactly as the run that saved it did."""
+@pytest.mark.parametrize("tier", ["optimizer", "params"])
+def test_a_killed_run_resumes_from_its_checkpoint(tmp_path: Path, tier: str) -> None:
+    """The files are working state; the checkpoint holds everything (the parameters too, when they are
+    the ones swapped). A fresh engine (the killed run's files are gone with it) loads the tag and
+    continues exactly as the run that saved it did, and so does an in-memory stage-3 run; a file of
+    the user's under nvme_path is untouched."""
     swap = tmp_path / "nvme"
     swap.mkdir()
     mine = swap / "user-data.bin"
     mine.write_bytes(b"not zerojax's")
-    first = trained(config(3, "bf16", swap), steps=2)
+    swapped = lambda: config(3, "bf16", swap) if tier == "optimizer" else config(3, "bf16", None, params=swap)  # noqa: E731
+    first = trained(swapped(), steps=2)
     first.save_checkpoint(str(tmp_path / "ckpt"))
     went_on = float(first.train_batch(make_batch(32, 2))["loss"])
     after = to_numpy(first.params)
@@ -92,17 +97,20 @@ def test_a_killed_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     first._train_step.files.close()  # the kill: the working files are gone
     assert not folder.exists()
 
-    resumed = engine(config(3, "bf16", swap))
+    resumed = engine(swapped())
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     assert resumed.global_steps == 2
+    assert (resumed.state.params is None) == (tier == "params")
     assert float(resumed.train_batch(make_batch(32, 2))["loss"]) == went_on
     assert_tree_close(to_numpy(resumed.params), after, rtol=0, atol=0, what="resumed params")
-    # and the checkpoint loads into an in-memory run too (it holds the whole state, not the files)
+    # the checkpoint loads into an in-memory run too (it holds the whole state, not the files)
     plain = engine(config(3, "bf16", None))
     plain.load_checkpoint(str(tmp_path / "ckpt"))
-    plain.train_batch(make_batch(32, 2))
-    assert_tree_close(to_numpy(plain.params), after, rtol=1e-6, atol=1e-8, what="in-memory resume")
-    assert mine.read_bytes() == b"not zerojax's"  # nothing of the user's under nvme_path is touched
+    plain_loss = float(plain.train_batch(make_batch(32, 2))["loss"])
+    assert tier == "optimizer" or plain_loss == went_on
+    tol = dict(rtol=1e-6, atol=1e-8) if tier == "optimizer" else dict(rtol=0, atol=0)
+    assert_tree_close(to_numpy(plain.params), after, **tol, what="in-memory resume")
+    assert mine.read_bytes() == b"not zerojax's"
 
 
 def test_nvme_refusals_name_the_key(tmp_path: Path) -> None:
@@ -275,31 +283,38 @@ def test_param_nvme_run_equals_the_in_memory_stage3_run(tmp_path: Path, dtype: s
                                                                           rel=1e-5)
 
 
-def test_param_nvme_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    """The parameter files are working state too: a checkpoint holds the parameters, a fresh engine
-    continues from it exactly, and so does an in-memory stage-3 run; a file of the user's is untouched."""
-    swap = tmp_path / "nvme"
-    swap.mkdir()
-    mine = swap / "user-data.bin"
-    mine.write_bytes(b"not zerojax's")
-    first = trained(config(3, "bf16", None, params=swap), steps=2)
-    first.save_checkpoint(str(tmp_path / "ckpt"))
-    went_on = float(first.train_batch(make_batch(32, 2))["loss"])
-    after = to_numpy(first.params)
-    folder = first._train_step.files.folder
-    first._train_step.files.close()  # the kill: the working files are gone
-    assert not folder.exists()
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> None:
+    """A plain loss (evaluated through gather-at-use) over a scanned stack: in a mixed-precision run the
+    stacked layer leaf is read from the files inside the step, layer by layer, and is no argument of the
+    compiled step; training equals the in-memory stage-3 run. fp32 keeps the read before the step."""
+    def run(cfg: zerojax.Config) -> tuple[zerojax.Engine, Any]:
+        e = zerojax.initialize(cfg, params=mlp_params(0), loss_fn=mse_loss, mesh=data_mesh())
+        memory = e._train_step.lower(e.state, make_batch(32, 0)).compile().memory_analysis()
+        for i in range(STEPS):
+            e.train_batch(make_batch(32, i))
+        return e, memory
 
-    resumed = engine(config(3, "bf16", None, params=swap))
-    resumed.load_checkpoint(str(tmp_path / "ckpt"))
-    assert resumed.state.params is None and resumed.global_steps == 2
-    assert float(resumed.train_batch(make_batch(32, 2))["loss"]) == went_on
-    assert_tree_close(to_numpy(resumed.params), after, rtol=0, atol=0, what="resumed params")
-    plain = engine(config(3, "bf16", None))
-    plain.load_checkpoint(str(tmp_path / "ckpt"))
-    assert float(plain.train_batch(make_batch(32, 2))["loss"]) == went_on
-    assert_tree_close(to_numpy(plain.params), after, rtol=0, atol=0, what="in-memory resume")
-    assert mine.read_bytes() == b"not zerojax's"
+    plain, plain_memory = run(config(3, dtype, None))
+    swapped, memory = run(config(3, dtype, None, params=tmp_path))
+    step = swapped._train_step
+    paths = swapped.plan.leaf_paths
+    assert swapped.state.params is None
+    assert_tree_close(to_numpy(swapped.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
+    if dtype == "fp32":  # the parameters are the master copy the update reads: all arguments, as before
+        assert memory.argument_size_in_bytes == plain_memory.argument_size_in_bytes
+        assert step.at_use == frozenset() and step.params.reads == 0
+        return
+    layers, w_shape = mlp_params(0)["layers"]["w"].shape[0], mlp_params(0)["layers"]["w"].shape
+    devices, gas = len(jax.devices()), 2
+    shard_bytes = int(np.prod(w_shape)) // devices * 2  # bf16
+    assert plain_memory.argument_size_in_bytes - memory.argument_size_in_bytes == shard_bytes, (
+        plain_memory.argument_size_in_bytes, memory.argument_size_in_bytes)
+    w = paths.index("['layers']['w']")
+    assert step.at_use == {w}, [paths[i] for i in step.at_use]
+    # each device reads its block of each layer in every micro-batch's forward pass and again in the
+    # backward (the gather's custom VJP keeps the placeholder, not the layer read)
+    assert step.params.reads == 2 * STEPS * gas * layers * devices
 
 
 def test_param_nvme_refusals_name_the_key(tmp_path: Path) -> None:

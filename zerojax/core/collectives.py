@@ -202,17 +202,21 @@ class ParamShard:
     layers does - keeps it valid. Models call `gather` on a layer's parameters inside the scanned
     (and rematerialized) body, so only one layer is ever whole on a device. `on_host`: the block
     is stored in host memory (parameter offload) and `gather` brings it to the device first.
-    `wire`: the axis the gather runs over and whether it is quantized (ZeRO++).
+    `wire`: the axis the gather runs over and whether it is quantized (ZeRO++). `read`: the block is
+    in files (`offload_param.device: nvme`, read at use): `value` is a zero placeholder of its shape
+    and `read(value, layer)` returns layer `layer`'s block (the whole block for None) from the files,
+    its cotangent flowing to `value` (the evaluator `rewrite.gather_at_use` calls it).
     """
 
-    def __init__(self, value: jax.Array, dim: int, on_host: bool = False, wire: Wire = PLAIN):
-        self.value, self.dim, self.on_host, self.wire = value, dim, on_host, wire
+    def __init__(self, value: jax.Array, dim: int, on_host: bool = False, wire: Wire = PLAIN,
+                 read: Any = None):
+        self.value, self.dim, self.on_host, self.wire, self.read = value, dim, on_host, wire, read
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array], tuple[int, bool, Wire]]:
-        return (self.value,), (self.dim, self.on_host, self.wire)
+    def tree_flatten(self) -> tuple[tuple[jax.Array], tuple[Any, ...]]:
+        return (self.value,), (self.dim, self.on_host, self.wire, self.read)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[int, bool, Wire], children: tuple[jax.Array]) -> "ParamShard":
+    def tree_unflatten(cls, aux: tuple[Any, ...], children: tuple[jax.Array]) -> "ParamShard":
         return cls(children[0], *aux)
 
     def __repr__(self) -> str:

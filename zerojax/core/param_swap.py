@@ -13,7 +13,14 @@ elements; the next tile read while this one goes to its devices) through the sam
 optimizer's tier streams through (`core.swap.SwapFiles`), and after the update the new shards go back
 out tile by tile (written behind). During the step the devices hold their stage-3 shards, as without
 offload; between steps neither the devices nor host memory hold them (beyond `max_in_cpu` elements per
-device). DeepSpeed goes further: during the forward and backward only the layers in use are resident.
+device).
+
+DeepSpeed goes further: during the forward and backward only the layers in use are resident. So does
+this tier for stacked layer leaves (`at_use`: a loss run through `rewrite.gather_at_use`, mixed
+precision, the optimizer not on NVMe): they are not read before the step but inside it, each device's
+block of layer i read from the files by a host callback (`reader`) in the scan's iteration i, forward
+and again in the rematerialised backward, then all-gathered as usual; the step's arguments carry only
+the other leaves.
 """
 from __future__ import annotations
 
@@ -56,6 +63,9 @@ class ParamFiles:
         self.files = SwapFiles(swap, ["params"], [self.regions[r].size for r in self.filed],
                                dtype=np.dtype(plan.policy.param))
         self.held: dict[int, np.ndarray] = {}  # the in-memory regions, between steps
+        self._slot = {self.filed[f]: f for f in range(len(self.filed))}
+        self._by_device = {(region.leaf, d.id): r for r, region in enumerate(self.regions) for d in region.devices}
+        self.reads = 0  # blocks read at use (inside the step), since the engine started
         self.load_s = self.store_s = 0.0  # the latest load's and store's time (the devices wait for both)
 
     @property
@@ -68,8 +78,59 @@ class ParamFiles:
         """Everything the parameters take in host memory between steps: the buffers and the held shards."""
         return self.files.buffer_bytes + self.held_bytes
 
-    def _tiles(self) -> list[Tile]:
-        return [t for f in range(len(self.filed)) for t in self.files.tiles(f)]
+    def _tiles(self, skip: frozenset[int] = frozenset()) -> list[Tile]:
+        return [t for f in range(len(self.filed)) if self.regions[self.filed[f]].leaf not in skip
+                for t in self.files.tiles(f)]
+
+    def read_block(self, leaf: int, device_id: int, layer: int) -> np.ndarray:
+        """Device `device_id`'s block of leaf `leaf`: layer `layer` of it (its leading axis), or all of
+        it for a negative `layer`."""
+        r = self._by_device[(leaf, device_id)]
+        region = self.regions[r]
+        per = region.size // region.shape[0]
+        start, stop = (0, region.size) if layer < 0 else (layer * per, (layer + 1) * per)
+        shape = region.shape if layer < 0 else region.shape[1:]
+        self.reads += 1
+        if r in self.held:
+            return self.held[r][start:stop].reshape(shape)
+        return self.files.read_range(0, self._slot[r], start, stop).reshape(shape)
+
+    def reader(self, leaf: int, mesh: jax.sharding.Mesh) -> Callable[[jax.Array, Any], jax.Array]:
+        """`read(placeholder, layer)` for `ParamShard.read`, traced inside the step's `shard_map`: this
+        device's block of `leaf` (layer `layer`, or whole for None) from the files. A custom VJP: the
+        cotangent of the block read goes to the placeholder, which the step differentiates, so the
+        gradient of the leaf comes out of the step as for a block passed in. A `pure_callback` (not
+        `io_callback`: effects are refused inside `jax.checkpoint`), so the rematerialised backward
+        reads the layer again rather than keeping it."""
+        ids = np.asarray([d.id for d in mesh.devices.flat], np.int32)
+
+        def host(position: np.ndarray, layer: np.ndarray, like: jax.ShapeDtypeStruct) -> np.ndarray:
+            return np.asarray(self.read_block(leaf, int(ids[int(position)]), int(layer)), like.dtype)
+
+        def position() -> jax.Array:
+            pos = jnp.int32(0)
+            for name in mesh.axis_names:
+                pos = pos * mesh.shape[name] + jax.lax.axis_index(name)
+            return pos
+
+        @jax.custom_vjp
+        def read(x: jax.Array, layer: jax.Array) -> jax.Array:
+            like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            got = jax.pure_callback(lambda p, i: host(p, i, like), like, position(), layer)
+            return got + jnp.zeros_like(x)  # typed as `x` is (per device) for the gather
+
+        def fwd(x: jax.Array, layer: jax.Array) -> tuple[jax.Array, None]:
+            return read(x, layer), None
+
+        def bwd(_: None, ct: jax.Array) -> tuple[jax.Array, None]:
+            return ct, None
+
+        read.defvjp(fwd, bwd)
+
+        def at(x: jax.Array, layer: Any) -> jax.Array:
+            return read(x, jnp.int32(-1) if layer is None else layer)
+
+        return at
 
     def store(self, params: Any) -> None:
         """Write each shard of `params` (the plan's parameter placement) out, tile by tile."""
@@ -94,8 +155,9 @@ class ParamFiles:
         self.files.stream(self._tiles(), compute, read=False)
         self.store_s = time.perf_counter() - started
 
-    def load(self) -> Any:
-        """The parameter tree on the devices, read from the files tile by tile (and from the held shards)."""
+    def load(self, skip: frozenset[int] = frozenset()) -> Any:
+        """The parameter tree on the devices, read from the files tile by tile (and from the held shards);
+        the leaves numbered in `skip` (read at use, inside the step) are None."""
         started = time.perf_counter()
         pieces: dict[tuple[int, jax.Device], list[jax.Array]] = collections.defaultdict(list)
 
@@ -104,18 +166,20 @@ class ParamFiles:
             for device in self.regions[self.filed[t.region]].devices:
                 pieces[(self.filed[t.region], device)].append(jax.device_put(host, device))
 
-        self.files.stream(self._tiles(), compute, write=False)
+        self.files.stream(self._tiles(skip), compute, write=False)
         placed: list[list[jax.Array]] = [[] for _ in self.shapes]
         for r, region in enumerate(self.regions):
             for device in region.devices:
+                if region.leaf in skip:
+                    continue
                 if r in self.in_memory:
                     x = jax.device_put(self.held[r], device)
                 else:
                     parts = pieces.pop((r, device))
                     x = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
                 placed[region.leaf].append(x.reshape(region.shape))
-        out = self._def.unflatten([jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-                                   for shape, sharding, arrays in zip(self.shapes, self.shardings, placed)])
+        out = self._def.unflatten([None if i in skip else jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+                                   for i, (shape, sharding, arrays) in enumerate(zip(self.shapes, self.shardings, placed))])
         self.load_s = time.perf_counter() - started
         return out
 
@@ -126,13 +190,18 @@ class ParamFiles:
 class ParamSwapStep:
     """`step(state, batch) -> (state, metrics)` whose returned state holds no parameters (`params`
     None): they are in `files` between steps. Wraps the step the plan would run without parameter
-    swapping (the jitted step or `core.nvme_step.NvmeStep`), which sees them as usual."""
+    swapping (the jitted step or `core.nvme_step.NvmeStep`), which sees them as usual - except the
+    leaves numbered in `at_use`, which it reads from `files` itself (`ParamFiles.reader`) and is
+    handed as None."""
 
-    def __init__(self, plan: Plan, inner: Callable[..., Any]):
-        self.plan, self.inner = plan, inner
-        self.params = ParamFiles(plan)
+    def __init__(self, plan: Plan, inner: Callable[..., Any], files: ParamFiles | None = None,
+                 at_use: frozenset[int] = frozenset()):
+        self.plan, self.inner, self.at_use = plan, inner, frozenset(at_use)
+        self.params = ParamFiles(plan) if files is None else files
         self.files = self.params.files
-        self._abstract = abstract_state(plan).params
+        abstract = abstract_state(plan).params
+        self._abstract = jax.tree.unflatten(jax.tree.structure(abstract), [
+            None if i in self.at_use else x for i, x in enumerate(jax.tree.leaves(abstract))])
 
     def store(self, state: TrainState) -> TrainState:
         """A whole state written out (the optimizer's part by the inner step, when it swaps too); the
@@ -156,11 +225,12 @@ class ParamSwapStep:
         return state if inner is None else inner(state)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        new, metrics = self.inner(self.live(state), batch)
+        live = state if state.params is not None else state._replace(params=self.params.load(self.at_use))
+        new, metrics = self.inner(live, batch)
         return self.store(new), metrics
 
     def lower(self, state: TrainState, batch: Any) -> Lowered:
         """The inner step's lowering, parameters as their shapes (nothing is read); its `compile()` is
         this step to call."""
-        params = state.params if state.params is not None else self._abstract
+        params = self._abstract if state.params is None or self.at_use else state.params
         return Lowered(self, self.inner.lower(state._replace(params=params), batch))

@@ -44,7 +44,7 @@ from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
 from zerojax.core.mesh import DataAxis, data_axis, row_axes, row_size, sequence_size
 from zerojax.core.sequence import batch_specs, split_tokens
 from zerojax.core.nvme_step import NvmeStep
-from zerojax.core.param_swap import ParamSwapStep
+from zerojax.core.param_swap import ParamFiles, ParamSwapStep
 from zerojax.core.offload import bring_in, run_update
 from zerojax.pallas.backend import XLA
 from zerojax.pallas.selfcheck import settle
@@ -114,18 +114,22 @@ def _reduce_axis(lay: LeafLayout) -> DataAxis:
     return rest[0] if len(rest) == 1 else rest
 
 
-def local_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> Any:
+def local_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool, readers: Any = None) -> Any:
     """Local parameter blocks as the loss sees them inside shard_map: the train and eval steps' and
     generation's (`models.generate`, its layer-by-layer layout). `for_grad`: the blocks are
     differentiated (typed per-device where their gradient is a partial sum); `marked`: the loss
     gathers its parameters itself (`gathers_params`).
 
     Parameters stored in host memory (offload) reach the device here, except the ones the loss
-    gathers itself: those come in layer by layer, inside `gather`.
+    gathers itself: those come in layer by layer, inside `gather`. `readers` (a tree of
+    `ParamFiles.reader`s, 0 for a leaf passed in): the leaves read from files at use, whose block
+    here is a zero placeholder.
     """
     stored = plan.memory.params
+    if readers is None:
+        readers = jax.tree.map(lambda _: 0, params)
 
-    def one(lay: LeafLayout, x: jax.Array) -> Any:
+    def one(lay: LeafLayout, x: jax.Array, read: Any) -> Any:
         if handed_whole(lay, marked):
             # A per-device (varying) gather outside the differentiated function: the gradient is
             # taken w.r.t. the whole array, so it is PARTIAL and reduce-scattered into Shard(0).
@@ -136,10 +140,11 @@ def local_params(plan: Plan, params: Any, *, for_grad: bool, marked: bool) -> An
                 # hpZ: the secondary copy is whole across data_outer; typed per-device there, its gradient
                 # stays a per-host partial sum that the step reduce-scatters itself (`PartialShard`).
                 x = to_varying(x)
-            return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None, wire=lay.wire)
+            return ParamShard(x, lay.param.dim - x.ndim, on_host=stored is not None, wire=lay.wire,
+                              read=read or None)
         x = bring_in(x, stored)
         return to_varying(x) if for_grad else x
-    return map_layouts(one, plan.layouts, params)
+    return map_layouts(one, plan.layouts, params, readers)
 
 
 def takes_rng(loss_fn: LossFn) -> bool:
@@ -276,7 +281,7 @@ def make_grad_fn(plan: Plan, loss: PreparedLoss) -> GradFn:
     return grad_fn
 
 
-def micro_grad_fn(plan: Plan, prepared_loss: PreparedLoss) -> GradFn:
+def micro_grad_fn(plan: Plan, prepared_loss: PreparedLoss, readers: Any = None) -> GradFn:
     """(params, global batch, loss scale, key) -> (each micro-batch's loss, averaged over the data
     shards; scaled gradients in the update placement), not yet jitted. A loss that keeps model state
     (`keeps_state`) takes it as a fifth argument and the updated state is returned third: each
@@ -289,7 +294,7 @@ def micro_grad_fn(plan: Plan, prepared_loss: PreparedLoss) -> GradFn:
     `scale` (`apply_update` divides it out); the returned loss is unscaled. `key` is raw key data;
     micro-batch i on data shard d draws from `fold_in(fold_in(key, d), i)`. Each device
     differentiates its own mean loss times scale/gas, as DeepSpeed's ranks do; the 1/dp of the
-    mean is applied around the reduction (`grad_average`).
+    mean is applied around the reduction (`grad_average`). `readers`: see `local_params`.
     """
     prep = prepared(prepared_loss, "make_train_step")
     check_model_state(plan, prep.user)
@@ -305,7 +310,7 @@ def micro_grad_fn(plan: Plan, prepared_loss: PreparedLoss) -> GradFn:
     def local(params: Any, batch: Any, scale: jax.Array, key: jax.Array, model_state: Any
               ) -> tuple[jax.Array, Any, Any]:
         rows = jax.tree.map(lambda x: x[:, 0], batch)  # (gas, m, ...) of this device
-        wrapped = local_params(plan, params, for_grad=True, marked=marked)
+        wrapped = local_params(plan, params, for_grad=True, marked=marked, readers=readers)
         # Differentiated w.r.t. the trainable leaves only: the frozen ones are closed over, so no
         # gradient of theirs is computed, reduced or stored.
         trained, frozen = plan.trained(wrapped), plan.frozen(wrapped)
@@ -563,13 +568,24 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
     """
     prep = prepared(loss, "make_train_step")
     plan = checked_kernels(plan)
-    grad_fn = micro_grad_fn(plan, prep)
+    at_use = read_at_use(plan, prep)
+    files = ParamFiles(plan) if at_use else None
+    readers = None if files is None else jax.tree.unflatten(jax.tree.structure(plan.abstract_params), [
+        files.reader(i, plan.mesh) if i in at_use else 0 for i in range(len(jax.tree.leaves(plan.abstract_params)))])
+    grad_fn = micro_grad_fn(plan, prep, readers)
     keeps = keeps_state(prep.user)
     if plan.memory.swap is not None:  # optimizer state on NVMe: the update streams from files on the host
         inner: Callable[..., Any] = NvmeStep(plan, *_around_the_update(plan, grad_fn, keeps))
         return inner if plan.memory.param_swap is None else ParamSwapStep(plan, inner)
 
+    shardings = state_shardings(plan)
+
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        if at_use:  # the leaves read from files inside the step: zero placeholders their gradients flow to
+            leaves = jax.tree.leaves(state.params, is_leaf=lambda x: x is None)
+            state = state._replace(params=jax.tree.unflatten(jax.tree.structure(plan.abstract_params), [
+                jax.lax.with_sharding_constraint(jnp.zeros(a.shape, plan.policy.param), sh) if x is None else x
+                for x, a, sh in zip(leaves, jax.tree.leaves(plan.abstract_params), jax.tree.leaves(shardings.params))]))
         losses, grads, *model_state = grad_fn(state.params, batch, loss_scale(plan, state), step_key(state),
                                               *((state.model_state,) if keeps else ()))
         new, metrics = apply_update(plan, state, grads, jnp.mean(losses))
@@ -577,10 +593,30 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
             new = new._replace(model_state=_select(metrics["skipped"], state.model_state, model_state[0]))
         return new, {**metrics, "micro_losses": losses}
 
-    shardings = state_shardings(plan)
-    jitted = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
-    # parameters on NVMe: read onto the devices before the step, written back after it
-    return jitted if plan.memory.param_swap is None else ParamSwapStep(plan, jitted)
+    given = shardings if not at_use else shardings._replace(params=jax.tree.unflatten(
+        jax.tree.structure(shardings.params),
+        [None if i in at_use else sh for i, sh in enumerate(jax.tree.leaves(shardings.params))]))
+    jitted = jax.jit(step, in_shardings=(given, None), out_shardings=(shardings, None), donate_argnums=0)
+    # parameters on NVMe: read onto the devices before the step (the stacked layers inside it, at use),
+    # written back after it
+    return jitted if plan.memory.param_swap is None else ParamSwapStep(plan, jitted, files, at_use)
+
+
+def read_at_use(plan: Plan, prep: PreparedLoss) -> frozenset[int]:
+    """The parameter leaves (flat indices) a step with `offload_param.device: nvme` reads from the files
+    at use, layer by layer inside the compiled step, rather than before it: the trainable stacked
+    layers (three or more dimensions, the planner's reading of a stack when not told its layer axes)
+    of a mixed-precision run whose loss the step evaluates through `rewrite.gather_at_use`, sharded
+    along a dimension after the layer axis. Elsewhere none: an fp32 run's parameters are the master
+    copy the update reads, a loss gathering its own shards slices them itself, and with the optimizer
+    on NVMe too the update runs outside the compiled step."""
+    if plan.memory.param_swap is None or plan.memory.swap is not None or prep.marked or not plan.policy.mixed:
+        return frozenset()
+    leaves = jax.tree.leaves(plan.abstract_params)
+    layouts = jax.tree.leaves(plan.layouts, is_leaf=is_layout)
+    return frozenset(i for i, (x, lay) in enumerate(zip(leaves, layouts))
+                     if lay.trainable and isinstance(lay.param, Shard) and lay.param.dim > 0 and x.ndim >= 3
+                     and not lay.split)
 
 
 def _around_the_update(plan: Plan, grad_fn: GradFn, keeps: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:

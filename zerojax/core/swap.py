@@ -159,6 +159,12 @@ class SwapFiles:
         _pread_all(self._fds[array], _bytes(out), int(self.offsets[region]) * self.itemsize)
         return out
 
+    def read_range(self, array: int, region: int, start: int, stop: int) -> np.ndarray:
+        """Elements [start, stop) of one region (a layer of a stacked shard, read at use)."""
+        out = np.empty(stop - start, self.dtype)
+        _pread_all(self._fds[array], _bytes(out), (int(self.offsets[region]) + start) * self.itemsize)
+        return out
+
     # -- the streamed pass ------------------------------------------------------------------------
     def _io(self, fn: Callable[[int, memoryview, int], None], s: int, t: Tile) -> list[Future]:
         n = t.stop - t.start

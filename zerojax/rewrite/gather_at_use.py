@@ -64,11 +64,15 @@ class Deferred:
     all-gathers its leaves and replays the recipe.
     """
 
-    __slots__ = ("shard", "dim", "on_host", "recipe", "_leaves", "wire")
+    __slots__ = ("shard", "dim", "on_host", "recipe", "_leaves", "wire", "read", "layer")
 
     def __init__(self, shard: Any = None, dim: int = 0, on_host: bool = False,
-                 recipe: tuple[Any, list[Any]] | None = None, wire: Wire = PLAIN):
+                 recipe: tuple[Any, list[Any]] | None = None, wire: Wire = PLAIN, read: Any = None,
+                 layer: Any = None):
         self.shard, self.dim, self.on_host, self.recipe, self.wire = shard, dim, on_host, recipe, wire
+        # the shard is in files (`ParamShard.read`): `shard` is a placeholder, `read(shard, layer)` the
+        # value, read where the leaf is gathered (so a rematerialised or re-gathering backward reads again)
+        self.read, self.layer = read, layer
         self._leaves: list[Deferred] | None = None
 
     @property
@@ -97,10 +101,11 @@ class Deferred:
         return eqn.primitive.name in _ELEMENTWISE and all(
             a.elementwise() if isinstance(a, Deferred) else _is_scalar(a) for a in args)
 
-    def holding(self, shard: Any, dim: int | None = None) -> "Deferred":
+    def holding(self, shard: Any, dim: int | None = None, layer: Any = None) -> "Deferred":
         """A leaf like this one over another local shard (a traced copy, or one layer's slice of a
-        stack, whose sharded dimension is then `dim`)."""
-        return Deferred(shard, self.dim if dim is None else dim, self.on_host, wire=self.wire)
+        stack, whose sharded dimension is then `dim` and which is `layer` of the stack in the files)."""
+        return Deferred(shard, self.dim if dim is None else dim, self.on_host, wire=self.wire, read=self.read,
+                        layer=self.layer if dim is None else layer)
 
     def rebased(self, new: dict[int, "Deferred"]) -> "Deferred":
         """The same recipe over other leaves (`new` maps id(old leaf) -> new leaf)."""
@@ -123,7 +128,7 @@ def _is_scalar(x: Any) -> bool:
 
 def _gather_leaf(leaf: Deferred) -> Any:
     """The whole value of one shard: `all_gather(tiled)`; its transpose is a reduce-scatter."""
-    x = leaf.shard
+    x = leaf.shard if leaf.read is None else leaf.read(leaf.shard, leaf.layer)  # in files: read it now
     if leaf.on_host:
         x = jax.device_put(x, jax.memory.Space.Device)
     return gather_shard(x, leaf.dim, leaf.wire)
@@ -196,11 +201,15 @@ def _consume(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
     leaves = list({id(l): l for x in ins if isinstance(x, Deferred) for l in x.leaves()}.values())
     traced_pos = [i for i, x in enumerate(ins) if _is_traced(x)]
 
-    def run(shards: list[Any], traced: list[Any]) -> list[Any]:
+    # a shard in files is read by layer index: an argument of the custom VJP, not a closed-over value
+    layers = [jnp.int32(-1) if l.layer is None else l.layer for l in leaves]
+
+    def run(shards: list[Any], traced: list[Any], layers: list[Any]) -> list[Any]:
         # Gather after the activations exist: the compiler cannot hoist every layer's gather to
         # the start of the step (all weights whole at once).
         shards = _after(shards, traced)
-        new = {id(l): l.holding(s) for l, s in zip(leaves, shards)}
+        new = {id(l): l.holding(s) if l.read is None else l.holding(s, l.dim, k)
+               for l, s, k in zip(leaves, shards, layers)}
         cache: dict[int, Any] = {}
 
         def gathered(leaf: Deferred) -> Any:
@@ -219,19 +228,19 @@ def _consume(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
     # and merges the two gathers back into one whole-model residual, so the re-gather is tied to
     # the incoming cotangent (`_after`) and cannot be merged with, or hoisted next to, the first.
     @jax.custom_vjp
-    def consume(shards: list[Any], traced: list[Any]) -> list[Any]:
-        return run(shards, traced)
+    def consume(shards: list[Any], traced: list[Any], layers: list[Any]) -> list[Any]:
+        return run(shards, traced, layers)
 
-    def fwd(shards: list[Any], traced: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
-        return run(shards, traced), (shards, traced)
+    def fwd(shards: list[Any], traced: list[Any], layers: list[Any]) -> tuple[list[Any], tuple[Any, ...]]:
+        return run(shards, traced, layers), (shards, traced, layers)
 
-    def bwd(res: tuple[list[Any], list[Any]], ct: list[Any]) -> tuple[list[Any], list[Any]]:
-        shards, traced = res
-        _, vjp = jax.vjp(run, _after(shards, ct), traced)
-        return vjp(ct)
+    def bwd(res: tuple[Any, ...], ct: list[Any]) -> tuple[Any, ...]:
+        shards, traced, layers = res
+        _, vjp = jax.vjp(lambda s, t: run(s, t, layers), _after(shards, ct), traced)
+        return (*vjp(ct), [None] * len(layers))
 
     consume.defvjp(fwd, bwd)
-    return consume([l.shard for l in leaves], [ins[i] for i in traced_pos])
+    return consume([l.shard for l in leaves], [ins[i] for i in traced_pos], layers)
 
 
 def _in_space_of(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -295,7 +304,8 @@ def _inline(key: str) -> Callable[[Any, list[Any], _Region], list[Any]]:
 
 def _scan(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
     """A scan: stacked parameters are sliced shard-wise, so each iteration gathers one layer."""
-    if region.prefetch is not None:
+    filed = any(l.read is not None for x in ins if isinstance(x, Deferred) for l in x.leaves())
+    if region.prefetch is not None and not filed:
         out = _scan_prefetch(eqn, ins, region)
         if out is not None:
             return out
@@ -313,14 +323,16 @@ def _scan(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
             sliced.append(None)
             scanned.append(_materialize(region, x))
     body = p["jaxpr"]
+    scanned.append(jnp.arange(p["length"], dtype=jnp.int32))  # the layer index, for shards read from files
 
     def step(carry: list[Any], xs_slice: list[Any]) -> tuple[list[Any], list[Any]]:
         args = []
+        *xs_slice, layer = xs_slice
         for d, s in zip(sliced, xs_slice):
             if d is None:
                 args.append(s)
             else:
-                new = {id(l): l.holding(v, l.dim - 1) for l, v in zip(d.leaves(), s)}
+                new = {id(l): l.holding(v, l.dim - 1, layer) for l, v in zip(d.leaves(), s)}
                 args.append(d.rebased(new))
         inner = region.inner(remat=False, in_loop=True)
         outs = [_materialize(inner, o) for o in eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *args], inner)]
@@ -659,7 +671,7 @@ def gather_at_use(loss_fn: Callable[..., Any], prefetch: Prefetch | None = None,
 
         abstract = [whole_shape(x) for x in p_leaves] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in o_leaves]
         closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*abstract)
-        inputs = [Deferred(x.value, x.value.ndim + x.dim, x.on_host, wire=x.wire) if _is_shard(x) else x
+        inputs = [Deferred(x.value, x.value.ndim + x.dim, x.on_host, wire=x.wire, read=x.read) if _is_shard(x) else x
                   for x in p_leaves]
         top = _Region(remat=False, in_loop=False, prefetch=prefetch, forward_only=forward_only)
         outs = eval_jaxpr(closed.jaxpr, closed.consts, inputs + o_leaves, top)
