@@ -51,6 +51,15 @@ from benchmarks.report import output_args, run_section  # noqa: E402
 
 BEGIN, END = "<!-- generate -->", "<!-- /generate -->"
 LAYOUTS_BEGIN, LAYOUTS_END = "<!-- generate_layouts -->", "<!-- /generate_layouts -->"
+#: `--layouts`' model, before any `--set`: a real model's depth (32 layers, as Llama-7B's) with
+#: grouped-query attention, at a width the CPU runs. The peak against the plan's bytes is a matter of
+#: proportions: one layer's slice is 1/32 of the weights, and short prompts (`--prompt 8 --new 8`) keep
+#: the KV cache small next to the weights, as it is at 7B scale (the GPT at configs/zero3.yaml's size
+#: has 4 layers, so one layer's slice alone is 25% of its weights). float32: XLA:CPU computes every
+#: bf16 op in f32 and converts each whole bf16 stack to f32 ahead of the layer loop, a copy a GPU's
+#: native bf16 does not make (on a GPU add `--set bf16.enabled=true`).
+LAYOUTS_MODEL = ["model.name=llama", "model.n_layers=32", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2",
+                 "model.d_ff=512", "bf16.enabled=false"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -62,7 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="config overrides on top of configs/zero3.yaml (e.g. a larger model on a GPU)")
     p.add_argument("--layouts", action="store_true",
-                   help="only the decode layouts at ZeRO-3 x tensor 2 x data 4 (their own section of the page)")
+                   help="only the decode layouts at ZeRO-3 x tensor 2 x data 4, on LAYOUTS_MODEL (their own section of "
+                        "the page; run with --prompt 8 --new 8)")
     output_args(p, "benchmarks.md", rounds=3)
     return p.parse_args(argv)
 
@@ -164,7 +174,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                            replicated).compile()
         once = gen._program.lower(engine.decoder, engine.state.params, *placed, np.uint32(0), np.int32(args.new),
                                   gen.new_token_bucket(args.new), 0.0, None, None, (), 0, route).compile()
-        memory.append(dict(batch=b, once=_memory(once), per_token=_memory(per_token),
+        chosen = gen.decode_layout.choose(engine.plan, engine.decoder, engine.state.params, b,
+                                          width + gen.new_token_bucket(args.new), None, gen.cache_bytes).name
+        memory.append(dict(batch=b, once=_memory(once), per_token=_memory(per_token), chosen=chosen,
                            cache=gen.cache_bytes(engine.decoder, engine.state.params, b, width + gen.new_token_bucket(args.new)),
                            rows_split=b % engine.plan.data_size == 0,
                            gathered_once=_gathered_once(engine.state.params, engine.plan.data_size),
@@ -227,6 +239,9 @@ def render(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str
         base = next(x for x in rows if x["batch"] == r["batch"] and x["path"] == "recompute window")
         lines.append(f"| {r['batch']} | {r['path']} | {r['tps']:.0f} | {r['tps'] / base['tps']:.1f}x | "
                      f"{r['median']:.3f} | {r['first']:.2f} |")
+    lines += ["", "engine.generate ran the " + ", ".join(f"`{m['chosen']}` layout at batch {m['batch']}" for m in res["memory"])
+              + " (at ZeRO-3 `tensor` decodes every row on every device, `gathered` splits the rows over them; the "
+              "memory table below compiles engine.generate's program in the `gathered` layout)."]
     same_gather = all(r.get("same_gather", True) for r in rows)
     lines += ["", f"Gathering per token gave {'the same' if same_gather else 'different'} greedy tokens as engine.generate. "
               "Weights all-gathered per device in one call (from the compiled HLO, loop trip counts multiplied; "
@@ -271,31 +286,37 @@ def measure_layouts(args: argparse.Namespace) -> dict[str, Any]:
     compiled generate program's peak per device against the plan's parameter bytes, and tokens/s."""
     import zerojax
     from zerojax.app import trainer
+    from zerojax.models import decode_layout
     from zerojax.models import generate as gen
 
     config = zerojax.load_config(os.path.join(ROOT, "configs", "zero3.yaml"),
                                  ["run.progress=false", "mesh.tensor=2", f"model.seq_len={max(128, args.prompt + args.new)}",
-                                  *args.overrides])
+                                  *LAYOUTS_MODEL, *args.overrides])
     mesh = trainer.make_mesh(config)
     engine = trainer.build_engine(config, mesh, trainer.build_model(config, mesh))
+    # `tensor` as it ran before its decode steps' layers were rolled: the same decoder, unrolled
+    unrolled = type("Unrolled", (type(engine.decoder),), {"rolled": lambda self: self})(config.model)
+    runs = (("tensor", "tensor", engine.decoder), ("tensor, layers unrolled (before)", "tensor", unrolled),
+            ("layers", "layers", engine.decoder), ("gathered", "gathered", engine.decoder))
     rng = np.random.default_rng(0)
     rows = []
     for b in args.batches:
         prompts = [list(rng.integers(0, config.model.vocab_size, args.prompt)) for _ in range(b)]
         got = {}
-        for layout in ("tensor", "layers", "gathered"):
-            mem = gen.memory_report(engine.decoder, engine.state.params, prompts, None, args.new, plan=engine.plan,
+        for name, layout, decoder in runs:
+            mem = gen.memory_report(decoder, engine.state.params, prompts, None, args.new, plan=engine.plan,
                                     layout=layout)
-            call = lambda: gen.generate(engine.decoder, engine.state.params, prompts, None, args.new,  # noqa: E731
+            call = lambda: gen.generate(decoder, engine.state.params, prompts, None, args.new,  # noqa: E731
                                         plan=engine.plan, layout=layout).tokens
             first, median, out = _timed(call, args.rounds)
-            got[layout] = np.asarray(out)
-            rows.append(dict(batch=b, layout=layout, peak=mem.peak, weights=mem.weights, planned=mem.planned,
+            got[name] = np.asarray(out)
+            rows.append(dict(batch=b, layout=name, peak=mem.peak, weights=mem.weights, planned=mem.planned,
                              cache=mem.cache, tps=b * args.new / median, first=first, prefetch=mem.prefetch))
         chosen = gen.memory_report(engine.decoder, engine.state.params, prompts, None, args.new, plan=engine.plan)
-        for r in rows[-3:]:  # share of greedy tokens equal to the gathered layout's (bf16 sums in another order can
-            r["agree"] = float(np.mean(got[r["layout"]] == got["gathered"]))  # flip a near-tie, and all after it)
+        for r in rows[-len(runs):]:  # share of greedy tokens equal to the gathered layout's (bf16 sums in another
+            r["agree"] = float(np.mean(got[r["layout"]] == got["gathered"]))  # order can flip a near-tie, and all after it)
         rows[-1]["chosen"] = chosen.layout
+    layer = decode_layout.one_layer_bytes(engine.decoder, engine.state.params) / mesh.size  # every weight split 8 ways
     devices = jax.devices()
     gpu_rows = None
     if devices[0].platform == "gpu":  # batch 1 and 64 against the bytes-per-token bound (benchmarks.gpu's)
@@ -306,25 +327,38 @@ def measure_layouts(args: argparse.Namespace) -> dict[str, Any]:
                 args.new, 0)
         gpu_rows = gpu.measure_generate(engine, size, argparse.Namespace(batch=64, rounds=max(args.rounds, 4)),
                                         hbm or 1e12, hbm)
-    return dict(rows=rows, cfg=config.model, gpu=gpu_rows, **_setting(engine))
+    return dict(rows=rows, cfg=config.model, gpu=gpu_rows, layer=layer,
+                dtype=str(jax.tree.leaves(engine.state.params)[0].dtype), **_setting(engine))
 
 
 def render_layouts(args: argparse.Namespace, res: dict[str, Any], seconds: float) -> str:
     cfg = res["cfg"]
+    mib = 2 ** 20
+    tensor = [r for r in res["rows"] if r["layout"] == "tensor"]
+    planned = tensor[0]["planned"]
     lines = [LAYOUTS_BEGIN, "## Generation from the shards: decode layouts at ZeRO-3 x tensor 2 x data 4", "",
-             f"`python -m benchmarks.generate --layouts` ({seconds:.0f} s here): the embedded GPT at configs/zero3.yaml's "
-             f"size ({res['params'] / 1e6:.2f}M parameters, d_model {cfg.d_model}, {cfg.n_layers} layers), bf16 "
-             f"parameters, ZeRO-3 with `mesh.tensor: 2` over {_over(res)}; "
-             f"prompts of {args.prompt} tokens, {args.new} new tokens, greedy, median of {args.rounds} calls. "
+             f"`python -m benchmarks.generate --layouts --prompt {args.prompt} --new {args.new} --rounds {args.rounds}` "
+             f"({seconds:.0f} s here): a Llama of a real model's depth at a width the CPU runs ({res['params'] / 1e6:.1f}M "
+             f"parameters: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads over {cfg.n_kv_heads} "
+             f"key-value heads, d_ff {cfg.d_ff}; `LAYOUTS_MODEL` in the benchmark), {res['dtype']} parameters, "
+             f"configs/zero3.yaml's ZeRO-3 with `mesh.tensor: 2` over {_over(res)}; prompts of "
+             f"{args.prompt} tokens, {args.new} new tokens, greedy, median of {args.rounds} calls (tokens/s: batch x new "
+             "tokens over a call, its prefill included). "
              "Peak: the compiled generate program's arguments + temporaries + outputs per device "
              "(`zerojax.models.generate.memory_report`, from `memory_analysis`), against the parameter bytes the "
-             "plan stores per device (what the train step holds of the bf16 parameters)." + (
-                 " The target was at most 1.1x for `tensor` at ZeRO-3: not met here. At 0.88M parameters the plan "
-                 "stores 0.45 MiB per device, less than the program's own activations, logits and KV cache (all rows' "
-                 "cache on every device under `tensor`), and the CPU backend copies the unrolled layers' weight slices "
-                 "(docs/models.md)." if res["cpu"] else ""), "",
+             f"plan stores per device ({planned / mib:.2f} MiB: what the train step holds of the parameters). "
+             f"Under `tensor` the peak is those parameters, one layer's slice of the stacked weights "
+             f"({res['layer'] / mib:.2f} MiB: the decode step's layers run as a loop, and XLA:CPU copies the slice a "
+             "matmul reads), the KV cache (the column: every row's cache; XLA splits it over the key-value heads "
+             "and holds it twice, as the layer loop's input and output, which comes to the column's bytes) and a few "
+             "KiB of activations and logits. The target, at most "
+             f"1.1x at ZeRO-3 with tensor-parallel decoding, is {'met' if tensor[0]['peak'] <= 1.1 * planned else 'not met'} "
+             f"at batch {tensor[0]['batch']} ({tensor[0]['peak'] / planned:.2f}x); a batch's cache grows with its rows "
+             "(every device holds every row's under `tensor` at ZeRO-3).", "",
              "- **tensor**: the weights stay as stored (weight-stationary; the data axis re-read as a tensor axis), "
              "activations move; every device runs every row.",
+             "- **tensor, layers unrolled (before)**: the same, with the decode step's layers unrolled as before this "
+             "change: every layer's slice is copied at the top of the step, a second copy of the weights.",
              "- **layers**: each device decodes its rows, every ZeRO-3 shard all-gathered in every decode step" + (
                  ", layer i+1's gather in flight while layer i computes (two layers gathered at most: the plan's "
                  "`overlap_comm` prefetch)." if any(r.get("prefetch") for r in res["rows"]) else
@@ -333,15 +367,15 @@ def render_layouts(args: argparse.Namespace, res: dict[str, Any], seconds: float
              "| batch | layout | peak per device (MiB) | vs plan's parameter bytes | KV cache per device (MiB) | tokens/s | first call (s) | tokens as gathered |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        lines.append(f"| {r['batch']} | {r['layout']} | {r['peak'] / 2**20:.2f} | {r['peak'] / r['planned']:.2f}x | "
-                     f"{r['cache'] / 2**20:.2f} | {r['tps']:.0f} | {r['first']:.1f} | {r['agree']:.0%} |")
+        lines.append(f"| {r['batch']} | {r['layout']} | {r['peak'] / mib:.2f} | {r['peak'] / r['planned']:.2f}x | "
+                     f"{r['cache'] / mib:.2f} | {r['tps']:.0f} | {r['first']:.1f} | {r['agree']:.0%} |")
     ends = [r for r in res["rows"] if "chosen" in r]
     lines += ["", "Chosen by default: " + ", ".join(f"batch {r['batch']}: {r['chosen']}" for r in ends) + ". "
               "Tokens as gathered: the share of greedy tokens equal to the gathered layout's; in float32 the layouts "
-              "give the one-device tokens exactly (tests/test_generate_layouts.py). In bf16 the tensor layout's "
-              "partial sums are added across devices in bf16 and the other layouts' rows run in batches of another "
-              "shape, so a near-tie of this randomly initialised model (its logits are nearly uniform: a top-2 gap "
-              "of 0.0015 measured on one such prompt) can flip, and every token after it differs.",
+              "give the one-device tokens exactly (tests/test_generate_layouts.py)." + (
+                  " In bf16 the tensor layout's partial sums are added across devices in bf16 and the other layouts' "
+                  "rows run in batches of another shape, so a near-tie of this randomly initialised model (its logits "
+                  "are nearly uniform) can flip, and every token after it differs." if res["dtype"] == "bfloat16" else ""),
               ""]
     if res.get("gpu"):
         lines += ["engine.generate on the GPU (its chosen layout), new tokens/s against reading every bf16 weight and "

@@ -21,6 +21,8 @@ SMALL = dict(name="llama", vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_k
 WIDE = dict(SMALL, d_model=256, d_ff=512)
 #: deep enough for a layer loop (two layers an iteration) and the layers after it
 DEEP = dict(WIDE, n_layers=6)
+#: a real model's depth: one layer's weights are 1/32 of them
+REAL_DEPTH = dict(WIDE, n_layers=32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,21 +114,27 @@ def test_layers_gathers_the_next_layer_while_one_computes_holding_at_most_two(te
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
 
 
-def test_tensor_decoding_holds_the_plans_bytes_not_the_model() -> None:
-    """The compiled program's peak per device (arguments + temporaries + outputs, from memory_analysis)
-    stays within 2.6x the plan's parameter bytes plus the KV cache (2.5x measured: XLA's copies of the
-    stored blocks around the loop) and under a third of the model; gathering the weights once per call
-    (the layout before) holds the whole model."""
-    eng = engine(tuple(WIDE.items()))
+def test_tensor_decoding_peaks_within_a_tenth_of_the_plans_bytes() -> None:
+    """The compiled program's peak per device (arguments + temporaries + outputs, from memory_analysis) at
+    a real model's depth (32 layers, as Llama-7B's; d_model 256 so the CPU compiles it) and a short
+    generation (one row, 8 + 8 positions: a KV cache small next to the weights) is at most 1.1x the
+    plan's parameter bytes: the parameters as stored, one layer's slice of the stacked weights (the
+    layers run as a loop; unrolled, every layer's slice was copied at once: 2.0x), the KV cache, and a
+    few KiB of activations and logits. Gathering the weights once per call holds the whole model."""
+    from zerojax.models import decode_layout
+    eng = engine(tuple(REAL_DEPTH.items()))
     prompts = PROMPTS[:1]
     whole = sum(x.nbytes for x in jax.tree.leaves(eng.state.params))
     tensor = gen.memory_report(eng.decoder, eng.state.params, prompts, None, 2, plan=eng.plan)
-    gathered = gen.memory_report(eng.decoder, eng.state.params, prompts, None, 2, plan=eng.plan, layout="gathered")
+    layer = decode_layout.one_layer_bytes(eng.decoder, eng.state.params) // 8  # every weight split 8 ways
     assert tensor.layout == "tensor" and tensor.planned * 8 < whole * 1.01
     assert tensor.weights <= tensor.planned
-    assert tensor.peak <= 2.6 * tensor.planned + tensor.cache and tensor.peak < whole / 3, tensor.line()
-    assert gathered.peak > whole, gathered.line()
+    assert tensor.peak <= 1.1 * tensor.planned, tensor.line()
+    assert tensor.peak <= tensor.planned + layer + tensor.cache + 64 * 2**10, (tensor.peak, tensor.planned, layer)
     assert "tensor layout" in tensor.line() and "peak" in tensor.line()
+    eng = engine(tuple(WIDE.items()))
+    gathered = gen.memory_report(eng.decoder, eng.state.params, prompts, None, 2, plan=eng.plan, layout="gathered")
+    assert gathered.peak > sum(x.nbytes for x in jax.tree.leaves(eng.state.params)), gathered.line()
 
 
 def test_layers_gather_inside_the_decode_loop_tensor_moves_less_than_one_copy_of_the_weights() -> None:
@@ -178,3 +186,24 @@ def test_padding_rows_leaves_the_sampled_rows_as_on_one_device() -> None:
     got = gen.generate(eng.decoder, eng.state.params, PROMPTS[:3], None, N, temperature=1.0, seed=5, plan=eng.plan,
                        layout="layers")
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_a_rolled_decoder_keeps_a_bf16_cache_as_bits_and_decodes_as_the_unrolled_one() -> None:
+    """`rolled()` (the `tensor` layout's decoder) keeps a bf16 cache as uint16 bits (XLA:CPU would convert
+    a whole bf16 cache to f32 in every step of the layer loop) and computes what the unrolled decoder
+    does: the same cache bits and logits after a prefill and a decode step."""
+    import jax.numpy as jnp
+    eng = engine(tuple(SMALL.items()))
+    params = jax.device_put(jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), jax.device_get(eng.state.params)),
+                            jax.devices()[0])
+    tokens, lengths = gen.pad_prompts(PROMPTS[:2])
+    out = {}
+    for name, d in (("unrolled", eng.decoder), ("rolled", eng.decoder.rolled())):
+        cache = d.init_cache(params, 2, 16)
+        logits, cache = jax.jit(d.prefill)(params, cache, tokens[:, :8], np.minimum(lengths, 8))
+        step, cache = jax.jit(d.decode_step)(params, cache, np.asarray([1, 2], np.int32), np.minimum(lengths, 8))
+        out[name] = (logits, step, {k: jax.lax.bitcast_convert_type(c, jnp.uint16) if c.dtype != jnp.uint16 else c
+                                    for k, c in cache.items()}, cache["k"].dtype)
+    assert out["unrolled"][3] == jnp.bfloat16 and out["rolled"][3] == jnp.uint16
+    for a, b in zip(jax.tree.leaves(out["unrolled"][:3]), jax.tree.leaves(out["rolled"][:3])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -19,6 +19,7 @@ projections and norms are the training ones; logits are float32.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -80,26 +81,49 @@ class _Decoder:
     cfg: ModelConfig
     n_kv_heads: int
     max_positions: int | None = None
+    #: A decode step's layers unrolled into one straight program (one token per row is launch-bound on an
+    #: accelerator: a loop would be stepped by the host every layer). `rolled()` turns it off.
+    unroll_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.head_dim = cfg.d_model // cfg.n_heads
 
     def __eq__(self, other: object) -> bool:  # one compiled program per model config, not per object
-        return type(other) is type(self) and other.cfg == self.cfg
+        return type(other) is type(self) and other.cfg == self.cfg and other.unroll_decode == self.unroll_decode
 
     def __hash__(self) -> int:
-        return hash((type(self), self.cfg))
+        return hash((type(self), self.cfg, self.unroll_decode))
+
+    def rolled(self) -> "_Decoder":
+        """This decoder with a decode step's layers run as a loop, each iteration reading its layer's slice
+        of the stacked weights: at most one layer's slice is copied out at a time. (XLA:CPU's matmuls read
+        a slice of a stack as a copy of it; unrolled, every layer's copy is scheduled at the top of the
+        step, a second copy of the weights.) What weight-stationary decoding runs
+        (`zerojax.models.decode_layout`'s `tensor`), whose point is holding the plan's bytes."""
+        out = copy.copy(self)
+        out.unroll_decode = False
+        return out
 
     def cache_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
         """[layers, batch, max_len, kv_heads, head_dim], of each of "k" and "v"."""
         return (self.cfg.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
 
     def init_cache(self, params: Any, batch: int, max_len: int) -> Cache:
-        """A zero cache in the params' compute dtype (the embedding's)."""
-        dtype = self.embedding(params).dtype
+        """A zero cache in the params' compute dtype (the embedding's), or its bits (`_stored`)."""
+        dtype = self._stored(self.embedding(params).dtype)
         shape = self.cache_shape(batch, max_len)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def _stored(self, dtype: Any) -> Any:
+        """The dtype the cache is kept in: a `rolled()` decoder keeps a 16-bit float cache as the unsigned
+        integers of its bits, each layer's slice viewed as floats where it is used. XLA:CPU has no
+        16-bit float dynamic-slice: a layer loop over a bf16 cache would convert the whole cache to f32
+        and back in every decode step (a third slower at 16 rows); integers it slices as they are."""
+        dtype = jnp.dtype(dtype)
+        if self.unroll_decode or type(self)._forward is not _Decoder._forward:
+            return dtype
+        return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
 
     def prefill(self, params: Any, cache: Cache, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, Cache]:
         """Run the right-padded prompts `tokens` [B, T] (row b's first `lengths[b]` are real) into the
@@ -119,14 +143,17 @@ class _Decoder:
         x = self._embed(params, tokens, positions)
         extra = self._extra(positions)
 
+        dtype = jnp.dtype(self.embedding(params).dtype)
+
         def body(x: jax.Array, xs: tuple[Any, jax.Array, jax.Array, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             layer, k_cache, v_cache, window = xs
+            k_cache, v_cache = _view(k_cache, dtype), _view(v_cache, dtype)
             x, k_cache, v_cache = self._layer(layer, x, k_cache, v_cache, positions, (extra, window))
-            return x, (k_cache, v_cache)
+            return x, (_view(k_cache, self._stored(dtype)), _view(v_cache, self._stored(dtype)))
 
         # One token per row is launch-bound on an accelerator: the layers unrolled run as one straight
         # program, not a loop whose every iteration the host steps (the prompt's prefill keeps the loop).
-        unroll = tokens.shape[1] == 1
+        unroll = tokens.shape[1] == 1 and self.unroll_decode
         xs = (self.layers(params), cache["k"], cache["v"], self._windows())
         x, (k, v) = jax.lax.scan(body, x, xs, unroll=unroll)
         return x, {"k": k, "v": v}
@@ -260,7 +287,7 @@ class MoELlamaDecoder(LlamaDecoder):
     def _forward(self, params: Any, cache: Cache, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Cache]:
         x = self._embed(params, tokens, positions)
         extra = self._extra(positions)
-        unroll = tokens.shape[1] == 1  # as `_Decoder._forward`: a decode step's layers run unrolled
+        unroll = tokens.shape[1] == 1 and self.unroll_decode  # as `_Decoder._forward`
         cfg = dataclasses.replace(self.cfg, min_capacity=min(self.cfg.min_capacity, tokens.size))
 
         def make_moe() -> llama.MoELayer:
@@ -290,6 +317,11 @@ class MoELlamaDecoder(LlamaDecoder):
         xs = (params.get("dense_layers"), params["layers"], grouped(cache["k"]), grouped(cache["v"]))
         x, (k, v) = jax.lax.scan(group, x, xs, unroll=unroll)
         return x, {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
+
+
+def _view(a: jax.Array, dtype: Any) -> jax.Array:
+    """`a`'s bits as `dtype` (of the same width), or `a` when it is one already."""
+    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -12,6 +12,8 @@ ZeRO-3 was chosen to avoid (and would undo a tensor split). `choose` picks, per 
   the compiled program: no all-gather inside the decode loop). With the data axes holding weight
   blocks, every device runs every row. This is DeepSpeed's hybrid engine's choice
   (tensor-parallel inference from the training shards), without its gather into a second copy.
+  The decode step's layers run as a loop (`Decoder.rolled()`), so a backend that copies the layer
+  slice a matmul reads (XLA:CPU) holds one layer's copy, not every layer's.
 * `layers`: each device decodes its rows with every ZeRO-3 shard gathered where a layer uses it
   (`gather_at_use`, in every decode step). With the plan's prefetch (`overlap_comm`, the default at
   stage 3) the scanned stack gathers layer i+1 while layer i computes, holding at most two layers

@@ -69,6 +69,9 @@ class Decoder(Protocol):
     `decode_step(params, cache, tokens [B], positions [B])` -> (float32 logits [B, vocab] of the
     token after `tokens`, placed at `positions`, cache).
     `max_positions`: the longest sequence the model can place, or None for no bound.
+    Optional `rolled()` -> the same decoder with a decode step's layers run as a loop, one layer's
+    slice of the stacked weights read per iteration (what the `tensor` layout runs: no copy of every
+    layer's weights at once; a decoder without it runs as it is).
     `zerojax.models.decode` has the GPT's and the Llama's.
     """
 
@@ -323,10 +326,13 @@ def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | Non
 
 def _route(decoder: Decoder, params: Any, layout: Layout) -> tuple[Any, Callable[..., Any], Callable[..., Any]]:
     """(params, prefill, decode_step) as the program runs them in `layout`: the weights constrained to
-    where the layout holds them (`tensor`: weight-stationary; `gathered`: whole), or the decoder run
-    inside `shard_map` on each device's rows with each shard gathered where a layer uses it (`layers`)."""
+    where the layout holds them (`tensor`: weight-stationary, the decoder `rolled()`; `gathered`: whole),
+    or the decoder run inside `shard_map` on each device's rows with each shard gathered where a layer
+    uses it (`layers`)."""
     if layout.name == "layers":
         return params, _at_use(decoder.prefill, layout), _at_use(decoder.decode_step, layout)
+    if layout.name == "tensor" and hasattr(decoder, "rolled"):  # the plan's bytes + one layer's slice, not 2x
+        decoder = decoder.rolled()
     if layout.weights is not None:
         held = jax.tree.unflatten(jax.tree.structure(params), layout.weights)
         params = jax.tree.map(jax.lax.with_sharding_constraint, params, held)
