@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -22,15 +23,21 @@ EVENTS = {"loss": "Train/Samples/train_loss", "lr": "Train/Samples/lr", "loss_sc
 _NOT_EVENTS = ("step", "grad_norm", "skipped", "tokens_per_s")
 
 
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, found without importing it (tensorboardX's import pulls in
+    comet_ml and matplotlib where they are installed: a second of start-up)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
 def check_monitors(config: Config) -> None:
     """The monitors' optional packages, checked at start-up so that a missing one fails before
     anything is compiled rather than after. Every process checks, so that all of them stop together."""
-    if config.tensorboard.enabled:
-        try:
-            import tensorboardX  # noqa: F401  (imported only when used)
-        except ImportError:
-            raise ConfigError("tensorboard.enabled: needs the `tensorboardX` package; pip install tensorboardX "
-                              "(a dependency of zerojax), or set tensorboard.enabled: false") from None
+    if config.tensorboard.enabled and not _installed("tensorboardX"):  # its writer is made at the first event
+        raise ConfigError("tensorboard.enabled: needs the `tensorboardX` package; pip install tensorboardX "
+                          "(a dependency of zerojax), or set tensorboard.enabled: false")
     if config.wandb.enabled:
         try:
             import wandb  # noqa: F401  (optional dependency, imported only when used)
@@ -161,10 +168,6 @@ class Monitor:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True)
-        if config.tensorboard.enabled:
-            from tensorboardX import SummaryWriter  # optional dependency, imported only when used
-            self._tb = SummaryWriter(str(self._monitor_dir(config.tensorboard.output_path,
-                                                           config.tensorboard.job_name)))
         if config.csv_monitor.enabled:
             self._csv_dir = self._monitor_dir(config.csv_monitor.output_path, config.csv_monitor.job_name)
             self._csv_dir.mkdir(parents=True, exist_ok=True)
@@ -289,6 +292,12 @@ class Monitor:
         samples = step * self.samples_per_step  # DeepSpeed's x axis: samples seen
         extra = {k: f"Train/Samples/{k}" for k in record if k not in EVENTS and k not in _NOT_EVENTS}
         events = {name: record[key] for key, name in {**EVENTS, **extra}.items() if key in record}
+        if self.config.tensorboard.enabled and self._tb is None:
+            # made at the first event, not at start: its import (with what it pulls in) is not paid
+            # before the first step
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(self._monitor_dir(self.config.tensorboard.output_path,
+                                                           self.config.tensorboard.job_name)))
         for name, value in events.items():
             if self._tb is not None:
                 self._tb.add_scalar(name, value, samples)
