@@ -302,9 +302,11 @@ class Engine(DeepSpeedAPI):
         at `eos_id` or any of `stop_ids`, and `pad_id` (default `eos_id`) fills the rest of it.
         Returns tokens, log-probabilities (of the model at temperature 1) and lengths (`Generation`),
         and `.sampled_logprobs` (of the distribution the tokens were drawn from).
-        The parameters are read where the ZeRO stage keeps them (`state.params`, the compute dtype):
-        at stage 3 they are gathered once per call inside the one compiled program, not per token,
-        and the gathered copy is gone when the call returns; nothing of the state changes.
+        The parameters are read where the ZeRO stage keeps them (`state.params`, the compute dtype),
+        in the layout `zerojax.models.decode_layout.choose` picks per call: `tensor` (the weights stay
+        in the plan's blocks, activations move) or `layers` (each device decodes its rows, each
+        stage-3 shard gathered where its layer uses it); neither holds a whole copy of the model,
+        and nothing of the state changes. `memory_report` says which ran and its compiled peak.
         Prompt widths and new-token counts round up to powers of two (at least 8), so a loop whose
         shapes vary compiles a few programs, not one per call.
         In a multi-process run every process passes the same prompts and settings (checked: a
