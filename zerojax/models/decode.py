@@ -84,6 +84,9 @@ class _Decoder:
     #: A decode step's layers unrolled into one straight program (one token per row is launch-bound on an
     #: accelerator: a loop would be stepped by the host every layer). `rolled()` turns it off.
     unroll_decode: bool = True
+    #: `_Decoder._forward`'s layer scan views a rolled decoder's 16-bit cache as floats per layer
+    #: (`_stored`); a decoder with a forward of its own keeps its cache in the compute dtype.
+    cache_as_bits: bool = True
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -121,7 +124,7 @@ class _Decoder:
         16-bit float dynamic-slice: a layer loop over a bf16 cache would convert the whole cache to f32
         and back in every decode step (a third slower at 16 rows); integers it slices as they are."""
         dtype = jnp.dtype(dtype)
-        if self.unroll_decode or type(self)._forward is not _Decoder._forward:
+        if self.unroll_decode or not self.cache_as_bits:
             return dtype
         return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
 
@@ -279,6 +282,8 @@ class MoELlamaDecoder(LlamaDecoder):
     With an expert mesh axis the generation program runs the layer on the experts where the plan
     stores them (`zerojax.models.decode_layout`); the layer's maths is the same either way.
     """
+
+    cache_as_bits = False  # its `_forward` scans the cache itself, in the compute dtype
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
