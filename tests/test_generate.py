@@ -256,3 +256,18 @@ def test_a_tensor_2_engine_generates_what_a_tensor_1_engine_does() -> None:
     from zerojax.app.sample import end_of_run_sample, sample_text
     text = end_of_run_sample(zerojax.load_config(cfg, ["run.sample_tokens=6"]), split.params, split.plan)
     assert text is not None and text == sample_text(cfg, jax.device_get(whole.params), None, 6, seed=cfg.run.seed)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_a_prompt_token_outside_the_vocabulary_is_one_error(model: str) -> None:
+    """An embedding lookup past the table reads a clamped or zero row: the tokens would be silently
+    wrong. The request is refused before anything compiles, naming the id and the vocabulary; padding
+    past a row's length is not read."""
+    e = engine(model, 3)
+    vocab = e.config.model.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=rf"^generate: prompt token id {bad} is outside the model's vocabulary "
+                                             rf"\[0, {vocab}\)"):
+            e.generate([[1, 2, 3], [4, bad]], 2)
+    padded = np.asarray([[1, 2, 3], [4, 5, vocab + 7]], np.int32)  # the pad is past row 1's length
+    assert e.generate(padded, 2, lengths=[3, 2]).tokens.shape == (2, 2)

@@ -190,6 +190,12 @@ def generate(decoder: Decoder, params: Any, prompts: Any, lengths: Any, max_new_
         raise ValueError(f"generate: max_new_tokens must be positive (got {max_new_tokens})")
     if b == 0 or lens.min() < 1 or lens.max() > tokens.shape[1]:
         raise ValueError(f"generate: every prompt needs between 1 and {tokens.shape[1]} tokens (lengths {lens.tolist()})")
+    vocab = decoder.embedding(params).shape[0] if hasattr(decoder, "embedding") else None
+    real = np.arange(tokens.shape[1])[None, :] < lens[:, None]
+    if vocab is not None and real.any() and not (0 <= tokens[real].min() and tokens[real].max() < vocab):
+        bad = tokens[real][(tokens[real] < 0) | (tokens[real] >= vocab)][0]
+        raise ValueError(f"generate: prompt token id {int(bad)} is outside the model's vocabulary [0, {vocab}); "
+                         f"tokenize with the model's own tokenizer")
     if top_k is not None and top_k < 1 or top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"generate: top_k must be >= 1 and top_p in (0, 1] (got {top_k}, {top_p})")
     stops = tuple(sorted({int(t) for t in (stop_ids or ())} | ({int(eos_id)} if eos_id is not None else set())))
