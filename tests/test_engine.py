@@ -165,31 +165,48 @@ def test_layer_axes_reach_the_plan() -> None:
 
 def test_compile_for_compiles_the_first_step_and_the_finite_check_with_the_state() -> None:
     """Engine(compile_for=batch) compiles the train step in a thread while the state initializes, and
-    the finiteness check that the trainer's guard and every save share (one program) meanwhile: the
-    first step, the guard and a save's check then compile nothing."""
+    queues the finiteness check that the trainer's guard and every save share (one program) behind it
+    on that thread, without waiting for it: the engine is built while the check is still compiling (it
+    compiles during the first step), and its first use waits for it. The first step, the guard and a
+    save's check then compile nothing on the caller's thread and nothing twice."""
+    import threading
     from jax import monitoring
     from zerojax.checkpoint import nonfinite_params
     from zerojax.core.nonfinite import NonFiniteGuard
     from zerojax.planner.mesh import make_mesh
 
-    programs = []
+    built = threading.Event()
+    held: list[str] = []  # what the compile thread lowered after the step, held until the engine is built
+    programs: list[tuple[str, str]] = []  # (program, thread) of every compile
 
-    def count(event: str, secs: float, **_) -> None:
+    def lowered(event: str, secs: float, fun_name: str = "", **_) -> None:
+        thread = threading.current_thread().name
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and thread.startswith("zerojax-compile") \
+                and fun_name != "jit(step)":
+            held.append(fun_name)
+            built.wait(timeout=120)  # an engine that waited for this compile would stall here
         if event == "/jax/core/compile/backend_compile_duration":
-            programs.append(secs)
+            programs.append((fun_name, thread))
 
     params, loss_fn = zerojax.from_nnx(Net(rngs=nnx.Rngs(1)), mse)
     config = zerojax.load_config({**DS_CONFIG, "zero_optimization": {"stage": 3}})
-    engine = zerojax.Engine(config, params, loss_fn, make_mesh(config), compile_for=data(32, 0))
-    monitoring.register_event_duration_secs_listener(count)
+    monitoring.register_event_duration_secs_listener(lowered)
     try:
+        engine = zerojax.Engine(config, params, loss_fn, make_mesh(config), compile_for=data(32, 0))
+        at_build = len(programs)
+        built.set()
         metrics = engine.train_batch(data(32, 1))
         assert NonFiniteGuard(engine).problem(saving=True) is None
         assert nonfinite_params(engine.state, engine.plan) == []
         assert np.isfinite(float(metrics["loss"]))
     finally:
-        monitoring.unregister_event_duration_listener(count)
-    assert programs == []
+        monitoring.unregister_event_duration_listener(lowered)
+    assert held == ["jit(<lambda>)"]  # the finiteness check, lowered on the compile thread after the step
+    after = programs[at_build:]
+    assert [thread.startswith("zerojax-compile") for _, thread in after] == [True], programs
+    names = [name for name, _ in programs]
+    assert [names.count(name) for name in ("jit(init)", "jit(step)", "jit(<lambda>)")] == [1, 1, 1], programs
+    assert names[-2:] == ["jit(step)", "jit(<lambda>)"], programs
 
 
 def test_first_step_hands_the_compilers_memory_back_and_compiles_once(monkeypatch: pytest.MonkeyPatch) -> None:

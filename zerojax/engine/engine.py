@@ -33,7 +33,7 @@ from zerojax.core.measure import release_freed_heap
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
-from zerojax.core.nonfinite import finite_flags, float_leaves
+from zerojax.core.nonfinite import compile_finite_flags, float_leaves
 from zerojax.core.nvme_step import NvmeStep
 from zerojax.core.param_swap import ParamSwapStep
 from zerojax.core.precision import LossScaleState, update_loss_scale
@@ -69,21 +69,26 @@ def agree_before_compiling(config: Config, plan: Plan) -> None:
 
 
 @contextlib.contextmanager
-def compiling_ahead(train_step: Any, plan: Plan, batch: Any) -> Iterator[None]:
+def compiling_ahead(train_step: Any, plan: Plan, batch: Any) -> Iterator[concurrent.futures.Executor | None]:
     """Compile `train_step` for the fresh state and `batch` in a thread while the body runs (the
     state's initialisation: its own compile, then its run). Both compiles are mostly XLA's, which runs
     without the GIL, so the two overlap instead of adding up; the executable lands in JAX's caches,
-    where the first call with the real state finds it. An error of the step's compile is raised here."""
+    where the first call with the real state finds it. An error of the step's compile is raised here.
+    Yields the thread's pool (None without `batch`): what the body queues there runs after the step's
+    compile and is not waited for here."""
     if batch is None:
-        yield
+        yield None
         return
     rows = plan.batch.train_batch_size
     spec = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(
         (rows, *np.shape(x)[1:]), np.asarray(x).dtype, sharding=plan.batch_sharding), batch)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerojax-compile") as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerojax-compile")
+    try:
         compiled = pool.submit(lambda: train_step.lower(abstract_state(plan), spec).compile())
-        yield
+        yield pool
         compiled.result()
+    finally:
+        pool.shutdown(wait=False)  # queued work still runs; its users wait for it
 
 
 class Engine(DeepSpeedAPI):
@@ -130,10 +135,10 @@ class Engine(DeepSpeedAPI):
         if config.log_level is not None:
             set_log_level(config.log_level)
         self._train_step, self._eval_step = train_step, eval_step
-        with compiling_ahead(train_step, plan, compile_for):
+        with compiling_ahead(train_step, plan, compile_for) as pool:
             self.state: TrainState = self._stored(init_state(plan, params))
-            if compile_for is not None:  # the finiteness check of the first fetch and every save, meanwhile
-                finite_flags(plan.replicated).lower([x for *_, x in float_leaves(self.state)]).compile()
+            if pool is not None:  # the finiteness check of the first fetch and every save, after the step's
+                compile_finite_flags(plan.replicated, [x for *_, x in float_leaves(self.state)], pool)
         self._pending: PendingSave | None = None
         self._in_flight = InFlight()  # multi-process: no process runs steps ahead of its devices
         self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
