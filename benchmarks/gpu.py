@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=10, help="timed steps (and generate calls) per variant")
     ap.add_argument("--batch", type=int, default=64, help="the larger generate batch (the other is 1)")
     ap.add_argument("--adam-params", type=float, default=None, help="parameters of the Adam row (default 1e9; tiny 1e5)")
+    ap.add_argument("--attention", default="auto", help="model.attention of both steps (fused: cuDNN's flash attention)")
     ap.add_argument("--json", default=None, help="write every number here")
     ap.add_argument("--out", default=os.path.join(DOCS, "benchmarks.md"), help="the docs page (GPU runs)")
     ap.add_argument("--no-write", action="store_true", help="print only")
@@ -99,7 +100,7 @@ def measured_peak(side: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # Training.
 
-def config_for(size: tuple, stage: int) -> Any:
+def config_for(size: tuple, stage: int, attention: str = "auto") -> Any:
     import zerojax
     d, layers, heads, kv, ff, vocab, seq, micro, prompt, new, _ = size
     return zerojax.load_config({
@@ -108,7 +109,8 @@ def config_for(size: tuple, stage: int) -> Any:
         "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
         "hybrid_engine": {"max_out_tokens": prompt + new},
         "model": {"name": "llama", "vocab_size": vocab, "seq_len": seq, "d_model": d, "n_layers": layers,
-                  "n_heads": heads, "n_kv_heads": kv, "d_ff": ff, "tie_embeddings": False, "remat": True}})
+                  "n_heads": heads, "n_kv_heads": kv, "d_ff": ff, "tie_embeddings": False, "remat": True,
+                  "attention": attention}})
 
 
 def baseline_step(config: Any) -> tuple[Any, Callable[[Any, Any], tuple[Any, Any]]]:
@@ -146,7 +148,7 @@ def measure_training(size: tuple, args: argparse.Namespace, device: Any) -> tupl
     d, layers, heads, kv, ff, vocab, seq, micro, *_ = size
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, vocab, (micro, seq + 1), dtype=np.int32)} for _ in range(4)]
-    config = config_for(size, 0)
+    config = config_for(size, 0, args.attention)
     state, step = baseline_step(config)
     box = {"base": state, "i": 0}
     base_first = None
@@ -160,7 +162,7 @@ def measure_training(size: tuple, args: argparse.Namespace, device: Any) -> tupl
     rows: dict[str, Any] = {}
     engine = None
     for stage in (0, 3):
-        config = config_for(size, stage)
+        config = config_for(size, stage, args.attention)
         mesh = make_mesh(config, devices=[device])
         engine = None  # the previous stage's state is freed before this one is built
         engine = build_engine(config, mesh, build_model(config, mesh))
@@ -231,7 +233,8 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] = l
     size = SIZES["tiny" if tiny else "1b"]
     peak, hbm = card(device)
     out: dict[str, Any] = {"device": getattr(device, "device_kind", device.platform), "platform": device.platform,
-                           "size": "tiny" if tiny else "1b", "jax": jax.__version__, "errors": {}}
+                           "size": "tiny" if tiny else "1b", "jax": jax.__version__, "attention": args.attention,
+                           "errors": {}}
     if peak is None:
         peak = measured_peak(512 if tiny else 8192)
         out["peak_source"] = "measured bf16 matmul"
@@ -276,7 +279,8 @@ def render(r: dict[str, Any]) -> str:
     t = r.get("training")
     if t:
         lines += [f"Training: {t['params']:,} parameters, {t['tokens_per_step']:,} tokens per step, bf16 over fp32 "
-                  f"masters, AdamW; peak {r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak_source']}).", "",
+                  f"masters, AdamW, model.attention {r.get('attention', 'auto')}; peak {r['peak_flops'] / 1e12:.3g} TFLOP/s "
+                  f"({r['peak_source']}).", "",
                   "| layout | tokens/s | MFU | baseline tokens/s | baseline MFU | zerojax / baseline | first loss (zerojax, baseline) |",
                   "|---|---:|---:|---:|---:|---:|---|"]
         for name, row in t["stages"].items():
