@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=10, help="timed steps (and generate calls) per variant")
     ap.add_argument("--batch", type=int, default=64, help="the larger generate batch (the other is 1)")
     ap.add_argument("--adam-params", type=float, default=None, help="parameters of the Adam row (default 1e9; tiny 1e5)")
+    ap.add_argument("--no-remat", action="store_true", help="keep activations instead of recomputing each layer")
     ap.add_argument("--attention", default="auto", help="model.attention of both steps (fused: cuDNN's flash attention)")
     ap.add_argument("--json", default=None, help="write every number here")
     ap.add_argument("--out", default=os.path.join(DOCS, "benchmarks.md"), help="the docs page (GPU runs)")
@@ -100,7 +101,7 @@ def measured_peak(side: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # Training.
 
-def config_for(size: tuple, stage: int, attention: str = "auto") -> Any:
+def config_for(size: tuple, stage: int, attention: str = "auto", remat: bool = True) -> Any:
     import zerojax
     d, layers, heads, kv, ff, vocab, seq, micro, prompt, new, _ = size
     return zerojax.load_config({
@@ -109,7 +110,7 @@ def config_for(size: tuple, stage: int, attention: str = "auto") -> Any:
         "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
         "hybrid_engine": {"max_out_tokens": prompt + new},
         "model": {"name": "llama", "vocab_size": vocab, "seq_len": seq, "d_model": d, "n_layers": layers,
-                  "n_heads": heads, "n_kv_heads": kv, "d_ff": ff, "tie_embeddings": False, "remat": True,
+                  "n_heads": heads, "n_kv_heads": kv, "d_ff": ff, "tie_embeddings": False, "remat": remat,
                   "attention": attention}})
 
 
@@ -148,7 +149,7 @@ def measure_training(size: tuple, args: argparse.Namespace, device: Any) -> tupl
     d, layers, heads, kv, ff, vocab, seq, micro, *_ = size
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, vocab, (micro, seq + 1), dtype=np.int32)} for _ in range(4)]
-    config = config_for(size, 0, args.attention)
+    config = config_for(size, 0, args.attention, not args.no_remat)
     state, step = baseline_step(config)
     box = {"base": state, "i": 0}
     base_first = None
@@ -162,7 +163,7 @@ def measure_training(size: tuple, args: argparse.Namespace, device: Any) -> tupl
     rows: dict[str, Any] = {}
     engine = None
     for stage in (0, 3):
-        config = config_for(size, stage, args.attention)
+        config = config_for(size, stage, args.attention, not args.no_remat)
         mesh = make_mesh(config, devices=[device])
         engine = None  # the previous stage's state is freed before this one is built
         engine = build_engine(config, mesh, build_model(config, mesh))
@@ -191,7 +192,26 @@ def measure_adam(n: int, args: argparse.Namespace, device: Any) -> dict[str, Any
     t = row["times"]
     return {"backend": backend, "parameters": n, "fused_s": t["fused"], "copy_s": t["copy"], "optax_s": t["optax"],
             "fused_gbps": kernels.IDEAL * n / t["fused"] / 1e9, "copy_gbps": 8 * n / t["copy"] / 1e9,
-            "optax_gbps": kernels.IDEAL * n / t["optax"] / 1e9}
+            "optax_gbps": kernels.IDEAL * n / t["optax"] / 1e9, "one_copy_gbps": one_copy_gbps(n, args)}
+
+
+def one_copy_gbps(n: int, args: argparse.Namespace) -> float:
+    """Read+write GB/s of one donated float32 array of Adam's bytes (28 per parameter: 14 read, 14
+    written): the device's copy ceiling, free of the per-leaf launches of the 24-leaf copy beside it."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks.kernels import time_interleaved
+    elements = n * 28 // 8
+    box = {"x": jnp.ones((elements,), jnp.float32)}
+    copy = jax.jit(lambda x: x * 1.0000001, donate_argnums=0)
+
+    def run() -> Any:
+        box["x"] = copy(box["x"])
+        return box["x"]
+
+    seconds = time_interleaved({"copy": run}, args.warmup, args.rounds)["copy"]
+    box.clear()
+    return 8 * elements / seconds / 1e9
 
 
 def measure_generate(engine: Any, size: tuple, args: argparse.Namespace, copy_bw: float,
@@ -233,7 +253,7 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] = l
     size = SIZES["tiny" if tiny else "1b"]
     peak, hbm = card(device)
     out: dict[str, Any] = {"device": getattr(device, "device_kind", device.platform), "platform": device.platform,
-                           "size": "tiny" if tiny else "1b", "jax": jax.__version__, "attention": args.attention,
+                           "size": "tiny" if tiny else "1b", "jax": jax.__version__, "attention": args.attention, "remat": not args.no_remat,
                            "errors": {}}
     if peak is None:
         peak = measured_peak(512 if tiny else 8192)
@@ -279,7 +299,8 @@ def render(r: dict[str, Any]) -> str:
     t = r.get("training")
     if t:
         lines += [f"Training: {t['params']:,} parameters, {t['tokens_per_step']:,} tokens per step, bf16 over fp32 "
-                  f"masters, AdamW, model.attention {r.get('attention', 'auto')}; peak {r['peak_flops'] / 1e12:.3g} TFLOP/s "
+                  f"masters, AdamW, model.attention {r.get('attention', 'auto')}, "
+                  f"remat {'on' if r.get('remat', True) else 'off'}; peak {r['peak_flops'] / 1e12:.3g} TFLOP/s "
                   f"({r['peak_source']}).", "",
                   "| layout | tokens/s | MFU | baseline tokens/s | baseline MFU | zerojax / baseline | first loss (zerojax, baseline) |",
                   "|---|---:|---:|---:|---:|---:|---|"]
@@ -292,7 +313,10 @@ def render(r: dict[str, Any]) -> str:
     if a:
         lines += [f"Fused Adam ({a['backend']}), {a['parameters']:.3g} parameters: {a['fused_gbps']:.0f} GB/s against a "
                   f"read+write copy's {a['copy_gbps']:.0f} GB/s ({a['fused_gbps'] / a['copy_gbps']:.0%}); optax.adamw under "
-                  f"jit {a['optax_gbps']:.0f} GB/s.", ""]
+                  f"jit {a['optax_gbps']:.0f} GB/s."
+                  + (f" One array of the same bytes copies at {a['one_copy_gbps']:.0f} GB/s: fused "
+                     f"{a['fused_gbps'] / a['one_copy_gbps']:.0%} of it, optax {a['optax_gbps'] / a['one_copy_gbps']:.0%}."
+                     if a.get("one_copy_gbps") else ""), ""]
     if r.get("generate"):
         bound = "the copy's bandwidth" if a else "the card's nominal bandwidth"
         lines += ["| generate batch | prompt + new | tokens/s | bound at " + bound + " | share of bound |"

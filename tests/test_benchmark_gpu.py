@@ -47,7 +47,7 @@ def test_a_failing_section_leaves_its_traceback_and_the_others_still_report(monk
     monkeypatch.setattr(gpu, "measure_adam", lambda n, args, device: {
         "backend": "triton", "parameters": n, "fused_gbps": 0.9, "copy_gbps": 1.0, "optax_gbps": 0.5})
     saved = []
-    args = argparse.Namespace(tiny=True, adam_params=1000, warmup=1, rounds=2, batch=4, attention="auto")
+    args = argparse.Namespace(tiny=True, adam_params=1000, warmup=1, rounds=2, batch=4, attention="auto", no_remat=False)
     r = gpu.measure(args, lambda out: saved.append(sorted(k for k in ("training", "adam", "generate") if k in out)))
     assert "out of memory on the card" in r["errors"]["training"] and "training" not in r
     assert r["adam"]["parameters"] == 1000 and "generate" not in r  # generation needs the trained engine
