@@ -230,3 +230,12 @@ def test_model_attention_fused_trains_as_dense(name: str) -> None:
         got, got_grads = run(attention="fused")
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert_tree_close(to_numpy(got_grads), to_numpy(want_grads), rtol=1e-4, atol=1e-6, what=f"{name} gradients, fused")
+
+
+def test_fused_asks_for_cudnn_only_where_it_applies() -> None:
+    """JAX's dot_product_attention runs XLA's form unless cuDNN is asked for by name: 16-bit inputs on a
+    GPU with a head width cuDNN takes get it; everything else (this CPU, float32) XLA's."""
+    assert attention.cudnn_applies(jnp.bfloat16, 64, "gpu") and attention.cudnn_applies(jnp.float16, 128, "cuda")
+    assert not attention.cudnn_applies(jnp.float32, 64, "gpu") and not attention.cudnn_applies(jnp.bfloat16, 64, "cpu")
+    assert not attention.cudnn_applies(jnp.bfloat16, 256, "gpu") and not attention.cudnn_applies(jnp.bfloat16, 60, "gpu")
+    assert not attention.cudnn_applies(jnp.bfloat16, 64)  # this machine's backend

@@ -35,7 +35,7 @@ mask, as transformers' eager attention does.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -148,7 +148,21 @@ def fused(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None,
           scale: float | None = None) -> jax.Array:
     """`dense`'s result through `jax.nn.dot_product_attention` (cuDNN's flash attention where it applies)."""
     left = None if window is None else (int(window) - 1, 0)  # key j visible when i - j < window
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=left)
+    run = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=scale, is_causal=True, local_window_size=left)
+    if cudnn_applies(q.dtype, q.shape[-1]):
+        try:
+            return run(implementation="cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):  # this cuDNN refuses the shape: XLA's form
+            pass
+    return run(implementation="xla")
+
+
+def cudnn_applies(dtype: Any, head_dim: int, backend: str | None = None) -> bool:
+    """Whether to ask for cuDNN's kernel: a GPU, 16-bit inputs, a head width it takes (JAX's own
+    default is XLA's form everywhere)."""
+    backend = backend or jax.default_backend()
+    return backend in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and (
+        head_dim <= 128 and head_dim % 8 == 0)
 
 
 def expressible_fused(window: int | None, softcap: float | None) -> bool:
