@@ -264,3 +264,20 @@ def test_auto_takes_cudnn_where_it_applies_and_its_own_forms_where_cudnn_refuses
     asked.clear()
     attention.causal(q, k, v, "auto", block=8, softcap=2.0)  # what cuDNN cannot express is never sent
     assert asked == []
+
+
+def test_auto_keeps_the_plain_forms_under_a_tensor_axis(monkeypatch) -> None:
+    """The tensor-slice evaluator has no rule for cuDNN's call (it would gather every head), so under a
+    tensor axis `auto` does not ask for it."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    asked = []
+    monkeypatch.setattr(attention, "cudnn_applies", lambda dtype, head_dim, backend=None: True)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation, **k: asked.append(implementation))
+    q, k, v = qkv(16)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))
+    run = jax.shard_map(lambda *a: attention.causal(*a, "auto", block=8), mesh=mesh, in_specs=P(), out_specs=P(),
+                        check_vma=False)
+    np.testing.assert_allclose(run(q, k, v), attention.blockwise(q, k, v, 8), rtol=1e-6)
+    assert asked == []
+    attention.causal(q, k, v, "auto", block=8)  # no tensor axis: asked
+    assert asked == ["cudnn"]

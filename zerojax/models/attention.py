@@ -40,6 +40,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zerojax.core.mesh import tensor_axis
+
 MODES = ("auto", "dense", "blockwise", "fused")
 _MASKED = -1e30
 
@@ -183,13 +185,24 @@ def expressible_fused(window: int | None, softcap: float | None) -> bool:
     return softcap is None and not isinstance(window, jax.Array)
 
 
+def library_form(q: jax.Array, k: jax.Array, v: jax.Array, mode: str, window: int | None = None,
+                 scale: float | None = None, softcap: float | None = None) -> jax.Array | None:
+    """The attention from `jax.nn.dot_product_attention` where `mode` takes it here (`fused` always;
+    `auto` when cuDNN's kernel applies), else None. Under a tensor axis the slice evaluator has no rule
+    for cuDNN's call and would gather its heads, so `auto` keeps the plain forms there."""
+    if not expressible_fused(window, softcap):
+        return None
+    if mode == "fused":
+        return fused(q, k, v, window, scale)
+    return cudnn(q, k, v, window, scale) if mode == "auto" and tensor_axis() is None else None
+
+
 def causal(q: jax.Array, k: jax.Array, v: jax.Array, mode: str = "auto", block: int = 512,
            window: int | None = None, scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Causal grouped-query attention in the form `mode` picks for this length (q's whole sequence)."""
-    if mode in ("auto", "fused") and expressible_fused(window, softcap):
-        out = fused(q, k, v, window, scale) if mode == "fused" else cudnn(q, k, v, window, scale)
-        if out is not None:
-            return out
+    out = library_form(q, k, v, mode, window, scale, softcap)
+    if out is not None:
+        return out
     if uses_blockwise("auto" if mode == "fused" else mode, block, q.shape[1]):
         return blockwise(q, k, v, block, window, scale, softcap)
     return dense(q, k, v, window, scale, softcap)
