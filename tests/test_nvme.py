@@ -285,11 +285,14 @@ def test_param_nvme_run_equals_the_in_memory_stage3_run(tmp_path: Path, dtype: s
                                                                           rel=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> None:
-    """A plain loss (evaluated through gather-at-use) over a scanned stack: in a mixed-precision run the
-    stacked layer leaf is read from the files inside the step, layer by layer, and is no argument of the
-    compiled step; training equals the in-memory stage-3 run. fp32 keeps the read before the step."""
+@pytest.mark.parametrize("dtype, optimizer", [("bf16", None), ("fp32", None), ("bf16", "nvme"), ("fp32", "nvme")])
+def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str, optimizer: str | None) -> None:
+    """A plain loss (evaluated through gather-at-use) over a scanned stack: where the compiled program
+    only computes gradients of the stacked layer leaf (a mixed-precision run, or the optimizer on NVMe,
+    whose update runs on the host and reads an fp32 run's master copy from the parameters' files), the
+    leaf is read from the files inside the step, layer by layer, and is no argument of that program;
+    training equals the in-memory stage-3 run. fp32 with the optimizer on the device keeps the read
+    before the step (its update, in the same program, reads the parameters as its master copy)."""
     def run(cfg: zerojax.Config) -> tuple[zerojax.Engine, Any]:
         e = zerojax.initialize(cfg, params=mlp_params(0), loss_fn=mse_loss, mesh=data_mesh())
         memory = e._train_step.lower(e.state, make_batch(32, 0)).compile().memory_analysis()
@@ -297,19 +300,24 @@ def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> N
             e.train_batch(make_batch(32, i))
         return e, memory
 
-    plain, plain_memory = run(config(3, dtype, None))
-    swapped, memory = run(config(3, dtype, None, params=tmp_path))
+    opt = (lambda name: tmp_path / name) if optimizer == "nvme" else (lambda name: optimizer)  # noqa: E731
+    plain = run(config(3, dtype, None))[0]
+    _, plain_memory = run(config(3, dtype, opt("plain")))  # the same programs, parameters not on NVMe
+    swapped, memory = run(config(3, dtype, opt("swapped"), params=tmp_path / "params"))
     step = swapped._train_step
     paths = swapped.plan.leaf_paths
     assert swapped.state.params is None
     assert_tree_close(to_numpy(swapped.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
-    if dtype == "fp32":  # the parameters are the master copy the update reads: all arguments, as before
+    if optimizer is not None:
+        assert_tree_close(to_numpy(swapped.whole_state().opt_state), to_numpy(plain.state.opt_state), rtol=1e-6,
+                          atol=1e-10, what="opt_state")
+    if dtype == "fp32" and optimizer is None:  # the parameters are the master copy the update reads
         assert memory.argument_size_in_bytes == plain_memory.argument_size_in_bytes
         assert step.at_use == frozenset() and step.params.reads == 0
         return
     layers, w_shape = mlp_params(0)["layers"]["w"].shape[0], mlp_params(0)["layers"]["w"].shape
     devices, gas = len(jax.devices()), 2
-    shard_bytes = int(np.prod(w_shape)) // devices * 2  # bf16
+    shard_bytes = int(np.prod(w_shape)) // devices * {"bf16": 2, "fp32": 4}[dtype]
     assert plain_memory.argument_size_in_bytes - memory.argument_size_in_bytes == shard_bytes, (
         plain_memory.argument_size_in_bytes, memory.argument_size_in_bytes)
     w = paths.index("['layers']['w']")

@@ -219,6 +219,15 @@ class ParamFiles:
             self.last, self._stats = self._stats, AtUseStats()
         return self.last
 
+    def shard(self, leaf: int, device_id: int) -> np.ndarray:
+        """Device `device_id`'s whole block of leaf `leaf`, read outside the step (an fp32 update's master
+        copy of a leaf read at use: `core.nvme_step`); not counted as a read at use."""
+        r = self._by_device[(leaf, device_id)]
+        region = self.regions[r]
+        if r in self.held:
+            return self.held[r].reshape(region.shape)
+        return self.files.read_region(0, self._slot[r]).reshape(region.shape)
+
     def reader(self, leaf: int, mesh: jax.sharding.Mesh) -> Callable[[jax.Array, Any], jax.Array]:
         """`read(placeholder, layer)` for `ParamShard.read`, traced inside the step's `shard_map`: this
         device's block of `leaf` (layer `layer`, or whole for None) from the files. A custom VJP: the
