@@ -14,6 +14,11 @@ placement this process holds. A step is three parts:
 3. jitted on the devices: `step.finish_update`, the plain step's end (scaler, cast and gather into
    the parameter placement, counters, metrics).
 
+With the parameters on NVMe too (`core.param_swap`), the device part may read the stacked layer leaves
+at use from the parameters' files (`at_use`): both parts are handed None for them, and an fp32 run's
+update, whose master copy is the parameters, reads those leaves' shards from the parameters' files on
+the host (their update placement is their parameter placement).
+
 A step skipped for non-finite gradients reads and writes nothing. `full(state)` reads the files
 back into a whole `TrainState` (checkpoints save that, so a checkpoint does not depend on the
 files); `store(state)` writes a whole state out and returns the slim one, and the step accepts a

@@ -16,11 +16,20 @@ offload; between steps neither the devices nor host memory hold them (beyond `ma
 device).
 
 DeepSpeed goes further: during the forward and backward only the layers in use are resident. So does
-this tier for stacked layer leaves (`at_use`: a loss run through `rewrite.gather_at_use`, mixed
-precision, the optimizer not on NVMe): they are not read before the step but inside it, each device's
-block of layer i read from the files by a host callback (`reader`) in the scan's iteration i, forward
-and again in the rematerialised backward, then all-gathered as usual; the step's arguments carry only
-the other leaves.
+this tier for stacked layer leaves (`at_use`, `core.step.read_at_use`: a loss run through
+`rewrite.gather_at_use`, in a program that only computes their gradients - mixed precision, or the
+optimizer on NVMe): they are not read before the step but inside it, each device's block of layer i
+read from the files by a host callback (`reader`) in the scan's iteration i, forward and again in the
+rematerialised backward, then all-gathered as usual; the step's arguments carry only the other leaves.
+
+Like DeepSpeed's prefetch ahead of use (`PartitionedParameterCoordinator`, the swapper's async
+`swap_in`), the callback for layer i also starts, on the swap's I/O threads, the read of the layer its
+device will ask for next (i+1 in the forward, i-1 in the backward, learnt from the order of its reads)
+into one of the `buffer_count` pool buffers, so that read is usually done when it is asked for. At the
+step's end what was read ahead is dropped before the update's shards are written (`settle`), so no read
+made before a write-back is served after it. Read-ahead follows the plan's stage-3 prefetch
+(`overlap_comm`, `stage3_prefetch_bucket_size`); `last` counts a step's reads at use, how many were read
+ahead, the time the callbacks waited on the disk (the stall) and the time the reads took.
 """
 from __future__ import annotations
 

@@ -594,8 +594,8 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
         jax.tree.structure(shardings.params),
         [None if i in at_use else sh for i, sh in enumerate(jax.tree.leaves(shardings.params))]))
     jitted = jax.jit(step, in_shardings=(given, None), out_shardings=(shardings, None), donate_argnums=0)
-    # parameters on NVMe: read onto the devices before the step (the stacked layers inside it, at use),
-    # written back after it
+    # parameters on NVMe: read onto the devices before the step (the stacked layers of a mixed-precision run
+    # inside it, at use, read ahead), written back after it
     return jitted if plan.memory.param_swap is None else ParamSwapStep(plan, jitted, files, at_use)
 
 
