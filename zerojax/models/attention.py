@@ -11,7 +11,13 @@ backward pass keeps one query block's inputs per outer step and recomputes the t
 in T, and the longest sequence grows about linearly with the sequence axis, as DeepSpeed's ALST has
 it with flash attention.
 
-Both are written with plain `lax` primitives (einsums, elementwise ops, scans, checkpoints), so the
+`fused` hands the attention to `jax.nn.dot_product_attention`, which takes cuDNN's flash attention on
+a GPU when the dtype (bf16, fp16) and head width allow, and XLA's dense form elsewhere. cuDNN's kernel
+never writes the score matrix to memory, so on a GPU it is both the fast and the small form; on a CPU
+it is `dense`. It cannot express Gemma's soft-capping or a window that changes per layer (a traced
+scalar): those run the form `auto` picks.
+
+`dense` and `blockwise` are written with plain `lax` primitives (einsums, elementwise ops, scans, checkpoints), so the
 tensor-parallel evaluator (zerojax.rewrite.tensor_slices) runs them on a tensor slice's heads and
 Ulysses (zerojax.models.ulysses) wraps either as its `attend`.
 
@@ -29,12 +35,12 @@ mask, as transformers' eager attention does.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-MODES = ("auto", "dense", "blockwise")
+MODES = ("auto", "dense", "blockwise", "fused")
 _MASKED = -1e30
 
 
@@ -138,10 +144,38 @@ def uses_blockwise(mode: str, block: int, t: int) -> bool:
     return mode == "blockwise" or (mode == "auto" and t > block)
 
 
+def fused(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None,
+          scale: float | None = None) -> jax.Array:
+    """`dense`'s result through `jax.nn.dot_product_attention` (cuDNN's flash attention where it applies)."""
+    left = None if window is None else (int(window) - 1, 0)  # key j visible when i - j < window
+    run = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=scale, is_causal=True, local_window_size=left)
+    if cudnn_applies(q.dtype, q.shape[-1]):
+        try:
+            return run(implementation="cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):  # this cuDNN refuses the shape: XLA's form
+            pass
+    return run(implementation="xla")
+
+
+def cudnn_applies(dtype: Any, head_dim: int, backend: str | None = None) -> bool:
+    """Whether to ask for cuDNN's kernel: a GPU, 16-bit inputs, a head width it takes (JAX's own
+    default is XLA's form everywhere)."""
+    backend = backend or jax.default_backend()
+    return backend in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and (
+        head_dim <= 128 and head_dim % 8 == 0)
+
+
+def expressible_fused(window: int | None, softcap: float | None) -> bool:
+    """Whether `fused` computes this attention: no soft-capping, and a window fixed at trace time."""
+    return softcap is None and not isinstance(window, jax.Array)
+
+
 def causal(q: jax.Array, k: jax.Array, v: jax.Array, mode: str = "auto", block: int = 512,
            window: int | None = None, scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Causal grouped-query attention in the form `mode` picks for this length (q's whole sequence)."""
-    if uses_blockwise(mode, block, q.shape[1]):
+    if mode == "fused" and expressible_fused(window, softcap):
+        return fused(q, k, v, window, scale)
+    if uses_blockwise("auto" if mode == "fused" else mode, block, q.shape[1]):
         return blockwise(q, k, v, block, window, scale, softcap)
     return dense(q, k, v, window, scale, softcap)
 

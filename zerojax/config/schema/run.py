@@ -58,8 +58,10 @@ class ModelConfig:
                                     "of queries and keys, rematerialized in the backward pass (memory linear in T, "
                                     "the same arithmetic), for long rows and Ulysses sequence parallelism; see "
                                     "docs/sequence_parallel.md. auto: blockwise when the attended sequence is longer "
-                                    "than model.attention_block, else dense.",
-                            choices=("auto", "dense", "blockwise"))
+                                    "than model.attention_block, else dense. fused: jax.nn.dot_product_attention, cuDNN's "
+                                    "flash attention on a GPU (bf16/fp16), XLA's dense form elsewhere; a soft-capped "
+                                    "or per-layer-windowed attention (Gemma) runs as auto.",
+                            choices=("auto", "dense", "blockwise", "fused"))
     attention_block: int = option(512, "Tokens per query and key tile of the blockwise attention (a length it "
                                        "does not divide is padded); with model.attention: auto, the longest "
                                        "sequence attended densely.", gt=0)
