@@ -128,7 +128,8 @@ class ParamFiles:
         per = region.size // region.shape[0]
         start, stop = (0, region.size) if layer < 0 else (layer * per, (layer + 1) * per)
         shape = region.shape if layer < 0 else region.shape[1:]
-        self.reads += 1
+        with self._lock:  # the devices' callbacks run on their own threads
+            self.reads += 1
         if r in self.held:
             return self.held[r][start:stop].reshape(shape)
         if layer < 0:
