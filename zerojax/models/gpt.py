@@ -53,8 +53,11 @@ class Block(nnx.Module):
         h = self.n_heads
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
         q, k, v = (y.reshape(b, t, h, d // h) for y in (q, k, v))
-        if self.attention_mode == "fused":
-            att = causal_attention.fused(q, k, v).reshape(b, t, d)
+        att = causal_attention.cudnn(q, k, v) if self.attention_mode in ("auto", "fused") else None
+        if att is None and self.attention_mode == "fused":
+            att = causal_attention.fused(q, k, v)
+        if att is not None:
+            att = att.reshape(b, t, d)
         elif causal_attention.uses_blockwise(self.attention_mode, self.attention_block, t):
             att = causal_attention.blockwise(q, k, v, self.attention_block).reshape(b, t, d)
         else:
