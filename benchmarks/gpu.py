@@ -18,13 +18,16 @@ Everything runs on one device, measured side by side in one process:
   device's dense bf16 peak (its data sheet when the card is known, else a measured large matmul).
 * The fused Adam update (Pallas, Triton on a GPU, interpret mode elsewhere) against a donated
   read+write copy of the same parameters: achieved GB/s of 28 bytes per parameter (read p, g, m, v;
-  write p, m, v) over the copy's GB/s of 8 bytes per parameter (`benchmarks.kernels.measure_size`).
+  write p, m, v) over the copy's GB/s of 8 bytes per parameter (`benchmarks.kernels.measure_size`),
+  and over one donated array of the same 28 bytes per parameter copied whole (the card's copy ceiling).
 * Generation. `engine.generate` of the stage-3 engine, greedy, at batch 1 and `--batch`: new tokens/s
   over the median call, against the bound of reading every weight (bf16) and the KV cache written so
-  far once per new token at the copy's measured bandwidth (and at the card's nominal one when known).
+  far once per new token at the one-array copy's measured bandwidth (and at the card's nominal one when known).
 
-`--json PATH` writes every number; on a GPU the Markdown table also goes into the section between the
-`gpu` markers of docs/benchmarks.md (`--no-write`: print only).
+`--json PATH` writes every number, after each section (a run cut short keeps what it measured; a
+section that fails leaves its traceback there and the others still run); on a GPU the Markdown table
+also goes into the section between the `gpu` markers of docs/benchmarks.md (`--no-write`: print only;
+`--from-json PATH`: render a run brought back from a GPU machine).
 """
 from __future__ import annotations
 
@@ -63,9 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=10, help="timed steps (and generate calls) per variant")
     ap.add_argument("--batch", type=int, default=64, help="the larger generate batch (the other is 1)")
     ap.add_argument("--adam-params", type=float, default=None, help="parameters of the Adam row (default 1e9; tiny 1e5)")
+    ap.add_argument("--no-remat", action="store_true", help="keep activations instead of recomputing each layer")
+    ap.add_argument("--attention", default="auto", help="model.attention of both steps (fused: cuDNN's flash attention)")
     ap.add_argument("--json", default=None, help="write every number here")
     ap.add_argument("--out", default=os.path.join(DOCS, "benchmarks.md"), help="the docs page (GPU runs)")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--from-json", default=None, help="render a saved run's numbers (and write its table) instead of measuring")
     return ap.parse_args(argv)
 
 
@@ -96,7 +102,7 @@ def measured_peak(side: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # Training.
 
-def config_for(size: tuple, stage: int) -> Any:
+def config_for(size: tuple, stage: int, attention: str = "auto", remat: bool = True) -> Any:
     import zerojax
     d, layers, heads, kv, ff, vocab, seq, micro, prompt, new, _ = size
     return zerojax.load_config({
@@ -105,7 +111,8 @@ def config_for(size: tuple, stage: int) -> Any:
         "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
         "hybrid_engine": {"max_out_tokens": prompt + new},
         "model": {"name": "llama", "vocab_size": vocab, "seq_len": seq, "d_model": d, "n_layers": layers,
-                  "n_heads": heads, "n_kv_heads": kv, "d_ff": ff, "tie_embeddings": False, "remat": True}})
+                  "n_heads": heads, "n_kv_heads": kv, "d_ff": ff, "tie_embeddings": False, "remat": remat,
+                  "attention": attention}})
 
 
 def baseline_step(config: Any) -> tuple[Any, Callable[[Any, Any], tuple[Any, Any]]]:
@@ -143,7 +150,7 @@ def measure_training(size: tuple, args: argparse.Namespace, device: Any) -> tupl
     d, layers, heads, kv, ff, vocab, seq, micro, *_ = size
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, vocab, (micro, seq + 1), dtype=np.int32)} for _ in range(4)]
-    config = config_for(size, 0)
+    config = config_for(size, 0, args.attention, not args.no_remat)
     state, step = baseline_step(config)
     box = {"base": state, "i": 0}
     base_first = None
@@ -157,7 +164,7 @@ def measure_training(size: tuple, args: argparse.Namespace, device: Any) -> tupl
     rows: dict[str, Any] = {}
     engine = None
     for stage in (0, 3):
-        config = config_for(size, stage)
+        config = config_for(size, stage, args.attention, not args.no_remat)
         mesh = make_mesh(config, devices=[device])
         engine = None  # the previous stage's state is freed before this one is built
         engine = build_engine(config, mesh, build_model(config, mesh))
@@ -186,7 +193,26 @@ def measure_adam(n: int, args: argparse.Namespace, device: Any) -> dict[str, Any
     t = row["times"]
     return {"backend": backend, "parameters": n, "fused_s": t["fused"], "copy_s": t["copy"], "optax_s": t["optax"],
             "fused_gbps": kernels.IDEAL * n / t["fused"] / 1e9, "copy_gbps": 8 * n / t["copy"] / 1e9,
-            "optax_gbps": kernels.IDEAL * n / t["optax"] / 1e9}
+            "optax_gbps": kernels.IDEAL * n / t["optax"] / 1e9, "one_copy_gbps": one_copy_gbps(n, args)}
+
+
+def one_copy_gbps(n: int, args: argparse.Namespace) -> float:
+    """Read+write GB/s of one donated float32 array of Adam's bytes (28 per parameter: 14 read, 14
+    written): the device's copy ceiling, free of the per-leaf launches of the 24-leaf copy beside it."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks.kernels import time_interleaved
+    elements = n * 28 // 8
+    box = {"x": jnp.ones((elements,), jnp.float32)}
+    copy = jax.jit(lambda x: x * 1.0000001, donate_argnums=0)
+
+    def run() -> Any:
+        box["x"] = copy(box["x"])
+        return box["x"]
+
+    seconds = time_interleaved({"copy": run}, args.warmup, args.rounds)["copy"]
+    box.clear()
+    return 8 * elements / seconds / 1e9
 
 
 def measure_generate(engine: Any, size: tuple, args: argparse.Namespace, copy_bw: float,
@@ -217,14 +243,19 @@ def measure_generate(engine: Any, size: tuple, args: argparse.Namespace, copy_bw
 # ---------------------------------------------------------------------------------------------
 # The command.
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] = lambda r: None) -> dict[str, Any]:
+    """Every number, section by section; `save` gets the result after each one, so a run cut short (a
+    lease that ends, a card that runs out of memory) still leaves what it measured, and a section that
+    fails leaves its traceback under "errors" while the others run."""
+    import traceback
     import jax
     device = jax.devices()[0]
     tiny = args.tiny or device.platform != "gpu"
     size = SIZES["tiny" if tiny else "1b"]
     peak, hbm = card(device)
     out: dict[str, Any] = {"device": getattr(device, "device_kind", device.platform), "platform": device.platform,
-                           "size": "tiny" if tiny else "1b"}
+                           "size": "tiny" if tiny else "1b", "jax": jax.__version__, "attention": args.attention, "remat": not args.no_remat,
+                           "errors": {}}
     if peak is None:
         peak = measured_peak(512 if tiny else 8192)
         out["peak_source"] = "measured bf16 matmul"
@@ -232,57 +263,96 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         out["peak_source"] = "data sheet"
     out["peak_flops"], out["nominal_hbm"] = peak, hbm
     t0 = time.perf_counter()
-    out["training"], engine = measure_training(size, args, device)
-    for row in out["training"]["stages"].values():
-        row["tokens_per_s"] = out["training"]["tokens_per_step"] / row["step_s"]
-        row["baseline_tokens_per_s"] = out["training"]["tokens_per_step"] / row["baseline_step_s"]
-        row["ratio"] = row["baseline_step_s"] / row["step_s"]
-        row["mfu"] = out["training"]["flops_per_step"] / row["step_s"] / peak
-        row["baseline_mfu"] = out["training"]["flops_per_step"] / row["baseline_step_s"] / peak
-    out["adam"] = measure_adam(int(args.adam_params or size[-1]), args, device)
-    out["generate"] = measure_generate(engine, size, args, out["adam"]["copy_gbps"] * 1e9, hbm)
-    out["seconds"] = time.perf_counter() - t0
+    engine = None
+
+    def training() -> None:
+        nonlocal engine
+        out["training"], engine = measure_training(size, args, device)
+        for row in out["training"]["stages"].values():
+            row["tokens_per_s"] = out["training"]["tokens_per_step"] / row["step_s"]
+            row["baseline_tokens_per_s"] = out["training"]["tokens_per_step"] / row["baseline_step_s"]
+            row["ratio"] = row["baseline_step_s"] / row["step_s"]
+            row["mfu"] = out["training"]["flops_per_step"] / row["step_s"] / peak
+            row["baseline_mfu"] = out["training"]["flops_per_step"] / row["baseline_step_s"] / peak
+
+    def adam() -> None:
+        out["adam"] = measure_adam(int(args.adam_params or size[-1]), args, device)
+
+    def generate() -> None:
+        copy = out["adam"].get("one_copy_gbps", out["adam"]["copy_gbps"]) * 1e9 if "adam" in out else hbm
+        out["generate"] = measure_generate(engine, size, args, copy, hbm)
+
+    for name, section in (("training", training), ("adam", adam), ("generate", generate)):
+        if name == "generate" and engine is None:
+            continue
+        try:
+            section()
+        except Exception:  # noqa: BLE001 - recorded, and the next section still runs
+            out["errors"][name] = traceback.format_exc()
+            print(out["errors"][name], file=sys.stderr)
+        out["seconds"] = time.perf_counter() - t0
+        save(out)
     return out
 
 
 def render(r: dict[str, Any]) -> str:
-    t = r["training"]
-    lines = [BEGIN, f"### On a GPU: {r['device']} ({r['size']} model, `python -m benchmarks.gpu`)", "",
-             f"Training: {t['params']:,} parameters, {t['tokens_per_step']:,} tokens per step, bf16 over fp32 "
-             f"masters, AdamW; peak {r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak_source']}).", "",
-             "| layout | tokens/s | MFU | baseline tokens/s | baseline MFU | zerojax / baseline | first loss (zerojax, baseline) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    for name, row in t["stages"].items():
-        lines.append(f"| ZeRO {name} | {row['tokens_per_s']:,.0f} | {row['mfu']:.1%} | {row['baseline_tokens_per_s']:,.0f} "
-                     f"| {row['baseline_mfu']:.1%} | {row['ratio']:.3f} | {row['first_loss']:.4f}, "
-                     f"{row['baseline_first_loss']:.4f} |")
-    a = r["adam"]
-    lines += ["", f"Fused Adam ({a['backend']}), {a['parameters']:.3g} parameters: {a['fused_gbps']:.0f} GB/s against a "
+    lines = [BEGIN, f"### On a GPU: {r['device']} ({r['size']} model, `python -m benchmarks.gpu`, jax {r.get('jax', '?')})", ""]
+    t = r.get("training")
+    if t:
+        lines += [f"Training: {t['params']:,} parameters, {t['tokens_per_step']:,} tokens per step, bf16 over fp32 "
+                  f"masters, AdamW, model.attention {r.get('attention', 'auto')}, "
+                  f"remat {'on' if r.get('remat', True) else 'off'}; peak {r['peak_flops'] / 1e12:.3g} TFLOP/s "
+                  f"({r['peak_source']}).", "",
+                  "| layout | tokens/s | MFU | baseline tokens/s | baseline MFU | zerojax / baseline | first loss (zerojax, baseline) |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for name, row in t["stages"].items():
+            lines.append(f"| ZeRO {name} | {row['tokens_per_s']:,.0f} | {row['mfu']:.1%} | {row['baseline_tokens_per_s']:,.0f} "
+                         f"| {row['baseline_mfu']:.1%} | {row['ratio']:.3f} | {row['first_loss']:.4f}, "
+                         f"{row['baseline_first_loss']:.4f} |")
+        lines.append("")
+    a = r.get("adam")
+    if a:
+        lines += [f"Fused Adam ({a['backend']}), {a['parameters']:.3g} parameters: {a['fused_gbps']:.0f} GB/s against a "
                   f"read+write copy's {a['copy_gbps']:.0f} GB/s ({a['fused_gbps'] / a['copy_gbps']:.0%}); optax.adamw under "
-                  f"jit {a['optax_gbps']:.0f} GB/s.", "",
-              "| generate batch | prompt + new | tokens/s | bound at the copy's bandwidth | share of bound |"
-              + (" nominal bound |" if r["nominal_hbm"] else ""),
-              "|---:|---|---:|---:|---:|" + ("---:|" if r["nominal_hbm"] else "")]
-    for g in r["generate"]:
-        lines.append(f"| {g['batch']} | {g['prompt']} + {g['new']} | {g['tokens_per_s']:,.0f} | "
-                     f"{g['bound_tokens_per_s']:,.0f} | {g['tokens_per_s'] / g['bound_tokens_per_s']:.0%} |"
-                     + (f" {g['nominal_bound_tokens_per_s']:,.0f} |" if r["nominal_hbm"] else ""))
-    lines += ["", f"Measured in {r['seconds']:.0f} s.", END]
+                  f"jit {a['optax_gbps']:.0f} GB/s."
+                  + (f" One array of the same bytes copies at {a['one_copy_gbps']:.0f} GB/s: fused "
+                     f"{a['fused_gbps'] / a['one_copy_gbps']:.0%} of it, optax {a['optax_gbps'] / a['one_copy_gbps']:.0%}."
+                     if a.get("one_copy_gbps") else ""), ""]
+    if r.get("generate"):
+        bound = "the one-array copy's bandwidth" if a else "the card's nominal bandwidth"
+        lines += ["| generate batch | prompt + new | tokens/s | bound at " + bound + " | share of bound |"
+                  + (" nominal bound |" if r["nominal_hbm"] else ""),
+                  "|---:|---|---:|---:|---:|" + ("---:|" if r["nominal_hbm"] else "")]
+        for g in r["generate"]:
+            lines.append(f"| {g['batch']} | {g['prompt']} + {g['new']} | {g['tokens_per_s']:,.0f} | "
+                         f"{g['bound_tokens_per_s']:,.0f} | {g['tokens_per_s'] / g['bound_tokens_per_s']:.0%} |"
+                         + (f" {g['nominal_bound_tokens_per_s']:,.0f} |" if r["nominal_hbm"] else ""))
+        lines.append("")
+    for name in r.get("errors", {}):
+        lines.append(f"Not measured: {name} failed ({r['errors'][name].strip().splitlines()[-1]}).")
+    lines += [f"Measured in {r.get('seconds', 0):.0f} s.", END]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = measure(args)
+
+    def save(result: dict[str, Any]) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    if args.from_json:  # a GPU run's numbers, brought back: render them here
+        with open(args.from_json) as f:
+            result = json.load(f)
+    else:
+        result = measure(args, save)
     text = render(result)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
     if result["platform"] == "gpu" and not args.no_write:
         write_section(args.out, text, BEGIN, END)
         print(f"wrote the gpu section of {args.out}", file=sys.stderr)
-    return 0
+    return 1 if result.get("errors") else 0
 
 
 if __name__ == "__main__":

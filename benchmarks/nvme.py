@@ -13,13 +13,19 @@ configuration, each in its own process (so each peak is its own):
 * `nvme, pipelined`: the same with `pipeline_read` and `pipeline_write`;
 * `nvme + params`: the pipelined NVMe optimizer and `offload_param.device: nvme` (`buffer_size`
   `sub_group_size`, `buffer_count` as above, `max_in_cpu: 0`): the parameters' shards in files between
-  steps, read onto the devices before each step and written back after it.
+  steps; the stacked `w` read at use inside the step (each layer's read starting the next one's), the
+  other leaves read onto the devices before each step, all written back after it;
+* `nvme + params, no read-ahead`: the same with `overlap_comm: false` (no stage-3 prefetch), so each
+  layer's block is read when its layer asks for it.
 
 Per configuration: the process's resident set (RSS, /proc/self/statm) between steps and its peak
 while `--rounds` steps run (a thread samples it every millisecond; freed heap is returned to the system
 with `malloc_trim` first, in every run alike), the step time, and for NVMe the
 host update's time (`stall_s`: the devices wait for it) with the part of it spent waiting on reads
-and writes (and, with parameters on NVMe, the time the step spends reading and writing them). The disk under `--nvme-path` is measured first: a file of the optimizer state's size
+and writes (and, with parameters on NVMe, the time the step spends reading and writing them, and for
+the layers read at use the time the step's callbacks waited on the disk - the stall - against the
+time the reads took; before each timed step the parameters' files are written out and dropped from the
+page cache, so their reads come from the disk). The disk under `--nvme-path` is measured first: a file of the optimizer state's size
 written in tiles with `pwritev` + `fsync`, evicted from the page cache (`posix_fadvise DONTNEED`) and
 read back with `preadv`, with the same thread count. On CPU, device memory is host memory too, so
 every configuration's RSS holds the parameters, gradients and activations; what the NVMe tier
@@ -47,7 +53,7 @@ BEGIN, END = "<!-- nvme -->", "<!-- /nvme -->"
 MiB = 2 ** 20
 
 CONFIGS = {"in memory": "none", "cpu offload": "cpu", "nvme": "nvme", "nvme, pipelined": "nvme pipelined",
-           "nvme + params": "nvme params pipelined"}
+           "nvme + params": "nvme params pipelined", "nvme + params, no read-ahead": "nvme params noahead pipelined"}
 
 _CHILD = r"""
 import gc, json, os, sys, threading, time
@@ -79,6 +85,8 @@ elif a["mode"].startswith("nvme"):
     if "params" in a["mode"]:
         zero["offload_param"] = {"device": "nvme", "nvme_path": a["path"], "buffer_count": a["buffers"],
                                  "buffer_size": a["tile"], "max_in_cpu": 0}
+    if "noahead" in a["mode"]:  # the stacked layers read at use, each read when its layer asks for it
+        zero["overlap_comm"] = False
 cfg = zerojax.load_config({"train_batch_size": 64, "bf16": {"enabled": True}, "zero_optimization": zero,
                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "kernels": "xla",
                            "aio": {"thread_count": a["threads"]}})
@@ -102,8 +110,14 @@ def sample():
         time.sleep(0.001)
 t = threading.Thread(target=sample, daemon=True)
 t.start()
-times, stalls, rw, ww, pin, pout = [], [], [], [], [], []
+times, stalls, rw, ww, pin, pout, at = [], [], [], [], [], [], []
+def evict():  # the parameters' files out of the page cache (written first): read from the disk
+    files = getattr(e._train_step, "files", None) if hasattr(e._train_step, "inner") else None
+    for fd in ([] if files is None else files._fds):
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 for _ in range(a["rounds"]):
+    evict()
     t0 = time.perf_counter()
     jax.block_until_ready(e.train_batch(batch))
     times.append(time.perf_counter() - t0)
@@ -111,6 +125,7 @@ for _ in range(a["rounds"]):
     if hasattr(step, "inner"):  # parameters on NVMe around the optimizer's NVMe step
         pin.append(step.params.load_s)
         pout.append(step.params.store_s)
+        at.append(step.params.last)
         step = step.inner
     if hasattr(step, "files"):
         stalls.append(step.stall_s)
@@ -129,6 +144,12 @@ if pin:
     out.update(param_in=float(np.median(pin)), param_out=float(np.median(pout)), moved=out["moved"] + pf.file_bytes,
                buffer_bytes=out["buffer_bytes"] + pf.buffer_bytes, file_bytes=out["file_bytes"] + pf.file_bytes,
                param_file_bytes=pf.file_bytes)
+    if at[-1].reads:  # the stacked layers read at use, inside the step
+        blocks = e._train_step.params
+        per = int(np.prod(e.plan.abstract_params["w"].shape[1:])) // 8 * 2  # one layer's bf16 block, per device
+        out.update(at_reads=at[-1].reads, at_ahead=at[-1].ahead, at_bytes=at[-1].reads * per,
+                   at_wait=float(np.median([s.wait_s for s in at])), at_read=float(np.median([s.read_s for s in at])),
+                   read_ahead=blocks.read_ahead)
 print("NVME " + json.dumps(out), flush=True)
 """
 
@@ -217,9 +238,26 @@ def render(args: argparse.Namespace, res: dict, seconds: float) -> str:
     lines += ["",
               f"With the parameters on NVMe too, the arrays held between steps are {(base['live'] - both['live']) / MiB:,.1f} "
               f"MiB less than in memory ({both['param_file_bytes'] / MiB:.1f} MiB of bf16 parameters in their own "
-              f"files); each step reads them onto the devices first and writes them back after the update "
-              f"(`parameters read / written`: {both['param_in']:.2f} s and {both['param_out']:.2f} s of its "
-              f"{both['step']:.2f} s step). During the step the devices hold the parameters, as in memory.",
+              f"files). The stacked layers (`w`) are read at use, inside the step; the other leaves are read onto the "
+              f"devices before it, and every shard is written back after the update (`parameters read / written`: "
+              f"{both['param_in']:.2f} s and {both['param_out']:.2f} s of its {both['step']:.2f} s step).",
+              "",
+              "Reads at use, per step (the last step's counts; times are medians): the step's stall is the time its "
+              "callbacks waited on the disk, against the time the reads took and the measured read bandwidth's floor "
+              "for the same bytes.",
+              "",
+              "| run | blocks read | of them read ahead | MiB read | read time s | callbacks waited (stall) s "
+              "| disk floor at the measured read bandwidth s |",
+              "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if "at_reads" in r:
+            lines.append(f"| {name} | {r['at_reads']} | {r['at_ahead']} | {r['at_bytes'] / MiB:.1f} | "
+                         f"{r['at_read']:.3f} | {r['at_wait']:.3f} | {r['at_bytes'] / res['read_bw']:.3f} |")
+    lines += ["",
+              "`no read-ahead`: the same run with the plan's stage-3 prefetch off (`overlap_comm: false`), so each "
+              "layer's callback reads its block when the layer asks for it. With read-ahead a callback waits only "
+              "for a read that is not yet done (a device's first read of the step, or one that found no free pool "
+              "buffer: `buffer_count` buffers are shared by the 8 devices).",
               "",
               f"Between steps the pipelined NVMe run's arrays hold {(base['live'] - nv['live']) / MiB:,.1f} MiB less "
               f"than the in-memory run's (the optimizer state is {res['opt_bytes'] / MiB:.0f} MiB); its host "

@@ -28,7 +28,8 @@ PARAM_TILE, PARAM_BUFFERS = 32, 4  # offload_param's buffer_size (elements) and 
 
 def config(stage: int, dtype: str, nvme: Path | str | None, *, buffers: int = 8, pipeline: bool = True,
            optimizer: dict | None = None, threads: int = 2, params: Path | None = None,
-           max_in_cpu: int = 0) -> zerojax.Config:
+           max_in_cpu: int = 0, param_tile: int = PARAM_TILE, param_buffers: int = PARAM_BUFFERS,
+           **more: Any) -> zerojax.Config:
     """`nvme`: the optimizer state's folder ("cpu": host memory instead); `params`: the parameters'."""
     zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": TILE}
     extra: dict[str, Any] = {}
@@ -39,8 +40,9 @@ def config(stage: int, dtype: str, nvme: Path | str | None, *, buffers: int = 8,
                                      "pipeline_read": pipeline, "pipeline_write": pipeline}
         extra["aio"] = {"thread_count": threads}
     if params is not None:
-        zero["offload_param"] = {"device": "nvme", "nvme_path": str(params), "buffer_count": PARAM_BUFFERS,
-                                 "buffer_size": PARAM_TILE, "max_in_cpu": max_in_cpu}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": str(params), "buffer_count": param_buffers,
+                                 "buffer_size": param_tile, "max_in_cpu": max_in_cpu}
+    zero.update(more)
     return make_config(stage, dtype=dtype, gas=2, optimizer=optimizer, zero_optimization=zero, kernels="xla",
                        **extra)
 
@@ -283,11 +285,14 @@ def test_param_nvme_run_equals_the_in_memory_stage3_run(tmp_path: Path, dtype: s
                                                                           rel=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> None:
-    """A plain loss (evaluated through gather-at-use) over a scanned stack: in a mixed-precision run the
-    stacked layer leaf is read from the files inside the step, layer by layer, and is no argument of the
-    compiled step; training equals the in-memory stage-3 run. fp32 keeps the read before the step."""
+@pytest.mark.parametrize("dtype, optimizer", [("bf16", None), ("fp32", None), ("bf16", "nvme"), ("fp32", "nvme")])
+def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str, optimizer: str | None) -> None:
+    """A plain loss (evaluated through gather-at-use) over a scanned stack: where the compiled program
+    only computes gradients of the stacked layer leaf (a mixed-precision run, or the optimizer on NVMe,
+    whose update runs on the host and reads an fp32 run's master copy from the parameters' files), the
+    leaf is read from the files inside the step, layer by layer, and is no argument of that program;
+    training equals the in-memory stage-3 run. fp32 with the optimizer on the device keeps the read
+    before the step (its update, in the same program, reads the parameters as its master copy)."""
     def run(cfg: zerojax.Config) -> tuple[zerojax.Engine, Any]:
         e = zerojax.initialize(cfg, params=mlp_params(0), loss_fn=mse_loss, mesh=data_mesh())
         memory = e._train_step.lower(e.state, make_batch(32, 0)).compile().memory_analysis()
@@ -295,19 +300,24 @@ def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> N
             e.train_batch(make_batch(32, i))
         return e, memory
 
-    plain, plain_memory = run(config(3, dtype, None))
-    swapped, memory = run(config(3, dtype, None, params=tmp_path))
+    opt = (lambda name: tmp_path / name) if optimizer == "nvme" else (lambda name: optimizer)  # noqa: E731
+    plain = run(config(3, dtype, None))[0]
+    _, plain_memory = run(config(3, dtype, opt("plain")))  # the same programs, parameters not on NVMe
+    swapped, memory = run(config(3, dtype, opt("swapped"), params=tmp_path / "params"))
     step = swapped._train_step
     paths = swapped.plan.leaf_paths
     assert swapped.state.params is None
     assert_tree_close(to_numpy(swapped.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
-    if dtype == "fp32":  # the parameters are the master copy the update reads: all arguments, as before
+    if optimizer is not None:
+        assert_tree_close(to_numpy(swapped.whole_state().opt_state), to_numpy(plain.state.opt_state), rtol=1e-6,
+                          atol=1e-10, what="opt_state")
+    if dtype == "fp32" and optimizer is None:  # the parameters are the master copy the update reads
         assert memory.argument_size_in_bytes == plain_memory.argument_size_in_bytes
         assert step.at_use == frozenset() and step.params.reads == 0
         return
     layers, w_shape = mlp_params(0)["layers"]["w"].shape[0], mlp_params(0)["layers"]["w"].shape
     devices, gas = len(jax.devices()), 2
-    shard_bytes = int(np.prod(w_shape)) // devices * 2  # bf16
+    shard_bytes = int(np.prod(w_shape)) // devices * {"bf16": 2, "fp32": 4}[dtype]
     assert plain_memory.argument_size_in_bytes - memory.argument_size_in_bytes == shard_bytes, (
         plain_memory.argument_size_in_bytes, memory.argument_size_in_bytes)
     w = paths.index("['layers']['w']")
@@ -315,6 +325,58 @@ def test_param_nvme_reads_stacked_layers_at_use(tmp_path: Path, dtype: str) -> N
     # each device reads its block of each layer in every micro-batch's forward pass and again in the
     # backward (the gather's custom VJP keeps the placeholder, not the layer read)
     assert step.params.reads == 2 * STEPS * gas * layers * devices
+
+
+def test_param_nvme_reads_the_next_layer_ahead(tmp_path: Path) -> None:
+    """With read-ahead (the plan's stage-3 prefetch, on by default), the callback reading layer i of the
+    stack starts the read of the layer its device asks for next (i+1 in the forward, i-1 in the backward,
+    each end again where the pass turns) before it returns, into the pool's buffers; the next callback
+    finds it read. Training equals the in-memory stage-3 run and the run without read-ahead, bit for bit
+    (step boundaries drop what was read ahead: nothing read before a write-back is served after it)."""
+    def run(cfg: zerojax.Config, log: list | None = None) -> zerojax.Engine:
+        e = zerojax.initialize(cfg, params=mlp_params(0), loss_fn=mse_loss, mesh=data_mesh())
+        files = getattr(e._train_step, "params", None)
+        if log is not None:
+            read, fetch = files.read_block, files._fetch
+
+            def logged_read(leaf: int, device: int, layer: int) -> np.ndarray:
+                log.append(("read", (leaf, device), layer))
+                out = read(leaf, device, layer)
+                log.append(("returned", (leaf, device), layer))
+                return out
+
+            def logged_fetch(key: tuple[int, int], layer: int, stale: Any) -> None:
+                log.append(("ahead", key, layer))
+                fetch(key, layer, stale)
+            files.read_block, files._fetch = logged_read, logged_fetch
+        for i in range(STEPS):
+            e.train_batch(make_batch(32, i))
+        return e
+
+    layers, devices, gas = mlp_params(0)["layers"]["w"].shape[0], len(jax.devices()), 2
+    block = mlp_params(0)["layers"]["w"][0].size // devices
+    roomy = dict(param_tile=block, param_buffers=2 * devices)  # each device: the block in use and the next
+    log: list[tuple[str, tuple[int, int], int]] = []
+    plain = run(config(3, "bf16", None))
+    ahead = run(config(3, "bf16", None, params=tmp_path / "a", **roomy), log)
+    synchronous = run(config(3, "bf16", None, params=tmp_path / "b", overlap_comm=False, **roomy))
+    assert_tree_close(to_numpy(ahead.params), to_numpy(plain.params), rtol=1e-6, atol=1e-8, what="params")
+    assert_tree_close(to_numpy(ahead.params), to_numpy(synchronous.params), rtol=0, atol=0, what="params")
+    files = ahead._train_step.params
+    assert files.read_ahead and not synchronous._train_step.params.read_ahead
+    # per (leaf, device): every read issued the read of the layer asked for next before it returned
+    for key in {k for _, k, _ in log}:
+        mine = [(what, layer) for what, k, layer in log if k == key]
+        calls = [layer for what, layer in mine if what == "read"]
+        issued = [layer for what, layer in mine if what == "ahead"]
+        assert [what for what, _ in mine] == ["read", "ahead", "returned"] * len(calls), mine[:6]
+        assert len(calls) == 2 * STEPS * gas * layers
+        assert issued[:-1] == calls[1:], (calls[:12], issued[:12])
+    # the last step: each device's first read waited on the disk, all others had been read ahead
+    reads = 2 * gas * layers * devices
+    assert files.last.reads == reads and files.last.ahead == reads - devices, files.last
+    assert synchronous._train_step.params.last.ahead == 0 and synchronous._train_step.params.last.reads == reads
+    assert files.last.read_s > 0 and files._ahead == {} and len(files._free) == 2 * devices
 
 
 def test_param_nvme_refusals_name_the_key(tmp_path: Path) -> None:

@@ -14,6 +14,11 @@ placement this process holds. A step is three parts:
 3. jitted on the devices: `step.finish_update`, the plain step's end (scaler, cast and gather into
    the parameter placement, counters, metrics).
 
+With the parameters on NVMe too (`core.param_swap`), the device part may read the stacked layer leaves
+at use from the parameters' files (`at_use`): both parts are handed None for them, and an fp32 run's
+update, whose master copy is the parameters, reads those leaves' shards from the parameters' files on
+the host (their update placement is their parameter placement).
+
 A step skipped for non-finite gradients reads and writes nothing. `full(state)` reads the files
 back into a whole `TrainState` (checkpoints save that, so a checkpoint does not depend on the
 files); `store(state)` writes a whole state out and returns the slim one, and the step accepts a
@@ -76,9 +81,13 @@ def shard_regions(shapes: list[tuple[int, ...]], shardings: list[jax.sharding.Sh
 class NvmeStep:
     """`step(state, batch) -> (slim state, metrics)` with the optimizer state in files (module doc)."""
 
-    def __init__(self, plan: Plan, front: Callable[..., Any], back: Callable[..., Any]):
+    def __init__(self, plan: Plan, front: Callable[..., Any], back: Callable[..., Any], *,
+                 at_use: frozenset[int] = frozenset(), filed: Any = None):
         """`front(state, batch)` and `back(state, shards, opt_state, norm, finite, overflow, losses,
-        model_state)`: the device parts (`core.step.make_train_step` builds them)."""
+        model_state)`: the device parts (`core.step.make_train_step` builds them). `at_use`: parameter
+        leaves (flat indices) the front reads from the parameters' files itself (`core.param_swap`),
+        handed to both parts as None; `filed` (a `ParamFiles`): where an fp32 run's update reads their
+        master copy, the parameters, from."""
         swap = plan.memory.swap
         assert swap is not None
         self.plan, self.swap = plan, swap
@@ -109,10 +118,14 @@ class NvmeStep:
         self.files = SwapFiles(swap, self.names, [r.size for r in self.regions], extra=per_tile - len(self.names))
         self.slim_shardings = full._replace(master=None, opt_state=self.slim(full.opt_state))
         self.stall_s = 0.0  # the last step's host update, from the device part's end (the devices wait for it)
+        self.at_use, self._filed = frozenset(at_use), filed
+        given = self.slim_shardings._replace(params=jax.tree.unflatten(
+            jax.tree.structure(full.params),
+            [None if i in self.at_use else sh for i, sh in enumerate(jax.tree.leaves(full.params))]))
 
         update_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), plan.update_shardings)
-        self._front = jax.jit(front, in_shardings=(self.slim_shardings, None))
-        self._back = jax.jit(back, in_shardings=(self.slim_shardings, update_dev, self.slim_shardings.opt_state,
+        self._front = jax.jit(front, in_shardings=(given, None))
+        self._back = jax.jit(back, in_shardings=(given, update_dev, self.slim_shardings.opt_state,
                                                  None, None, None, None, None),
                              out_shardings=(self.slim_shardings, None), donate_argnums=(0,))
         self._update_dev = update_dev
@@ -245,8 +258,18 @@ class NvmeStep:
 
     def _old_shards(self, state: TrainState, master: Any) -> Any:
         if not self.mixed:
-            return master
+            leaves = self._trained_def.flatten_up_to(master)
+            return self._trained_def.unflatten([
+                self._assemble(leaf, [x for r, g in enumerate(self.regions) if g.leaf == leaf
+                                      for x in self._place(r, self._filed_master(g))])
+                if x is None else x for leaf, x in enumerate(leaves)])
         return self._master()
+
+    def _filed_master(self, region: Region) -> np.ndarray:
+        """An fp32 run's master shard of a leaf read at use: its parameters' shard, from their files (the
+        leaf's update placement is its parameter placement, `core.step.read_at_use`)."""
+        param_leaf = [i for i, t in enumerate(jax.tree.leaves(self.plan.trainable)) if t][region.leaf]
+        return np.asarray(self._filed.shard(param_leaf, region.devices[0].id), np.float32).reshape(-1)
 
     def _master(self) -> Any:
         """The master copy (a mixed-precision run's first file), read and placed in the update placement."""
@@ -254,7 +277,7 @@ class NvmeStep:
 
     def _stream(self, state: TrainState, grads: Any, master: Any, coef: jax.Array) -> tuple[Any, Any]:
         grads_l = jax.tree.leaves(grads)
-        master_l = jax.tree.leaves(master) if not self.mixed else None
+        master_l = self._trained_def.flatten_up_to(master) if not self.mixed else None
         opt_leaves = self._opt_def.flatten_up_to(state.opt_state)
         scalars = [np.asarray(x) for x, o in zip(opt_leaves, self._owner) if o < 0]
         coef = np.asarray(coef)
@@ -274,7 +297,8 @@ class NvmeStep:
                     nxt = self.regions[t.region + 1]
                     self._device_shard(grads_l[nxt.leaf], nxt).copy_to_host_async()
                 current["grad"] = self._shard(grads_l[region.leaf], region)
-                current["param"] = None if self.mixed else self._shard(master_l[region.leaf], region)
+                current["param"] = (None if self.mixed else self._filed_master(region)
+                                    if master_l[region.leaf] is None else self._shard(master_l[region.leaf], region))
                 current["out"] = np.empty(region.size, np.float32)
             a, b = t.start, t.stop
             m = b - a

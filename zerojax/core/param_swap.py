@@ -16,17 +16,28 @@ offload; between steps neither the devices nor host memory hold them (beyond `ma
 device).
 
 DeepSpeed goes further: during the forward and backward only the layers in use are resident. So does
-this tier for stacked layer leaves (`at_use`: a loss run through `rewrite.gather_at_use`, mixed
-precision, the optimizer not on NVMe): they are not read before the step but inside it, each device's
-block of layer i read from the files by a host callback (`reader`) in the scan's iteration i, forward
-and again in the rematerialised backward, then all-gathered as usual; the step's arguments carry only
-the other leaves.
+this tier for stacked layer leaves (`at_use`, `core.step.read_at_use`: a loss run through
+`rewrite.gather_at_use`, in a program that only computes their gradients - mixed precision, or the
+optimizer on NVMe): they are not read before the step but inside it, each device's block of layer i
+read from the files by a host callback (`reader`) in the scan's iteration i, forward and again in the
+rematerialised backward, then all-gathered as usual; the step's arguments carry only the other leaves.
+
+Like DeepSpeed's prefetch ahead of use (`PartitionedParameterCoordinator`, the swapper's async
+`swap_in`), the callback for layer i also starts, on the swap's I/O threads, the read of the layer its
+device will ask for next (i+1 in the forward, i-1 in the backward, learnt from the order of its reads)
+into one of the `buffer_count` pool buffers, so that read is usually done when it is asked for. At the
+step's end what was read ahead is dropped before the update's shards are written (`settle`), so no read
+made before a write-back is served after it. Read-ahead follows the plan's stage-3 prefetch
+(`overlap_comm`, `stage3_prefetch_bucket_size`); `last` counts a step's reads at use, how many were read
+ahead, the time the callbacks waited on the disk (the stall) and the time the reads took.
 """
 from __future__ import annotations
 
 import collections
+import threading
 import time
-from typing import Any, Callable
+from concurrent.futures import Future
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +47,18 @@ from zerojax.core.layout import Plan
 from zerojax.core.nvme_step import Lowered, Region, shard_regions
 from zerojax.core.state import TrainState, abstract_state, state_shardings
 from zerojax.core.swap import SwapFiles, Tile
+
+
+class AtUseStats(NamedTuple):
+    """A step's reads at use: blocks read, how many the read-ahead had already started, the time the
+    step's callbacks waited on the disk (`wait_s`: the stall) and the time the reads took (`read_s`)."""
+    reads: int = 0
+    ahead: int = 0
+    wait_s: float = 0.0
+    read_s: float = 0.0
+
+    def add(self, **more: Any) -> "AtUseStats":
+        return self._replace(**{k: getattr(self, k) + v for k, v in more.items()})
 
 
 class ParamFiles:
@@ -67,6 +90,20 @@ class ParamFiles:
         self._by_device = {(region.leaf, d.id): r for r, region in enumerate(self.regions) for d in region.devices}
         self.reads = 0  # blocks read at use (inside the step), since the engine started
         self.load_s = self.store_s = 0.0  # the latest load's and store's time (the devices wait for both)
+        # Read-ahead of the blocks read at use (`pipeline_read`): the block a callback will most likely
+        # ask for next is read on the I/O threads into one of the pool's buffers (the same
+        # `buffer_count` x `buffer_size` the load and store stream through, idle during the step).
+        # Off with the plan's stage-3 prefetch (`overlap_comm: false` or `stage3_prefetch_bucket_size: 0`),
+        # as DeepSpeed's parameter prefetch is.
+        self.read_ahead = swap.read_ahead and plan.step.prefetch is not None
+        self._lock = threading.Lock()
+        self._pool_buffers = [b for s in self.files.buffers for b in s]
+        self._free = list(range(len(self._pool_buffers)))
+        self._ahead: dict[tuple[int, int], tuple[int, Future, int]] = {}  # (leaf, device) -> (layer, read, buffer)
+        self._stale: list[tuple[Future, int]] = []  # reads ahead guessed wrong, buffer back once done
+        self._course: dict[tuple[int, int], tuple[int, int]] = {}  # (leaf, device) -> (last layer, direction)
+        self.last = AtUseStats()  # the latest step's reads at use
+        self._stats = AtUseStats()
 
     @property
     def held_bytes(self) -> int:
@@ -84,16 +121,122 @@ class ParamFiles:
 
     def read_block(self, leaf: int, device_id: int, layer: int) -> np.ndarray:
         """Device `device_id`'s block of leaf `leaf`: layer `layer` of it (its leading axis), or all of
-        it for a negative `layer`."""
+        it for a negative `layer`. With `pipeline_read`, a layer read at use also starts the read of
+        the layer this device will ask for next (`_next`), which a later call then finds read."""
         r = self._by_device[(leaf, device_id)]
         region = self.regions[r]
         per = region.size // region.shape[0]
         start, stop = (0, region.size) if layer < 0 else (layer * per, (layer + 1) * per)
         shape = region.shape if layer < 0 else region.shape[1:]
-        self.reads += 1
+        with self._lock:  # the devices' callbacks run on their own threads
+            self.reads += 1
         if r in self.held:
             return self.held[r][start:stop].reshape(shape)
-        return self.files.read_range(0, self._slot[r], start, stop).reshape(shape)
+        if layer < 0:
+            return self.files.read_range(0, self._slot[r], start, stop).reshape(shape)
+        key = (leaf, device_id)
+        with self._lock:
+            ahead = self._ahead.pop(key, None)
+            nxt = self._next(key, layer, region.shape[0])
+        self._fetch(key, nxt, ahead if ahead is not None and ahead[0] != layer else None)
+        waited = time.perf_counter()
+        if ahead is not None and ahead[0] == layer:  # read ahead: wait for it (usually done), copy it out
+            _, future, b = ahead
+            future.result()
+            waited = time.perf_counter() - waited
+            out = self._pool_buffers[b][:per].copy()
+            self._release(b)
+            hit, took = 1, 0.0
+        else:
+            out = self.files.read_range(0, self._slot[r], start, stop)
+            waited = took = time.perf_counter() - waited
+            hit = 0
+        with self._lock:
+            self._stats = self._stats.add(reads=1, ahead=hit, wait_s=waited, read_s=took)
+        return out.reshape(shape)
+
+    def _next(self, key: tuple[int, int], layer: int, layers: int) -> int:
+        """The layer this (leaf, device) will most likely read after `layer`, from the order of its
+        reads: a scan runs 0, 1, ... forward, its backward ... 1, 0 (a reversed scan the other way), each
+        end read again as the pass turns (the last forward layer is the backward's first; the first
+        backward layer the next micro-batch's first). Holds `_lock`."""
+        last, direction = self._course.get(key, (None, 1))
+        if last is not None:
+            if layer == last + 1:
+                direction = 1
+            elif layer == last - 1:
+                direction = -1
+            elif layer == last:  # the pass turned at an end
+                direction = -1 if layer == layers - 1 else 1 if layer == 0 else direction
+        self._course[key] = (layer, direction)
+        nxt = layer + direction
+        return nxt if 0 <= nxt < layers else layer
+
+    def _fetch(self, key: tuple[int, int], layer: int, stale: tuple[int, Future, int] | None) -> None:
+        """Start reading (leaf, device) `key`'s layer `layer` into a free pool buffer, unless read-ahead
+        is off, the block is larger than a buffer, or every buffer is taken (then the read happens at
+        use). `stale`: this key's earlier read-ahead of another layer, guessed wrong: its buffer goes
+        back once its read is done."""
+        with self._lock:
+            if stale is not None:
+                self._stale.append(stale[1:])
+            done = [b for f, b in self._stale if f.done()]
+            self._stale = [(f, b) for f, b in self._stale if not f.done()]
+            self._free += done
+        if not self.read_ahead:
+            return
+        r = self._by_device[key]
+        region = self.regions[r]
+        per = region.size // region.shape[0]
+        if per > self.files.tile:
+            return
+        with self._lock:
+            if not self._free:
+                return
+            b = self._free.pop()
+            self._ahead[key] = (layer, self.files.submit(self._read_ahead, r, layer * per,
+                                                          self._pool_buffers[b][:per]), b)
+
+    def _read_ahead(self, r: int, start: int, out: np.ndarray) -> None:
+        """On an I/O thread: one block into its pool buffer, its time counted as reading."""
+        t0 = time.perf_counter()
+        self.files.read_into(0, self._slot[r], start, out)
+        took = time.perf_counter() - t0
+        with self._lock:
+            self._stats = self._stats.add(read_s=took)
+
+    def _release(self, b: int) -> None:
+        with self._lock:
+            self._free.append(b)
+
+    def _drain(self) -> None:
+        """Wait for every read still ahead and drop what it read: the pool's buffers are all free again
+        (the load and store stream through them) and nothing read before a write-back is served after it."""
+        with self._lock:
+            pending = [(f, b) for _, f, b in self._ahead.values()] + self._stale
+            self._ahead, self._stale = {}, []
+            self._course.clear()
+        for future, b in pending:
+            future.result()
+            self._release(b)
+        assert len(self._free) == len(self._pool_buffers), "a read ahead still holds a buffer"
+
+    def settle(self) -> AtUseStats:
+        """The step's end, before the update's shards are written: drop the reads ahead (`_drain`) and
+        start a fresh count. The step's reads at use (`last`)."""
+        self._drain()
+        with self._lock:
+            self.last, self._stats = self._stats, AtUseStats()
+        return self.last
+
+    def shard(self, leaf: int, device_id: int) -> np.ndarray:
+        """Device `device_id`'s whole block of leaf `leaf`, read outside the step (an fp32 update's master
+        copy of a leaf read at use: `core.nvme_step`); not counted as a read at use."""
+        r = self._by_device[(leaf, device_id)]
+        region = self.regions[r]
+        if r in self.held:
+            return self.held[r].reshape(region.shape)
+        return self.files.read_region(0, self._slot[r]).reshape(region.shape)
 
     def reader(self, leaf: int, mesh: jax.sharding.Mesh) -> Callable[[jax.Array, Any], jax.Array]:
         """`read(placeholder, layer)` for `ParamShard.read`, traced inside the step's `shard_map`: this
@@ -134,8 +277,9 @@ class ParamFiles:
 
     def store(self, params: Any) -> None:
         """Write each shard of `params` (the plan's parameter placement) out, tile by tile."""
+        leaves = self._def.flatten_up_to(jax.block_until_ready(params))  # the step, its reads at use, done
+        self.settle()
         started = time.perf_counter()
-        leaves = self._def.flatten_up_to(params)
 
         def flat(r: int) -> jax.Array:
             region = self.regions[r]
@@ -158,6 +302,7 @@ class ParamFiles:
     def load(self, skip: frozenset[int] = frozenset()) -> Any:
         """The parameter tree on the devices, read from the files tile by tile (and from the held shards);
         the leaves numbered in `skip` (read at use, inside the step) are None."""
+        self._drain()
         started = time.perf_counter()
         pieces: dict[tuple[int, jax.Device], list[jax.Array]] = collections.defaultdict(list)
 

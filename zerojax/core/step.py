@@ -575,17 +575,14 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
     grad_fn = micro_grad_fn(plan, prep, readers)
     keeps = keeps_state(prep.user)
     if plan.memory.swap is not None:  # optimizer state on NVMe: the update streams from files on the host
-        inner: Callable[..., Any] = NvmeStep(plan, *_around_the_update(plan, grad_fn, keeps))
-        return inner if plan.memory.param_swap is None else ParamSwapStep(plan, inner)
+        inner: Callable[..., Any] = NvmeStep(plan, *_around_the_update(plan, grad_fn, keeps, at_use),
+                                             at_use=at_use, filed=files)
+        return inner if plan.memory.param_swap is None else ParamSwapStep(plan, inner, files, at_use)
 
     shardings = state_shardings(plan)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        if at_use:  # the leaves read from files inside the step: zero placeholders their gradients flow to
-            leaves = jax.tree.leaves(state.params, is_leaf=lambda x: x is None)
-            state = state._replace(params=jax.tree.unflatten(jax.tree.structure(plan.abstract_params), [
-                jax.lax.with_sharding_constraint(jnp.zeros(a.shape, plan.policy.param), sh) if x is None else x
-                for x, a, sh in zip(leaves, jax.tree.leaves(plan.abstract_params), jax.tree.leaves(shardings.params))]))
+        state = state._replace(params=placeholders(plan, state.params))
         losses, grads, *model_state = grad_fn(state.params, batch, loss_scale(plan, state), step_key(state),
                                               *((state.model_state,) if keeps else ()))
         new, metrics = apply_update(plan, state, grads, jnp.mean(losses))
@@ -597,41 +594,66 @@ def make_train_step(plan: Plan, loss: PreparedLoss) -> Callable[[TrainState, Any
         jax.tree.structure(shardings.params),
         [None if i in at_use else sh for i, sh in enumerate(jax.tree.leaves(shardings.params))]))
     jitted = jax.jit(step, in_shardings=(given, None), out_shardings=(shardings, None), donate_argnums=0)
-    # parameters on NVMe: read onto the devices before the step (the stacked layers inside it, at use),
-    # written back after it
+    # parameters on NVMe: read onto the devices before the step (the stacked layers of a mixed-precision run
+    # inside it, at use, read ahead), written back after it
     return jitted if plan.memory.param_swap is None else ParamSwapStep(plan, jitted, files, at_use)
+
+
+def placeholders(plan: Plan, params: Any) -> Any:
+    """`params` with each leaf read from files at use (None: `ParamSwapStep` hands it so) a zero block
+    in its parameter placement, the placeholder its gradient flows to (`ParamFiles.reader`)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: x is None)
+    if all(x is not None for x in leaves):
+        return params
+    shardings = jax.tree.leaves(state_shardings(plan).params)
+    return jax.tree.unflatten(jax.tree.structure(plan.abstract_params), [
+        jax.lax.with_sharding_constraint(jnp.zeros(a.shape, plan.policy.param), sh) if x is None else x
+        for x, a, sh in zip(leaves, jax.tree.leaves(plan.abstract_params), shardings)])
 
 
 def read_at_use(plan: Plan, prep: PreparedLoss) -> frozenset[int]:
     """The parameter leaves (flat indices) a step with `offload_param.device: nvme` reads from the files
     at use, layer by layer inside the compiled step, rather than before it: the trainable stacked
     layers (three or more dimensions, the planner's reading of a stack when not told its layer axes)
-    of a mixed-precision run whose loss the step evaluates through `rewrite.gather_at_use`, sharded
-    along a dimension after the layer axis. Elsewhere none: an fp32 run's parameters are the master
-    copy the update reads, a loss gathering its own shards slices them itself, and with the optimizer
-    on NVMe too the update runs outside the compiled step."""
-    if plan.memory.param_swap is None or plan.memory.swap is not None or prep.marked or not plan.policy.mixed:
+    whose loss the step evaluates through `rewrite.gather_at_use`, sharded along a dimension after the
+    layer axis, in a program that only computes gradients of them: a mixed-precision run's (the update
+    reads the fp32 master, not these), or any run's with the optimizer on NVMe (the update runs on the
+    host, which reads an fp32 run's master, the parameters, from their files; there the leaf's update
+    placement must be its parameter placement, shard for shard). Elsewhere none: an fp32 run's update
+    on the device or in host memory is in the same program and reads the parameters as its master
+    copy, and a loss gathering its own shards slices them itself."""
+    if plan.memory.param_swap is None or prep.marked or not (plan.policy.mixed or plan.memory.swap is not None):
         return frozenset()
     leaves = jax.tree.leaves(plan.abstract_params)
     layouts = jax.tree.leaves(plan.layouts, is_leaf=is_layout)
     return frozenset(i for i, (x, lay) in enumerate(zip(leaves, layouts))
                      if lay.trainable and isinstance(lay.param, Shard) and lay.param.dim > 0 and x.ndim >= 3
-                     and not lay.split)
+                     and not lay.split and (plan.policy.mixed or lay.update == lay.param))
 
 
-def _around_the_update(plan: Plan, grad_fn: GradFn, keeps: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _around_the_update(plan: Plan, grad_fn: GradFn, keeps: bool, at_use: frozenset[int] = frozenset()
+                       ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The device parts of a step whose optimizer runs elsewhere (`core.nvme_step`): before it, the
     gradients, unscaled, with their norm, finiteness, the skip decision and the clip coefficient (and
-    an fp32 run's parameters in the update placement, its master copy); after it, `finish_update`."""
+    an fp32 run's parameters in the update placement, its master copy, None for the leaves `at_use`:
+    the host reads those from their files); after it, `finish_update`."""
     pol = plan.policy
 
     def front(state: TrainState, batch: Any) -> tuple[Any, ...]:
+        given = state.params
+        state = state._replace(params=placeholders(plan, given))
         losses, grads, *model_state = grad_fn(state.params, batch, loss_scale(plan, state), step_key(state),
                                               *((state.model_state,) if keeps else ()))
         inv_scale = (1.0 / loss_scale(plan, state)).astype(pol.master)
         grads, norm, finite, overflow = unscaled(plan, state, grads, inv_scale, jnp.isfinite(jnp.mean(losses)))
-        master = (None if pol.mixed else
-                  _constrain(bring_in(plan.trained(state.params), plan.memory.params), plan.update_shardings))
+        master = None
+        if not pol.mixed:
+            master = _constrain(bring_in(plan.trained(state.params), plan.memory.params), plan.update_shardings)
+            if at_use:
+                flat = jax.tree.leaves(given, is_leaf=lambda x: x is None)
+                trained = [x for x, t in zip(flat, jax.tree.leaves(plan.trainable)) if t]
+                master = jax.tree.unflatten(jax.tree.structure(master), [
+                    m if x is not None else None for m, x in zip(jax.tree.leaves(master), trained)])
         return losses, grads, master, norm, finite, overflow, clip_coefficient(norm, plan.rule.clip), model_state
 
     def back(state: TrainState, shards: Any, opt_state: Any, norm: jax.Array, finite: jax.Array,

@@ -161,9 +161,16 @@ class SwapFiles:
 
     def read_range(self, array: int, region: int, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) of one region (a layer of a stacked shard, read at use)."""
-        out = np.empty(stop - start, self.dtype)
+        return self.read_into(array, region, start, np.empty(stop - start, self.dtype))
+
+    def read_into(self, array: int, region: int, start: int, out: np.ndarray) -> np.ndarray:
+        """Elements [start, start + out.size) of one region into `out` (a preallocated buffer); `out`."""
         _pread_all(self._fds[array], _bytes(out), (int(self.offsets[region]) + start) * self.itemsize)
         return out
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """`fn(*args)` on the swap's I/O threads (`aio.thread_count`): reads issued ahead of use."""
+        return self._pool.submit(fn, *args)
 
     # -- the streamed pass ------------------------------------------------------------------------
     def _io(self, fn: Callable[[int, memoryview, int], None], s: int, t: Tile) -> list[Future]:

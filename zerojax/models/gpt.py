@@ -53,7 +53,10 @@ class Block(nnx.Module):
         h = self.n_heads
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
         q, k, v = (y.reshape(b, t, h, d // h) for y in (q, k, v))
-        if causal_attention.uses_blockwise(self.attention_mode, self.attention_block, t):
+        att = causal_attention.library_form(q, k, v, self.attention_mode)
+        if att is not None:
+            att = att.reshape(b, t, d)
+        elif causal_attention.uses_blockwise(self.attention_mode, self.attention_block, t):
             att = causal_attention.blockwise(q, k, v, self.attention_block).reshape(b, t, d)
         else:
             scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)

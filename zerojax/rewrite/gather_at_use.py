@@ -47,7 +47,7 @@ from jax.extend import core as jcore
 from zerojax.core.collectives import PLAIN, ParamShard, Wire, gather_shard, reduce_scatter_shard
 from zerojax.core.layout import Prefetch
 from zerojax.core.mesh import data_axis
-from zerojax.rewrite.jaxpr_eval import bind, interpret
+from zerojax.rewrite.jaxpr_eval import bind, interpret, scan_counts
 
 # Primitives that commute with slicing a stacked leading axis (used to carry a parameter's
 # cast into a scan body instead of casting the whole stack first).
@@ -310,7 +310,7 @@ def _scan(eqn: Any, ins: list[Any], region: _Region) -> list[Any]:
         if out is not None:
             return out
     p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = scan_counts(p)
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
     init = [_materialize(region, x) for x in init]
     sliced: list[Deferred | None] = []
@@ -373,7 +373,7 @@ def _prefetch_operands(eqn: Any, ins: list[Any], region: _Region) -> _Operands |
     layers or more, `prefetches` the layer, and, unless nothing differentiates it (`forward_only`),
     floating-point state only (the custom VJP below differentiates every carry and output); else None."""
     p = eqn.params
-    nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
+    (nc, ncarry), length = scan_counts(p), p["length"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
     stacked = [j for j, x in enumerate(xs) if _stacked_operand(x)]
     if not stacked or p["reverse"] or length < 2:
@@ -401,7 +401,7 @@ class _Layer:
     run on it, and the body's VJP with the layer's weight gradients reduce-scattered into shards."""
 
     def __init__(self, eqn: Any, ops: _Operands, region: _Region):
-        self.body, self.ncarry = eqn.params["jaxpr"], eqn.params["num_carry"]
+        self.body, self.ncarry = eqn.params["jaxpr"], scan_counts(eqn.params)[1]
         self.ops, self.region = ops, region
 
     def gather(self, stacks: list[Any], i: Any, after: Any = None) -> list[Any]:
@@ -555,7 +555,7 @@ def _scan_prefetch(eqn: Any, ins: list[Any], region: _Region) -> list[Any] | Non
         return None
     layer, length, unroll = _Layer(eqn, ops, region), eqn.params["length"], eqn.params["unroll"]
     if region.forward_only:
-        ys_like = [v.aval for v in eqn.params["jaxpr"].jaxpr.outvars[eqn.params["num_carry"]:]]
+        ys_like = [v.aval for v in eqn.params["jaxpr"].jaxpr.outvars[scan_counts(eqn.params)[1]:]]
         last, ys = _prefetch_ahead(layer, length, ops.consts, ops.init, [l.shard for l in ops.leaves], ops.other_xs,
                                    ys_like)
         return [*last, *ys]
@@ -711,7 +711,7 @@ def find_layer_axes(loss_fn: Callable[..., Any], params: Any, *args: Any, **kwar
             name = eqn.primitive.name
             if name == "scan":
                 p = eqn.params
-                nc, ncarry = p["num_consts"], p["num_carry"]
+                nc, ncarry = scan_counts(p)
                 inner = [x if i < nc or i >= nc + ncarry else None for i, x in enumerate(ins)]
                 for i in range(nc + ncarry, len(ins)):
                     if ins[i] is not None:

@@ -26,6 +26,16 @@ def bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """(constants, carries) of a `scan` equation's operands, which come in that order before the scanned
+    inputs. JAX 0.10 names the counts (`num_consts`, `num_carry`); JAX 0.11 groups the operands in a
+    flat tree instead (`ft_in`: constants, carries, scanned inputs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], step: Step) -> list[Any]:
     """The outputs of `jaxpr` on `consts` and `args`, each equation's outputs given by `step`."""
     env: dict[Any, Any] = {}

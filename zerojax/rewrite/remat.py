@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 
 from zerojax.core.remat import Remat
-from zerojax.rewrite.jaxpr_eval import bind, interpret
+from zerojax.rewrite.jaxpr_eval import bind, interpret, scan_counts
 
 __all__ = ["for_loss"]
 
@@ -72,7 +72,7 @@ def _equation(eqn: Any, ins: list[Any], remat: Remat) -> list[Any]:
 def _scan(eqn: Any, ins: list[Any], remat: Remat) -> list[Any]:
     """The scan with its body checkpointed: one iteration is one layer; its carry is the layer input."""
     p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = scan_counts(p)
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
     body = p["jaxpr"]
 

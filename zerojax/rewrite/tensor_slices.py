@@ -53,7 +53,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from zerojax.rewrite.jaxpr_eval import bind, interpret
+from zerojax.rewrite.jaxpr_eval import bind, interpret, scan_counts
 
 _log = logging.getLogger(__name__)
 
@@ -742,7 +742,7 @@ def _scan(eqn: Any, ins: list[Any], group: Group) -> list[Any]:
     """A scan over stacked weights: each iteration sees one layer's slices. Carries keep the form
     they entered with (a carry the body returns in another form is converted)."""
     p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = scan_counts(p)
     consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
     xs = [group.whole(x) if isinstance(x, Split) and x.dim == 0 else x for x in xs]
     carry_arrays, carry_forms = _flatten(carry)

@@ -57,9 +57,12 @@ class ModelConfig:
                                     "quadratic in T). blockwise: an online softmax over model.attention_block tiles "
                                     "of queries and keys, rematerialized in the backward pass (memory linear in T, "
                                     "the same arithmetic), for long rows and Ulysses sequence parallelism; see "
-                                    "docs/sequence_parallel.md. auto: blockwise when the attended sequence is longer "
-                                    "than model.attention_block, else dense.",
-                            choices=("auto", "dense", "blockwise"))
+                                    "docs/sequence_parallel.md. fused: jax.nn.dot_product_attention, cuDNN's flash "
+                                    "attention on a GPU (bf16/fp16, head width <= 128), XLA's dense form elsewhere. "
+                                    "auto: cuDNN's flash attention where it applies, else blockwise when the attended "
+                                    "sequence is longer than model.attention_block, else dense. A soft-capped or "
+                                    "per-layer-windowed attention (Gemma) never takes the fused form.",
+                            choices=("auto", "dense", "blockwise", "fused"))
     attention_block: int = option(512, "Tokens per query and key tile of the blockwise attention (a length it "
                                        "does not divide is padded); with model.attention: auto, the longest "
                                        "sequence attended densely.", gt=0)
