@@ -524,3 +524,16 @@ def test_a_checkpoint_written_before_the_package_was_layered_still_loads(tmp_pat
                       what="restored master vs two steps now")
     assert_tree_close(to_numpy(restored.state.opt_state), to_numpy(now.state.opt_state), rtol=1e-6, atol=1e-7,
                       what="restored Adam state vs two steps now")
+
+
+def test_orbax_is_imported_at_the_first_save_not_at_start() -> None:
+    """train.py's modules load without orbax (a third of a second before anything compiles); the
+    first save imports it."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys\nfrom zerojax.app import cli, trainer\nimport zerojax, zerojax.checkpoint\n"
+            "print('orbax.checkpoint' in sys.modules)\n"
+            "from zerojax.checkpoint.saving import _handler\n_handler()\nprint('orbax.checkpoint' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "True"]

@@ -163,33 +163,60 @@ def test_layer_axes_reach_the_plan() -> None:
         zerojax.initialize(cfg, params=params, loss_fn=loss_fn, layer_axes={"stack": 1})
 
 
-def test_compile_for_compiles_the_first_step_and_the_finite_check_with_the_state() -> None:
-    """Engine(compile_for=batch) compiles the train step in a thread while the state initializes, and
-    the finiteness check that the trainer's guard and every save share (one program) meanwhile: the
-    first step, the guard and a save's check then compile nothing."""
+def test_compile_for_compiles_the_first_step_and_the_finite_check_with_the_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine(compile_for=batch) lowers the train step first and compiles it in a thread while the
+    state initializes; the finiteness check that the trainer's guard and every save share (one program)
+    compiles on a second thread from the start and is not waited for: the engine is built while it may
+    still compile, and its first use waits for it. Nothing compiles twice or on the caller's thread
+    after the engine is built."""
+    import threading
     from jax import monitoring
+    import zerojax.engine.engine as engine_module
     from zerojax.checkpoint import nonfinite_params
     from zerojax.core.nonfinite import NonFiniteGuard
     from zerojax.planner.mesh import make_mesh
 
-    programs = []
+    finite_lowered, built = threading.Event(), threading.Event()
+    events: list[tuple[str, str, str]] = []  # (event, program, thread) in order
 
-    def count(event: str, secs: float, **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            programs.append(secs)
+    def listen(event: str, secs: float, fun_name: str = "", **_) -> None:
+        thread = threading.current_thread().name
+        events.append((event.rsplit("/", 1)[-1], fun_name, thread))
+        if event.endswith("jaxpr_to_mlir_module_duration") and thread.startswith("zerojax-compile"):
+            finite_lowered.set()
+            built.wait(timeout=120)  # an engine that waited for this compile would stall here
 
+    real_init = engine_module.init_state
+
+    def init_state(*args, **kwargs):
+        assert finite_lowered.wait(timeout=60), "the finiteness check did not start before the state's init"
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "init_state", init_state)
     params, loss_fn = zerojax.from_nnx(Net(rngs=nnx.Rngs(1)), mse)
     config = zerojax.load_config({**DS_CONFIG, "zero_optimization": {"stage": 3}})
-    engine = zerojax.Engine(config, params, loss_fn, make_mesh(config), compile_for=data(32, 0))
-    monitoring.register_event_duration_secs_listener(count)
+    monitoring.register_event_duration_secs_listener(listen)
     try:
+        engine = zerojax.Engine(config, params, loss_fn, make_mesh(config), compile_for=data(32, 0))
+        at_build = len(events)
+        built.set()
         metrics = engine.train_batch(data(32, 1))
         assert NonFiniteGuard(engine).problem(saving=True) is None
         assert nonfinite_params(engine.state, engine.plan) == []
         assert np.isfinite(float(metrics["loss"]))
     finally:
-        monitoring.unregister_event_duration_listener(count)
-    assert programs == []
+        monitoring.unregister_event_duration_listener(listen)
+    compiles = [(name, thread) for event, name, thread in events if event == "backend_compile_duration"]
+    names = [name for name, _ in compiles]
+    assert [names.count(name) for name in ("jit(init)", "jit(step)", "jit(<lambda>)")] == [1, 1, 1], compiles
+    assert ("jit(<lambda>)", "zerojax-compile_0") in compiles and ("jit(step)", "zerojax-compile_1") in compiles
+    # the step was lowered before the state's program was traced (one thread, in that order)
+    order = [(event, name) for event, name, thread in events if thread == "MainThread"]
+    assert order.index(("jaxpr_to_mlir_module_duration", "jit(step)")) < order.index(("jaxpr_trace_duration", "init"))
+    # after the engine is built: the finiteness check's compile (on its thread), nothing on the caller's
+    assert [c for c in events[at_build:] if c[0] == "backend_compile_duration"] == [
+        ("backend_compile_duration", "jit(<lambda>)", "zerojax-compile_0")], events[at_build:]
 
 
 def test_first_step_hands_the_compilers_memory_back_and_compiles_once(monkeypatch: pytest.MonkeyPatch) -> None:

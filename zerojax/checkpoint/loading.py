@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.format import PIPELINE_ROWS, CheckpointError, FORMAT, META_FILE, PathLike, STATE_DIR, absolute, closing, describe_leaf, leaf_names, named_leaves, state_fields, truth_name
 from zerojax.checkpoint.integrity import corrupt_error, first_bad_file, read_meta
@@ -71,6 +70,7 @@ def reading(tag_dir: Path) -> Iterator[None]:
 
 def read_leaves(state_dir: Path, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
     """Each named array whole on the host, one at a time: memory stays near the largest leaf."""
+    import orbax.checkpoint as ocp  # here, not at import: a run pays for orbax at its first load
     with reading(state_dir.parent), closing(ocp.PyTreeCheckpointer()) as ckptr:
         for name in names:
             out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
@@ -89,6 +89,7 @@ def _restore(state_dir: Path, targets: Mapping[str, jax.ShapeDtypeStruct]) -> di
     """Read the named arrays straight into their target shardings (and dtypes); others are skipped."""
     if not targets:
         return {}
+    import orbax.checkpoint as ocp
     restore_args = {name: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype)
                     for name, t in targets.items()}
     with reading(state_dir.parent), closing(ocp.PyTreeCheckpointer()) as ckptr:

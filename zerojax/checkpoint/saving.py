@@ -11,11 +11,10 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.format import BEST_FILE, CheckpointError, FORMAT, LATEST_FILE, best_tag, META_FILE, PathLike, SAVING_FILE, STATE_DIR, VERSION, absolute, check_tag, closing, default_tag, describe_leaf, flatten_state, is_complete, latest_tag, leaf_names, meta_crc, named_leaves, is_primary_process, scan_tags, write_atomic
 from zerojax.checkpoint.integrity import file_checksums, nonfinite_params
@@ -24,6 +23,9 @@ from zerojax.errors import ConfigError
 from zerojax.core.layout import Plan
 from zerojax.core.state import TrainState, logical_params
 from zerojax.runtime.run_lock import LOCK_FILE, holder_elsewhere, pid_alive
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
 
 
 _SYNCS = iter(range(1 << 62))
@@ -35,6 +37,7 @@ _COMMITS: collections.Counter = collections.Counter()
 def _sync(name: str) -> None:
     """A barrier across processes (every process calls the same functions in the same order)."""
     if jax.process_count() > 1:
+        import orbax.checkpoint as ocp
         ocp.multihost.sync_global_processes(f"zerojax_checkpoint_{name}_{next(_SYNCS)}")
 
 
@@ -42,6 +45,7 @@ def _handler() -> ocp.PyTreeCheckpointHandler:
     """Orbax's pytree handler writing each shard whole from its first replica (orbax's own default on
     GPU): replica-parallel saving slices replicated arrays with one small compiled program per shape,
     dozens of compiles at a run's first save for no gain within one host."""
+    import orbax.checkpoint as ocp  # here, not at import: a run pays for orbax at its first save
     th = ocp.type_handlers
     registry = th.create_type_handler_registry(
         (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
@@ -162,6 +166,7 @@ def _commit(root: Path, tag: str, meta: dict[str, Any], max_to_keep: int | None,
     # would interleave with the training thread's and deadlock), and its own key per folder and tag.
     if jax.process_count() > 1:
         _COMMITS[(root.name, tag)] += 1
+        import orbax.checkpoint as ocp
         ocp.multihost.get_barrier_sync_fn()(
             key=f"zerojax_checkpoint_commit_{root.name}_{tag}_{_COMMITS[(root.name, tag)]}",
             timeout_ms=ocp.multihost.coordination_timeout() * 1000)
@@ -215,6 +220,7 @@ def save(directory: PathLike, tag: str | None, state: TrainState, plan: Plan, *,
     _prepare_tag_dir(root, tag_dir)
 
     handler = _handler()
+    import orbax.checkpoint as ocp
     if not async_save:
         with closing(ocp.Checkpointer(handler)) as ckptr:
             ckptr.save(tag_dir / STATE_DIR, args=ocp.args.PyTreeSave(arrays))

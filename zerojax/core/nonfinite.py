@@ -10,6 +10,7 @@ checkpoint after the bad step is ever written.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import Any, Mapping
 
@@ -30,11 +31,31 @@ def _names(paths: list[str], bad: np.ndarray) -> str:
 
 
 @functools.lru_cache(maxsize=8)
+def _finite_program(replicated: Any) -> Any:
+    return jax.jit(lambda leaves: leaf_finite(to_device(leaves)), out_shardings=replicated)
+
+
+#: Compiles of `finite_flags` under way in a background thread (`compile_finite_flags`), by `replicated`.
+_AHEAD: dict[Any, concurrent.futures.Future] = {}
+
+
 def finite_flags(replicated: Any) -> Any:
     """The program that says which of a list of leaves are all finite (offloaded ones too), answered on
     every process. One per run: the guard at fetch points and every save's check (`float_leaves`
-    gives both the same arguments) share its compile."""
-    return jax.jit(lambda leaves: leaf_finite(to_device(leaves)), out_shardings=replicated)
+    gives both the same arguments) share its compile. A compile of it started by
+    `compile_finite_flags` is waited for here (and its error raised), so it is never compiled twice."""
+    ahead = _AHEAD.pop(replicated, None)
+    if ahead is not None:
+        ahead.result()
+    return _finite_program(replicated)
+
+
+def compile_finite_flags(replicated: Any, leaves: list[Any], pool: concurrent.futures.Executor) -> None:
+    """Compile `finite_flags` for `leaves` (arrays or `jax.ShapeDtypeStruct`s, as `float_leaves` lists
+    them) on `pool`, without waiting: the engine queues it behind its train step's compile, so it runs
+    while the first step does instead of before it; its first use waits for it."""
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+    _AHEAD[replicated] = pool.submit(lambda: _finite_program(replicated).lower(specs).compile())
 
 
 def float_leaves(state: Any) -> list[tuple[str, int, jax.Array]]:

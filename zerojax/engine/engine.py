@@ -33,7 +33,7 @@ from zerojax.core.measure import release_freed_heap
 from zerojax.planner.api import check_origin
 from zerojax.planner.plan import make_plan
 from zerojax.optim.deepspeed import ClientOptimizer, ScheduleFn
-from zerojax.core.nonfinite import finite_flags, float_leaves
+from zerojax.core.nonfinite import compile_finite_flags, float_leaves
 from zerojax.core.nvme_step import NvmeStep
 from zerojax.core.param_swap import ParamSwapStep
 from zerojax.core.precision import LossScaleState, update_loss_scale
@@ -69,21 +69,34 @@ def agree_before_compiling(config: Config, plan: Plan) -> None:
 
 
 @contextlib.contextmanager
-def compiling_ahead(train_step: Any, plan: Plan, batch: Any) -> Iterator[None]:
+def compiling_ahead(train_step: Any, plan: Plan, batch: Any,
+                    finite_leaves: list[Any] | None = None) -> Iterator[concurrent.futures.Executor | None]:
     """Compile `train_step` for the fresh state and `batch` in a thread while the body runs (the
     state's initialisation: its own compile, then its run). Both compiles are mostly XLA's, which runs
     without the GIL, so the two overlap instead of adding up; the executable lands in JAX's caches,
-    where the first call with the real state finds it. An error of the step's compile is raised here."""
+    where the first call with the real state finds it. An error of the step's compile is raised here.
+    `finite_leaves` (the state's float leaves, abstract): the finiteness check compiles for them on a
+    second thread from the start, while this thread traces the step, and is not waited for here.
+    Yields the threads' pool (None without `batch`): what the body queues there is not waited for
+    either; `compile_finite_flags`' users wait for their program."""
     if batch is None:
-        yield
+        yield None
         return
     rows = plan.batch.train_batch_size
     spec = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(
         (rows, *np.shape(x)[1:]), np.asarray(x).dtype, sharding=plan.batch_sharding), batch)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerojax-compile") as pool:
-        compiled = pool.submit(lambda: train_step.lower(abstract_state(plan), spec).compile())
-        yield
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="zerojax-compile")
+    try:
+        if finite_leaves is not None:
+            compile_finite_flags(plan.replicated, finite_leaves, pool)
+        # Traced and lowered here (Python, holding the GIL: traced beside the state's program, each
+        # would wait on the other), so the step's XLA compile, the longer one, starts first.
+        lowered = train_step.lower(abstract_state(plan), spec)
+        compiled = pool.submit(lowered.compile)
+        yield pool
         compiled.result()
+    finally:
+        pool.shutdown(wait=False)  # queued work still runs; its users wait for it
 
 
 class Engine(DeepSpeedAPI):
@@ -130,10 +143,13 @@ class Engine(DeepSpeedAPI):
         if config.log_level is not None:
             set_log_level(config.log_level)
         self._train_step, self._eval_step = train_step, eval_step
-        with compiling_ahead(train_step, plan, compile_for):
+        # The finiteness check of the first fetch and every save compiles beside the step: from the
+        # state's shapes, or, for a step that stores part of the state in files, from the stored state.
+        early = None if isinstance(train_step, _SWAPPING) else [x for *_, x in float_leaves(abstract_state(plan))]
+        with compiling_ahead(train_step, plan, compile_for, early) as pool:
             self.state: TrainState = self._stored(init_state(plan, params))
-            if compile_for is not None:  # the finiteness check of the first fetch and every save, meanwhile
-                finite_flags(plan.replicated).lower([x for *_, x in float_leaves(self.state)]).compile()
+            if pool is not None and early is None:
+                compile_finite_flags(plan.replicated, [x for *_, x in float_leaves(self.state)], pool)
         self._pending: PendingSave | None = None
         self._in_flight = InFlight()  # multi-process: no process runs steps ahead of its devices
         self._risk_fn: Callable[[LossScaleState, jax.Array], jax.Array] | None = None
