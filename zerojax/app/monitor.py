@@ -9,7 +9,6 @@ import csv
 import json
 import importlib.util
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -25,32 +24,12 @@ _NOT_EVENTS = ("step", "grad_norm", "skipped", "tokens_per_s")
 
 
 def _installed(module: str) -> bool:
-    """Whether `module` can be imported, found without importing it (comet_ml's import pulls in
-    matplotlib: a second of start-up)."""
+    """Whether `module` can be imported, found without importing it (tensorboardX's import pulls in
+    comet_ml and matplotlib where they are installed: a second of start-up)."""
     try:
         return importlib.util.find_spec(module) is not None
     except ImportError:
         return False
-
-
-def summary_writer_class() -> Any:
-    """tensorboardX's SummaryWriter, imported without the Comet mirror it never uses here.
-
-    tensorboardX imports comet_ml wherever it is installed (for the `comet_config` a writer may be
-    given; the monitor gives none, so the mirror stays disabled), and comet_ml imports matplotlib: about
-    a second at the first event, inside the first step. Unless comet_ml is loaded already (a run with
-    `comet.enabled` has its own experiment), that import answers ImportError while tensorboardX loads,
-    and comet_ml is importable again right after."""
-    if "tensorboardX.writer" in sys.modules or "comet_ml" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["comet_ml"] = None  # type: ignore[assignment]  # `import comet_ml` raises ImportError
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if "comet_ml" in sys.modules and sys.modules["comet_ml"] is None:
-            del sys.modules["comet_ml"]
-    return SummaryWriter
 
 
 def check_monitors(config: Config) -> None:
@@ -314,8 +293,10 @@ class Monitor:
         extra = {k: f"Train/Samples/{k}" for k in record if k not in EVENTS and k not in _NOT_EVENTS}
         events = {name: record[key] for key, name in {**EVENTS, **extra}.items() if key in record}
         if self.config.tensorboard.enabled and self._tb is None:
-            # made at the first event, not at start (its import is not paid while the programs compile)
-            self._tb = summary_writer_class()(str(self._monitor_dir(self.config.tensorboard.output_path,
+            # made at the first event, not at start: its import (with what it pulls in) is not paid
+            # before the first step
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(self._monitor_dir(self.config.tensorboard.output_path,
                                                            self.config.tensorboard.job_name)))
         for name, value in events.items():
             if self._tb is not None:
