@@ -145,20 +145,26 @@ def render(args: argparse.Namespace, results: dict, elapsed: float) -> str:
              f"every device's arrays), each stage in a fresh process through `zerojax.initialize` and {args.steps} `train_batch` call(s) (the first compiles the step). "
              "**peak**: the process's peak resident memory (VmHWM) over the run; the phase columns are the peak "
              "reached within each phase (reset at its start); **live** is what the arrays hold after the last "
-             "step, all 8 devices' shards, by role; **step temp** is the compiled step's temp bytes times 8.", "",
-             "| stage | peak GiB | model | initialize | first steps | params | master | moments | batch | step temp |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "step, all 8 devices' shards, by role; **step temp** is the compiled step's temp bytes times 8; "
+             "**baseline** is the process's resident memory before the model is built (Python, jaxlib, the XLA "
+             "runtime); **unexplained** is peak - baseline - live - step temp.", "",
+             "| stage | peak GiB | model | initialize | first steps | params | master | moments | batch | step temp "
+             "| baseline | unexplained |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     labels = {"this": "", "against": f" (`{args.against}`)"}
     for key, res in results.items():
         for stage in STAGES:
             r = res[stage]
             ph = " | ".join(f"{r['phases'][p] / GIB:.2f}" for p in PHASES)
             lv = " | ".join(f"{v / GIB:.2f}" for v in r["live"].values())
-            lines.append(f"| {stage}{labels[key]} | {r['peak'] / GIB:.2f} | {ph} | {lv} |")
+            rest = r["peak"] - r["start"] - sum(r["live"].values())
+            lines.append(f"| {stage}{labels[key]} | {r['peak'] / GIB:.2f} | {ph} | {lv} | {r['start'] / GIB:.2f} "
+                         f"| {rest / GIB:.2f} |")
     lines.append("")
     for key, res in results.items():
         lines.append(f"Stage 0 / stage 3 peak host memory{labels[key]}: **{res[0]['peak'] / res[3]['peak']:.2f}x** "
-                     f"({res[0]['peak'] / GIB:.2f} / {res[3]['peak'] / GIB:.2f} GiB).")
+                     f"({res[0]['peak'] / GIB:.2f} / {res[3]['peak'] / GIB:.2f} GiB); above each process's baseline: "
+                     f"**{(res[0]['peak'] - res[0]['start']) / (res[3]['peak'] - res[3]['start']):.2f}x**.")
     lines.append(END)
     return "\n".join(lines)
 
