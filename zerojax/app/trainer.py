@@ -235,12 +235,10 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
     # every data error (missing file, vocabulary, too short) is raised here, before compiling
     train_batches, val_batches = make_batches(config.data, rows, config.model.seq_len, config.model.vocab_size, mine)
     steps = run_steps(config, train_batches)
-    # What the first step waits for that is not the engine's - grain's import (orbax's with it),
-    # tensorboardX's for the first event's writer, and the short-schedule warning's small program - is
-    # made in a thread while the engine compiles. A failed import is raised where it is used.
+    # What the first step waits for that is not the engine's - grain's import (orbax's with it) and
+    # the short-schedule warning's small program - is made in a thread while the engine compiles.
     ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerojax-startup")
-    for module in ("grain", *(("tensorboardX",) if config.tensorboard.enabled else ())):
-        ahead.submit(importlib.import_module, module)
+    ahead.submit(importlib.import_module, "grain")  # a failure is raised where the Loader imports it
     warning = ahead.submit(schedule_warning, dataclasses.replace(config, run=dataclasses.replace(config.run, steps=steps)))
     ahead.shutdown(wait=False)
     # the step compiles for the first batch while the state's program compiles: two compiles at once
