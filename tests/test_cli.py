@@ -225,16 +225,14 @@ def test_progress_bar_shows_the_newest_steps_numbers_and_what_runs_after(tmp_pat
 COUNT_PROGRAMS = """
 import sys
 from jax import monitoring
-import threading
 programs, hits = [], []
 monitoring.register_event_duration_secs_listener(
-    lambda event, secs, **kw: programs.append(threading.current_thread().name.rstrip('_0123456789'))
-    if event == '/jax/core/compile/backend_compile_duration' else None)
+    lambda event, secs, **kw: programs.append(secs) if event == '/jax/core/compile/backend_compile_duration' else None)
 monitoring.register_event_listener(
     lambda event, **kw: hits.append(event) if event == '/jax/compilation_cache/cache_hits' else None)
 from zerojax.app.cli import main
 rc = main(['train', *sys.argv[1:]])
-print(f'programs: {len(programs)}, cache hits: {len(hits)}, threads: {programs}')
+print(f'programs: {len(programs)}, cache hits: {len(hits)}')
 sys.exit(rc)
 """
 
@@ -252,11 +250,6 @@ def test_train_py_compiles_each_program_once_into_its_compile_cache(tmp_path: Pa
     assert programs <= 7, p.stdout[-2000:]   # 92 before programs were compiled once each; 14 before the
     # finiteness check was shared and generate stopped running eager scalar and slicing ops
     assert hits == 0 and any(cache.iterdir())  # a fresh folder: all compiled, all kept
-    # Beside the state's program: the step, then the finiteness check, on the engine's compile thread,
-    # and the short-schedule warning's program (run.steps=1) on the start-up thread, all before the
-    # first step's own programs (none) and the save's, validation's and sample's on the main thread.
-    threads = re.search(r"threads: (\[.*\])", p.stdout).group(1)
-    assert threads.count("'zerojax-compile'") == 2 and threads.count("'zerojax-startup'") == 1, threads
 
     again = run("-c", COUNT_PROGRAMS, "--config", "configs/zero3.yaml", "--set", *settings,
                 f"run.output_dir={tmp_path / 'run2'}")

@@ -5,10 +5,8 @@
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import importlib
 import json
 import os
 import time
@@ -235,12 +233,6 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
     # every data error (missing file, vocabulary, too short) is raised here, before compiling
     train_batches, val_batches = make_batches(config.data, rows, config.model.seq_len, config.model.vocab_size, mine)
     steps = run_steps(config, train_batches)
-    # What the first step waits for that is not the engine's - grain's import (orbax's with it) and
-    # the short-schedule warning's small program - is made in a thread while the engine compiles.
-    ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerojax-startup")
-    ahead.submit(importlib.import_module, "grain")  # a failure is raised where the Loader imports it
-    warning = ahead.submit(schedule_warning, dataclasses.replace(config, run=dataclasses.replace(config.run, steps=steps)))
-    ahead.shutdown(wait=False)
     # the step compiles for the first batch while the state's program compiles: two compiles at once
     engine = build_engine(config, mesh, model, compile_for=train_batches.batch(train_batches.position,
                                                                                 train_batches.local))
@@ -251,8 +243,7 @@ def _start(config: Config, mesh: Any, model: Model, out: Path, ckpt_dir: Path, r
         train_batches.position = int(engine.loaded_extra.get("data_position", engine.global_steps))
         data_state = engine.loaded_extra.get("data_state")  # the grain iterator's state, where saved
         _say(f"resumed from {path} at step {engine.global_steps}")
-    return Run(config, engine, out, ckpt_dir, train_batches, val_batches, data_state, steps, comet=comet,
-               warning=warning.result())
+    return Run(config, engine, out, ckpt_dir, train_batches, val_batches, data_state, steps, comet=comet)
 
 
 def run_steps(config: Config, batches: BatchSource) -> int:
@@ -280,9 +271,7 @@ class Run:
     loss), each of which leaves the last good checkpoint complete."""
 
     def __init__(self, config: Config, engine: Engine, out: Path, ckpt_dir: Path, batches: BatchSource,
-                 val_batches: BatchSource, data_state: Any, steps: int | None = None, comet: Any = None,
-                 warning: str | None | bool = False):
-        """`warning`: `schedule_warning`'s line for this run where the caller made it already (False: made here)."""
+                 val_batches: BatchSource, data_state: Any, steps: int | None = None, comet: Any = None):
         self.config, self.engine, self.out, self.ckpt_dir = config, engine, out, ckpt_dir
         self.val_batches = val_batches
         self.steps = config.run.steps if steps is None else steps  # run.epochs: counted from the data
@@ -299,8 +288,7 @@ class Run:
         if config.run.epochs is not None:
             _say(f"run.epochs {config.run.epochs:g}: {self.steps} steps of {batches.rows} rows over {batches.windows} "
                  f"rows an epoch ({batches.windows / batches.rows:.1f} steps an epoch)")
-        if warning is False:
-            warning = schedule_warning(dataclasses.replace(config, run=dataclasses.replace(config.run, steps=self.steps)))
+        warning = schedule_warning(dataclasses.replace(config, run=dataclasses.replace(config.run, steps=self.steps)))
         if warning is not None:  # a run shorter than its lr schedule ends mid-schedule
             _say(warning)
         rows = engine.plan.batch.train_batch_size
