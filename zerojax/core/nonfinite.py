@@ -51,11 +51,12 @@ def finite_flags(replicated: Any) -> Any:
 
 
 def compile_finite_flags(replicated: Any, leaves: list[Any], pool: concurrent.futures.Executor) -> None:
-    """Compile `finite_flags` for `leaves` (arrays or `jax.ShapeDtypeStruct`s, as `float_leaves` lists
-    them) on `pool`, without waiting: the engine queues it behind its train step's compile, so it runs
-    while the first step does instead of before it; its first use waits for it."""
+    """Lower `finite_flags` for `leaves` (arrays or `jax.ShapeDtypeStruct`s, as `float_leaves` lists
+    them) here and compile it on `pool`, without waiting; its first use waits for it. Only XLA's
+    compile leaves the calling thread: tracing and lowering are Python, and Python work on two threads
+    at once can import one module twice over (a half-initialised module, then an import error)."""
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-    _AHEAD[replicated] = pool.submit(lambda: _finite_program(replicated).lower(specs).compile())
+    _AHEAD[replicated] = pool.submit(_finite_program(replicated).lower(specs).compile)
 
 
 def float_leaves(state: Any) -> list[tuple[str, int, jax.Array]]:
