@@ -119,6 +119,8 @@ class NvmeStep:
         self.slim_shardings = full._replace(master=None, opt_state=self.slim(full.opt_state))
         self.stall_s = 0.0  # the last step's host update, from the device part's end (the devices wait for it)
         self.at_use, self._filed = frozenset(at_use), filed
+        # a trained leaf's index among the parameter leaves (an fp32 master read from the parameters' files)
+        self._param_leaf = [i for i, t in enumerate(jax.tree.leaves(plan.trainable)) if t]
         given = self.slim_shardings._replace(params=jax.tree.unflatten(
             jax.tree.structure(full.params),
             [None if i in self.at_use else sh for i, sh in enumerate(jax.tree.leaves(full.params))]))
@@ -268,8 +270,7 @@ class NvmeStep:
     def _filed_master(self, region: Region) -> np.ndarray:
         """An fp32 run's master shard of a leaf read at use: its parameters' shard, from their files (the
         leaf's update placement is its parameter placement, `core.step.read_at_use`)."""
-        param_leaf = [i for i, t in enumerate(jax.tree.leaves(self.plan.trainable)) if t][region.leaf]
-        return np.asarray(self._filed.shard(param_leaf, region.devices[0].id), np.float32).reshape(-1)
+        return np.asarray(self._filed.shard(self._param_leaf[region.leaf], region.devices[0].id), np.float32).reshape(-1)
 
     def _master(self) -> Any:
         """The master copy (a mixed-precision run's first file), read and placed in the update placement."""
