@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from zerojax.core.layout import Plan
 from zerojax.core.offload import to_device
+from zerojax.core.once import once_options
 from zerojax.core.precision import LossScaleState, init_loss_scale
 from zerojax.core.sharded_init import ParamsInit, abstract_params, build
 
@@ -136,7 +137,7 @@ def _init_fn(plan: Plan, params: Any, key: jax.Array | int) -> tuple[Callable[..
                           scaler=init_loss_scale(plan.scaler, plan.n_trained), rng=key,
                           model_state=jax.tree.map(jnp.asarray, model_state))
 
-    jitted = jax.jit(init, out_shardings=state_shardings(plan))
+    jitted = jax.jit(init, out_shardings=state_shardings(plan), compiler_options=once_options(plan.mesh))
     return jitted, (None if pending is not None else params, None if seed is not None else key, plan.model_state)
 
 

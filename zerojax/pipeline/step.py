@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from zerojax.core.collectives import Placement, Shard
 from zerojax.core.layout import MemoryReport, Plan
 from zerojax.core.mesh import EXPERT, STAGE, TENSOR, row_size
+from zerojax.core.once import once_options
 from zerojax.core.state import TrainState, state_shardings
 from zerojax.core.step import apply_update, check_batch, check_eval_batch, checked_kernels, loss_scale, step_key
 from zerojax.errors import ConfigError
@@ -120,7 +121,7 @@ def init_rows(pp: PipelinePlan, key: jax.Array | int = 0) -> dict[str, jax.Array
     if experts is not None:
         specs[EXPERT_ROWS] = P(STAGE, EXPERT if split else None)
     mapped = jax.shard_map(local, mesh=pp.plan.mesh, in_specs=(), out_specs=specs, check_vma=False)
-    return jax.jit(mapped, out_shardings=pp.plan.update_shardings)()
+    return jax.jit(mapped, out_shardings=pp.plan.update_shardings, compiler_options=once_options(pp.plan.mesh))()
 
 
 def pack_params(pp: PipelinePlan, params: dict[str, Any]) -> dict[str, jax.Array]:
