@@ -15,6 +15,11 @@ each timed from its launch (Python and imports included) to the end of its first
 * `zerojax warm`: the same command again on that folder (what a resume or a second run with the same
   shapes finds).
 
+The children run in `--python` (default: this interpreter). What is installed there moves the time:
+where comet_ml is installed (the `test` extra installs it), tensorboardX imports it, and matplotlib
+with it, at the run's first TensorBoard event, about a second; the README's install line
+(`pip install -e .`) does not install it. The table names the interpreter and whether it has comet_ml.
+
 Each process counts the programs JAX obtains (the '/jax/core/compile/backend_compile_duration' event
 wraps compiling and reading the persistent cache alike), before its first step and in all (train.py
 also saves, validates and samples after it), and the persistent cache hits. Times are medians over
@@ -114,6 +119,8 @@ _report()
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/zero3.yaml")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter the timed processes run, e.g. a venv made by the README's install line")
     output_args(p, "benchmarks.md", rounds=3)
     return p.parse_args(argv)
 
@@ -125,10 +132,22 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(code: str, args: list[str]) -> dict[str, float]:
+def _has_comet(python: str) -> bool:
+    """Whether `python` can import comet_ml (then tensorboardX's import imports it too)."""
+    code = "import importlib.util; print(importlib.util.find_spec('comet_ml') is not None)"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+
+
+def _shown(python: str) -> str:
+    """The interpreter as the page shows it: relative to the home folder, not a machine's absolute path."""
+    home = os.path.expanduser("~")
+    return "~" + python[len(home):] if python.startswith(home + os.sep) else python
+
+
+def _launch(python: str, code: str, args: list[str]) -> dict[str, float]:
     """Run one child; its first step's end and program counts, timed from its launch."""
     start = time.time()
-    p = subprocess.run([sys.executable, "-c", code, *args], env=_env(), cwd=ROOT, capture_output=True,
+    p = subprocess.run([python, "-c", code, *args], env=_env(), cwd=ROOT, capture_output=True,
                        text=True, timeout=1800)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("STARTUP ")), None)
     if p.returncode != 0 or line is None:
@@ -147,9 +166,9 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
             cache = os.path.join(work, "jax-cache")
             train = ["--config", args.config, "--set", "run.steps=1", f"run.compile_cache={cache}",
                      "run.progress=false"]
-            runs["baseline"].append(_launch(_BASELINE, [args.config]))
-            runs["zerojax cold"].append(_launch(_ZEROJAX, train + [f"run.output_dir={work}/cold"]))
-            runs["zerojax warm"].append(_launch(_ZEROJAX, train + [f"run.output_dir={work}/warm"]))
+            runs["baseline"].append(_launch(args.python, _BASELINE, [args.config]))
+            runs["zerojax cold"].append(_launch(args.python, _ZEROJAX, train + [f"run.output_dir={work}/cold"]))
+            runs["zerojax warm"].append(_launch(args.python, _ZEROJAX, train + [f"run.output_dir={work}/warm"]))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return runs
@@ -165,7 +184,10 @@ def render(args: argparse.Namespace, runs: dict[str, list[dict[str, float]]], se
              f"data-parallel step of the same GPT, 8 CPU devices, median of {args.rounds} rounds (each process "
              f"timed from its launch, imports included, to the end of its first step). Programs: what JAX "
              f"compiled or read from the persistent cache, before the first step / in the whole run (train.py "
-             f"then saves, validates and samples). Benchmark run time {seconds:.0f} s.", "",
+             f"then saves, validates and samples). Benchmark run time {seconds:.0f} s. Interpreter: "
+             f"`{_shown(args.python)}`, " + ("with comet_ml installed (tensorboardX imports it and matplotlib at the "
+             "first TensorBoard event)" if _has_comet(args.python) else "without comet_ml (as the README's "
+             "install line leaves it)") + ".", "",
              "| run | first step (s) | vs baseline cold | CPU s to first step | vs baseline | programs before / in all "
              "| cache hits | process (s) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
