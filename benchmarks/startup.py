@@ -121,14 +121,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/zero3.yaml")
     p.add_argument("--python", default=sys.executable,
                    help="the interpreter the timed processes run, e.g. a venv made by the README's install line")
+    p.add_argument("--against", default=None,
+                   help="another checkout of zerojax (e.g. main's): its cold and warm runs interleaved with this one's")
     output_args(p, "benchmarks.md", rounds=3)
     return p.parse_args(argv)
 
 
-def _env() -> dict[str, str]:
-    """What a user's shell has: CPU with 8 devices, no compile-cache or optimization settings of the tests."""
+def _env(root: str = ROOT) -> dict[str, str]:
+    """What a user's shell has: CPU with 8 devices, no compile-cache or optimization settings of the tests;
+    zerojax imported from `root`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")  # zerojax asks for mesh.cpu_devices, the baseline for 8
+    env.update(PYTHONPATH=root, JAX_PLATFORMS="cpu")  # zerojax asks for mesh.cpu_devices, the baseline for 8
     return env
 
 
@@ -138,16 +141,10 @@ def _has_comet(python: str) -> bool:
     return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
 
 
-def _shown(python: str) -> str:
-    """The interpreter as the page shows it: relative to the home folder, not a machine's absolute path."""
-    home = os.path.expanduser("~")
-    return "~" + python[len(home):] if python.startswith(home + os.sep) else python
-
-
-def _launch(python: str, code: str, args: list[str]) -> dict[str, float]:
-    """Run one child; its first step's end and program counts, timed from its launch."""
+def _launch(python: str, code: str, args: list[str], root: str = ROOT) -> dict[str, float]:
+    """Run one child (zerojax from `root`); its first step's end and program counts, timed from its launch."""
     start = time.time()
-    p = subprocess.run([python, "-c", code, *args], env=_env(), cwd=ROOT, capture_output=True,
+    p = subprocess.run([python, "-c", code, *args], env=_env(root), cwd=root, capture_output=True,
                        text=True, timeout=1800)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("STARTUP ")), None)
     if p.returncode != 0 or line is None:
@@ -160,6 +157,10 @@ def _launch(python: str, code: str, args: list[str]) -> dict[str, float]:
 
 def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     runs: dict[str, list[dict[str, float]]] = {"baseline": [], "zerojax cold": [], "zerojax warm": []}
+    against = os.path.abspath(args.against) if args.against else None
+    label = f"`{os.path.basename(against)}`" if against else ""  # the other checkout's rows
+    if against:
+        runs.update({f"{label} cold": [], f"{label} warm": []})
     for _ in range(args.rounds):
         work = tempfile.mkdtemp(prefix="zerojax-startup-")
         try:
@@ -169,6 +170,12 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
             runs["baseline"].append(_launch(args.python, _BASELINE, [args.config]))
             runs["zerojax cold"].append(_launch(args.python, _ZEROJAX, train + [f"run.output_dir={work}/cold"]))
             runs["zerojax warm"].append(_launch(args.python, _ZEROJAX, train + [f"run.output_dir={work}/warm"]))
+            if against:
+                other = ["--config", args.config, "--set", "run.steps=1", f"run.compile_cache={cache}-against",
+                         "run.progress=false"]
+                for kind in ("cold", "warm"):
+                    runs[f"{label} {kind}"].append(_launch(args.python, _ZEROJAX, other + [
+                        f"run.output_dir={work}/against-{kind}"], against))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return runs
@@ -184,10 +191,12 @@ def render(args: argparse.Namespace, runs: dict[str, list[dict[str, float]]], se
              f"data-parallel step of the same GPT, 8 CPU devices, median of {args.rounds} rounds (each process "
              f"timed from its launch, imports included, to the end of its first step). Programs: what JAX "
              f"compiled or read from the persistent cache, before the first step / in the whole run (train.py "
-             f"then saves, validates and samples). Benchmark run time {seconds:.0f} s. Interpreter: "
-             f"`{_shown(args.python)}`, " + ("with comet_ml installed (tensorboardX imports it and matplotlib at the "
+             f"then saves, validates and samples). Benchmark run time {seconds:.0f} s. The timed "
+             "processes' interpreter: " + ("with comet_ml installed (tensorboardX imports it and matplotlib at the "
              "first TensorBoard event)" if _has_comet(args.python) else "without comet_ml (as the README's "
-             "install line leaves it)") + ".", "",
+             "install line leaves it)") + "." + (f" Rows named `{os.path.basename(os.path.abspath(args.against))}` "
+             f"ran that checkout's code, its cold and warm runs right after this tree's in every round."
+             if args.against else ""), "",
              "| run | first step (s) | vs baseline cold | CPU s to first step | vs baseline | programs before / in all "
              "| cache hits | process (s) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
