@@ -553,3 +553,19 @@ def test_the_nvme_params_row_moves_the_parameters_to_files_too() -> None:
     assert both.host_bytes == 8 * (rep.nvme_buffers + rep.param_buffers) > 0
     assert E.deepspeed_estimate(model, 8, 8, E.Choice(3, "nvme params")) is None
     assert "zero_optimization.offload_param.nvme_path=/local_nvme" in E.Choice(3, "nvme params").overrides()
+
+
+def test_the_nvme_params_row_holds_two_layers_of_the_stacks_read_at_use() -> None:
+    """A mixed-precision step reads its stacked layers from the files layer by layer (core.param_swap):
+    the per-device figure counts two layers of each such stack (the one in use and the next), not the
+    whole stack, and the plan's table says so."""
+    cfg = load_config({**TINY, "model": {**TINY["model"], "n_layers": 4}})
+    model = E.embedded_model(cfg)
+    opt = E.plan_exact(cfg, model, 8, 8, E.Choice(3, "nvme optimizer"))
+    both = E.plan_exact(cfg, model, 8, 8, E.Choice(3, "nvme params"))
+    rep = both.report
+    # Every stacked matrix (4 layers, its other dimensions split over the 8 devices), bf16.
+    stacked = sum(math.prod(x.shape) // 8 * 2 for x in jax.tree.leaves(model.abstract_params) if x.ndim >= 3)
+    assert rep.params_at_use == stacked > 0 and rep.params_at_use_held == stacked // 2
+    assert both.device_bytes == opt.device_bytes - stacked // 2
+    assert "read layer by layer inside the step" in rep.table()

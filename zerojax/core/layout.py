@@ -194,6 +194,8 @@ class MemoryReport(NamedTuple):
     nvme_buffers: int = 0       # host bytes the swapped state streams through (buffer_count x tile x 4)
     params_nvme: int = 0        # of `params`, the bytes in NVMe swap files (offload_param.device: nvme)
     param_buffers: int = 0      # host bytes the parameters stream through (buffer_count x buffer_size x width)
+    params_at_use: int = 0      # of `params_nvme`, the stacked layers a step reads layer by layer (`layers_read_at_use`)
+    params_at_use_held: int = 0  # of those, the most on the device at once: two layers (in use, and the next)
 
     @property
     def total(self) -> int:
@@ -206,6 +208,13 @@ class MemoryReport(NamedTuple):
     @property
     def device(self) -> int:
         return self.total - self.host - self.optimizer_nvme - self.params_nvme
+
+    @property
+    def device_in_step(self) -> int:
+        """The state's bytes on the device during a step: the NVMe parameters are read onto it for the
+        step, whole, except the stacked layers read at use, of which two layers at a time (the one in
+        use and the next, which the step's prefetch may read early)."""
+        return self.device + self.params_nvme - self.params_at_use + self.params_at_use_held
 
     @property
     def formula_total(self) -> float:
@@ -234,6 +243,10 @@ class MemoryReport(NamedTuple):
             out.append(f"NVMe: the parameter partitions in swap files between steps (on the device during the step), "
                        f"streamed through {self.param_buffers / 2**20:.2f} MiB of host buffers per process (up to "
                        f"max_in_cpu elements per device stay in host memory instead)")
+        if self.params_at_use:
+            out.append(f"of them {self.params_at_use / 2**20:.2f} MiB of stacked layers are read layer by layer inside "
+                       f"the step: at most {self.params_at_use_held / 2**20:.2f} MiB on the device at once (the layer "
+                       f"in use and the next, which the step's prefetch may read early), so the step holds {self.device_in_step / 2**20:.2f} MiB of state")
         out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
         return "\n".join(out)
 
@@ -530,6 +543,25 @@ class Plan:
         return memory_report(self)
 
 
+def layers_read_at_use(p: Plan) -> frozenset[int]:
+    """The parameter leaves (flat indices) that a step with `offload_param.device: nvme` can read from the
+    files at use, layer by layer inside the compiled step (`core.param_swap`), rather than before it: the
+    trainable stacked layers (three or more dimensions, the planner's reading of a stack when not told
+    its layer axes), sharded along a dimension after the layer axis, in a program that only computes
+    gradients of them: a mixed-precision run's (the update reads the fp32 master, not these), or any
+    run's with the optimizer on NVMe (the update runs on the host, which reads an fp32 run's master, the
+    parameters, from their files; there the leaf's update placement must be its parameter placement,
+    shard for shard). Elsewhere none: an fp32 run's update on the device or in host memory is in the
+    same program and reads the parameters as its master copy."""
+    if p.memory.param_swap is None or not (p.policy.mixed or p.memory.swap is not None):
+        return frozenset()
+    leaves = jax.tree.leaves(p.abstract_params)
+    layouts = jax.tree.leaves(p.layouts, is_leaf=is_layout)
+    return frozenset(i for i, (x, lay) in enumerate(zip(leaves, layouts))
+                     if lay.trainable and isinstance(lay.param, Shard) and lay.param.dim > 0 and x.ndim >= 3
+                     and not lay.split and (p.policy.mixed or lay.update == lay.param))
+
+
 def memory_report(p: Plan) -> MemoryReport:
     """Bytes per device the plan's layouts give, against the ZeRO formula for the same dtypes.
 
@@ -597,6 +629,10 @@ def memory_report(p: Plan) -> MemoryReport:
         largest = max((math.prod(s.shard_shape(x.shape)) for s, x in
                        zip(jax.tree.leaves(p.param_shardings), jax.tree.leaves(p.abstract_params))), default=1)
         param_buffers = p.memory.param_swap.buffer_count * min(p.memory.param_swap.tile, largest) * pol.param.itemsize
+    at_use = layers_read_at_use(p)
+    shards = [(x, math.prod(s.shard_shape(x.shape)) * pol.param.itemsize)
+              for i, (s, x) in enumerate(zip(jax.tree.leaves(p.param_shardings), jax.tree.leaves(p.abstract_params)))
+              if i in at_use]
     return MemoryReport(
         n_params=psi, data_size=n, stage=p.stage, params=params, grads=grads, optimizer=master + opt,
         formula_params=pol.param.itemsize * param_elements,
@@ -607,4 +643,6 @@ def memory_report(p: Plan) -> MemoryReport:
         params_host=planned_bytes(p.abstract_params, p.param_storage, pol.param, host_only=True),
         optimizer_host=optimizer_host, optimizer_nvme=nvme, nvme_buffers=nvme_buffers,
         params_nvme=params_nvme, param_buffers=param_buffers,
+        params_at_use=sum(b for _, b in shards),
+        params_at_use_held=sum(b * min(2, x.shape[0]) // x.shape[0] for x, b in shards),
         memory=p.memory.describe())

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.core.collectives import (PARTIAL, REPLICATED, ParamShard, PartialShard, Shard, gather_shard, move, to_varying, unwrap)
 from zerojax.core.fused_update import FusedUpdate
-from zerojax.core.layout import LeafLayout, Plan, is_layout, map_layouts
+from zerojax.core.layout import LeafLayout, Plan, is_layout, layers_read_at_use, map_layouts
 from zerojax.core.mesh import DataAxis, data_axis, row_axes, row_size, sequence_size
 from zerojax.core.sequence import batch_specs, split_tokens
 from zerojax.core.nvme_step import NvmeStep
@@ -613,22 +613,10 @@ def placeholders(plan: Plan, params: Any) -> Any:
 
 def read_at_use(plan: Plan, prep: PreparedLoss) -> frozenset[int]:
     """The parameter leaves (flat indices) a step with `offload_param.device: nvme` reads from the files
-    at use, layer by layer inside the compiled step, rather than before it: the trainable stacked
-    layers (three or more dimensions, the planner's reading of a stack when not told its layer axes)
-    whose loss the step evaluates through `rewrite.gather_at_use`, sharded along a dimension after the
-    layer axis, in a program that only computes gradients of them: a mixed-precision run's (the update
-    reads the fp32 master, not these), or any run's with the optimizer on NVMe (the update runs on the
-    host, which reads an fp32 run's master, the parameters, from their files; there the leaf's update
-    placement must be its parameter placement, shard for shard). Elsewhere none: an fp32 run's update
-    on the device or in host memory is in the same program and reads the parameters as its master
-    copy, and a loss gathering its own shards slices them itself."""
-    if plan.memory.param_swap is None or prep.marked or not (plan.policy.mixed or plan.memory.swap is not None):
-        return frozenset()
-    leaves = jax.tree.leaves(plan.abstract_params)
-    layouts = jax.tree.leaves(plan.layouts, is_leaf=is_layout)
-    return frozenset(i for i, (x, lay) in enumerate(zip(leaves, layouts))
-                     if lay.trainable and isinstance(lay.param, Shard) and lay.param.dim > 0 and x.ndim >= 3
-                     and not lay.split and (plan.policy.mixed or lay.update == lay.param))
+    at use, layer by layer inside the compiled step, rather than before it: `layout.layers_read_at_use`'s,
+    when the step evaluates the loss through `rewrite.gather_at_use`. None for a loss that gathers its
+    own shards: it slices them itself."""
+    return frozenset() if prep.marked else layers_read_at_use(plan)
 
 
 def _around_the_update(plan: Plan, grad_fn: GradFn, keeps: bool, at_use: frozenset[int] = frozenset()

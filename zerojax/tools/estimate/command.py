@@ -137,8 +137,12 @@ def report(config: Config, model: ModelShape, req: Request) -> str:
     for e in exact:
         if e.nvme_bytes:
             params = e.report.params_nvme if e.report is not None else 0
-            what = ("the fp32 master and moments, and the parameter partitions; its per-device figure counts the "
-                    "partitions too, on the device during the step; its per-host figure above is host memory: the "
+            at_use = e.report.params_at_use if e.report is not None else 0
+            during = ("on the device during the step, except the stacked layers the step reads layer by layer, of "
+                      "which it counts two layers (the one in use and the next)" if at_use else
+                      "on the device during the step")
+            what = (f"the fp32 master and moments, and the parameter partitions; its per-device figure counts the "
+                    f"partitions too, {during}; its per-host figure above is host memory: the "
                     "buffers' share (offload_optimizer's buffer_count x sub_group_size x 4 bytes and offload_param's "
                     "buffer_count x buffer_size elements per device)" if params else
                     "the fp32 master and moments); its per-host figure above is host memory: the parameters' and "

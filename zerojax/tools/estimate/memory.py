@@ -97,8 +97,9 @@ def plan_exact(config: Config, model: ModelShape, devices: int, devices_per_host
              layer_axes=model.layer_axes)
     rep = p.report()
     per_host = min(devices_per_host, devices)  # one process per device: each streams through its own buffers
-    # Parameters on NVMe are read onto the device for the whole step (core.param_swap): counted there too.
-    return MemoryEstimate(choice, "plan-exact", rep.device + rep.params_nvme,
+    # Parameters on NVMe are on the device during the step (core.param_swap): whole, or a layer and the
+    # next for the stacked layers read at use.
+    return MemoryEstimate(choice, "plan-exact", rep.device_in_step,
                           (rep.host + rep.nvme_buffers + rep.param_buffers) * per_host,
                           report=rep, nvme_bytes=(rep.optimizer_nvme + rep.params_nvme) * per_host)
 
