@@ -246,7 +246,8 @@ class MemoryReport(NamedTuple):
         if self.params_at_use:
             out.append(f"of them {self.params_at_use / 2**20:.2f} MiB of stacked layers are read layer by layer inside "
                        f"the step: at most {self.params_at_use_held / 2**20:.2f} MiB on the device at once (the layer "
-                       f"in use and the next, which the step's prefetch may read early), so the step holds {self.device_in_step / 2**20:.2f} MiB of state")
+                       f"in use and the next, which the step's prefetch may read early), so the step holds "
+                       f"{self.device_in_step / 2**20:.2f} MiB of state")
         out.append(f"bytes left replicated where the stage shards: {100 * self.replicated_fraction:.2f}%")
         return "\n".join(out)
 
