@@ -260,6 +260,20 @@ def test_a_tensor_2_engine_generates_what_a_tensor_1_engine_does(monkeypatch: py
     assert text is not None and text == sample_text(cfg, jax.device_get(whole.params), None, 6, seed=cfg.run.seed)
 
 
+def test_the_end_of_run_sample_reads_weights_stored_in_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the optimizer on NVMe, `engine.params` is the fp32 master read back into host memory: train.py's
+    end-of-run sample generates from it as from the same weights on the devices."""
+    from zerojax.app import sample
+    from zerojax.app.sample import end_of_run_sample
+    monkeypatch.setattr(sample, "DEFAULT_PROMPT", "\x01\x02\x03 ")  # byte ids inside this model's 64 tokens
+    e = engine("gpt", 3)
+    cfg = zerojax.load_config(e.config, ["run.sample_tokens=6"])
+    on_host = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), e.params)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(on_host)} == {"pinned_host"}
+    text = end_of_run_sample(cfg, on_host, e.plan)
+    assert text is not None and text == end_of_run_sample(cfg, e.params, e.plan)
+
+
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_a_prompt_token_outside_the_vocabulary_is_one_error(model: str) -> None:
     """An embedding lookup past the table reads a clamped or zero row: the tokens would be silently
