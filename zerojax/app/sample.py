@@ -22,6 +22,7 @@ import numpy as np
 
 from zerojax.config import Config, DataConfig, ModelConfig, load_config
 from zerojax.core.layout import Plan
+from zerojax.core.offload import to_device
 from zerojax.errors import ConfigError
 from zerojax.models import abstract_params, gpt
 
@@ -59,13 +60,6 @@ class Codec:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
-def _in_device_memory(x: Any) -> Any:
-    """`x` in its devices' own memory (a copy where it is stored in host memory), in the same sharding."""
-    sharding = getattr(x, "sharding", None)
-    kind = getattr(sharding, "memory_kind", None)
-    return x if kind in (None, "device") else jax.device_put(x, sharding.with_memory_kind("device"))
-
-
 def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, temperature: float = 0.8,
              top_k: int | None = 40, seed: int = 0, plan: Plan | None = None) -> list[int]:
     """`n` new token ids after `prompt` (greedy at temperature 0); the context is the last
@@ -82,7 +76,7 @@ def generate(cfg: ModelConfig, params: Any, prompt: Sequence[int], n: int, *, te
         if plan is None:
             params = jax.device_put(jax.tree.map(np.asarray, params), jax.devices()[0])
         else:  # laid out by the plan, on the devices: a master copy read back from NVMe comes in host memory
-            params = jax.tree.map(_in_device_memory, params)
+            params = to_device(params)
         out = cached(decoder(cfg), params, [list(prompt)], None, n, temperature=temperature,
                      top_k=top_k if temperature > 0 else None, seed=seed, plan=plan)
         return [int(t) for t in np.asarray(out.tokens)[0]]
