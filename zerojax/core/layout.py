@@ -631,7 +631,7 @@ def memory_report(p: Plan) -> MemoryReport:
                        zip(jax.tree.leaves(p.param_shardings), jax.tree.leaves(p.abstract_params))), default=1)
         param_buffers = p.memory.param_swap.buffer_count * min(p.memory.param_swap.tile, largest) * pol.param.itemsize
     at_use = layers_read_at_use(p)
-    shards = [(x, math.prod(s.shard_shape(x.shape)) * pol.param.itemsize)
+    shards = [(x, planned_bytes(x, s, pol.param))
               for i, (s, x) in enumerate(zip(jax.tree.leaves(p.param_shardings), jax.tree.leaves(p.abstract_params)))
               if i in at_use]
     return MemoryReport(
