@@ -164,18 +164,14 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     for _ in range(args.rounds):
         work = tempfile.mkdtemp(prefix="zerojax-startup-")
         try:
-            cache = os.path.join(work, "jax-cache")
-            train = ["--config", args.config, "--set", "run.steps=1", f"run.compile_cache={cache}",
-                     "run.progress=false"]
+            def train(tree: str, kind: str) -> list[str]:  # each checkout its own compile cache: cold, then warm
+                return ["--config", args.config, "--set", "run.steps=1", "run.progress=false",
+                        f"run.compile_cache={work}/jax-cache-{tree}", f"run.output_dir={work}/{tree}-{kind}"]
             runs["baseline"].append(_launch(args.python, _BASELINE, [args.config]))
-            runs["zerojax cold"].append(_launch(args.python, _ZEROJAX, train + [f"run.output_dir={work}/cold"]))
-            runs["zerojax warm"].append(_launch(args.python, _ZEROJAX, train + [f"run.output_dir={work}/warm"]))
-            if against:
-                other = ["--config", args.config, "--set", "run.steps=1", f"run.compile_cache={cache}-against",
-                         "run.progress=false"]
-                for kind in ("cold", "warm"):
-                    runs[f"{label} {kind}"].append(_launch(args.python, _ZEROJAX, other + [
-                        f"run.output_dir={work}/against-{kind}"], against))
+            for kind in ("cold", "warm"):
+                runs[f"zerojax {kind}"].append(_launch(args.python, _ZEROJAX, train("this", kind)))
+            for kind in ("cold", "warm") if against else ():
+                runs[f"{label} {kind}"].append(_launch(args.python, _ZEROJAX, train("against", kind), against))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return runs
