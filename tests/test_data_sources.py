@@ -134,6 +134,14 @@ def test_loader_resumes_from_its_state_and_counts_only_taken_batches(tmp_path) -
     for a, b in zip(want[4:], got):
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
         np.testing.assert_array_equal(a["loss_mask"], b["loss_mask"])
+    # the first batch comes from the caller's thread; the pipeline starts at the second
+    with Loader(source, depth=2, state={"next_index": 3}) as late:
+        np.testing.assert_array_equal(next(late)["tokens"], want[3]["tokens"])
+        assert not [t for t in threading.enumerate() if t.name.startswith("grain-") and t.is_alive()]
+        assert late.state() == {"next_index": 4}
+        np.testing.assert_array_equal(next(late)["tokens"], want[4]["tokens"])
+        assert any(t.name.startswith("grain-") for t in threading.enumerate())
+        assert late.state() == {"next_index": 5}
     # two processes that each build their half hold exactly the batch one process builds
     halves = [PackedBatches(ids, 8, 16, 5, eos_id=7, local=np.arange(4) + 4 * p) for p in range(2)]
     loaders = [Loader(h, depth=0) for h in halves]

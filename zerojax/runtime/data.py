@@ -822,24 +822,35 @@ class Loader:
     (never those merely built ahead), so `state()` is what a checkpoint saves and `Loader(source,
     state=...)` continues with exactly the batch that was next. `depth=0` builds each batch on the
     caller's thread. `close()` (or leaving the `with` block) stops the thread.
+
+    The first batch is built on the caller's thread and the pipeline (grain's import, its thread)
+    starts at the second: a run's first step waits for one batch, not for the pipeline, and asks for
+    its second batch while that step runs, which hides the pipeline's start.
     """
 
     def __init__(self, source: BatchSource, depth: int = 2, state: dict[str, Any] | None = None,
                  start: int | None = None):
-        import grain
         if depth < 0:
             raise ValueError(f"Loader: depth must be >= 0, got {depth}")
-        self.source = source
-        dataset = grain.MapDataset.range(1 << 62).map(lambda k: source.batch(k, source.local))
-        options = grain.ReadOptions(num_threads=1 if depth else 0, prefetch_buffer_size=depth)
-        self._it = iter(dataset.to_iter_dataset(options))
+        self.source, self.depth = source, depth
         if state is None:
             state = {"next_index": source.position if start is None else start}
-        self._it.set_state(dict(state))
+        self._state = dict(state)  # until the pipeline starts: the state it starts from
+        self._it: Any = None  # grain's iterator, from the second batch on
+        self._took_first = False
+
+    def _pipeline(self) -> Any:
+        import grain
+        source = self.source
+        dataset = grain.MapDataset.range(1 << 62).map(lambda k: source.batch(k, source.local))
+        options = grain.ReadOptions(num_threads=1 if self.depth else 0, prefetch_buffer_size=self.depth)
+        it = iter(dataset.to_iter_dataset(options))
+        it.set_state(dict(self._state))
+        return it
 
     def state(self) -> dict[str, Any]:
         """The iterator's checkpointable state (JSON): where the next batch comes from."""
-        return dict(self._it.get_state())
+        return dict(self._state) if self._it is None else dict(self._it.get_state())
 
     @property
     def position(self) -> int:
@@ -850,6 +861,13 @@ class Loader:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
+        if self._it is None:
+            if not self._took_first and self._state.keys() == {"next_index"}:
+                k = int(self._state["next_index"])
+                batch = self.source.batch(k, self.source.local)
+                self._state["next_index"], self._took_first = k + 1, True
+                return batch
+            self._it = self._pipeline()
         return next(self._it)
 
     def close(self) -> None:
