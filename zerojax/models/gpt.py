@@ -107,15 +107,15 @@ def abstract_params(cfg: ModelConfig) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _block_graphdef(cfg: ModelConfig) -> Any:
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
-    return graphdef
+def _block_split(cfg: ModelConfig) -> tuple[Any, nnx.State]:
+    """A Block's graph and abstract state, traced once per config (each trace of the model reuses them)."""
+    return nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
 
 
 def _block(cfg: ModelConfig, layer: dict[str, Any]) -> Block:
     """Rebuild one Block from its parameter dict (trace-time only)."""
-    graphdef = _block_graphdef(cfg)
-    state = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))[1]
+    graphdef, abstract = _block_split(cfg)
+    state = jax.tree.map(lambda x: x, abstract)  # a fresh State to fill: the cached one stays abstract
     nnx.replace_by_pure_dict(state, layer)
     return nnx.merge(graphdef, state)
 
