@@ -825,7 +825,7 @@ class Loader:
 
     The first batch is built on the caller's thread and the pipeline (grain's import, its thread)
     starts at the second: a run's first step waits for one batch, not for the pipeline, and asks for
-    its second batch while that step runs, which hides the pipeline's start.
+    its second batch while that step runs (on a device apart from the host, that hides the start).
     """
 
     def __init__(self, source: BatchSource, depth: int = 2, state: dict[str, Any] | None = None,
