@@ -839,10 +839,13 @@ class Loader:
         self._it: Any = None  # grain's iterator, from the second batch on
         self._took_first = False
 
+    def _batch(self, k: int) -> dict[str, np.ndarray]:
+        """Batch `k`, this process's rows of it."""
+        return self.source.batch(k, self.source.local)
+
     def _pipeline(self) -> Any:
         import grain
-        source = self.source
-        dataset = grain.MapDataset.range(1 << 62).map(lambda k: source.batch(k, source.local))
+        dataset = grain.MapDataset.range(1 << 62).map(self._batch)
         options = grain.ReadOptions(num_threads=1 if self.depth else 0, prefetch_buffer_size=self.depth)
         it = iter(dataset.to_iter_dataset(options))
         it.set_state(dict(self._state))
@@ -861,12 +864,12 @@ class Loader:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
+        if self._it is None and not self._took_first and self._state.keys() == {"next_index"}:
+            k = int(self._state["next_index"])
+            batch = self._batch(k)
+            self._state["next_index"], self._took_first = k + 1, True
+            return batch
         if self._it is None:
-            if not self._took_first and self._state.keys() == {"next_index"}:
-                k = int(self._state["next_index"])
-                batch = self.source.batch(k, self.source.local)
-                self._state["next_index"], self._took_first = k + 1, True
-                return batch
             self._it = self._pipeline()
         return next(self._it)
 
